@@ -1,0 +1,565 @@
+"""Paged attention for prefill, decode and tree verification, plus the KV-cache write.
+
+One kernel family serves every step of the engine: B requests, request b with T_b new query tokens
+(T_b = 1: decode, T_b = tree size: verify, T_b = a chunk: prefill, T_b = 0: padding) attends to its
+kv_len_b cached slots, read through a page table.
+
+Shapes (named dims):
+    N   total query tokens of the batch (rows of q; request b owns rows cu_q_lens[b]:cu_q_lens[b+1])
+    HQ  query heads, HKV key/value heads, G = HQ // HKV (query heads per KV head, GQA)
+    D   head dim (power of two, 16..256)
+    P   physical pages in the pool, PS slots per page, MP page-table entries per request
+    q          [N, HQ, D]        fp32 / fp16 / bf16, last dim contiguous (row/head strides free)
+    k_cache    [P, PS, HKV, D]   same dtype as q; v_cache likewise
+    page_table [B, MP] int32     logical slot s of request b -> page page_table[b, s // PS], offset s % PS
+    cu_q_lens  [B + 1] int32     prefix sums of T_b
+    kv_lens    [B] int32         valid slots of request b INCLUDING its T_b new tokens
+    tree_mask  [N] int64 | None  ancestor bitmask per query row (T_b <= 64)
+    out        [N, HQ, D]        q.dtype
+
+Math, for request b with prefix length L0 = kv_len - T_b, query i (0-based within the request,
+stored at logical slot L0 + i) and query head h reading KV head h // G:
+    s_j   = sm_scale * <q_i, k_j>                          for slots j < kv_len, in fp32
+    vis_ij = j <= L0 + i                                   (tree_mask None: causal)
+    vis_ij = j < L0  or  bit (j - L0) of tree_mask[row i]  (tree: whole prefix + marked new tokens)
+    out_i = sum_j softmax_j(s_j | vis_ij) v_j              (fp32 accumulation, cast to q.dtype)
+A causal chain is the tree whose mask for node i is (1 << (i + 1)) - 1.
+
+Kernel layout (FlashAttention-2 style online softmax in the exp2 domain):
+- grid (query block, b * HKV + kv head, KV split). One program owns BLOCK_T consecutive queries of one
+  request and all G query heads of one KV head, packed as BLOCK_M = pow2 >= BLOCK_T * G rows
+  (row r -> query t0 + r // G, head kv_head * G + r % G), so each K/V tile is loaded once per KV head
+  and feeds a [BLOCK_M, D] x [D, BLOCK_N] tl.dot.
+- KV is walked in BLOCK_N-slot tiles; each slot's page comes from the int32 page table, so pages may
+  be in any order and PS need not divide BLOCK_N (or vice versa). Tiles that every row of the block
+  fully sees (the prefix, and for causal prefill the part before the block's first query) run without
+  any mask; only the tail tiles covering the new tokens apply the causal / tree mask and kv_len bound.
+- Split-KV: the block's KV range is cut into num_splits contiguous tile ranges; with num_splits > 1
+  each split writes (out / l, log2-sum-exp) to an fp32 workspace and a second small kernel merges
+  the splits. num_splits defaults from static shapes (B, HKV, MP * PS, SM count) only.
+- Launch is capture-safe: the launcher never reads tensor values on the host (B, N, num_splits are
+  runtime values, max_q_len a host int bound); the grid covers ceil(max_q_len / BLOCK_T) query blocks
+  and programs past T_b return at once.
+
+Invariants: kv_lens[b] >= T_b; kv_lens[b] <= MP * PS; page_table entries below ceil(kv_len / PS) are
+valid pages (others are never read); with a tree mask T_b <= 64 and bits >= T_b are ignored; every
+query must see at least one slot (true for causal, and for trees that set the node's own bit).
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per tree node
+MAX_SPLITS = 64  # split-KV cap: bounds the merge kernel's tile and the fp32 workspace
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------
+# References (plain torch; also what the model runs on CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def paged_attention_ref(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tree_mask=None, sm_scale=None):
+    """Plain-torch paged attention; see the module docstring for shapes and the mask semantics."""
+    N, HQ, D = q.shape
+    PS, HKV = k_cache.shape[1], k_cache.shape[2]
+    G = HQ // HKV
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    out = torch.zeros_like(q)
+    cu = cu_q_lens.tolist()
+    lens = kv_lens.tolist()
+    for b in range(page_table.shape[0]):
+        q0, q1, kv_len = cu[b], cu[b + 1], lens[b]
+        T = q1 - q0
+        if T == 0:
+            continue
+        prefix = kv_len - T
+        slots = torch.arange(kv_len, device=q.device)  # [L]
+        pages = page_table[b, slots // PS].long()  # [L]
+        k = k_cache[pages, slots % PS].float().repeat_interleave(G, dim=1)  # [L, HQ, D]
+        v = v_cache[pages, slots % PS].float().repeat_interleave(G, dim=1)  # [L, HQ, D]
+        i = torch.arange(T, device=q.device)
+        if tree_mask is None:
+            vis = slots[None, :] <= prefix + i[:, None]  # [T, L]
+        else:
+            bits = (tree_mask[q0:q1, None] >> i[None, :]) & 1  # [T, T] bit j of node i
+            vis = torch.ones(T, kv_len, dtype=torch.bool, device=q.device)
+            vis[:, prefix:] = bits.bool()
+        s = torch.einsum("thd,lhd->htl", q[q0:q1].float(), k) * scale  # [HQ, T, L]
+        s = s.masked_fill(~vis[None], float("-inf"))
+        out[q0:q1] = torch.einsum("htl,lhd->thd", torch.softmax(s, dim=-1), v).to(q.dtype)
+    return out
+
+
+def write_kv_ref_(k_cache, v_cache, k, v, slot_mapping):
+    """Write k[n], v[n] ([N, HKV, D]) into flat slot slot_mapping[n] of the caches; skip slots < 0."""
+    HKV, D = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, HKV, D)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, HKV, D)[slots] = v[keep].to(v_cache.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_tile(
+    b_q,
+    k_cache,
+    v_cache,
+    p_pt,
+    i_hkv,
+    tile,
+    kv_len,
+    prefix,
+    o_i,
+    b_tm,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    IS_TREE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One BLOCK_N-slot KV tile of the online softmax; MASKED applies kv_len and causal/tree masks."""
+    o_d = tl.arange(0, D)
+    o_s = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical slots
+    if MASKED:
+        m_s = o_s < kv_len
+        b_page = tl.load(p_pt + o_s // PS, mask=m_s, other=0).to(tl.int64)  # [BLOCK_N]
+    else:
+        b_page = tl.load(p_pt + o_s // PS).to(tl.int64)  # [BLOCK_N]
+    o_off = o_s % PS
+    p_k = k_cache + (b_page * stride_kp + o_off * stride_ks + i_hkv * stride_kh)[:, None] + o_d[None, :]
+    p_v = v_cache + (b_page * stride_vp + o_off * stride_vs + i_hkv * stride_vh)[:, None] + o_d[None, :]
+    if MASKED:
+        b_k = tl.load(p_k, mask=m_s[:, None], other=0.0)  # [BLOCK_N, D]
+        b_v = tl.load(p_v, mask=m_s[:, None], other=0.0)  # [BLOCK_N, D]
+    else:
+        b_k = tl.load(p_k)  # [BLOCK_N, D]
+        b_v = tl.load(p_v)  # [BLOCK_N, D]
+
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, D] @ [D, BLOCK_N]
+    if MASKED:
+        if IS_TREE:
+            o_j = o_s - prefix  # index among the new tokens (negative inside the prefix)
+            m_new = (o_j >= 0) & m_s
+            b_bit = (b_tm[:, None] >> tl.where(m_new, o_j, 0).to(tl.int64)[None, :]) & 1  # [BLOCK_M, BLOCK_N]
+            m_vis = (o_s < prefix)[None, :] | ((b_bit != 0) & m_new[None, :])
+        else:
+            m_vis = (o_s[None, :] <= (prefix + o_i)[:, None]) & m_s[None, :]
+        b_s = tl.where(m_vis, b_s, float("-inf"))
+        m_new_i = tl.maximum(m_i, tl.max(b_s, 1))  # [BLOCK_M]
+        # A row may see nothing yet (all -inf so far): shift by 0 instead of -inf to avoid inf - inf.
+        m_safe = tl.where(m_new_i == float("-inf"), 0.0, m_new_i)
+    else:
+        m_new_i = tl.maximum(m_i, tl.max(b_s, 1))  # [BLOCK_M], finite: every slot is visible
+        m_safe = m_new_i
+    b_alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+    b_p = tl.exp2(b_s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    l_i = l_i * b_alpha + tl.sum(b_p, 1)
+    acc = acc * b_alpha[:, None] + tl.dot(
+        b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC
+    )  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
+    return m_new_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _paged_attention_fwd_kernel(
+    q,  # [N, HQ, D]
+    k_cache,  # [P, PS, HKV, D]
+    v_cache,  # [P, PS, HKV, D]
+    page_table,  # [B, MP] int32
+    cu_q_lens,  # [B + 1] int32
+    kv_lens,  # [B] int32
+    tree_mask,  # [N] int64 (unused unless IS_TREE)
+    o,  # [N, HQ, D] output (SPLIT False)
+    o_part,  # [N, HQ, num_splits, D] fp32 (SPLIT True)
+    lse_part,  # [N, HQ, num_splits] fp32 log2-sum-exp (SPLIT True)
+    qk_scale,  # sm_scale * log2(e)
+    num_splits,
+    stride_qn,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ptb,
+    stride_on,
+    stride_oh,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IS_TREE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_t, i_bh, i_sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b = i_bh // HKV
+    i_hkv = i_bh % HKV
+    bos = tl.load(cu_q_lens + i_b)
+    T = tl.load(cu_q_lens + i_b + 1) - bos
+    t0 = i_t * BLOCK_T
+    if t0 >= T:  # query block past this request's T_b (incl. T_b = 0 padding)
+        return
+    kv_len = tl.load(kv_lens + i_b)
+    prefix = kv_len - T
+
+    o_r = tl.arange(0, BLOCK_M)
+    o_i = t0 + o_r // G  # [BLOCK_M] query index within the request
+    o_hq = i_hkv * G + o_r % G  # [BLOCK_M] query head
+    m_r = (o_r < BLOCK_T * G) & (o_i < T)
+    o_n = (bos + o_i).to(tl.int64)  # [BLOCK_M] row of q / out
+    o_d = tl.arange(0, D)
+    p_q = q + (o_n * stride_qn + o_hq * stride_qh)[:, None] + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)  # [BLOCK_M, D]
+    if IS_TREE:
+        b_tm = tl.load(tree_mask + o_n, mask=m_r, other=0)  # [BLOCK_M] int64 ancestor bits
+        kv_hi = kv_len
+        full_hi = prefix  # every node sees the whole prefix, nothing more for sure
+    else:
+        b_tm = tl.zeros([BLOCK_M], dtype=tl.int64)
+        kv_hi = prefix + tl.minimum(t0 + BLOCK_T, T)  # the block's last query sees up to here
+        full_hi = prefix + t0 + 1  # the block's first query sees slots < full_hi
+
+    # This split's tile range; tiles below n_full are seen by every row and need no mask.
+    n_tiles = tl.cdiv(kv_hi, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    tile_lo = i_sp * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
+    n_full = full_hi // BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    p_pt = page_table + i_b.to(tl.int64) * stride_ptb
+    for tile in range(tile_lo, tl.minimum(tile_hi, n_full)):
+        m_i, l_i, acc = _attn_tile(
+            b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, m_i, l_i, acc, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            D, PS, BLOCK_N, False, IS_TREE, DOT_PREC,
+        )  # fmt: skip
+    for tile in range(tl.maximum(tile_lo, n_full), tile_hi):
+        m_i, l_i, acc = _attn_tile(
+            b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, m_i, l_i, acc, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            D, PS, BLOCK_N, True, IS_TREE, DOT_PREC,
+        )  # fmt: skip
+
+    # An empty split (or a row that saw nothing in it) has l = 0: write 0 with weight 2^-inf = 0.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    b_o = acc / l_safe[:, None]  # [BLOCK_M, D]
+    if SPLIT:
+        o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
+        tl.store(o_part + o_part_row[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None])
+        b_lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
+        tl.store(lse_part + o_part_row, b_lse, mask=m_r)
+    else:
+        p_o = o + (o_n * stride_on + o_hq * stride_oh)[:, None] + o_d[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _paged_attention_merge_kernel(
+    o_part,  # [N, HQ, num_splits, D] fp32
+    lse_part,  # [N, HQ, num_splits] fp32 (log2 domain)
+    o,  # [N, HQ, D]
+    num_splits,
+    stride_on,
+    stride_oh,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    i_nh = tl.program_id(0).to(tl.int64)  # one (row, query head) per program
+    i_n = i_nh // HQ
+    i_h = i_nh % HQ
+    o_s = tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, D)
+    m_s = o_s < num_splits
+    b_lse = tl.load(lse_part + i_nh * num_splits + o_s, mask=m_s, other=float("-inf"))  # [BLOCK_S]
+    b_w = tl.exp2(b_lse - tl.max(b_lse, 0))  # [BLOCK_S], empty splits weigh 0
+    p_op = o_part + (i_nh * num_splits + o_s)[:, None] * D + o_d[None, :]
+    b_op = tl.load(p_op, mask=m_s[:, None], other=0.0)  # [BLOCK_S, D]
+    b_o = tl.sum(b_w[:, None] * b_op, 0) / tl.sum(b_w, 0)  # [D]
+    tl.store(o + i_n * stride_on + i_h * stride_oh + o_d, b_o.to(o.dtype.element_ty))
+
+
+@triton.jit
+def _write_kv_kernel(
+    k,  # [N, HKV, D]
+    v,  # [N, HKV, D]
+    k_cache,  # [P, PS, HKV, D]
+    v_cache,  # [P, PS, HKV, D]
+    slot_mapping,  # [N] int64
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping + i_n)
+    if slot < 0:  # padding token
+        return
+    page = slot // PS
+    off = slot % PS
+    o_h = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    m_hd = (o_h < HKV)[:, None] & (o_d < D)[None, :]
+    b_k = tl.load(k + i_n * stride_kn + o_h[:, None] * stride_kh + o_d[None, :], mask=m_hd)  # [BLOCK_H, BLOCK_D]
+    b_v = tl.load(v + i_n * stride_vn + o_h[:, None] * stride_vh + o_d[None, :], mask=m_hd)  # [BLOCK_H, BLOCK_D]
+    p_kc = k_cache + page * stride_kcp + off * stride_kcs + o_h[:, None] * stride_kch + o_d[None, :]
+    p_vc = v_cache + page * stride_vcp + off * stride_vcs + o_h[:, None] * stride_vch + o_d[None, :]
+    tl.store(p_kc, b_k.to(k_cache.dtype.element_ty), mask=m_hd)
+    tl.store(p_vc, b_v.to(v_cache.dtype.element_ty), mask=m_hd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+_SM_COUNT = {}
+
+
+def _sm_count(device):
+    """Streaming multiprocessors of device (a fixed small number on CPU, where the interpreter runs)."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _launch_config(max_q_len, G, D):
+    """Tile sizes and launch options from static info only (ptxas figures for sm_90, bf16).
+
+    BLOCK_M packs BLOCK_T queries x G heads: decode (max_q_len * G <= 16) 16 rows, tree verify and
+    short chunks 32-64 rows, prefill 128 rows (e.g. 42 queries x 3 heads).
+    - BLOCK_M <= 32 (mma.sync path, bandwidth-bound): 5 stages give two K/V buffers in flight
+      (~37 KB smem, ~95 regs at d64 / N=64; d128 takes N=32 for the same footprint).
+    - BLOCK_M = 64 (one wgmma warpgroup): N=64; N=128 needs 255 regs at d64 (2 programs/SM -> 1).
+    - BLOCK_M = 128 (prefill): 8 warps, N=64; 4 warps spill at d64.
+    """
+    rows = max_q_len * G
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    block_m = max(block_m, triton.next_power_of_2(G))
+    block_t = block_m // G
+    if block_m <= 32:
+        cfg = dict(BLOCK_N=64 if D <= 64 else 32, num_warps=4, num_stages=5)
+    elif block_m == 64:
+        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(BLOCK_N=64, num_warps=8, num_stages=3 if D <= 128 else 2)
+    return dict(BLOCK_M=block_m, BLOCK_T=block_t, **cfg)
+
+
+def _default_num_splits(B, HKV, n_qblocks, kv_capacity, cfg, device):
+    """Split-KV factor from static shapes: fill every SM with the resident programs it can hold
+    (~4 small-row programs or ~2 large ones, by registers), keeping >= 2 KV tiles per split."""
+    base = max(1, B * HKV * n_qblocks)
+    per_sm = 4 if cfg["BLOCK_M"] <= 32 else 2
+    splits = max(1, (per_sm * _sm_count(device)) // base)
+    splits = min(splits, max(1, kv_capacity // (2 * cfg["BLOCK_N"])), MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)  # a power of two: few distinct merge-kernel compiles
+
+
+def _check_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tree_mask, max_q_len):
+    if q.dim() != 3:
+        raise ValueError(f"paged_attention: q must be [N, HQ, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "paged_attention: k_cache and v_cache must both be [P, PS, HKV, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    N, HQ, D = q.shape
+    P, PS, HKV, Dk = k_cache.shape
+    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            "paged_attention: q, k_cache, v_cache must share one dtype of float32/float16/bfloat16, got "
+            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if Dk != D:
+        raise ValueError(f"paged_attention: head dim of q ({D}) != head dim of the cache ({Dk})")
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"paged_attention: head dim must be a power of two in [16, 256], got {D}")
+    if HKV == 0 or HQ % HKV:
+        raise ValueError(f"paged_attention: HQ={HQ} must be a multiple of HKV={HKV}")
+    if HQ // HKV > 128:
+        raise ValueError(f"paged_attention: at most 128 query heads per KV head, got {HQ // HKV}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: the head dim (last dim) of q, k_cache, v_cache must be contiguous")
+    if page_table.dim() != 2 or page_table.dtype != torch.int32:
+        raise ValueError(
+            f"paged_attention: page_table must be [B, MP] int32, got {tuple(page_table.shape)} {page_table.dtype}"
+        )
+    B = page_table.shape[0]
+    if cu_q_lens.shape != (B + 1,) or cu_q_lens.dtype != torch.int32:
+        raise ValueError(
+            f"paged_attention: cu_q_lens must be [B + 1] = [{B + 1}] int32, got "
+            f"{tuple(cu_q_lens.shape)} {cu_q_lens.dtype}"
+        )
+    if kv_lens.shape != (B,) or kv_lens.dtype != torch.int32:
+        raise ValueError(
+            f"paged_attention: kv_lens must be [B] = [{B}] int32, got {tuple(kv_lens.shape)} {kv_lens.dtype}"
+        )
+    if tree_mask is not None:
+        if tree_mask.shape != (N,) or tree_mask.dtype != torch.int64:
+            raise ValueError(
+                f"paged_attention: tree_mask must be [N] = [{N}] int64, got {tuple(tree_mask.shape)} {tree_mask.dtype}"
+            )
+        if max_q_len > MAX_TREE_TOKENS:
+            raise ValueError(
+                f"paged_attention: a tree mask allows at most {MAX_TREE_TOKENS} tokens per request, "
+                f"got max_q_len={max_q_len}"
+            )
+    if not isinstance(max_q_len, int) or max_q_len < 1:
+        raise ValueError(f"paged_attention: max_q_len must be a host int >= 1, got {max_q_len!r}")
+    tensors = [k_cache, v_cache, page_table, cu_q_lens, kv_lens] + ([tree_mask] if tree_mask is not None else [])
+    for t in tensors:
+        if t.device != q.device:
+            raise ValueError(f"paged_attention: all tensors must be on {q.device}, found one on {t.device}")
+
+
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cu_q_lens,
+    kv_lens,
+    tree_mask=None,
+    sm_scale=None,
+    *,
+    max_q_len: int,
+    num_splits: int | None = None,
+):
+    """Paged attention over one layer's KV pool (prefill chunk, decode or tree verify) in 1-2 launches.
+
+    Args:
+        q: [N, HQ, D] queries of all requests, concatenated.
+        k_cache, v_cache: [P, PS, HKV, D] page pools (same dtype as q).
+        page_table: [B, MP] int32; cu_q_lens: [B + 1] int32; kv_lens: [B] int32 (incl. new tokens).
+        tree_mask: None (causal) or [N] int64 ancestor bitmasks (T_b <= 64).
+        sm_scale: softmax scale, default 1 / sqrt(D).
+        max_q_len: host-side upper bound on every T_b (sizes the query-block grid; never synced).
+        num_splits: split-KV factor; None picks one from static shapes.
+
+    Returns:
+        [N, HQ, D] in q.dtype (a new tensor). Rows not owned by any request are left unwritten.
+    """
+    _check_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tree_mask, max_q_len)
+    N, HQ, D = q.shape
+    P, PS, HKV, _ = k_cache.shape
+    B, MP = page_table.shape
+    G = HQ // HKV
+    cfg = _launch_config(max_q_len, G, D)
+    n_qblocks = triton.cdiv(max_q_len, cfg["BLOCK_T"])
+    if num_splits is None:
+        num_splits = _default_num_splits(B, HKV, n_qblocks, MP * PS, cfg, q.device)
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"paged_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+
+    o = torch.empty((N, HQ, D), dtype=q.dtype, device=q.device)
+    if N == 0 or B == 0:
+        return o
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty((N, HQ, num_splits, D), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((N, HQ, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = o  # unused placeholders
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    tm = tree_mask if tree_mask is not None else kv_lens  # placeholder pointer when causal
+    grid = (n_qblocks, B * HKV, num_splits)
+    _paged_attention_fwd_kernel[grid](
+        q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tm, o, o_part, lse_part,
+        scale * 1.4426950408889634, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0), o.stride(0), o.stride(1),
+        HKV=HKV, G=G, D=D, PS=PS,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"],
+        SPLIT=split, IS_TREE=tree_mask is not None,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if split:
+        _paged_attention_merge_kernel[(N * HQ,)](
+            o_part, lse_part, o, num_splits, o.stride(0), o.stride(1),
+            HQ=HQ, D=D, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=1 if D <= 64 else 2,
+        )  # fmt: skip
+    return o
+
+
+def write_kv_(k_cache, v_cache, k, v, slot_mapping):
+    """Write k[n], v[n] ([N, HKV, D]) into flat slot slot_mapping[n] = page * PS + offset of the
+    [P, PS, HKV, D] caches (in place); slot_mapping[n] < 0 skips token n. One program per token."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "write_kv_: k_cache and v_cache must both be [P, PS, HKV, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    P, PS, HKV, D = k_cache.shape
+    if k.dim() != 3 or k.shape[1:] != (HKV, D) or v.shape != k.shape:
+        raise ValueError(
+            f"write_kv_: k and v must both be [N, HKV, D] = [N, {HKV}, {D}], got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    N = k.shape[0]
+    if slot_mapping.shape != (N,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(
+            f"write_kv_: slot_mapping must be [N] = [{N}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
+    for t in (k, v, k_cache, v_cache):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"write_kv_: tensors must be float32/float16/bfloat16, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError("write_kv_: the head dim (last dim) of k, v and the caches must be contiguous")
+        if t.device != k_cache.device:
+            raise ValueError(f"write_kv_: all tensors must be on {k_cache.device}, found one on {t.device}")
+    if slot_mapping.device != k_cache.device:
+        raise ValueError(f"write_kv_: slot_mapping is on {slot_mapping.device}, caches on {k_cache.device}")
+    if N == 0:
+        return
+    _write_kv_kernel[(N,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HKV=HKV, D=D, PS=PS, BLOCK_H=triton.next_power_of_2(HKV), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=1 if HKV * D <= 512 else 4,
+    )  # fmt: skip

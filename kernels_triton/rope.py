@@ -1,0 +1,255 @@
+"""Rotary position embedding (rotate-half, Hugging Face Llama layout) at arbitrary per-token positions.
+
+Math, for one head vector x of width D at position p (tables hold D/2 frequencies per row):
+
+    x1, x2 = x[:D/2], x[D/2:]
+    c, s   = cos[p], sin[p]                           # fp32 [D/2]
+    out    = concat(x1 * c - x2 * s,  x2 * c + x1 * s)
+
+which is transformers' ``q * cos + rotate_half(q) * sin`` with cos/sin = concat(table, table).
+Products are rounded to fp32 separately, then summed (no fused multiply-add), so in fp32 the result
+equals transformers' op for op; in fp16/bf16 the math is fp32 with one final rounding (transformers
+rounds cos/sin and every product to the model dtype instead).
+
+Tables (``rope_tables``), matching transformers' numerics:
+
+    inv_freq[i] = 1 / base ** (float32(2 i) / D)      # fp32, computed on the CPU like transformers'
+                                                      # module init; optional Llama-3 adjustment
+    angle[p, i] = float32(p) * inv_freq[i]            # fp32 product, on the target device
+    cos, sin    = cos(angle), sin(angle)              # fp32 [P, D/2]
+
+Shapes: q [N, HQ, D], k [N, HKV, D] (HQ and HKV independent, e.g. 9 and 3), positions [N]
+int32/int64, cos/sin [P, D/2] fp32. Returns new contiguous (q_out, k_out) in the input dtype.
+
+Positions are per token and need not be contiguous or distinct (tree nodes sit at prefix + depth).
+Invariant: 0 <= positions[n] < P. It is not checked on the host (that would synchronise); a kernel
+row whose position is out of range reads no table memory and comes out as zeros.
+
+Kernel layout: one program per token rotates all HQ query heads and HKV key heads of that token in
+one launch, reading the token's table row once. The last dim of q/k must be contiguous; token and
+head strides are free (q/k may be views into a fused QKV projection).
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _inv_freq_llama3(inv_freq, scaling):
+    """Llama-3 frequency adjustment, in fp32 with transformers' operation order.
+
+    Wavelengths shorter than original_max / high_freq_factor keep their frequency, those longer than
+    original_max / low_freq_factor are divided by ``factor``, and the band in between blends the two
+    with a weight linear in original_max / wavelength.
+    """
+    missing = [key for key in _LLAMA3_KEYS if key not in scaling]
+    if missing:
+        raise ValueError(f"rope_tables: llama3 scaling needs keys {list(_LLAMA3_KEYS)}, missing {missing}")
+    factor = scaling["factor"]
+    low_ff = scaling["low_freq_factor"]
+    high_ff = scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    if not high_ff > low_ff:
+        raise ValueError(
+            f"rope_tables: llama3 scaling needs high_freq_factor > low_freq_factor, got {high_ff} <= {low_ff}"
+        )
+
+    wavelen = 2 * math.pi / inv_freq  # [D/2] fp32
+    is_long = wavelen > old_len / low_ff  # low frequencies: interpolate by factor
+    is_short = wavelen < old_len / high_ff  # high frequencies: unchanged
+    scaled = torch.where(is_long, inv_freq / factor, inv_freq)
+    w_short = (old_len / wavelen - low_ff) / (high_ff - low_ff)  # 0 at the long edge, 1 at the short edge
+    blended = (1 - w_short) * scaled / factor + w_short * scaled
+    return torch.where(~is_long & ~is_short, blended, scaled)
+
+
+def _rope_type(scaling):
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type is None:
+        raise ValueError(f"rope_tables: scaling dict has no 'rope_type' key: {scaling}")
+    return rope_type
+
+
+def rope_tables(head_dim, max_positions, base, scaling=None, device=None):
+    """cos/sin tables, fp32 [max_positions, head_dim // 2], for ``rope`` / ``rope_ref``.
+
+    Args:
+        head_dim: D, even.
+        max_positions: P, number of table rows (positions 0..P-1).
+        base: rope_theta.
+        scaling: None, or a Hugging Face config.json ``rope_scaling`` / ``rope_parameters`` dict with
+            rope_type "default" or "llama3" (keys factor, low_freq_factor, high_freq_factor,
+            original_max_position_embeddings). Any other rope_type raises ValueError.
+        device: where the tables live; angles and cos/sin are computed there (inv_freq on the CPU).
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"rope_tables: head_dim must be a positive even number, got {head_dim}")
+    if max_positions <= 0:
+        raise ValueError(f"rope_tables: max_positions must be positive, got {max_positions}")
+    if scaling is not None:
+        rope_type = _rope_type(scaling)
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(
+                f"rope_tables: unsupported rope_type {rope_type!r}; supported: 'default', 'llama3' (or scaling=None)"
+            )
+        theta = scaling.get("rope_theta")
+        if theta is not None and float(theta) != float(base):
+            raise ValueError(f"rope_tables: scaling['rope_theta']={theta} disagrees with base={base}")
+
+    # fp32 throughout, in transformers' order: arange(0, D, 2) as float, / D, base ** that, 1 / that.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (base ** exponent)  # [D/2] fp32, CPU
+    if scaling is not None and _rope_type(scaling) == "llama3":
+        inv_freq = _inv_freq_llama3(inv_freq, scaling)
+
+    positions = torch.arange(max_positions, dtype=torch.int64, device=device).to(torch.float32)  # [P]
+    angles = positions[:, None] * inv_freq.to(device)[None, :]  # [P, D/2] fp32
+    return angles.cos(), angles.sin()
+
+
+def rope_ref(q, k, positions, cos, sin):
+    """Plain-torch rotate-half RoPE at per-token positions; see the module docstring."""
+    idx = positions.long()
+    c = cos[idx].float()[:, None, :]  # [N, 1, D/2]
+    s = sin[idx].float()[:, None, :]  # [N, 1, D/2]
+
+    def rotate(x):
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    o_ptr,
+    i_n,
+    n_heads,
+    stride_xn,
+    stride_xh,
+    b_cos,  # [BLOCK_HALF] fp32
+    b_sin,  # [BLOCK_HALF] fp32
+    HALF,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    o_h = tl.arange(0, BLOCK_HEADS)
+    o_d = tl.arange(0, BLOCK_HALF)
+    m_hd = (o_h < n_heads)[:, None] & (o_d < HALF)[None, :]
+
+    p_x1 = x_ptr + i_n * stride_xn + o_h[:, None] * stride_xh + o_d[None, :]
+    b_x1 = tl.load(p_x1, mask=m_hd, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
+    b_x2 = tl.load(p_x1 + HALF, mask=m_hd, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
+    b_c = b_cos[None, :]
+    b_s = b_sin[None, :]
+    b_o1 = b_x1 * b_c - b_x2 * b_s
+    b_o2 = b_x2 * b_c + b_x1 * b_s
+
+    # Output is contiguous [N, heads, 2 * HALF].
+    p_o1 = o_ptr + (i_n * n_heads + o_h[:, None]) * (2 * HALF) + o_d[None, :]
+    tl.store(p_o1, b_o1.to(o_ptr.dtype.element_ty), mask=m_hd)
+    tl.store(p_o1 + HALF, b_o2.to(o_ptr.dtype.element_ty), mask=m_hd)
+
+
+@triton.jit
+def rope_kernel(
+    q_ptr,  # [N, HQ, D]
+    k_ptr,  # [N, HKV, D]
+    pos_ptr,  # [N] int32 / int64
+    cos_ptr,  # [P, HALF] fp32
+    sin_ptr,  # [P, HALF] fp32
+    qo_ptr,  # [N, HQ, D] contiguous
+    ko_ptr,  # [N, HKV, D] contiguous
+    HQ,
+    HKV,
+    HALF,
+    n_positions,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_cos,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    b_pos = tl.load(pos_ptr + i_n).to(tl.int64)  # scalar
+    o_d = tl.arange(0, BLOCK_HALF)
+    # Out-of-range positions read nothing (cos = sin = 0 -> zero output) instead of stray memory.
+    m_d = (o_d < HALF) & (b_pos >= 0) & (b_pos < n_positions)
+    b_cos = tl.load(cos_ptr + b_pos * stride_cos + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+    b_sin = tl.load(sin_ptr + b_pos * stride_cos + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+
+    _rotate_heads(q_ptr, qo_ptr, i_n, HQ, stride_qn, stride_qh, b_cos, b_sin, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, ko_ptr, i_n, HKV, stride_kn, stride_kh, b_cos, b_sin, HALF, BLOCK_HKV, BLOCK_HALF)
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def rope(q, k, positions, cos, sin):
+    """Rotate q [N, HQ, D] and k [N, HKV, D] by the table rows at ``positions`` [N], in one launch.
+
+    Returns new contiguous ``(q_out, k_out)`` in q's / k's dtype (math in fp32, one rounding).
+    """
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"rope: q and k must be [N, heads, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    N, HQ, D = q.shape
+    if k.shape[0] != N or k.shape[2] != D:
+        raise ValueError(f"rope: k must be [N={N}, HKV, D={D}], got {tuple(k.shape)}")
+    HKV = k.shape[1]
+    if D % 2:
+        raise ValueError(f"rope: head dim D must be even, got {D}")
+    if q.dtype not in _FLOAT_DTYPES or k.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"rope: q/k must be float32/float16/bfloat16, got {q.dtype} and {k.dtype}")
+    if positions.shape != (N,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"rope: positions must be int32/int64 [N={N}], got {positions.dtype} {tuple(positions.shape)}"
+        )
+    half = D // 2
+    if cos.dim() != 2 or cos.shape[1] != half or sin.shape != cos.shape:
+        raise ValueError(
+            f"rope: cos and sin must both be [P, D/2={half}], got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"rope: cos/sin must be float32 (see rope_tables), got {cos.dtype} and {sin.dtype}")
+    for name, t in (("k", k), ("positions", positions), ("cos", cos), ("sin", sin)):
+        if t.device != q.device:
+            raise ValueError(f"rope: {name} is on {t.device}, q on {q.device}")
+
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    cos = cos.contiguous()
+    sin = sin.contiguous()
+    positions = positions.contiguous()
+    q_out = torch.empty((N, HQ, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((N, HKV, D), dtype=k.dtype, device=k.device)
+    if N == 0:
+        return q_out, k_out
+
+    block_hq = triton.next_power_of_2(max(HQ, 1))
+    block_hkv = triton.next_power_of_2(max(HKV, 1))
+    block_half = triton.next_power_of_2(half)
+    tile = (block_hq + block_hkv) * block_half * 2
+    rope_kernel[(N,)](
+        q, k, positions, cos, sin, q_out, k_out,
+        HQ, HKV, half, cos.shape[0],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        BLOCK_HQ=block_hq,
+        BLOCK_HKV=block_hkv,
+        BLOCK_HALF=block_half,
+        num_warps=8 if tile >= 8192 else 4,
+        # Keep x1 * c - x2 * s as two rounded products and a subtraction, as torch computes it, so
+        # fp32 outputs match transformers exactly; this kernel is memory-bound, FMA buys nothing.
+        enable_fp_fusion=False,
+    )
+    return q_out, k_out

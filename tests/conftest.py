@@ -1,0 +1,44 @@
+"""Test setup: run Triton kernels under the interpreter when there is no GPU.
+
+TRITON_INTERPRET must be set before any ``@triton.jit`` decorator runs, i.e. before
+``kernels_triton`` is imported, so it is done here at collection time.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from specdec.assets import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    from specdec.models.llama import LlamaModel
+
+    # backend="torch": the full 30-layer model under the Triton interpreter would take minutes;
+    # kernels are checked against the same references in their own tests.
+    return LlamaModel.from_pretrained(smollm2_path, dtype="float32", backend="torch")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from specdec.models.tokenizer import Tokenizer
+
+    return Tokenizer(smollm2_path)

@@ -1,0 +1,128 @@
+"""The target model against transformers: SmolLM2 from the same GGUF, and a random Llama-3 checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+from specdec.engine.reference import generate_reference
+from specdec.models.llama import LlamaModel
+from specdec.models.loading import CheckpointError
+from specdec.models.ops import AttentionMeta
+
+transformers = pytest.importorskip("transformers")
+
+
+def full_forward(model: LlamaModel, ids: list[int], page_size=16) -> torch.Tensor:
+    """Logits [T, V] of one causal prefill of ``ids`` with pages in reverse order."""
+    n = len(ids)
+    pages = -(-n // page_size)
+    k, v = model.new_kv_cache(pages, page_size)
+    table = torch.arange(pages - 1, -1, -1, dtype=torch.int32)[None]  # out-of-order pages
+    slots = torch.arange(n)
+    meta = AttentionMeta(torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                         table, table[0, slots // page_size].long() * page_size + slots % page_size, n)
+    out = model(torch.tensor(ids), torch.arange(n), meta, k, v)
+    return model.logits(out.hidden)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_path):
+    gguf = next(smollm2_path.glob("*.gguf"))
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def test_smollm2_logits_match_transformers_gguf(smollm2, hf_smollm2, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode_chat([{"role": "user", "content": "What is 17 * 23? Explain."}])
+    ours = full_forward(smollm2, ids)
+    with torch.no_grad():
+        ref = hf_smollm2(torch.tensor([ids])).logits[0]
+    # Both are fp32 over identical weights: differences are summation order only.
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-4)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("prompt", [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Name three primary colors.",
+    "def is_prime(n):",
+])
+def test_smollm2_greedy_identical_to_transformers(prompt, smollm2, hf_smollm2, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    ours = generate_reference(smollm2, ids, 24, eos_ids=[2]).token_ids
+    with torch.no_grad():
+        ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                  eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
+    assert ours == ref
+
+
+def test_smollm2_generates_real_code(smollm2, smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode_chat(
+        [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}])
+    text = smollm2_tokenizer.decode(generate_reference(smollm2, ids, 40, eos_ids=[2]).token_ids)
+    assert "def " in text and "fib" in text.lower()
+
+
+@pytest.fixture(scope="module")
+def random_llama3_dir(tmp_path_factory):
+    """A tiny random Llama with Llama-3 RoPE scaling and untied embeddings, saved in 2+ shards."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("llama3")
+    model.save_pretrained(path, max_shard_size="100KB")
+    return path, model
+
+
+def test_random_llama3_checkpoint_matches_transformers(random_llama3_dir):
+    path, hf = random_llama3_dir
+    assert len(list(path.glob("*.safetensors"))) > 1  # sharded load is exercised
+    ours = LlamaModel.from_pretrained(path, dtype="float32")
+    assert ours.lm_head is not None
+    ids = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(full_forward(ours, ids, page_size=8), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_capture_layers_return_residual_stream(random_llama3_dir):
+    path, hf = random_llama3_dir
+    ours = LlamaModel.from_pretrained(path, dtype="float32")
+    ids = list(range(10, 30))
+    n = len(ids)
+    k, v = ours.new_kv_cache(2, 16)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    meta = AttentionMeta(torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                         table, torch.arange(n), n)
+    out = ours(torch.tensor(ids), torch.arange(n), meta, k, v, capture_layers=(2, 0))
+    with torch.no_grad():
+        hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # input of layer i = hs[i]
+    torch.testing.assert_close(out.captured, torch.cat([hs[2][0], hs[0][0]], -1), atol=1e-5, rtol=1e-5)
+
+
+def test_non_llama_config_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(CheckpointError, match="not a Llama architecture"):
+        LlamaModel.from_pretrained(tmp_path)
+
+
+def test_missing_checkpoint_dir_is_rejected(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        LlamaModel.from_pretrained(tmp_path / "nope")
+
+
+def test_mismatched_tensor_shape_is_rejected(random_llama3_dir, tmp_path):
+    path, _ = random_llama3_dir
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="gate_proj.weight has shape"):
+        LlamaModel.from_pretrained(tmp_path)

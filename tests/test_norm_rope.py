@@ -1,0 +1,283 @@
+"""RMSNorm (+ fused residual add) and RoPE kernels against their plain-torch references.
+
+Odd shapes (N = 5, 123; H = 123, 576, 4096; 9/3 and 32/8 heads), every dtype the device supports,
+outputs allocated NaN-poisoned so an unwritten element fails. The references are themselves checked
+against transformers' formulas (LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb).
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels_triton.norm import rms_norm, rms_norm_ref
+from kernels_triton.rope import rope, rope_ref, rope_tables
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter rounds fp32 -> bf16 by truncation (FACTS.md): test bf16 on the GPU only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+# (atol, rtol): fp32 differs only by reduction order / rsqrt ulps; half types by one or two
+# roundings of the output (relative ulp 2**-11 for fp16, 2**-8 for bf16).
+NORM_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+ROPE_TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Make torch.empty / torch.empty_like return NaN-filled tensors; counts float allocations."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+    count = {"n": 0}
+
+    def fill(t):
+        if t.is_floating_point():
+            count["n"] += 1
+            return t.fill_(float("nan"))
+        return t.fill_(-1)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: fill(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: fill(real_empty_like(*a, **kw)))
+    return count
+
+
+def _randn(*shape, dtype=torch.float32, scale=1.0, gen=None):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------- norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [123, 576, 4096])
+@pytest.mark.parametrize("N", [1, 5, 123])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_ref(N, H, dtype, with_residual, poison):
+    gen = torch.Generator().manual_seed(N * 10007 + H)
+    x = _randn(N, H, dtype=dtype, scale=2.0, gen=gen)
+    w = _randn(H, dtype=dtype, gen=gen)
+    r = _randn(N, H, dtype=dtype, gen=gen) if with_residual else None
+    eps = 1e-5
+    atol, rtol = NORM_TOL[dtype]
+
+    got = rms_norm(x, w, eps, residual=r)
+    assert poison["n"] >= (2 if with_residual else 1)
+    want = rms_norm_ref(x, w, eps, residual=r)
+    if with_residual:
+        (out, s), (out_ref, s_ref) = got, want
+        assert s.dtype == dtype and s.shape == (N, H)
+        # One fp32 add, one rounding: bit-exact.
+        torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    else:
+        out, out_ref = got, want
+    assert out.dtype == dtype and out.shape == (N, H)
+    torch.testing.assert_close(out, out_ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_eps_matters(dtype, poison):
+    # mean(x^2) ~ 1e-6 is comparable to eps, so dropping or misplacing eps changes the output by ~2x.
+    x = _randn(5, 576, dtype=dtype, scale=1e-3)
+    w = _randn(576, dtype=dtype)
+    for eps in (1e-6, 1e-5):
+        atol, rtol = NORM_TOL[dtype]
+        torch.testing.assert_close(rms_norm(x, w, eps), rms_norm_ref(x, w, eps), atol=atol, rtol=rtol)
+    assert (rms_norm_ref(x, w, 1e-5).float() - rms_norm_ref(x, w, 1e-6).float()).abs().max() > 0.1
+
+
+def test_rms_norm_strided_and_leading_dims(poison):
+    # A row-strided view (e.g. a slice of a wider buffer) and a 3-D input flatten to the same rows.
+    base = _randn(7, 640)
+    x = base[:, 32:608]  # [7, 576], row stride 640
+    r = _randn(7, 576)
+    w = _randn(576)
+    out, s = rms_norm(x, w, 1e-5, residual=r)
+    out_ref, s_ref = rms_norm_ref(x, w, 1e-5, residual=r)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+
+    x3 = _randn(2, 3, 123)
+    w3 = _randn(123)
+    out3 = rms_norm(x3, w3, 1e-6)
+    assert out3.shape == (2, 3, 123)
+    torch.testing.assert_close(out3, rms_norm_ref(x3, w3, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rms_norm_ref_is_transformers_convention(dtype):
+    # LlamaRMSNorm.forward, written out: normalise in fp32, cast, then weight * hidden (same dtype).
+    x = torch.randn(5, 123).to(dtype)
+    w = torch.randn(123).to(dtype)
+    h = x.to(torch.float32)
+    hf = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(rms_norm_ref(x, w, 1e-5), hf, atol=0, rtol=0)
+
+
+def test_rms_norm_bad_inputs():
+    x = _randn(5, 576)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, _randn(575), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, _randn(576), 1e-5, residual=_randn(5, 576, dtype=torch.float16))
+    with pytest.raises(ValueError, match="8192"):
+        rms_norm(_randn(1, 8193), _randn(8193), 1e-5)
+    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+        rms_norm(x.to(torch.int32), _randn(576), 1e-5)
+
+
+# ----------------------------------------------------------------------------------------- rope
+
+
+def _qk(N, HQ, HKV, D, dtype, gen, fused=False):
+    if fused:
+        # Views into one [N, (HQ + 2 HKV) * D] projection output, as a fused QKV linear leaves them.
+        qkv = _randn(N, (HQ + 2 * HKV) * D, dtype=dtype, gen=gen)
+        q = qkv[:, : HQ * D].view(N, HQ, D)
+        k = qkv[:, HQ * D : (HQ + HKV) * D].view(N, HKV, D)
+        return q, k
+    return _randn(N, HQ, D, dtype=dtype, gen=gen), _randn(N, HKV, D, dtype=dtype, gen=gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("N", [5, 123])
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_rope_matches_ref(N, heads, dtype, pos_dtype, poison):
+    HQ, HKV, D = heads
+    P = 50  # N = 123 draws from 50 rows: positions repeat and are not sorted
+    gen = torch.Generator().manual_seed(N * 31 + D)
+    cos, sin = rope_tables(D, P, 10000.0, device=DEVICE)
+    q, k = _qk(N, HQ, HKV, D, dtype, gen, fused=(N == 123))
+    positions = torch.randint(0, P, (N,), generator=gen).to(device=DEVICE, dtype=pos_dtype)
+    atol, rtol = ROPE_TOL[dtype]
+
+    q_out, k_out = rope(q, k, positions, cos, sin)
+    assert poison["n"] >= 2
+    q_ref, k_ref = rope_ref(q, k, positions, cos, sin)
+    assert q_out.shape == (N, HQ, D) and k_out.shape == (N, HKV, D)
+    assert q_out.dtype == dtype and k_out.dtype == dtype
+    torch.testing.assert_close(q_out, q_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(k_out, k_ref, atol=atol, rtol=rtol)
+    # Inputs are not modified.
+    assert q_out.data_ptr() != q.data_ptr() and k_out.data_ptr() != k.data_ptr()
+
+
+def test_rope_is_a_rotation_at_the_right_position():
+    # Independent of rope_ref: position 0 is the identity, norms are preserved, and the dot product
+    # of two rotated vectors depends only on the position difference (the point of RoPE).
+    D = 64
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    x = _randn(1, 1, D).expand(4, 1, D).contiguous()
+    y = _randn(1, 1, D).expand(4, 1, D).contiguous()
+    pos = torch.tensor([0, 3, 10, 13], device=DEVICE)
+    xr, yr = rope(x, y, pos, cos, sin)
+    torch.testing.assert_close(xr[0], x[0], atol=0, rtol=0)
+    torch.testing.assert_close(xr.norm(dim=-1), x.norm(dim=-1), atol=1e-5, rtol=1e-5)
+    dot_0_3 = (xr[0] * yr[1]).sum()  # positions 0 and 3
+    dot_10_13 = (xr[2] * yr[3]).sum()  # positions 10 and 13
+    torch.testing.assert_close(dot_0_3, dot_10_13, atol=1e-4, rtol=1e-4)
+
+
+def test_rope_out_of_range_position_gives_zeros(poison):
+    cos, sin = rope_tables(64, 16, 10000.0, device=DEVICE)
+    q, k = _randn(3, 9, 64), _randn(3, 3, 64)
+    q_out, k_out = rope(q, k, torch.tensor([1, 16, 2], device=DEVICE), cos, sin)
+    assert torch.all(q_out[1] == 0) and torch.all(k_out[1] == 0)
+    q_ref, _ = rope_ref(q[[0, 2]], k[[0, 2]], torch.tensor([1, 2], device=DEVICE), cos, sin)
+    torch.testing.assert_close(q_out[[0, 2]], q_ref, atol=1e-6, rtol=1e-6)
+
+
+def test_rope_tables_default_close_to_float64():
+    D, P, base = 64, 8192, 100000.0
+    cos, sin = rope_tables(D, P, base)
+    assert cos.shape == (P, D // 2) and cos.dtype == torch.float32 and sin.shape == cos.shape
+    inv = 1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(P, dtype=torch.float64)[:, None] * inv[None, :]
+    # fp32 angles: absolute angle error <= P * 2**-24 * max(inv) ~ 5e-4 at P = 8192.
+    torch.testing.assert_close(cos.double(), ang.cos(), atol=1e-3, rtol=0)
+    torch.testing.assert_close(sin.double(), ang.sin(), atol=1e-3, rtol=0)
+    assert math.isclose(cos[1, 0].item(), math.cos(1.0), abs_tol=1e-7)
+
+
+def test_rope_tables_llama3_shape():
+    # Independent sanity: llama3 scaling leaves the highest frequency alone and divides the lowest
+    # by `factor` (wavelength 2 pi / inv_freq beyond original_max / low_freq_factor).
+    sc = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+    D = 128
+    cos_d, sin_d = rope_tables(D, 2, 500000.0)
+    _, sin_s = rope_tables(D, 2, 500000.0, scaling=sc)
+    # Row 1 holds angle = inv_freq (all <= 1 < pi / 2), so asin recovers it with full precision.
+    inv_d, inv_s = torch.asin(sin_d[1].double()), torch.asin(sin_s[1].double())
+    assert inv_s[0] == inv_d[0]
+    torch.testing.assert_close(inv_s[-1], inv_d[-1] / 8, atol=1e-7, rtol=1e-3)
+    cos_def, _ = rope_tables(D, 2, 500000.0, scaling={"rope_type": "default"})
+    assert torch.equal(cos_def, cos_d)
+
+
+def _hf_rotary(head_dim, base, scaling, max_pos):
+    transformers = pytest.importorskip("transformers")
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    except ImportError as exc:
+        pytest.skip(f"transformers {transformers.__version__} lacks LlamaRotaryEmbedding: {exc}")
+    kwargs = dict(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
+                  max_position_embeddings=max_pos, rope_theta=base)
+    if scaling is not None:
+        kwargs["rope_scaling"] = dict(scaling)
+    try:
+        emb = LlamaRotaryEmbedding(transformers.LlamaConfig(**kwargs))
+    except Exception as exc:  # config API changed between releases
+        pytest.skip(f"cannot build LlamaRotaryEmbedding in transformers {transformers.__version__}: {exc}")
+    return emb, apply_rotary_pos_emb
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        (64, 100000.0, None, 8192),  # SmolLM2-135M
+        (128, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 131072),  # Llama-3.1
+    ],
+    ids=["default", "llama3"],
+)
+def test_rope_tables_and_ref_match_transformers(case):
+    D, base, scaling, max_pos = case
+    emb, apply_rotary_pos_emb = _hf_rotary(D, base, scaling, max_pos)
+    positions = torch.tensor([0, 1, 7, 7, 100, 4095, 8191, max_pos // 2 + 3, max_pos - 1])
+    cos, sin = rope_tables(D, max_pos, base, scaling=scaling)
+    hf_cos, hf_sin = emb(torch.zeros(1), positions[None])  # [1, T, D] each, = concat(table, table)
+    torch.testing.assert_close(cos[positions], hf_cos[0, :, : D // 2], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin[positions], hf_sin[0, :, D // 2 :], atol=1e-6, rtol=0)
+
+    # rope_ref agrees with transformers' q * cos + rotate_half(q) * sin in fp32.
+    T = positions.numel()
+    q, k = torch.randn(T, 4, D), torch.randn(T, 2, D)
+    q_ref, k_ref = rope_ref(q, k, positions, cos, sin)
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, hf_cos[0], hf_sin[0], unsqueeze_dim=1)
+    torch.testing.assert_close(q_ref, q_hf, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_ref, k_hf, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_tables_bad_scaling():
+    with pytest.raises(ValueError, match="'yarn'"):
+        rope_tables(64, 16, 10000.0, scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="low_freq_factor"):
+        rope_tables(64, 16, 10000.0, scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ValueError, match="rope_type"):
+        rope_tables(64, 16, 10000.0, scaling={"factor": 8.0})
+    with pytest.raises(ValueError, match="even"):
+        rope_tables(63, 16, 10000.0)
+
+
+def test_rope_bad_inputs():
+    cos, sin = rope_tables(64, 16, 10000.0, device=DEVICE)
+    q, k = _randn(5, 9, 64), _randn(5, 3, 64)
+    pos = torch.zeros(5, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="k must be"):
+        rope(q, _randn(5, 3, 32), pos, cos, sin)
+    with pytest.raises(ValueError, match="positions"):
+        rope(q, k, pos.float(), cos, sin)
+    with pytest.raises(ValueError, match="positions"):
+        rope(q, k, pos[:4], cos, sin)
+    with pytest.raises(ValueError, match="D/2=32"):
+        rope(q, k, pos, *rope_tables(128, 16, 10000.0, device=DEVICE))
