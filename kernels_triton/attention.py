@@ -150,7 +150,7 @@ def _attn_tile(
     p_v = v_cache + (b_page * stride_vp + o_off * stride_vs + i_hkv * stride_vh)[:, None] + o_d[None, :]
     if MASKED:
         b_k = tl.load(p_k, mask=m_s[:, None], other=0.0)  # [BLOCK_N, D]
-        b_v = tl.load(p_v, mask=m_s[:, None], other=0.0)  # [BLOCK_N, D]
+        b_v = tl.load(p_v)  # [BLOCK_N, D]
     else:
         b_k = tl.load(p_k)  # [BLOCK_N, D]
         b_v = tl.load(p_v)  # [BLOCK_N, D]

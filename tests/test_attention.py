@@ -1,0 +1,237 @@
+"""paged_attention / write_kv_ against their plain-torch references.
+
+Runs under TRITON_INTERPRET=1 on CPU (conftest) and natively on the GPU. Shapes are small but odd:
+ragged kv_lens, shuffled physical pages, a T_b = 0 padding request, 9 query / 3 KV heads at d=64 and
+8 / 2 at d=32. Every cache slot that is not a valid KV slot (tails of last pages, pages not owned by
+any request, garbage page-table entries) holds NaN, so a read past kv_len shows up in the output.
+"""
+
+import math
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# fp32 runs an ieee tl.dot; fp16 / bf16 round P to the input dtype before the PV product.
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+HEADS = [(9, 3, 64), (8, 2, 32)]  # (HQ, HKV, D): SmolLM2's 9/3 at d64, and G = 4
+
+
+def _seeded(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_batch(T, prefix, heads, PS, dtype, seed=0):
+    """A paged batch: request b has prefix[b] cached slots plus T[b] new ones (kv_len = sum).
+
+    Physical pages are a random permutation of the pool; unused page-table entries point at spare
+    pages; every slot outside [0, kv_len) of some request is NaN.
+    """
+    g = _seeded(seed)
+    HQ, HKV, D = heads
+    B = len(T)
+    kv = [t + p for t, p in zip(T, prefix)]
+    n_pages = [math.ceil(L / PS) for L in kv]
+    MP = max(n_pages) + 2
+    n_spare = 3
+    P = sum(n_pages) + n_spare
+    perm = torch.randperm(P, generator=g)
+    k_cache = torch.full((P, PS, HKV, D), float("nan"))
+    v_cache = torch.full((P, PS, HKV, D), float("nan"))
+    spare = perm[sum(n_pages) :]
+    page_table = spare[torch.randint(0, n_spare, (B, MP), generator=g)].clone()  # garbage -> NaN pages
+    used = 0
+    for b in range(B):
+        pages = perm[used : used + n_pages[b]]
+        used += n_pages[b]
+        page_table[b, : n_pages[b]] = pages
+        for s in range(kv[b]):
+            page, off = pages[s // PS], s % PS
+            k_cache[page, off] = torch.randn(HKV, D, generator=g)
+            v_cache[page, off] = torch.randn(HKV, D, generator=g)
+    N = sum(T)
+    q = torch.randn(N, HQ, D, generator=g)
+    cu = torch.tensor([0] + list(torch.tensor(T).cumsum(0).tolist()), dtype=torch.int32)
+    to = dict(device=DEVICE)
+    return dict(
+        q=q.to(dtype=dtype, **to),
+        k_cache=k_cache.to(dtype=dtype, **to),
+        v_cache=v_cache.to(dtype=dtype, **to),
+        page_table=page_table.to(torch.int32).to(**to),
+        cu_q_lens=cu.to(**to),
+        kv_lens=torch.tensor(kv, dtype=torch.int32, device=DEVICE),
+    )
+
+
+def tree_masks(T, g):
+    """Random tree of T nodes (node 0 the root, parent[i] < i): ancestor-closure bitmask per node."""
+    masks = []
+    for i in range(T):
+        parent = int(torch.randint(0, i, (1,), generator=g)) if i > 0 else -1
+        masks.append((1 << i) | (masks[parent] if parent >= 0 else 0))
+    return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]  # as signed int64
+
+
+def batch_tree_mask(T, seed, chain=False):
+    g = _seeded(seed + 1000)
+    rows = []
+    for t in T:
+        rows += [(1 << (i + 1)) - 1 for i in range(t)] if chain else tree_masks(t, g)
+    rows = [m - (1 << 64) if m >= 1 << 63 else m for m in rows]
+    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+
+
+def call_poisoned(fn, shape, dtype):
+    """Run fn() right after freeing a NaN tensor of the output's size, so the (caching) allocator
+    most likely hands the launcher NaN memory: an element the kernel forgets to write stays NaN."""
+    poison = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    del poison
+    return fn()
+
+
+def check(batch, dtype, max_q_len, splits, tree_mask=None, sm_scale=None):
+    from kernels_triton.attention import paged_attention, paged_attention_ref
+
+    ref = paged_attention_ref(**batch, tree_mask=tree_mask, sm_scale=sm_scale)
+    atol, rtol = TOL[dtype]
+    for ns in splits:
+        out = call_poisoned(
+            lambda: paged_attention(**batch, tree_mask=tree_mask, sm_scale=sm_scale, max_q_len=max_q_len, num_splits=ns),
+            batch["q"].shape,
+            dtype,
+        )
+        assert out.shape == ref.shape and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol, msg=lambda m: f"num_splits={ns}: {m}")
+    return ref
+
+
+@pytest.mark.parametrize("PS", [16, 8])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_prefill(dtype, heads, PS):
+    # ragged chunks: with a prefix, from scratch, a T_b = 0 padding entry; 50 queries span 2 query
+    # blocks (42 / 32 queries each), and max_q_len is a bucket bound above the longest chunk.
+    batch = make_batch(T=[7, 0, 50, 13], prefix=[9, 5, 0, 37], heads=heads, PS=PS, dtype=dtype, seed=1)
+    check(batch, dtype, max_q_len=56, splits=[1, 3, None])
+
+
+@pytest.mark.parametrize("PS", [16, 8])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_decode(dtype, heads, PS):
+    batch = make_batch(T=[1, 1, 0, 1, 1], prefix=[0, 40, 3, 141, 17], heads=heads, PS=PS, dtype=dtype, seed=2)
+    check(batch, dtype, max_q_len=1, splits=[1, 4, None])
+
+
+@pytest.mark.parametrize("PS", [16, 8])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_tree(dtype, heads, PS):
+    T = [1, 9, 0, 16]
+    batch = make_batch(T=T, prefix=[30, 0, 8, 45], heads=heads, PS=PS, dtype=dtype, seed=3)
+    check(batch, dtype, max_q_len=16, splits=[1, 4, None], tree_mask=batch_tree_mask(T, seed=3))
+
+
+def test_tree_chain_equals_causal():
+    """A chain mask (1 << (i + 1)) - 1 is causal attention, including bit 63 of a 64-node chain."""
+    from kernels_triton.attention import paged_attention
+
+    T = [64, 5]
+    batch = make_batch(T=T, prefix=[21, 3], heads=(9, 3, 64), PS=16, dtype=torch.float32, seed=4)
+    tm = batch_tree_mask(T, seed=4, chain=True)
+    causal = check(batch, torch.float32, max_q_len=64, splits=[1])
+    tree = paged_attention(**batch, tree_mask=tm, max_q_len=64, num_splits=2)
+    torch.testing.assert_close(tree, causal, atol=2e-5, rtol=1e-4)
+
+
+def test_tree_64_nodes():
+    T = [64, 2]
+    batch = make_batch(T=T, prefix=[7, 70], heads=(8, 2, 32), PS=8, dtype=torch.float16, seed=5)
+    tm = batch_tree_mask(T, seed=5)
+    assert int(tm[63]) < 0  # node 63's own bit is the sign bit
+    check(batch, torch.float16, max_q_len=64, splits=[1, 3], tree_mask=tm)
+
+
+def test_sm_scale_and_default_splits_large_prefix():
+    # a long prefix with one short chunk: the default picks split-KV from static shapes
+    batch = make_batch(T=[3], prefix=[300], heads=(9, 3, 64), PS=32, dtype=torch.float32, seed=6)
+    check(batch, torch.float32, max_q_len=3, splits=[None, 8], sm_scale=0.3)
+
+
+def test_reference_matches_dense_sdpa():
+    """The reference itself: one request laid out contiguously equals SDPA with a bottom-right
+    causal mask over [prefix + T] keys (GQA expanded)."""
+    from kernels_triton.attention import paged_attention_ref
+
+    torch.manual_seed(7)
+    T, prefix, HQ, HKV, D, PS = 6, 11, 9, 3, 64, 4
+    L = T + prefix
+    k = torch.randn(L, HKV, D)
+    v = torch.randn(L, HKV, D)
+    q = torch.randn(T, HQ, D)
+    P = math.ceil(L / PS)
+    k_cache = torch.zeros(P * PS, HKV, D)
+    v_cache = torch.zeros(P * PS, HKV, D)
+    k_cache[:L], v_cache[:L] = k, v
+    out = paged_attention_ref(
+        q,
+        k_cache.view(P, PS, HKV, D),
+        v_cache.view(P, PS, HKV, D),
+        torch.arange(P, dtype=torch.int32)[None],
+        torch.tensor([0, T], dtype=torch.int32),
+        torch.tensor([L], dtype=torch.int32),
+    )
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=prefix)
+    G = HQ // HKV
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(G, 1).transpose(0, 1), v.repeat_interleave(G, 1).transpose(0, 1), attn_mask=mask
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("PS", [16, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("HKV,D", [(3, 64), (2, 24)])
+def test_write_kv(dtype, HKV, D, PS):
+    from kernels_triton.attention import write_kv_, write_kv_ref_
+
+    g = _seeded(8)
+    P, N = 5, 11
+    k_cache = torch.randn(P, PS, HKV, D, generator=g).to(dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(P, PS, HKV, D, generator=g).to(dtype=dtype, device=DEVICE)
+    k = torch.randn(N, HKV, D, generator=g).to(dtype=dtype, device=DEVICE)
+    v = torch.randn(N, HKV, D, generator=g).to(dtype=dtype, device=DEVICE)
+    slots = torch.randperm(P * PS, generator=g)[:N]
+    slots[[2, 7]] = -1  # padding tokens: their k/v must not land anywhere
+    slots = slots.to(DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_ref_(k_ref, v_ref, k, v, slots)
+    write_kv_(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    written = slots[slots >= 0]
+    assert torch.equal(k_cache.view(-1, HKV, D)[written], k[slots >= 0])
+    untouched = torch.ones(P * PS, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    k0 = torch.randn(P, PS, HKV, D, generator=_seeded(8)).to(dtype=dtype, device=DEVICE)
+    assert torch.equal(k_cache.view(-1, HKV, D)[untouched], k0.view(-1, HKV, D)[untouched])
+
+
+def test_argument_errors():
+    from kernels_triton.attention import paged_attention, write_kv_
+
+    batch = make_batch(T=[2], prefix=[3], heads=(9, 3, 64), PS=8, dtype=torch.float32, seed=9)
+    with pytest.raises(ValueError, match="page_table"):
+        paged_attention(**{**batch, "page_table": batch["page_table"].long()}, max_q_len=2)
+    with pytest.raises(ValueError, match="multiple of HKV"):
+        paged_attention(**{**batch, "q": batch["q"][:, :8]}, max_q_len=2)
+    with pytest.raises(ValueError, match="max_q_len"):
+        paged_attention(**batch, max_q_len=0)
+    with pytest.raises(ValueError, match="at most 64"):
+        tm = torch.ones(2, dtype=torch.int64, device=DEVICE)
+        paged_attention(**batch, tree_mask=tm, max_q_len=65)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention(**batch, max_q_len=2, num_splits=0)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        k = torch.zeros(2, 3, 64, device=DEVICE)
+        write_kv_(batch["k_cache"], batch["v_cache"], k, k, torch.zeros(2, dtype=torch.int32, device=DEVICE))

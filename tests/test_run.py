@@ -1,0 +1,107 @@
+"""The Hydra entry: every config composes, the quickstart runs, bad input fails cleanly."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+
+
+def run_cli(*overrides, tmp_path, timeout=600):
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    env.pop("TRITON_INTERPRET", None)  # the entry uses the torch references on CPU
+    return subprocess.run(
+        [sys.executable, "-m", "specdec.run", *overrides, f"hydra.run.dir={tmp_path}/run"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_config_groups_exist():
+    assert {"target", "draft", "tp", "policy", "workload", "engine", "logger", "experiment"} <= set(GROUPS)
+
+
+@pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))])
+def test_every_config_composes(group, option):
+    key = f"+experiment={option}" if group == "experiment" else f"{group}={option}"
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[key])
+    for g in ("target", "draft", "tp", "policy", "workload", "engine", "logger"):
+        assert OmegaConf.select(cfg, f"{g}.name" if g not in ("tp", "engine") else g) is not None
+    if group != "experiment":  # the chosen option is the one composed
+        want = OmegaConf.load(CONF / group / f"{option}.yaml")
+        assert OmegaConf.to_container(cfg[group]).keys() >= OmegaConf.to_container(want).keys()
+
+
+def test_quickstart_writes_real_outputs(tmp_path):
+    proc = run_cli("+experiment=quickstart", "engine.max_new_tokens=12", "logger=wandb", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    assert metrics["requests"] == len(records) == 4 and metrics["failed_requests"] == 0
+    ids = {r["id"] for r in records}
+    assert any(i.startswith("mt_bench/") for i in ids) and any(i.startswith("HumanEval/") for i in ids)
+    for r in records:
+        assert 0 < r["output_tokens"] <= 12 and len(r["output_ids"]) == r["output_tokens"]
+        assert r["output"].strip() and r["ttft_s"] > 0
+    # Real text, not noise: the MT-bench answers are mostly alphabetic English words.
+    text = " ".join(r["output"] for r in records if r["id"].startswith("mt_bench/"))
+    words = text.split()
+    assert sum(w.strip(".,!?:;\"'()").isalpha() for w in words) >= 0.7 * len(words)
+    assert json.loads((run_dir / "config.json").read_text())["engine"]["max_new_tokens"] == 12
+    assert list((run_dir / "wandb").glob("offline-run-*"))  # W&B wrote its offline run
+
+
+def test_jsonl_workload_and_overrides(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"id": "a", "prompt": "Say hello."}\n'
+                 '{"id": "b", "messages": [{"role": "user", "content": "Count to three."}]}\n')
+    proc = run_cli("workload=jsonl", f"workload.path={f}", "engine.max_new_tokens=6",
+                   "sampling.temperature=0.7", "device=cpu", "logger=none", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "b"]
+    assert all(0 < r["output_tokens"] <= 6 for r in records)
+    assert not (tmp_path / "run" / "wandb").exists()  # logger=none writes local files only
+
+
+def _assert_clean_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for n in needles:
+        assert n in proc.stderr, proc.stderr[-3000:]
+
+
+def test_unknown_experiment_fails_cleanly(tmp_path):
+    _assert_clean_error(run_cli("+experiment=does_not_exist", tmp_path=tmp_path), "does_not_exist")
+
+
+def test_missing_target_path_fails_cleanly(tmp_path):
+    _assert_clean_error(run_cli("target=hf", f"target.path={tmp_path}/nope", "logger=none",
+                                tmp_path=tmp_path), "nope", "does not exist")
+
+
+def test_non_llama_target_fails_cleanly(tmp_path):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    _assert_clean_error(run_cli("target=hf", f"target.path={d}", "logger=none", tmp_path=tmp_path),
+                        "gpt2", "not a Llama architecture")
+
+
+def test_malformed_jsonl_line_fails_cleanly(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"id": "ok", "prompt": "hi"}\n{"id": "broken", "prompt": \n')
+    _assert_clean_error(run_cli("workload=jsonl", f"workload.path={f}", "logger=none", tmp_path=tmp_path),
+                        "bad.jsonl:2")
+
+
+def test_missing_required_path_fails_cleanly(tmp_path):
+    _assert_clean_error(run_cli("workload=jsonl", "logger=none", tmp_path=tmp_path), "workload.path")
