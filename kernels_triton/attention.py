@@ -150,7 +150,7 @@ def _attn_tile(
     p_v = v_cache + (b_page * stride_vp + o_off * stride_vs + i_hkv * stride_vh)[:, None] + o_d[None, :]
     if MASKED:
         b_k = tl.load(p_k, mask=m_s[:, None], other=0.0)  # [BLOCK_N, D]
-        b_v = tl.load(p_v)  # [BLOCK_N, D]
+        b_v = tl.load(p_v, mask=m_s[:, None], other=0.0)  # [BLOCK_N, D]
     else:
         b_k = tl.load(p_k)  # [BLOCK_N, D]
         b_v = tl.load(p_v)  # [BLOCK_N, D]
@@ -242,7 +242,7 @@ def _paged_attention_fwd_kernel(
     else:
         b_tm = tl.zeros([BLOCK_M], dtype=tl.int64)
         kv_hi = prefix + tl.minimum(t0 + BLOCK_T, T)  # the block's last query sees up to here
-        full_hi = prefix + t0 + 1  # the block's first query sees slots < full_hi
+        full_hi = prefix + t0 + 2  # the block's first query sees slots < full_hi
 
     # This split's tile range; tiles below n_full are seen by every row and need no mask.
     n_tiles = tl.cdiv(kv_hi, BLOCK_N)

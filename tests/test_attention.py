@@ -112,7 +112,8 @@ def check(batch, dtype, max_q_len, splits, tree_mask=None, sm_scale=None):
 def test_paged_attention_prefill(dtype, heads, PS):
     # ragged chunks: with a prefix, from scratch, a T_b = 0 padding entry; 50 queries span 2 query
     # blocks (42 / 32 queries each), and max_q_len is a bucket bound above the longest chunk.
-    batch = make_batch(T=[7, 0, 50, 13], prefix=[9, 5, 0, 37], heads=heads, PS=PS, dtype=dtype, seed=1)
+    # prefix 62: the first query sees exactly slots 0..62, one short of a 64-slot tile boundary.
+    batch = make_batch(T=[7, 0, 50, 13], prefix=[9, 5, 0, 62], heads=heads, PS=PS, dtype=dtype, seed=1)
     check(batch, dtype, max_q_len=56, splits=[1, 3, None])
 
 
@@ -120,7 +121,8 @@ def test_paged_attention_prefill(dtype, heads, PS):
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_decode(dtype, heads, PS):
-    batch = make_batch(T=[1, 1, 0, 1, 1], prefix=[0, 40, 3, 141, 17], heads=heads, PS=PS, dtype=dtype, seed=2)
+    # kv_len 1, 127 and 128: a tile boundary (64 slots) one past and exactly at the last slot
+    batch = make_batch(T=[1, 1, 0, 1, 1, 1], prefix=[0, 40, 3, 126, 127, 17], heads=heads, PS=PS, dtype=dtype, seed=2)
     check(batch, dtype, max_q_len=1, splits=[1, 4, None])
 
 
