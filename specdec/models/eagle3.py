@@ -1,0 +1,293 @@
+"""EAGLE-3 draft head in the official checkpoint layout.
+
+The head reads the target's residual stream captured entering three layers (default 2, L//2, L-3),
+fuses them with ``fc`` (3H -> H), and runs one Llama decoder layer whose attention input is the
+concatenation [input_layernorm(embed(token)), hidden_norm(h)] (width 2H). Its output hidden state
+(pre-norm, width H) is fed back as ``h`` for the next draft step, skipping ``fc``; ``norm`` +
+``lm_head`` give logits over a compact draft vocabulary mapped to target ids by ``d2t``
+(target_id = draft_id + d2t[draft_id]); ``t2d`` marks which target ids are in it.
+
+Alignment: draft row j pairs the feature of target position j with the token at position j + 1
+and predicts the token at j + 2. It is stored at draft KV slot j (same page table as the target)
+with RoPE position j, so after a commit that leaves ``seq_len`` target tokens with KV, the draft
+KV covers slots 0 .. seq_len - 1 as well.
+
+Checkpoint keys (official layout): fc.weight, midlayer.{hidden_norm, input_layernorm,
+post_attention_layernorm}.weight, midlayer.self_attn.{q,k,v,o}_proj.weight,
+midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, d2t, t2d; config.json with
+architectures ["LlamaForCausalLMEagle3"], llama fields, num_hidden_layers 1, draft_vocab_size. The
+embedding is the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import ops
+from .loading import CheckpointError, LlamaConfig, resolve_dtype
+
+ARCH = "LlamaForCausalLMEagle3"
+
+
+def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # target vocabulary
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    target_layers: tuple[int, ...] = (2, 15, 27)  # captured target layers (inputs of)
+    target_hidden_size: int | None = None  # width of each captured feature (default hidden_size)
+
+    @classmethod
+    def for_target(cls, target: LlamaConfig, draft_vocab_size: int, target_layers=None) -> "Eagle3Config":
+        """A head shaped like one layer of ``target``."""
+        return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                   num_attention_heads=target.num_attention_heads,
+                   num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+                   vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
+                   rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                   rope_scaling=target.rope_scaling,
+                   max_position_embeddings=target.max_position_embeddings,
+                   target_layers=tuple(target_layers or default_capture_layers(target.num_hidden_layers)))
+
+    def to_hf(self) -> dict:
+        d = asdict(self)
+        d["target_layers"] = list(self.target_layers)
+        rope = dict(self.rope_scaling) if self.rope_scaling else None
+        return {"architectures": [ARCH], "model_type": "llama", "num_hidden_layers": 1,
+                **{k: v for k, v in d.items() if k not in ("rope_scaling", "target_layers")},
+                "rope_scaling": rope,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.target_layers)},
+                "torch_dtype": "float32"}
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "Eagle3Config":
+        arch = cfg.get("architectures") or []
+        if ARCH not in arch:
+            raise CheckpointError(f"{source}: architectures {arch} is not [{ARCH!r}] (an EAGLE-3 head)")
+        if int(cfg.get("num_hidden_layers", 1)) != 1:
+            raise CheckpointError(f"{source}: an EAGLE-3 head has num_hidden_layers 1, "
+                                  f"not {cfg.get('num_hidden_layers')}")
+        base = LlamaConfig.from_dict({**cfg, "model_type": "llama"}, source)
+        layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        try:
+            return cls(hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
+                       num_attention_heads=base.num_attention_heads,
+                       num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
+                       vocab_size=base.vocab_size,
+                       draft_vocab_size=int(cfg.get("draft_vocab_size") or base.vocab_size),
+                       rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta,
+                       rope_scaling=base.rope_scaling,
+                       max_position_embeddings=base.max_position_embeddings,
+                       target_layers=tuple(layers) if layers else (),
+                       target_hidden_size=cfg.get("target_hidden_size"))
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: malformed field: {e}") from e
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: Eagle3Config, *, backend: str = "auto"):
+        super().__init__()
+        c = self.config = config
+        self.backend = ops.check_backend(backend)
+        H, D, HQ, HKV, F = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
+        TH = c.target_hidden_size or H
+        shapes = {
+            "fc.weight": (H, 3 * TH),
+            "midlayer.hidden_norm.weight": (H,),
+            "midlayer.input_layernorm.weight": (H,),
+            "midlayer.post_attention_layernorm.weight": (H,),
+            "midlayer.self_attn.q_proj.weight": (HQ * D, 2 * H),
+            "midlayer.self_attn.k_proj.weight": (HKV * D, 2 * H),
+            "midlayer.self_attn.v_proj.weight": (HKV * D, 2 * H),
+            "midlayer.self_attn.o_proj.weight": (H, HQ * D),
+            "midlayer.mlp.gate_proj.weight": (F, H),
+            "midlayer.mlp.up_proj.weight": (F, H),
+            "midlayer.mlp.down_proj.weight": (H, F),
+            "norm.weight": (H,),
+            "lm_head.weight": (c.draft_vocab_size, H),
+        }
+        self.shapes = shapes
+        self.weights = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(torch.empty(s)) for k, s in shapes.items()})
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    def w(self, key: str) -> torch.Tensor:
+        return self.weights[key.replace(".", "__")]
+
+    # -- construction / checkpoint I/O -----------------------------------------------------------
+    def init_weights_(self, seed: int = 0) -> "Eagle3Head":
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for key in self.shapes:
+                p = self.w(key)
+                if key.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        return self
+
+    def set_vocab_(self, draft_to_target: torch.Tensor) -> None:
+        """Draft vocabulary = the listed target ids (sorted ascending, as d2t offsets assume)."""
+        ids = torch.as_tensor(draft_to_target, dtype=torch.long).sort().values.to(self.d2t.device)
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"{ids.numel()} draft ids for draft_vocab_size {self.config.draft_vocab_size}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def state_dict_official(self) -> dict[str, torch.Tensor]:
+        sd = {k: self.w(k).detach().float().cpu().contiguous() for k in self.shapes}
+        sd["d2t"] = self.d2t.cpu()
+        sd["t2d"] = self.t2d.cpu()
+        return sd
+
+    def save(self, path: str | Path, extra_files: dict[str, str] | None = None) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(self.state_dict_official(), str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+        for name, text in (extra_files or {}).items():
+            (path / name).write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path, *, device="cpu", dtype=None, backend="auto",
+             target: LlamaConfig | None = None) -> "Eagle3Head":
+        """Load safetensors or pytorch_model.bin in the official layout; check it fits ``target``."""
+        path = Path(path)
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"draft checkpoint {path} has no config.json")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
+        config = Eagle3Config.from_hf(raw, str(cfg_path))
+        if target is not None:
+            if not config.target_layers:
+                config.target_layers = default_capture_layers(target.num_hidden_layers)
+            if config.vocab_size != target.vocab_size:
+                raise CheckpointError(f"{cfg_path}: vocab_size {config.vocab_size} != target vocab "
+                                      f"{target.vocab_size}")
+            if (config.target_hidden_size or config.hidden_size) != target.hidden_size:
+                raise CheckpointError(f"{cfg_path}: hidden size {config.hidden_size} does not match "
+                                      f"the target's {target.hidden_size}")
+            if max(config.target_layers) >= target.num_hidden_layers:
+                raise CheckpointError(f"{cfg_path}: captured layers {config.target_layers} exceed "
+                                      f"the target's {target.num_hidden_layers} layers")
+        sd = _read_state_dict(path)
+        head = cls(config, backend=backend)
+        missing = [k for k in list(head.shapes) + ["d2t", "t2d"] if k not in sd]
+        if missing:
+            raise CheckpointError(f"draft checkpoint {path}: missing keys {missing}")
+        with torch.no_grad():
+            for key, shape in head.shapes.items():
+                t = sd[key]
+                if tuple(t.shape) != tuple(shape):
+                    raise CheckpointError(f"draft checkpoint {path}: {key} has shape {tuple(t.shape)}, "
+                                          f"config.json implies {tuple(shape)}")
+                head.w(key).copy_(t.float())
+            if tuple(sd["d2t"].shape) != (config.draft_vocab_size,) or tuple(sd["t2d"].shape) != (config.vocab_size,):
+                raise CheckpointError(f"draft checkpoint {path}: d2t/t2d shapes {tuple(sd['d2t'].shape)}/"
+                                      f"{tuple(sd['t2d'].shape)} do not match the vocabularies")
+            head.d2t.copy_(sd["d2t"].long())
+            head.t2d.copy_(sd["t2d"].bool())
+        return head.to_device(device, dtype)
+
+    def to_device(self, device, dtype=None) -> "Eagle3Head":
+        from kernels_triton.rope import rope_tables
+
+        self.weights.to(device=device, dtype=resolve_dtype(dtype, device))
+        self.d2t, self.t2d = self.d2t.to(device), self.t2d.to(device)
+        c = self.config
+        self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                                   c.rope_scaling, device=device)
+        return self
+
+    @property
+    def device(self):
+        return self.w("fc.weight").device
+
+    @property
+    def dtype(self):
+        return self.w("fc.weight").dtype
+
+    def new_kv_cache(self, num_pages: int, page_size: int):
+        c = self.config
+        shape = (1, num_pages, page_size, c.num_key_value_heads, c.head_dim)
+        return (torch.zeros(shape, device=self.device, dtype=self.dtype),
+                torch.zeros(shape, device=self.device, dtype=self.dtype))
+
+    # -- forward ---------------------------------------------------------------------------------
+    def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
+        """[N, 3H] captured target features -> [N, H] draft input hidden."""
+        return target_features @ self.w("fc.weight").t()
+
+    def forward(self, token_embeds, hidden, positions, meta: ops.AttentionMeta, k_cache, v_cache):
+        """One draft layer. token_embeds, hidden: [N, H] -> (draft hidden [N, H] pre-norm, logits
+        [N, draft_vocab]). ``hidden`` is ``fuse(features)`` or a previous draft hidden state."""
+        c, be = self.config, self.backend
+        N = hidden.shape[0]
+        HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        e = ops.rms_norm(token_embeds, self.w("midlayer.input_layernorm.weight"), c.rms_norm_eps, backend=be)
+        h = ops.rms_norm(hidden, self.w("midlayer.hidden_norm.weight"), c.rms_norm_eps, backend=be)
+        x = torch.cat([e, h], dim=-1)  # [N, 2H]
+        q = (x @ self.w("midlayer.self_attn.q_proj.weight").t()).view(N, HQ, D)
+        k = (x @ self.w("midlayer.self_attn.k_proj.weight").t()).view(N, HKV, D)
+        v = (x @ self.w("midlayer.self_attn.v_proj.weight").t()).view(N, HKV, D)
+        q, k = ops.rope(q, k, positions, self.rope_cos, self.rope_sin, backend=be)
+        ops.write_kv_(k_cache[0], v_cache[0], k, v, meta.slot_mapping, backend=be)
+        o = ops.paged_attention(q, k_cache[0], v_cache[0], meta, backend=be)  # [N, HQ, D]
+        attn = o.reshape(N, HQ * D) @ self.w("midlayer.self_attn.o_proj.weight").t()
+        x, residual = ops.rms_norm(attn, self.w("midlayer.post_attention_layernorm.weight"),
+                                   c.rms_norm_eps, hidden, backend=be)
+        gate = x @ self.w("midlayer.mlp.gate_proj.weight").t()
+        up = x @ self.w("midlayer.mlp.up_proj.weight").t()
+        out = residual + (torch.nn.functional.silu(gate) * up) @ self.w("midlayer.mlp.down_proj.weight").t()
+        logits = ops.rms_norm(out, self.w("norm.weight"), c.rms_norm_eps, backend=be) @ self.w("lm_head.weight").t()
+        return out, logits
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    sd: dict[str, torch.Tensor] = {}
+    try:
+        for f in files:
+            sd.update(load_file(str(f)))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"draft checkpoint {path}: cannot read safetensors: {e}") from e
+    if not files:
+        bin_path = path / "pytorch_model.bin"
+        if not bin_path.is_file():
+            raise CheckpointError(f"draft checkpoint {path} has no *.safetensors or pytorch_model.bin")
+        try:
+            sd = torch.load(bin_path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for a corrupt pickle
+            raise CheckpointError(f"{bin_path}: cannot read: {e}") from e
+    return sd
