@@ -1,0 +1,139 @@
+"""Draft trees: token ids, parents, depths and ancestor masks for a batch, built on the device.
+
+A tree of T nodes per request: node 0 is the root (the pending token, already committed, whose KV
+the verify pass computes), nodes 1..T-1 are draft tokens in topological order (parent < child).
+For verification, node i sits at logical KV slot ``seq_len + i`` and RoPE position
+``seq_len + depth[i]``; it may attend to the whole prefix plus its ancestors (bit j of ``mask[i]``
+set iff node j is node i or one of its ancestors). T = 1 is plain decoding.
+
+Growing a tree (EAGLE-2): take the ``topk`` best tokens at the root; for ``steps - 1`` more rounds,
+expand the current frontier's ``topk`` nodes, score their ``topk * topk`` children by cumulative
+log-probability and keep the best ``topk`` as the next frontier; finally keep the best
+``num_draft_tokens`` candidates overall. Children score strictly below their parents (a tiny
+depth penalty breaks exact ties), so the kept set is closed under ancestors. ``topk = 1`` gives a
+chain of ``steps`` tokens. Everything here is batched tensor work: no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_TREE_NODES = 64  # one int64 ancestor bitmask per node
+_TIE = 1e-6  # depth penalty: makes a child's score strictly below its parent's
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, T] int64, tokens[:, 0] = root (pending token)
+    parents: torch.Tensor  # [B, T] int32, parents[:, 0] = -1
+    depth: torch.Tensor  # [B, T] int32, depth[:, 0] = 0
+    mask: torch.Tensor  # [B, T] int64 ancestor bitmask including self
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+
+def bit(i: torch.Tensor) -> torch.Tensor:
+    """1 << i as int64 (i = 63 wraps to the sign bit, which is what a bitmask wants)."""
+    return torch.bitwise_left_shift(torch.ones_like(i, dtype=torch.int64), i.to(torch.int64))
+
+
+def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, T] parents (root -1, topological) -> [B, T] int64 ancestor-or-self bitmasks."""
+    B, T = parents.shape
+    idx = torch.arange(T, device=parents.device).expand(B, T)
+    mask = bit(idx)
+    anc = parents.long()
+    for _ in range(max_depth):  # one gather per level: depth <= steps, never T
+        valid = anc >= 0
+        mask = mask | torch.where(valid, bit(anc.clamp(min=0)), torch.zeros_like(mask))
+        anc = torch.where(valid, parents.long().gather(1, anc.clamp(min=0)), anc)
+    return mask
+
+
+def single_node_tree(root: torch.Tensor) -> DraftTree:
+    """The k = 0 tree: the root alone. root: [B] int64."""
+    B = root.shape[0]
+    z = torch.zeros(B, 1, dtype=torch.int32, device=root.device)
+    return DraftTree(root[:, None].long(), z - 1, z, torch.ones(B, 1, dtype=torch.int64, device=root.device))
+
+
+def chain_tree(root: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
+    """A chain: root [B] followed by drafts [B, K] (each node the child of the previous)."""
+    B, K = drafts.shape
+    dev = root.device
+    tokens = torch.cat([root[:, None].long(), drafts.long()], dim=1)  # [B, K+1]
+    parents = (torch.arange(K + 1, device=dev, dtype=torch.int32) - 1).expand(B, K + 1).contiguous()
+    depth = torch.arange(K + 1, device=dev, dtype=torch.int32).expand(B, K + 1).contiguous()
+    mask = (bit(torch.arange(K + 1, device=dev) + 1) - 1).expand(B, K + 1).contiguous()
+    return DraftTree(tokens, parents, depth, mask)
+
+
+def select_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
+                cand_parents: torch.Tensor, cand_depth: torch.Tensor, num_draft_tokens: int,
+                max_depth: int) -> DraftTree:
+    """Keep the best ``num_draft_tokens`` candidates as a tree.
+
+    cand_*: [B, C] over all grown candidates in round order (a parent's index is lower than its
+    child's); cand_parents holds candidate indices, -1 for children of the root; scores are
+    cumulative log-probabilities; ``max_depth`` is the static depth bound (the growth steps).
+    """
+    B, C = cand_tokens.shape
+    n = min(num_draft_tokens, C)
+    if n + 1 > MAX_TREE_NODES:
+        raise ValueError(f"num_draft_tokens={num_draft_tokens}: a tree holds at most {MAX_TREE_NODES - 1}")
+    score = cand_scores.float() - _TIE * cand_depth.float()
+    keep = score.topk(n, dim=1).indices.sort(dim=1).values  # [B, n] candidate ids, topological
+    node_of = torch.full((B, C), -1, dtype=torch.long, device=root.device)
+    node_of.scatter_(1, keep, torch.arange(1, n + 1, device=root.device).expand(B, n))
+    cpar = cand_parents.long().gather(1, keep)  # [B, n] candidate id of each kept node's parent
+    par = torch.where(cpar >= 0, node_of.gather(1, cpar.clamp(min=0)), torch.zeros_like(cpar))
+    tokens = torch.cat([root[:, None].long(), cand_tokens.gather(1, keep)], dim=1)
+    parents = torch.cat([torch.full((B, 1), -1, device=root.device, dtype=torch.long), par], 1).int()
+    depth = torch.cat([torch.zeros(B, 1, dtype=torch.int32, device=root.device),
+                       cand_depth.gather(1, keep).int()], dim=1)
+    return DraftTree(tokens, parents, depth, ancestor_masks(parents, max_depth))
+
+
+def tree_positions(tree: DraftTree, seq_lens: torch.Tensor) -> torch.Tensor:
+    """RoPE positions [B, T] = seq_len + depth."""
+    return seq_lens[:, None].long() + tree.depth.long()
+
+
+def grow_tree(root: torch.Tensor, first_logp: torch.Tensor, expand, *, topk: int, steps: int,
+              num_draft_tokens: int, to_target=None) -> DraftTree:
+    """EAGLE-2 growth. root: [B]; first_logp: [B, V] draft log-probs at the root.
+
+    ``expand(r, tokens [B, topk], parent_slot [B, topk]) -> logp [B, topk, V]`` runs the draft on
+    round r's frontier (``parent_slot`` = each node's parent's index in the previous frontier, -1 in
+    round 0) and returns its children's log-probs. ``to_target`` maps draft-vocabulary ids to target
+    ids (EAGLE-3's d2t); identity when None.
+    """
+    if steps < 1 or topk < 1:
+        raise ValueError(f"a tree needs steps >= 1 and topk >= 1 (got steps={steps}, topk={topk})")
+    to_target = to_target or (lambda ids: ids)
+    B = root.shape[0]
+    dev = root.device
+    scores, ids = first_logp.float().topk(topk, dim=-1)  # [B, k]
+    front_tok = to_target(ids)
+    front_ids = torch.arange(topk, device=dev).expand(B, topk)  # candidate ids of the frontier
+    cands = [(front_tok, scores, torch.full_like(ids, -1), torch.ones_like(ids))]
+    n_cand = topk
+    parent_slot = torch.full_like(ids, -1)
+    for r in range(1, steps):
+        logp = expand(r - 1, front_tok, parent_slot).float()  # [B, k, V]
+        cs, cid = logp.topk(topk, dim=-1)  # [B, k, k]
+        child_scores = (scores[:, :, None] + cs).reshape(B, topk * topk)
+        child_tok = to_target(cid).reshape(B, topk * topk)
+        child_par = front_ids[:, :, None].expand(B, topk, topk).reshape(B, topk * topk)
+        cands.append((child_tok, child_scores, child_par, torch.full_like(child_tok, r + 1)))
+        scores, best = child_scores.topk(topk, dim=-1)  # next frontier [B, k]
+        front_tok = child_tok.gather(1, best)
+        front_ids = n_cand + best
+        parent_slot = best // topk
+        n_cand += topk * topk
+    tok, sc, par, dep = (torch.cat(x, dim=1) for x in zip(*cands))
+    return select_tree(root, tok, sc, par, dep, num_draft_tokens, steps)
