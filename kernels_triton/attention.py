@@ -77,10 +77,10 @@ def paged_attention_ref(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tre
         if T == 0:
             continue
         prefix = kv_len - T
+        pages = page_table[b, : (kv_len + PS - 1) // PS].long()  # logical page i -> physical page
+        k = k_cache[pages].flatten(0, 1)[:kv_len].float()  # [L, HKV, D]
+        v = v_cache[pages].flatten(0, 1)[:kv_len].float()  # [L, HKV, D]
         slots = torch.arange(kv_len, device=q.device)  # [L]
-        pages = page_table[b, slots // PS].long()  # [L]
-        k = k_cache[pages, slots % PS].float().repeat_interleave(G, dim=1)  # [L, HQ, D]
-        v = v_cache[pages, slots % PS].float().repeat_interleave(G, dim=1)  # [L, HQ, D]
         i = torch.arange(T, device=q.device)
         if tree_mask is None:
             vis = slots[None, :] <= prefix + i[:, None]  # [T, L]
@@ -88,9 +88,11 @@ def paged_attention_ref(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tre
             bits = (tree_mask[q0:q1, None] >> i[None, :]) & 1  # [T, T] bit j of node i
             vis = torch.ones(T, kv_len, dtype=torch.bool, device=q.device)
             vis[:, prefix:] = bits.bool()
-        s = torch.einsum("thd,lhd->htl", q[q0:q1].float(), k) * scale  # [HQ, T, L]
-        s = s.masked_fill(~vis[None], float("-inf"))
-        out[q0:q1] = torch.einsum("htl,lhd->thd", torch.softmax(s, dim=-1), v).to(q.dtype)
+        qg = q[q0:q1].float().reshape(T, HKV, G, D)  # query head h = kv_head * G + g
+        s = torch.einsum("tkgd,lkd->kgtl", qg, k) * scale  # [HKV, G, T, L]
+        s = s.masked_fill(~vis, float("-inf"))
+        o = torch.einsum("kgtl,lkd->tkgd", torch.softmax(s, dim=-1), v)  # [T, HKV, G, D]
+        out[q0:q1] = o.reshape(T, HQ, D).to(q.dtype)
     return out
 
 
@@ -242,7 +244,7 @@ def _paged_attention_fwd_kernel(
     else:
         b_tm = tl.zeros([BLOCK_M], dtype=tl.int64)
         kv_hi = prefix + tl.minimum(t0 + BLOCK_T, T)  # the block's last query sees up to here
-        full_hi = prefix + t0 + 2  # the block's first query sees slots < full_hi
+        full_hi = prefix + t0 + 1  # the block's first query sees slots < full_hi
 
     # This split's tile range; tiles below n_full are seen by every row and need no mask.
     n_tiles = tl.cdiv(kv_hi, BLOCK_N)
@@ -364,7 +366,7 @@ def _sm_count(device):
     return _SM_COUNT[idx]
 
 
-def _launch_config(max_q_len, G, D):
+def _launch_config(max_q_len, G, D, dtype=torch.bfloat16):
     """Tile sizes and launch options from static info only (ptxas figures for sm_90, bf16).
 
     BLOCK_M packs BLOCK_T queries x G heads: decode (max_q_len * G <= 16) 16 rows, tree verify and
@@ -373,9 +375,13 @@ def _launch_config(max_q_len, G, D):
       (~37 KB smem, ~95 regs at d64 / N=64; d128 takes N=32 for the same footprint).
     - BLOCK_M = 64 (one wgmma warpgroup): N=64; N=128 needs 255 regs at d64 (2 programs/SM -> 1).
     - BLOCK_M = 128 (prefill): 8 warps, N=64; 4 warps spill at d64.
+    fp32 inputs (tests, debugging) run an ieee FMA dot, which needs registers for both operands:
+    8 warps, 2 stages, BLOCK_M <= 64 x BLOCK_N = 32 at d64 and 32 x 16 at d128 (no spills; the bf16
+    tiles would spill kilobytes).
     """
     rows = max_q_len * G
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    max_m = 128 if dtype != torch.float32 else (64 if D <= 64 else 32)
+    block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
     block_m = max(block_m, triton.next_power_of_2(G))
     block_t = block_m // G
     if block_m <= 32:
@@ -384,14 +390,18 @@ def _launch_config(max_q_len, G, D):
         cfg = dict(BLOCK_N=64, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=64, num_warps=8, num_stages=3 if D <= 128 else 2)
+    if dtype == torch.float32:
+        cfg.update(BLOCK_N=32 if D <= 64 else 16, num_warps=8, num_stages=2)
     return dict(BLOCK_M=block_m, BLOCK_T=block_t, **cfg)
 
 
-def _default_num_splits(B, HKV, n_qblocks, kv_capacity, cfg, device):
-    """Split-KV factor from static shapes: fill every SM with the resident programs it can hold
-    (~4 small-row programs or ~2 large ones, by registers), keeping >= 2 KV tiles per split."""
+def _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device):
+    """Split-KV factor from static shapes: enough programs to fill every SM with as many as can be
+    resident at once (by registers, see _launch_config: ~4 at BLOCK_M <= 32, 3 or 2 at 64, 1 at 128),
+    keeping >= 2 KV tiles of capacity per split."""
     base = max(1, B * HKV * n_qblocks)
-    per_sm = 4 if cfg["BLOCK_M"] <= 32 else 2
+    block_m = cfg["BLOCK_M"]
+    per_sm = 4 if block_m <= 32 else (3 if D <= 64 else 2) if block_m == 64 else 1
     splits = max(1, (per_sm * _sm_count(device)) // base)
     splits = min(splits, max(1, kv_capacity // (2 * cfg["BLOCK_N"])), MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)  # a power of two: few distinct merge-kernel compiles
@@ -486,10 +496,10 @@ def paged_attention(
     P, PS, HKV, _ = k_cache.shape
     B, MP = page_table.shape
     G = HQ // HKV
-    cfg = _launch_config(max_q_len, G, D)
+    cfg = _launch_config(max_q_len, G, D, q.dtype)
     n_qblocks = triton.cdiv(max_q_len, cfg["BLOCK_T"])
     if num_splits is None:
-        num_splits = _default_num_splits(B, HKV, n_qblocks, MP * PS, cfg, q.device)
+        num_splits = _default_num_splits(B, HKV, D, n_qblocks, MP * PS, cfg, q.device)
     if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"paged_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
 
@@ -519,9 +529,10 @@ def paged_attention(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split:
+        block_s = triton.next_power_of_2(num_splits)
         _paged_attention_merge_kernel[(N * HQ,)](
             o_part, lse_part, o, num_splits, o.stride(0), o.stride(1),
-            HQ=HQ, D=D, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=1 if D <= 64 else 2,
+            HQ=HQ, D=D, BLOCK_S=block_s, num_warps=max(1, min(8, block_s * D // 1024)),  # <= 32 fp32 / thread
         )  # fmt: skip
     return o
 

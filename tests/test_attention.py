@@ -96,13 +96,11 @@ def check(batch, dtype, max_q_len, splits, tree_mask=None, sm_scale=None):
     ref = paged_attention_ref(**batch, tree_mask=tree_mask, sm_scale=sm_scale)
     atol, rtol = TOL[dtype]
     for ns in splits:
-        out = call_poisoned(
-            lambda: paged_attention(**batch, tree_mask=tree_mask, sm_scale=sm_scale, max_q_len=max_q_len, num_splits=ns),
-            batch["q"].shape,
-            dtype,
-        )
+        kwargs = dict(tree_mask=tree_mask, sm_scale=sm_scale, max_q_len=max_q_len, num_splits=ns)
+        out = call_poisoned(lambda: paged_attention(**batch, **kwargs), batch["q"].shape, dtype)
         assert out.shape == ref.shape and out.dtype == dtype
-        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol, msg=lambda m: f"num_splits={ns}: {m}")
+        msg = lambda m: f"num_splits={ns}: {m}"  # noqa: E731
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol, msg=msg)
     return ref
 
 
@@ -110,8 +108,9 @@ def check(batch, dtype, max_q_len, splits, tree_mask=None, sm_scale=None):
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_prefill(dtype, heads, PS):
-    # ragged chunks: with a prefix, from scratch, a T_b = 0 padding entry; 50 queries span 2 query
-    # blocks (42 / 32 queries each), and max_q_len is a bucket bound above the longest chunk.
+    # ragged chunks: with a prefix, from scratch, a T_b = 0 padding entry; 50 queries span several
+    # query blocks (42 / 32 / 21 / 8 queries each, by dtype and G), and max_q_len is a bucket bound
+    # above the longest chunk.
     # prefix 62: the first query sees exactly slots 0..62, one short of a 64-slot tile boundary.
     batch = make_batch(T=[7, 0, 50, 13], prefix=[9, 5, 0, 62], heads=heads, PS=PS, dtype=dtype, seed=1)
     check(batch, dtype, max_q_len=56, splits=[1, 3, None])
@@ -186,9 +185,8 @@ def test_reference_matches_dense_sdpa():
     )
     mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=prefix)
     G = HQ // HKV
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(G, 1).transpose(0, 1), v.repeat_interleave(G, 1).transpose(0, 1), attn_mask=mask
-    ).transpose(0, 1)
+    k_e, v_e = k.repeat_interleave(G, 1).transpose(0, 1), v.repeat_interleave(G, 1).transpose(0, 1)  # [HQ, L, D]
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k_e, v_e, attn_mask=mask).transpose(0, 1)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
