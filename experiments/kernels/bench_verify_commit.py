@@ -1,0 +1,322 @@
+"""Benchmark: verify_accept (greedy / stochastic tree verification) and kv_sync_ (the commit), Triton
+vs the plain-torch references the tests use.
+
+Question: what do verification and commit cost per step, next to a ~1.2 ms (SmolLM2) / ~5 ms
+(Llama-8B) decode step, and how close does verify_accept get to reading the path's logits rows at
+copy bandwidth?
+
+verify_accept: B in {1, 8, 64}, T in {1, 8, 16, 64} tree nodes, V = 49152, bf16 logits. Trees are
+EAGLE-like (each node hangs off one of the 4 previous nodes); a spine of depth min(4, T - 1) at
+random node positions carries planted tokens whose logit is 14 (p ~ 0.94 at temperature 1 against
+49152 N(0, 1) logits), so greedy accepts 4 and stochastic ~3.5 on average. Modes: greedy;
+sample = temperature 1, deterministic drafts (the EAGLE top-k case); sample_q = temperature 1 with
+draft_probs (residual materialised in the workspace on each rejection).
+kv_sync_: SmolLM2-135M pool (30 layers, 3 KV heads, d64), Llama-3.1-8B pool (32 layers, 8 KV heads,
+d128) and Llama target + 1-layer draft pool in one call; B in {1, 64}, T = 16, 4 accepted nodes
+at random tree positions; prefix ~512, page size 16, shuffled pages.
+
+Columns:
+  accept     mean accepted length of the kernel's output (verify) / rows moved per request (sync)
+  us         triton.testing.do_bench median (L2 flushed before each call)
+  GB/s       verify: logits rows on the path (B x (accept + 1) x V x 2 bytes) / time;
+             sync: K/V bytes read + written / time
+  %copy      GB/s as a fraction of the device copy bandwidth measured in this run
+  ref us     the plain-torch reference (eager; kv_sync_ref_ syncs on a nonzero())
+  graph us   per call, replaying a CUDA graph of 20 back-to-back calls (no launch overhead)
+  mismatch   requests whose output differs from the reference (stochastic: only ulp-level ties
+             between the kernel's and torch's exp/cumsum can cause this; the tests bound it)
+
+Run:  python experiments/kernels/bench_verify_commit.py --out experiments/results/kernels
+      python experiments/kernels/bench_verify_commit.py --quick --out /tmp/bench   (CPU smoke run;
+      under TRITON_INTERPRET=1 when there is no GPU, timings meaningless)
+"""
+
+import argparse
+import csv
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first @triton.jit (kernels_triton import below).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+
+import triton  # noqa: E402
+
+from kernels_triton.kv_sync import kv_sync_, kv_sync_ref_  # noqa: E402
+from kernels_triton.verify_accept import verify_accept, verify_accept_ref  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+GRAPH_CALLS = 20
+PLANTED_LOGIT = 14.0
+ACCEPT_DEPTH = 4
+
+
+# ------------------------------------------------------------------------------------- timers
+
+
+def time_bench(fn):
+    """Device time per call in us (median; L2 flushed before each call on the GPU)."""
+    if CUDA:
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def time_graph(fn, replays=10):
+    """Per-call time in us replaying a CUDA graph of GRAPH_CALLS back-to-back calls (GPU only)."""
+    if not CUDA:
+        return float("nan")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile, allocator) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    per_call_us = start.elapsed_time(end) * 1e3 / (replays * GRAPH_CALLS)
+    del graph
+    return per_call_us
+
+
+def copy_bandwidth_gbps():
+    """Device copy bandwidth, bytes read + written per second, in GB/s."""
+    numel = (1 << 29) if CUDA else (1 << 20)  # 1 GiB of bf16 on the GPU
+    src = torch.randn(numel, device=DEVICE).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    us = time_bench(lambda: dst.copy_(src))
+    gbps = 2 * src.numel() * src.element_size() / (us * 1e-6) / 1e9
+    del src, dst
+    return gbps
+
+
+# ------------------------------------------------------------------------------------- cases
+
+
+def verify_inputs(B, T, V, mode, dtype, seed):
+    """Logits / tokens / parents / uniforms / draft_probs. Each tree hangs every node off one of the 4
+    previous nodes, except a spine of min(4, T - 1) random nodes (each the child of the previous
+    spine node) whose tokens get logit PLANTED_LOGIT at their parent's row."""
+    gen = torch.Generator().manual_seed(seed)
+    dgen = torch.Generator(DEVICE).manual_seed(seed)
+    parents = torch.full((B, T), -1, dtype=torch.int32)
+    for i in range(1, T):
+        parents[:, i] = torch.randint(max(0, i - 4), i, (B,), generator=gen).to(torch.int32)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    depth = min(ACCEPT_DEPTH, T - 1)
+    plant_b, plant_row, plant_tok = [], [], []
+    for b in range(B):
+        spine = torch.randperm(T - 1, generator=gen)[:depth].add(1).sort().values.tolist()
+        for prev, node in zip([0] + spine, spine):
+            parents[b, node] = prev
+            plant_b.append(b)
+            plant_row.append(prev)
+            plant_tok.append(int(tokens[b, node]))
+    logits = torch.randn(B, T, V, device=DEVICE, generator=dgen)
+    if plant_b:
+        logits[torch.tensor(plant_b), torch.tensor(plant_row), torch.tensor(plant_tok)] = PLANTED_LOGIT
+    uniforms = torch.rand(B, T, 2, generator=gen).to(DEVICE)
+    draft_probs = None
+    if mode == "sample_q":
+        # A draft close to the target: softmax of the target logits plus noise (fp32, [B, T, V]).
+        noise = torch.randn(B, T, V, device=DEVICE, generator=dgen)
+        draft_probs = torch.softmax(logits + 0.5 * noise, -1)
+        del noise
+    temperature = 0.0 if mode == "greedy" else 1.0
+    return logits.to(dtype), tokens.to(DEVICE), parents.to(DEVICE), temperature, uniforms, draft_probs
+
+
+def verify_case(B, T, V, mode, dtype):
+    args = verify_inputs(B, T, V, mode, dtype, seed=B * 100 + T)
+    got = verify_accept(*args)
+    want = verify_accept_ref(*args)
+    mismatch = int(((got[2] != want[2]).any(-1) | (got[0] != want[0])).sum())
+    accept = got[0].float().mean().item()
+    nbytes = B * (accept + 1) * V * args[0].element_size()
+    return dict(
+        op="verify_accept", mode=mode, shape=f"V={V}", B=B, T=T, accept=accept, bytes=nbytes, mismatch=mismatch,
+        kernel=lambda: verify_accept(*args), ref=lambda: verify_accept_ref(*args),
+    )
+
+
+def kv_pools(specs, P, PS, dtype):
+    shapes = [(L, P, PS, HKV, D) for L, HKV, D in specs]
+    return [(torch.empty(s, device=DEVICE, dtype=dtype), torch.empty(s, device=DEVICE, dtype=dtype)) for s in shapes]
+
+
+def sync_case(name, specs, B, T, dtype, prefix=512, PS=16):
+    gen = torch.Generator().manual_seed(B + T)
+    MP = (prefix + 2 * T) // PS + 1
+    P = B * MP
+    pools = kv_pools(specs, P, PS, dtype)
+    for k, v in pools:  # random bits (a pure copy: values do not matter, but keep them finite)
+        k.normal_()
+        v.normal_()
+    page_table = torch.randperm(P, generator=gen)[: B * MP].view(B, MP).to(torch.int32)
+    seq_lens = torch.randint(prefix // 2, prefix + 1, (B,), generator=gen).to(torch.int32)
+    nodes = torch.full((B, T), -1, dtype=torch.int32)
+    nodes[:, 0] = 0
+    for b in range(B):
+        nodes[b, 1 : ACCEPT_DEPTH + 1] = torch.randperm(T - 1, generator=gen)[:ACCEPT_DEPTH].add(1).sort().values
+    accept_len = torch.full((B,), ACCEPT_DEPTH, dtype=torch.int32)
+    out_tokens = torch.randint(0, 49152, (B, T), generator=gen)
+    state = [t.to(DEVICE) for t in (page_table, seq_lens, nodes, accept_len, out_tokens)]
+    moved = int((nodes[:, 1:] != torch.arange(1, T)).logical_and(nodes[:, 1:] >= 0).sum()) / B
+    row_bytes = sum(L * HKV * D for L, HKV, D in specs) * 2 * torch.tensor([], dtype=dtype).element_size()
+    nbytes = 2 * B * moved * row_bytes  # read + write, K and V
+    # Correctness on copies of the pools.
+    got = [(k.clone(), v.clone()) for k, v in pools]
+    want = [(k.clone(), v.clone()) for k, v in pools]
+    r_got = kv_sync_(got, *state)
+    r_want = kv_sync_ref_(want, *state)
+    same = all(torch.equal(a, b) for pg, pw in zip(got, want) for a, b in zip(pg, pw))
+    same = same and all(torch.equal(a, b) for a, b in zip(r_got, r_want))
+    del got, want
+    return dict(
+        op="kv_sync_", mode=name, shape="+".join(f"{L}x{HKV}x{D}" for L, HKV, D in specs), B=B, T=T, accept=moved,
+        bytes=nbytes, mismatch=0 if same else B,
+        kernel=lambda: kv_sync_(pools, *state), ref=lambda: kv_sync_ref_(pools, *state),
+    )
+
+
+def measure(case, copy_gbps, graph):
+    row = {key: case[key] for key in ("op", "mode", "shape", "B", "T", "accept", "bytes", "mismatch")}
+    t_us = time_bench(case["kernel"])
+    r_us = time_bench(case["ref"])
+    row.update(
+        triton_us=t_us,
+        gbps=case["bytes"] / (t_us * 1e-6) / 1e9,
+        ref_us=r_us,
+        speedup=r_us / t_us,
+        graph_us=time_graph(case["kernel"]) if graph else float("nan"),
+    )
+    row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+    return row
+
+
+# ------------------------------------------------------------------------------------- output
+
+
+def git_commit():
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+TABLE_COLS = [  # (csv key, header, format)
+    ("op", "op", "{}"), ("mode", "mode", "{}"), ("shape", "shape", "{}"), ("B", "B", "{}"), ("T", "T", "{}"),
+    ("accept", "accept", "{:.2f}"), ("triton_us", "us", "{:.1f}"), ("gbps", "GB/s", "{:.0f}"),
+    ("pct_copy", "%copy", "{:.0f}"), ("ref_us", "ref us", "{:.1f}"), ("speedup", "x ref", "{:.1f}"),
+    ("graph_us", "graph us", "{:.1f}"), ("mismatch", "mismatch", "{}"),
+]
+
+
+def print_table(rows, title):
+    cells = [[fmt.format(row[key]) for key, _, fmt in TABLE_COLS] for row in rows]
+    headers = [header for _, header, _ in TABLE_COLS]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+        print(title)
+        print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+        for c in cells:
+            print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+        return
+    table = Table(title=title)
+    for h in headers:
+        table.add_column(h, justify="right")
+    for c in cells:
+        table.add_row(*c)
+    Console(width=200).print(table)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "kernels",
+                        help="directory for the CSV")
+    parser.add_argument("--quick", action="store_true", help="tiny subset (CPU smoke run)")
+    args = parser.parse_args()
+
+    smollm2, llama, eagle = (30, 3, 64), (32, 8, 128), (1, 8, 128)
+    if args.quick:
+        dtype = torch.bfloat16 if CUDA else torch.float32
+        V, bs, ts, modes = 1000, [1, 3], [1, 8], ["greedy", "sample", "sample_q"]
+        sync_specs = [("smollm2", [(2, 3, 64)]), ("target+draft", [(2, 3, 64), (1, 3, 64)])]
+        sync_bs, sync_t = [1, 3], 8
+    else:
+        dtype = torch.bfloat16
+        V, bs, ts, modes = 49152, [1, 8, 64], [1, 8, 16, 64], ["greedy", "sample", "sample_q"]
+        sync_specs = [("smollm2", [smollm2]), ("llama8b", [llama]), ("llama8b+draft", [llama, eagle])]
+        sync_bs, sync_t = [1, 64], 16
+    device_name = torch.cuda.get_device_name() if CUDA else "cpu (TRITON_INTERPRET=1)"
+    t_start = time.perf_counter()
+    copy_gbps = copy_bandwidth_gbps()
+
+    rows = []
+    for mode in modes:
+        for B in bs:
+            for T in ts:
+                case = verify_case(B, T, V, mode, dtype)
+                rows.append(measure(case, copy_gbps, graph=True))
+                del case
+                print(f"  measured verify_accept {mode} B={B} T={T}", file=sys.stderr)
+    for name, specs in sync_specs:
+        for B in sync_bs:
+            case = sync_case(name, specs, B, sync_t, dtype)
+            rows.append(measure(case, copy_gbps, graph=True))
+            del case
+            if CUDA:
+                torch.cuda.empty_cache()
+            print(f"  measured kv_sync_ {name} B={B}", file=sys.stderr)
+
+    commit = git_commit()
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"bench_verify_commit_{datetime.datetime.now():%Y%m%d-%H%M%S}.csv"
+    extra = dict(commit=commit, device=device_name, date=date, copy_gbps=copy_gbps,
+                 dtype=str(dtype).replace("torch.", ""))
+    fields = list(extra) + ["op", "mode", "shape", "B", "T", "accept", "bytes"] + [k for k, _, _ in TABLE_COLS[6:]]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**extra, **{k: row[k] for k in fields if k in row}})
+
+    print(f"wrote {path} ({time.perf_counter() - t_start:.0f} s)")
+    print(f"device {device_name}, commit {commit}, {date}, logits/KV dtype {extra['dtype']}")
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+    print_table(rows, "verify_accept / kv_sync_: Triton vs torch eager reference")
+
+
+if __name__ == "__main__":
+    main()
