@@ -37,6 +37,14 @@ def build_target(cfg: DictConfig, device: str):
     from .models.llama import load_target
     from .models.tokenizer import Tokenizer
 
+    if cfg.target.get("random_weights"):
+        # Real shapes, random weights (systems studies): no tokenizer, synthetic workloads only.
+        from .bench.targets import IdsOnlyTokenizer, llama_config_from_dict, random_target
+
+        config = llama_config_from_dict(OmegaConf.to_container(cfg.target.config, resolve=True))
+        model = random_target(config, device=device, dtype=cfg.engine.dtype, seed=int(cfg.seed),
+                              backend=cfg.engine.kernels)
+        return model, IdsOnlyTokenizer(config.vocab_size)
     path = cfg.target.path
     if path is None:
         if cfg.target.name != "smollm2-135m-instruct":
@@ -46,77 +54,113 @@ def build_target(cfg: DictConfig, device: str):
     return model, Tokenizer(path)
 
 
-def generate_all(model, tokenizer, prompts, cfg, progress_cb=None) -> list[dict]:
-    """Generate every prompt; a request that cannot run is reported, never fatal to the others."""
-    from .engine.reference import generate_reference
+def _truncate_at_stop(text: str, stop) -> str:
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -> list[dict]:
+    """Serve every prompt through the engine; records come back in prompt order.
+
+    Load shape from ``cfg.workload``: ``mode: closed`` keeps ``concurrency`` requests in flight
+    (null: all at once), ``mode: open`` sends Poisson arrivals at ``rate`` per second. A request that
+    cannot run is reported in its record (``error``), never fatal to the others. ``trace`` (a
+    bench.metrics.StepTrace) receives one record per engine step, plus run-level facts in ``meta``.
+    """
+    from .bench.clients import closed_loop, open_loop
+    from .bench.metrics import request_record
+    from .engine.engine import Engine, EngineConfig
 
     max_new = int(cfg.engine.max_new_tokens)
     eos = set(model.config.eos_token_id)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    gen = torch.Generator(device=model.device).manual_seed(int(cfg.seed))
-    budget = model.config.max_position_embeddings
-    records = []
-    for p in prompts:
-        rec = {"id": p.id, "prompt": p.text, "prompt_tokens": len(p.prompt_ids)}
-        if len(p.prompt_ids) + max_new > budget:
-            rec.update(error=f"prompt of {len(p.prompt_ids)} tokens + max_new_tokens {max_new} "
-                             f"exceeds the KV budget of {budget} positions", output_ids=[], output="")
-        else:
-            t0 = time.perf_counter()
-            g = generate_reference(model, p.prompt_ids, max_new, eos_ids=eos,
-                                   temperature=float(cfg.sampling.temperature), generator=gen,
-                                   page_size=int(cfg.engine.page_size))
-            latency = time.perf_counter() - t0
-            n = len(g.token_ids)
-            rec.update(output=tokenizer.decode(g.token_ids), output_ids=g.token_ids,
-                       output_tokens=n, finish_reason=g.finish_reason, ttft_s=g.ttft_s,
-                       latency_s=latency,
-                       tpot_s=(latency - g.ttft_s) / (n - 1) if n > 1 else None)
-        records.append(rec)
+    wl = cfg.workload
+    ignore_eos = bool(wl.get("ignore_eos", False))
+    stop = list(cfg.engine.get("stop") or [])
+    ids_only = getattr(tokenizer, "is_ids_only", False)
+    engine = Engine(model, EngineConfig.from_cfg(cfg.engine, temperature=float(cfg.sampling.temperature),
+                                                 seed=int(cfg.seed)),
+                    eos_ids=eos, detokenize=None if ids_only else tokenizer.decode, trace=trace)
+    order: dict[int, int] = {}  # id(request) -> prompt index
+    by_index: dict[int, dict] = {}
+
+    def submit(p, arrival_s):
+        req = engine.add_request(p.prompt_ids, p.max_new_tokens or max_new, request_id=p.id, stop=stop,
+                                 ignore_eos=ignore_eos, arrival_s=arrival_s)
+        order[id(req)] = len(order)
+        return req
+
+    def finish(req):
+        i = order[id(req)]
+        text = "" if req.error else _truncate_at_stop(tokenizer.decode(req.output_ids), stop)
+        rec = request_record(req, prompts[i].text, text)
+        by_index[i] = rec
         if progress_cb:
             progress_cb(rec)
-    return records
+
+    t0 = time.perf_counter()
+    mode = wl.get("mode", "closed")
+    if mode == "closed":
+        closed_loop(engine, prompts, wl.get("concurrency"), submit, finish)
+    elif mode == "open":
+        open_loop(engine, prompts, wl.get("rate"), submit, seed=int(cfg.seed), on_finish=finish)
+    else:
+        raise ConfigError(f"workload.mode={mode!r}; valid: closed, open")
+    if trace is not None:
+        trace.meta.update(serve_wall_s=time.perf_counter() - t0, engine_startup_s=engine.startup_s,
+                          cuda_graphs=engine.graphed, kv_pages=engine.kv.num_pages,
+                          page_size=engine.kv.page_size, max_batch_size=engine.config.max_batch_size)
+    return [by_index[i] for i in range(len(by_index))]
 
 
-def summarize(records: list[dict], wall_s: float) -> dict:
-    ok = [r for r in records if "error" not in r]
-    out_tokens = sum(r["output_tokens"] for r in ok)
-    tpots = [r["tpot_s"] for r in ok if r.get("tpot_s") is not None]
-    return {
-        "requests": len(records),
-        "failed_requests": len(records) - len(ok),
-        "output_tokens": out_tokens,
-        "wall_s": wall_s,
-        "output_tok_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
-        "mean_ttft_s": sum(r["ttft_s"] for r in ok) / len(ok) if ok else None,
-        "mean_tpot_s": sum(tpots) / len(tpots) if tpots else None,
-    }
+def summarize(records: list[dict], wall_s: float, trace=None) -> dict:
+    """Aggregate metrics; with a step trace, throughput is over serving time (not start-up)."""
+    from .bench.metrics import summarize_requests
+
+    serve_s = trace.meta.get("serve_wall_s", wall_s) if trace is not None else wall_s
+    metrics = summarize_requests(records, serve_s)
+    metrics["total_wall_s"] = wall_s
+    if trace is not None:
+        metrics.update(trace.summary())
+        metrics.update(trace.meta)
+    return metrics
 
 
-def print_table(records: list[dict], metrics: dict) -> None:
+def print_table(records: list[dict], metrics: dict, max_rows: int = 20) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="specdec run", show_lines=False)
+    title = f"specdec run: {metrics.get('target', '')}"
+    if metrics.get("weights") not in (None, "pretrained"):
+        title += f" ({metrics['weights']})"
+    table = Table(title=title, show_lines=False)
     for col in ("id", "prompt tok", "out tok", "TTFT ms", "TPOT ms", "output"):
         table.add_column(col, overflow="fold" if col == "output" else "ellipsis")
-    for r in records:
+    for r in records[:max_rows]:
         if "error" in r:
             table.add_row(r["id"], str(r["prompt_tokens"]), "-", "-", "-", f"[red]error: {r['error']}")
             continue
         tpot = f"{r['tpot_s'] * 1e3:.1f}" if r.get("tpot_s") else "-"
+        ttft = f"{r['ttft_s'] * 1e3:.0f}" if r.get("ttft_s") is not None else "-"
         text = r["output"].replace("\n", " ")
         table.add_row(r["id"], str(r["prompt_tokens"]), str(r["output_tokens"]),
-                      f"{r['ttft_s'] * 1e3:.0f}", tpot, text[:80] + ("..." if len(text) > 80 else ""))
+                      ttft, tpot, text[:80] + ("..." if len(text) > 80 else ""))
     console = Console()
     console.print(table)
-    console.print(f"{metrics['output_tokens']} tokens in {metrics['wall_s']:.1f} s "
-                  f"({metrics['output_tok_per_s']:.1f} tok/s), {metrics['failed_requests']} failed")
+    if len(records) > max_rows:
+        console.print(f"... {len(records) - max_rows} more requests in requests.jsonl")
+    line = (f"{metrics['output_tokens']} tokens in {metrics['wall_s']:.1f} s "
+            f"({metrics['output_tok_per_s']:.1f} tok/s), {metrics['failed_requests']} failed")
+    if metrics.get("mean_batch_size") is not None:
+        line += (f"; mean batch {metrics['mean_batch_size']:.1f}, decode step p50 "
+                 f"{metrics['p50_decode_step_ms']:.2f} ms, cuda graphs {'on' if metrics.get('cuda_graphs') else 'off'}")
+    console.print(line)
 
 
 def run(cfg: DictConfig) -> dict:
-    from rich.progress import Progress
+    from .bench.metrics import LiveProgress, StepTrace
+    from .bench.targets import RANDOM_WEIGHTS_LABEL
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -135,13 +179,17 @@ def run(cfg: DictConfig) -> dict:
     logger = make_logger(cfg.logger, run_dir, run_dir.name, resolved)
     try:
         t0 = time.perf_counter()
-        with Progress(transient=True) as progress:
-            task = progress.add_task(f"generating ({device})", total=len(prompts))
-            records = generate_all(model, tokenizer, prompts, cfg,
-                                   lambda rec: progress.advance(task))
-        metrics = summarize(records, time.perf_counter() - t0)
+        trace = StepTrace(run_dir / "steps.jsonl")  # one line per engine step
+        try:
+            with LiveProgress(len(prompts), f"generating ({device})") as live:
+                trace.listeners.append(live.on_step)
+                records = generate_all(model, tokenizer, prompts, cfg, live.on_request, trace=trace)
+        finally:
+            trace.close()
+        metrics = summarize(records, time.perf_counter() - t0, trace)
         metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
-                       workload=cfg.workload.name)
+                       workload=cfg.workload.name,
+                       weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained")
         with open(run_dir / "requests.jsonl", "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")

@@ -2,6 +2,12 @@
 
 A workload config has ``sources`` (each ``{kind, limit}``), ``chat`` (wrap in the chat template)
 and, for ``kind: jsonl``, ``path``. Every prompt becomes a :class:`Prompt` with its token ids.
+
+``kind: synthetic`` makes ``num_prompts`` prompts of ``prompt_len`` random token ids (seeded), each
+asking for exactly ``output_len`` tokens (set ``ignore_eos: true`` on the workload so EOS does not
+end them early): fixed shapes for throughput studies, and the only workload a random-weight target
+(no tokenizer) can run. ``num_prompts: null`` scales with the closed-loop concurrency C
+(``requests_per_client`` x C, at least ``min_prompts``) so every C runs in steady state.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ class Prompt:
     text: str  # what the user wrote (first turn for multi-turn sets)
     messages: list[dict] | None  # chat messages, or None for a raw completion prompt
     prompt_ids: list[int]
+    max_new_tokens: int | None = None  # None: the engine's max_new_tokens
 
 
 def read_jsonl_prompts(path: str | Path) -> list[tuple[str, str | None, list[dict] | None]]:
@@ -74,13 +81,53 @@ def _source_rows(src: dict, workload_cfg) -> list[tuple[str, str | None, list[di
         if not path:
             raise WorkloadError("workload=jsonl needs workload.path=FILE")
         return read_jsonl_prompts(path)
-    raise WorkloadError(f"unknown workload source kind {kind!r}; valid: mt_bench, humaneval, jsonl")
+    raise WorkloadError(f"unknown workload source kind {kind!r}; valid: mt_bench, humaneval, jsonl, "
+                        "synthetic")
+
+
+# Synthetic ids start here: ids below 256 are control and byte tokens in common vocabularies
+# (SmolLM2: 0..16 are control tokens), which a random prompt should not be made of.
+SYNTHETIC_LOW_ID = 256
+
+
+def synthetic_prompts(num_prompts: int, prompt_len: int, output_len: int, vocab_size: int,
+                      seed: int = 0, prefix: str = "synthetic") -> list[Prompt]:
+    """``num_prompts`` prompts of ``prompt_len`` random ids in [256, vocab) (seeded), ``output_len`` each."""
+    import torch
+
+    if num_prompts < 1 or prompt_len < 1 or output_len < 1:
+        raise WorkloadError(f"synthetic workload needs num_prompts, prompt_len, output_len >= 1, got "
+                            f"{num_prompts}, {prompt_len}, {output_len}")
+    low = SYNTHETIC_LOW_ID if vocab_size > 2 * SYNTHETIC_LOW_ID else 0
+    gen = torch.Generator().manual_seed(int(seed))
+    ids = torch.randint(low, vocab_size, (num_prompts, prompt_len), generator=gen)  # [num, len]
+    return [Prompt(f"{prefix}/{i}", f"<{prompt_len} random tokens>", None, row.tolist(), output_len)
+            for i, row in enumerate(ids)]
+
+
+def _synthetic_count(src: dict, workload_cfg) -> int:
+    n = src.get("num_prompts")
+    if n is not None:
+        return int(n)
+    c = workload_cfg.get("concurrency")
+    per_client = int(src.get("requests_per_client", 4))
+    return max(int(src.get("min_prompts", 16)), per_client * int(c)) if c else int(src.get("min_prompts", 16))
 
 
 def load_prompts(workload_cfg, tokenizer) -> list[Prompt]:
     chat = bool(workload_cfg.get("chat", True))
     prompts = []
     for src in workload_cfg["sources"]:
+        if src.get("kind") == "synthetic":
+            vocab = getattr(tokenizer, "vocab_size", None)
+            if vocab is None:
+                raise WorkloadError("workload kind synthetic needs the target's vocabulary size")
+            prompts += synthetic_prompts(_synthetic_count(src, workload_cfg), int(src["prompt_len"]),
+                                         int(src["output_len"]), int(vocab), int(src.get("seed", 0)))
+            continue
+        if getattr(tokenizer, "is_ids_only", False):
+            raise WorkloadError(f"workload source {src.get('kind')!r} needs a tokenizer, and this "
+                                "target (random weights) has none; use workload=synthetic")
         rows = _source_rows(src, workload_cfg)
         limit = src.get("limit")
         for pid, text, messages in rows[:limit] if limit is not None else rows:

@@ -1,0 +1,166 @@
+"""Serving metrics: per-request records, aggregates, the per-step trace and a live progress display.
+
+Per request (``request_record``): TTFT = first token - arrival (queueing included), TPOT = (last
+token - first token) / (tokens - 1), inter-token latencies (ITL) = gaps between consecutive tokens,
+latency = finish - arrival. Aggregates (``summarize_requests``): output tok/s and requests/s over
+the wall time, p50/p99 of TTFT, TPOT and ITL (ITL pooled over all tokens of all requests).
+
+Per step (``StepTrace``, written as ``steps.jsonl``): decode batch size and graph bucket, k, prefill
+tokens, prefill / decode milliseconds (CUDA events on the GPU, read without extra syncs), queue
+lengths, free pages, preemptions. ``StepTrace.summary()`` gives the mean running batch size and the
+step-time breakdown.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+
+def percentile(values, q: float) -> float | None:
+    """q-th percentile (0..100) with linear interpolation; None for no values."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _mean(values) -> float | None:
+    xs = [v for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def request_record(req, prompt_text: str | None = None, output_text: str = "") -> dict:
+    """The requests.jsonl record of a finished engine request."""
+    rec = {"id": req.id, "prompt": prompt_text, "prompt_tokens": len(req.prompt_ids)}
+    if req.error is not None:
+        rec.update(error=req.error, output_ids=[], output="")
+        return rec
+    n = len(req.output_ids)
+    times = req.token_times
+    rec.update(
+        output=output_text,
+        output_ids=list(req.output_ids),
+        output_tokens=n,
+        finish_reason=req.finish_reason,
+        ttft_s=None if req.first_token_s is None else req.first_token_s - req.arrival_s,
+        latency_s=req.finish_s - req.arrival_s,
+        tpot_s=(times[-1] - times[0]) / (n - 1) if n > 1 else None,
+        queue_s=None if req.admitted_s is None else req.admitted_s - req.arrival_s,
+        num_preemptions=req.num_preemptions,
+        itl_s=[round(b - a, 6) for a, b in zip(times, times[1:])],
+    )
+    return rec
+
+
+def summarize_requests(records: list[dict], wall_s: float) -> dict:
+    ok = [r for r in records if "error" not in r]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    ttft = [r.get("ttft_s") for r in ok]
+    tpot = [r.get("tpot_s") for r in ok]
+    itl = [x for r in ok for x in r.get("itl_s") or ()]
+    lat = [r.get("latency_s") for r in ok]
+    return {
+        "requests": len(records),
+        "failed_requests": len(records) - len(ok),
+        "aborted_requests": sum(r.get("finish_reason") == "abort" for r in ok),
+        "output_tokens": out_tokens,
+        "wall_s": wall_s,
+        "output_tok_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "mean_ttft_s": _mean(ttft),
+        "p50_ttft_s": percentile(ttft, 50),
+        "p99_ttft_s": percentile(ttft, 99),
+        "mean_tpot_s": _mean(tpot),
+        "p50_tpot_s": percentile(tpot, 50),
+        "p99_tpot_s": percentile(tpot, 99),
+        "p50_itl_s": percentile(itl, 50),
+        "p99_itl_s": percentile(itl, 99),
+        "mean_latency_s": _mean(lat),
+        "preemptions": sum(r.get("num_preemptions", 0) for r in ok),
+    }
+
+
+class StepTrace:
+    """Collects engine step records (pass it as ``Engine(trace=...)``); optionally streams jsonl."""
+
+    def __init__(self, path: str | Path | None = None, listeners: list[Callable[[dict], None]] | None = None):
+        self.records: list[dict] = []
+        self.meta: dict = {}  # run-level facts (serving wall time, start-up, pool size), set by the caller
+        self.listeners = list(listeners or [])
+        self._file = open(path, "w") if path is not None else None
+
+    def __call__(self, rec: dict) -> None:
+        self.records.append(rec)
+        if self._file is not None:
+            self._file.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                                         for k, v in rec.items()}) + "\n")
+        for fn in self.listeners:
+            fn(rec)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def summary(self) -> dict:
+        steps = self.records
+        dec = [s for s in steps if s["decode_bs"]]
+        pre = [s for s in steps if s["prefill_reqs"]]
+        by_bucket: dict[int, list[float]] = {}
+        for s in dec:
+            by_bucket.setdefault(s["bucket"], []).append(s["decode_ms"])
+        return {
+            "steps": len(steps),
+            "decode_steps": len(dec),
+            "prefill_steps": len(pre),
+            "mean_batch_size": _mean(s["decode_bs"] for s in dec),
+            "prefill_tokens": sum(s["prefill_tokens"] for s in steps),
+            "prefill_ms_total": sum(s["prefill_ms"] for s in steps),
+            "decode_ms_total": sum(s["decode_ms"] for s in steps),
+            "step_ms_total": sum(s["step_ms"] for s in steps),
+            "mean_decode_step_ms": _mean(s["decode_ms"] for s in dec),
+            "p50_decode_step_ms": percentile([s["decode_ms"] for s in dec], 50),
+            # median decode step per graph bucket: the step-time table a goodput policy needs
+            "decode_step_ms_by_bucket": {str(b): percentile(v, 50) for b, v in sorted(by_bucket.items())},
+        }
+
+
+class LiveProgress:
+    """Rich progress bar: finished/total requests plus live batch size, tok/s and queue lengths."""
+
+    def __init__(self, total: int, title: str, refresh_s: float = 0.25):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), transient=True)
+        self._task = self._progress.add_task(title, total=total, stats="")
+        self._refresh_s = refresh_s
+        self._tokens = 0
+        self._t0 = self._last = time.perf_counter()
+
+    def __enter__(self) -> "LiveProgress":
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.__exit__(*exc)
+
+    def on_request(self, rec) -> None:
+        self._progress.advance(self._task)
+
+    def on_step(self, rec: dict) -> None:
+        self._tokens += rec["committed"]
+        now = time.perf_counter()
+        if now - self._last < self._refresh_s:
+            return
+        self._last = now
+        rate = self._tokens / (now - self._t0)
+        self._progress.update(self._task, stats=(
+            f"bs {rec['decode_bs']:>3}  {rate:7.1f} tok/s  waiting {rec['waiting']}  "
+            f"free pages {rec['free_pages']}  step {rec['step_ms']:.1f} ms"))

@@ -1,0 +1,288 @@
+"""The serving engine: one model, one KV cache, one DecodeState, a scheduler and a stepper.
+
+    engine = Engine(model, EngineConfig(max_batch_size=64), eos_ids={2})
+    engine.add_request([1, 2, 3], max_new_tokens=32)
+    for req in engine.run_until_done():
+        print(req.id, req.output_ids, req.finish_reason)
+
+``step()`` is one iteration: make room for the decode rows (preempting if needed), admit, run a
+prefill forward over this iteration's chunks, run the decode step (k = 0) over every decode row,
+commit the tokens. It returns the requests that finished in it. Each iteration appends a record
+to the step trace (batch size, bucket, k, prefill tokens, phase milliseconds, queue lengths).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from ..errors import ConfigError
+from .graphs import EagerDecode, GraphedDecode, bucket_for, make_buckets
+from .kv_cache import KVCache, pages_for, size_pool
+from .scheduler import Request, Scheduler
+from .state import DecodeState
+from .step import PhaseTimer, Stepper, check_k, decode_body_
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 256  # most requests in flight (prefilling + decoding); the largest bucket
+    page_size: int = 16  # KV slots per page
+    kv_cache_tokens: int | None = None  # pool size in slots; None: see kv_cache.size_pool
+    kv_memory_fraction: float = 0.5  # GPU: share of free memory (after weights) for the pool
+    prefill_chunk: int = 2048  # prompt tokens per prefill forward (chunked prefill budget)
+    cuda_graphs: bool | str = "auto"  # auto: on for CUDA with Triton kernels, off on the CPU
+    graph_buckets: tuple[int, ...] | None = None  # None: 1, 2, 4, ..., 256 (capped at max_batch_size)
+    max_seq_len: int | None = None  # prompt + output bound; None: the model's max_position_embeddings
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0  # sampling generator seed
+    max_tree_tokens: int = 1  # slots one step writes per request (k = 0: the pending token)
+    pad_eager: bool = False  # eager decode padded to the buckets (tests the graphed shapes on CPU)
+
+    @classmethod
+    def from_cfg(cls, engine_cfg, *, temperature: float = 0.0, seed: int = 0) -> "EngineConfig":
+        """From the Hydra ``engine`` group (keys this class lacks, e.g. max_new_tokens, are skipped)."""
+        get = engine_cfg.get
+        buckets = get("graph_buckets")
+        return cls(
+            max_batch_size=int(get("max_batch_size", 256)),
+            page_size=int(get("page_size", 16)),
+            kv_cache_tokens=None if get("kv_cache_tokens") is None else int(get("kv_cache_tokens")),
+            kv_memory_fraction=float(get("kv_memory_fraction", 0.5)),
+            prefill_chunk=int(get("prefill_chunk", 2048)),
+            cuda_graphs=get("cuda_graphs", "auto"),
+            graph_buckets=None if buckets is None else tuple(int(b) for b in buckets),
+            max_seq_len=None if get("max_seq_len") is None else int(get("max_seq_len")),
+            temperature=float(temperature),
+            seed=int(seed),
+        )
+
+
+def _use_graphs(setting, model) -> bool:
+    cuda = model.device.type == "cuda"
+    capturable = cuda and model.backend in ("auto", "triton")  # torch references sync on the host
+    if setting in ("auto", None):
+        return capturable
+    if isinstance(setting, str):
+        if setting.lower() not in ("true", "false"):
+            raise ConfigError(f"engine.cuda_graphs={setting!r}; valid: auto, true, false")
+        setting = setting.lower() == "true"
+    if setting and not capturable:
+        raise ConfigError("engine.cuda_graphs=true needs a CUDA device and Triton kernels "
+                          f"(device {model.device}, engine.kernels={model.backend}); use auto or false")
+    return bool(setting)
+
+
+class Engine:
+    """Continuous-batching engine over one target model (see the module docstring).
+
+    Args:
+        model: a LlamaModel.
+        config: EngineConfig.
+        eos_ids: tokens that finish a request (unless it sets ignore_eos).
+        detokenize: ids -> text, for stop strings.
+        trace: called with one dict per iteration once its GPU timings are known.
+    """
+
+    def __init__(self, model, config: EngineConfig | None = None, *, eos_ids: Iterable[int] = (),
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 trace: Callable[[dict], None] | None = None):
+        cfg = self.config = config or EngineConfig()
+        self.model = model
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.trace = trace
+        max_pos = model.config.max_position_embeddings
+        self.max_seq_len = max_pos if cfg.max_seq_len is None else int(cfg.max_seq_len)
+        if not 1 <= self.max_seq_len <= max_pos:
+            raise ConfigError(f"engine.max_seq_len={cfg.max_seq_len}: must be in 1..{max_pos} "
+                              "(the model's max_position_embeddings)")
+        num_pages = size_pool(model, page_size=cfg.page_size, kv_cache_tokens=cfg.kv_cache_tokens,
+                              kv_memory_fraction=cfg.kv_memory_fraction)
+        self.kv = KVCache(model, num_pages, cfg.page_size)
+        # Page-table width: enough for the longest request the scheduler admits.
+        max_pages = min(pages_for(self.max_seq_len + cfg.max_tree_tokens, cfg.page_size), num_pages)
+        self.state = DecodeState(cfg.max_batch_size, max_pages, cfg.page_size, model.device, cfg.seed)
+        self.scheduler = Scheduler(self.kv, self.state, max_batch_size=cfg.max_batch_size,
+                                   prefill_chunk=cfg.prefill_chunk, max_seq_len=self.max_seq_len,
+                                   max_tree_tokens=cfg.max_tree_tokens, detokenize=detokenize)
+        buckets = make_buckets(cfg.max_batch_size, cfg.graph_buckets)
+
+        def body(B: int) -> None:
+            decode_body_(model, self.state, self.kv, B, cfg.temperature)
+
+        t0 = time.perf_counter()
+        if _use_graphs(cfg.cuda_graphs, model):
+            runner = GraphedDecode(body, self.state, buckets)
+        else:
+            runner = EagerDecode(body, pad_to=buckets if cfg.pad_eager else None)
+        self.startup_s = time.perf_counter() - t0  # graph capture (incl. kernel compiles)
+        self.buckets = buckets
+        self.graphed = runner.graphed
+        self.stepper = Stepper(model, self.kv, self.state, runner, temperature=cfg.temperature)
+        self._timer = PhaseTimer(model.device)
+        self._pending_trace: dict[int, dict] = {}
+        self._step_no = 0
+        self._ids = itertools.count()
+        self.t0 = time.perf_counter()
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], max_new_tokens: int, *, request_id: str | None = None,
+                    stop: Iterable[str] = (), ignore_eos: bool = False,
+                    arrival_s: float | None = None) -> Request:
+        """Queue a request. One that can never fit comes back finished with ``error`` set (and is
+        also returned by the next ``step()``); the others are unaffected.
+
+        ``arrival_s`` (a time.perf_counter() value, default now) is when the request is deemed to
+        have arrived: open-loop drivers pass the scheduled arrival time, so queueing counts in TTFT.
+        """
+        req = Request(id=str(next(self._ids)) if request_id is None else str(request_id),
+                      prompt_ids=[int(t) for t in prompt_ids], max_new_tokens=int(max_new_tokens),
+                      eos_ids=self.eos_ids, stop=tuple(stop), ignore_eos=bool(ignore_eos),
+                      arrival_s=time.perf_counter() if arrival_s is None else float(arrival_s))
+        self.scheduler.add_(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a queued or running request now (finish_reason "abort"); False if not found."""
+        return self.scheduler.abort_(str(request_id), time.perf_counter())
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.scheduler.finished)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.admitted)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- iterations -----------------------------------------------------------------------------
+    def step(self, k: int = 0) -> list[Request]:
+        """One iteration (prefill chunks + one decode step at ``k``); returns requests finished in it."""
+        sched, no = self.scheduler, self._step_no
+        self._step_no += 1
+        timed = self.trace is not None  # CUDA events only when someone reads them
+        check_k(k)  # before anything changes
+        t_start = time.perf_counter()
+        preempted = sched.ensure_decode_capacity_()
+        sched.admit_(t_start)
+        plan = sched.plan_prefill()
+        if plan:
+            if timed:
+                self._timer.start(no, "prefill")
+            self.stepper.prefill_(sched.prefill_chunks(plan))
+            if timed:
+                self._timer.stop(no, "prefill")
+        sched.finish_prefill_(plan)
+        n = self.state.num_rows
+        tokens: list[list[int]] = []
+        if n:
+            if timed:
+                self._timer.start(no, "decode")
+            tokens = self.stepper.decode_step_(k, (lambda: self._timer.stop(no, "decode")) if timed else None)
+        now = time.perf_counter()
+        sched.commit_tokens_(tokens, now)
+        finished = sched.pop_finished()
+        if timed:
+            self._pending_trace[no] = dict(
+                step=no, t_s=t_start - self.t0, step_ms=(now - t_start) * 1e3,
+                decode_bs=n, bucket=self._bucket(n), k=k,
+                prefill_tokens=sum(c for _, c in plan), prefill_reqs=len(plan),
+                committed=sum(len(t) for t in tokens), finished=len(finished), preempted=preempted,
+                running=len(sched.admitted), waiting=len(sched.waiting), free_pages=self.kv.num_free,
+                prefill_ms=0.0, decode_ms=0.0)
+            self._emit_trace(wait=False)
+        return finished
+
+    def run_until_done(self) -> list[Request]:
+        """Step until every queued request has finished; returns them in finishing order."""
+        done = []
+        while self.has_work():
+            done.extend(self.step())
+        self.flush_trace()
+        return done
+
+    def generate(self) -> Iterable[Request]:
+        """Yield requests as they finish, stepping while any work remains."""
+        while self.has_work():
+            yield from self.step()
+        self.flush_trace()
+
+    def flush_trace(self) -> None:
+        """Emit trace records still waiting for their GPU timings (synchronises)."""
+        if self.trace is not None:
+            self._emit_trace(wait=True)
+
+    def profile_decode_step(self, batch_size: int, context_len: int, iters: int = 50, warmup: int = 3) -> float:
+        """Device milliseconds of one k = 0 decode step at ``batch_size`` rows of ``context_len``
+        tokens each: ``iters`` back-to-back steps (graph replays when graphed) with no host sync in
+        between, so host scheduling is excluded. The engine must be idle; borrowed pages (garbage
+        KV) are returned. The step-time table a goodput policy profiles at start-up."""
+        if self.scheduler.has_work() or self.state.num_rows:
+            raise RuntimeError("profile_decode_step needs an idle engine")
+        if batch_size > self.config.max_batch_size:
+            raise ValueError(f"batch_size {batch_size} > engine.max_batch_size {self.config.max_batch_size}")
+        total = context_len + warmup + iters + self.config.max_tree_tokens
+        if total > self.max_seq_len:
+            raise ValueError(f"context_len {context_len} + {warmup + iters} steps exceeds max_seq_len {self.max_seq_len}")
+        owners = [object() for _ in range(batch_size)]
+        try:
+            pages = [self.kv.reserve_(o, total) for o in owners]
+            self.state.append_rows_([7] * batch_size, [context_len] * batch_size, pages)
+            self.state.num_active.fill_(batch_size)
+            run = self.stepper.runner.run_
+            for _ in range(warmup):
+                run(batch_size)
+            cuda = self.model.device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                run(batch_size)
+            if cuda:
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / iters
+            return (time.perf_counter() - t0) * 1e3 / iters
+        finally:
+            self.state.keep_rows_([])
+            for o in owners:
+                self.kv.release_(o)
+
+    def check(self) -> None:
+        """Assert the bookkeeping invariants (tests): page accounting, rows vs. requests."""
+        self.kv.check()
+        sched = self.scheduler
+        assert self.state.num_rows == len(sched.rows)
+        assert self.state.seq_lens_host == [r.seq_len for r in sched.rows]
+        owners = {id(r) for r in sched.admitted}
+        assert all(id(r) in owners for r in sched.rows)
+        if not sched.has_work():
+            assert self.kv.num_free == self.kv.num_pages, "pages leaked after all requests finished"
+
+    # -- internals ------------------------------------------------------------------------------
+    def _bucket(self, n: int) -> int:
+        if n == 0 or not (self.graphed or self.config.pad_eager):
+            return n
+        return bucket_for(self.buckets, n)
+
+    def _emit_trace(self, wait: bool) -> None:
+        for no, phases in self._timer.collect(wait=wait).items():
+            rec = self._pending_trace.get(no)
+            if rec is not None:
+                rec["prefill_ms"] = phases.get("prefill", 0.0)
+                rec["decode_ms"] = phases.get("decode", 0.0)
+                rec["_timed"] = True
+        # Emit in step order, stopping at the first step still waiting for its events.
+        for no in sorted(self._pending_trace):
+            rec = self._pending_trace[no]
+            if not rec.pop("_timed", False) and (rec["prefill_reqs"] or rec["decode_bs"]) and not wait:
+                break
+            self.trace(self._pending_trace.pop(no))

@@ -1,0 +1,97 @@
+"""CUDA graphs for the k = 0 decode step, one per batch-size bucket, captured once at start-up.
+
+A decode of n rows replays the graph of the smallest bucket B >= n. The graph reads the
+DecodeState's persistent buffers (pending, seq_lens, page_table, num_active, uniform) and writes
+``sampled`` and the commit in place, so a replay needs no input copies: rows n .. B-1 are padding
+(T_b = 0, kv_len 0, slot -1), selected on the device by ``row_ids < num_active``.
+
+Why graphs: SmolLM2-135M's step is ~350 small kernels (30 layers x ~11); launched eagerly the host
+cannot keep up (Hugging Face eager: ~75 ms/step on the lent H200), replayed as one graph the GPU
+runs them back to back. All buckets share one memory pool, captured largest first so the smaller
+ones reuse its blocks. The speculative issue adds verify graphs per tree size next to these, never a
+recapture or an eager fallback at run time.
+
+Numerics: a replay runs the same kernels as an eager run of the same bucket, so their tokens are
+identical. Eager at exactly n rows may differ from the bucket in the last bits (cuBLAS picks its
+kernel by M), which in bf16 can flip a near-tie in greedy decoding; tests compare in fp32.
+
+On the CPU (or with the torch kernel references, whose host-side loops cannot be captured) the
+same body runs eagerly; ``EagerDecode(pad_to=buckets)`` replays the padded shapes eagerly so tests
+can check padding on the CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable
+
+import torch
+
+from ..errors import ConfigError
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def make_buckets(max_batch_size: int, buckets=None) -> list[int]:
+    """Sorted buckets <= max_batch_size, always ending with max_batch_size itself."""
+    if max_batch_size < 1:
+        raise ConfigError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
+    chosen = DEFAULT_BUCKETS if buckets is None else tuple(int(b) for b in buckets)
+    if any(b < 1 for b in chosen):
+        raise ConfigError(f"engine.graph_buckets must be positive batch sizes, got {list(chosen)}")
+    return sorted({b for b in chosen if b < max_batch_size} | {max_batch_size})
+
+
+def bucket_for(buckets: list[int], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise RuntimeError(f"decode batch of {n} rows exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+class EagerDecode:
+    """Runs ``body(B)`` eagerly: B = n (default), or the bucket of n when ``pad_to`` is given."""
+
+    graphed = False
+
+    def __init__(self, body: Callable[[int], None], pad_to: list[int] | None = None):
+        self.body = body
+        self.buckets = sorted(pad_to) if pad_to else None
+
+    def run_(self, n: int) -> int:
+        B = bucket_for(self.buckets, n) if self.buckets else n
+        self.body(B)
+        return B
+
+
+class GraphedDecode:
+    """One CUDA graph of ``body(B)`` per bucket B; ``run_(n)`` replays bucket_for(n)."""
+
+    graphed = True
+
+    def __init__(self, body: Callable[[int], None], state, buckets: list[int]):
+        if state.device.type != "cuda":
+            raise ConfigError("CUDA graphs need a CUDA device; use engine.cuda_graphs=false on the CPU")
+        self.buckets = sorted(buckets)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = torch.cuda.graph_pool_handle()
+        cur = torch.cuda.current_stream()
+        # num_active = 0 makes every row padding: warm-up and capture write no KV and commit nothing.
+        state.num_active.fill_(0)
+        for B in reversed(self.buckets):
+            side = torch.cuda.Stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):  # compile Triton kernels, warm cuBLAS outside the capture
+                for _ in range(2):
+                    body(B)
+            cur.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                body(B)
+            self.graphs[B] = graph
+        torch.cuda.synchronize()
+
+    def run_(self, n: int) -> int:
+        B = bucket_for(self.buckets, n)
+        self.graphs[B].replay()
+        return B

@@ -1,0 +1,304 @@
+"""Continuous batching: requests, admission, chunked prefill, preemption, finishing.
+
+The scheduler owns every :class:`Request` and is the only code that changes one. Per engine
+iteration (see :meth:`specdec.engine.engine.Engine.step`):
+
+1. ``ensure_decode_capacity_``: every decode row gets pages for seq_len + max_tree_tokens slots, so
+   the step itself never allocates. If the pool runs dry, the most recently admitted request is
+   preempted: its pages are freed, and it waits at the head of the queue to be recomputed later
+   (re-prefill of prompt + generated tokens; its output so far is kept). The oldest request is
+   never preempted for a newer one, so the batch always makes progress.
+2. ``admit_``: first come, first served: the head of the waiting queue is admitted while there is a
+   free row (admitted < max_batch_size) and pages for its whole prefill plus its first step.
+3. ``plan_prefill``: up to ``prefill_chunk`` prompt tokens per iteration, oldest request first
+   (a long prompt spans several iterations; decodes of others keep running in between).
+4. The engine runs the prefill forward, then ``finish_prefill_`` moves requests whose KV now covers
+   all committed tokens but the last into decode rows of the DecodeState.
+5. The engine runs the decode step, then ``commit_tokens_`` appends the committed tokens and
+   finishes requests on EOS, max_new_tokens or a stop string; their rows leave the batch and their
+   pages return to the pool.
+
+Prefill and decode run as two forwards per iteration (prefill eager over the packed chunks, decode
+through the CUDA graph of its batch bucket) rather than one mixed forward: the decode stays a fixed
+shape that graphs can capture, and prefill needs no logits. A request whose prefill completes in an
+iteration decodes its first token in that same iteration.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .kv_cache import KVCache, OutOfPages, pages_for
+from .state import DecodeState
+from .step import PrefillChunk
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted and waiting for recompute)
+    PREFILL = "prefill"  # admitted, KV being written chunk by chunk
+    DECODE = "decode"  # in a DecodeState row
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity semantics: a request is a KV page owner and a dict key
+class Request:
+    id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_new_tokens (synthetic benchmarks)
+    arrival_s: float = 0.0  # time.perf_counter() when added
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    seq_len: int = 0  # committed tokens whose KV is written (host truth)
+    finish_reason: str | None = None  # eos | length | stop | abort | error
+    error: str | None = None
+    admitted_s: float | None = None  # first admission
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    token_times: list[float] = field(default_factory=list)  # perf_counter of each output token
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """All committed tokens: prompt then output."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+class Scheduler:
+    """Queues and batch membership; see the module docstring for the per-iteration protocol.
+
+    Args:
+        kv: the page pool (requests are its page owners).
+        state: the device batch; row r holds ``self.rows[r]``.
+        max_batch_size: most admitted requests (prefilling + decoding) at once.
+        prefill_chunk: prompt tokens per prefill forward.
+        max_seq_len: longest prompt + output a request may have (position bound).
+        max_tree_tokens: slots one step writes per request (k = 0: 1, the pending token).
+        detokenize: ids -> text, needed only for stop strings.
+    """
+
+    def __init__(self, kv: KVCache, state: DecodeState, *, max_batch_size: int, prefill_chunk: int,
+                 max_seq_len: int, max_tree_tokens: int = 1,
+                 detokenize: Callable[[list[int]], str] | None = None):
+        if prefill_chunk < 1:
+            raise ValueError(f"engine.prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.kv, self.state = kv, state
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self.max_seq_len = max_seq_len
+        self.max_tree_tokens = max_tree_tokens
+        self.detokenize = detokenize
+        self.waiting: deque[Request] = deque()
+        self.admitted: list[Request] = []  # PREFILL and DECODE, in admission order
+        self.rows: list[Request] = []  # rows[r] is in DecodeState row r
+        self.finished: list[Request] = []  # finished since the engine last collected them
+        self.num_preemptions = 0
+        self._ids = itertools.count()
+
+    # -- requests in and out ----------------------------------------------------------------------
+    def rejection(self, prompt_ids: list[int], max_new_tokens: int, stop) -> str | None:
+        """Why a request can never run, or None. Checked once, when it arrives."""
+        n = len(prompt_ids)
+        if n == 0:
+            return "empty prompt: a request needs at least one prompt token"
+        if max_new_tokens < 1:
+            return f"max_new_tokens={max_new_tokens}: must be >= 1"
+        if n + max_new_tokens > self.max_seq_len:
+            return (f"prompt of {n} tokens + max_new_tokens {max_new_tokens} exceeds the maximum "
+                    f"sequence length of {self.max_seq_len} positions")
+        # At its last step a request holds KV for n + max_new - 2 committed tokens + the step's slots.
+        need = pages_for(n + max_new_tokens - 1 + self.max_tree_tokens, self.kv.page_size)
+        if need > self.kv.num_pages:
+            return (f"prompt of {n} tokens + max_new_tokens {max_new_tokens} needs {need} KV pages, "
+                    f"more than the whole cache ({self.kv.num_pages} pages of {self.kv.page_size} "
+                    f"slots); raise engine.kv_cache_tokens or shorten the request")
+        if stop and self.detokenize is None:
+            return "stop strings need a tokenizer to detokenize the output; this engine has none"
+        return None
+
+    def add_(self, req: Request) -> None:
+        """Queue ``req``; a request that can never fit finishes at once with ``error`` set."""
+        why = self.rejection(req.prompt_ids, req.max_new_tokens, req.stop)
+        if why is not None:
+            self._finish_(req, "error", req.arrival_s)
+            req.error = why
+            return
+        self.waiting.append(req)
+
+    def abort_(self, request_id: str, now: float) -> bool:
+        """Finish request ``request_id`` with reason "abort", freeing its pages; False if unknown."""
+        for req in self.waiting:
+            if req.id == request_id:
+                self.waiting.remove(req)
+                self._finish_(req, "abort", now)
+                return True
+        for req in self.admitted:
+            if req.id == request_id:
+                self._leave_batch_([req])
+                self._finish_(req, "abort", now)
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.admitted)
+
+    def pop_finished(self) -> list[Request]:
+        out, self.finished = self.finished, []
+        return out
+
+    # -- per-iteration protocol -------------------------------------------------------------------
+    def ensure_decode_capacity_(self) -> int:
+        """Give every decode row pages for its next step, preempting if needed; returns preemptions."""
+        preempted = 0
+        ps, t = self.kv.page_size, self.max_tree_tokens
+        while True:
+            rows, cols, pages = [], [], []
+            short = False
+            for r, req in enumerate(self.rows):
+                held = len(self.kv.pages(req))
+                if req.seq_len + t <= held * ps:
+                    continue  # the common case: a page boundary is crossed once every ps tokens
+                try:
+                    new = self.kv.reserve_(req, req.seq_len + self.max_tree_tokens)
+                except OutOfPages:
+                    short = True
+                    break
+                rows += [r] * len(new)
+                cols += range(held, held + len(new))
+                pages += new
+            self.state.set_pages_(rows, cols, pages)  # before any preemption renumbers rows
+            if not short:
+                return preempted
+            if len(self.admitted) == 1:  # unreachable: rejection() guarantees one request fits alone
+                raise RuntimeError(f"request {self.admitted[0].id} alone does not fit the KV cache")
+            self._preempt_(self.admitted[-1])
+            preempted += 1
+
+    def admit_(self, now: float) -> int:
+        """Admit waiting requests FCFS while a row and their pages are free; returns how many."""
+        n = 0
+        while self.waiting and len(self.admitted) < self.max_batch_size:
+            req = self.waiting[0]
+            # Pages for every committed token but the pending one, plus the first step's slots.
+            slots = req.num_tokens - 1 + self.max_tree_tokens
+            if self.kv.pages_needed(req, slots) > self.kv.num_free:
+                break  # FCFS: later requests do not overtake the head
+            self.kv.reserve_(req, slots)
+            self.waiting.popleft()
+            req.status = Status.PREFILL
+            if req.admitted_s is None:
+                req.admitted_s = now
+            self.admitted.append(req)
+            n += 1
+        return n
+
+    def plan_prefill(self) -> list[tuple[Request, int]]:
+        """(request, chunk length) pairs for this iteration, oldest first, within prefill_chunk."""
+        budget = self.prefill_chunk
+        plan = []
+        for req in self.admitted:
+            if budget == 0:
+                break
+            if req.status is not Status.PREFILL:
+                continue
+            remaining = req.num_tokens - 1 - req.seq_len  # the last committed token stays pending
+            if remaining > 0:
+                c = min(remaining, budget)
+                plan.append((req, c))
+                budget -= c
+        return plan
+
+    def prefill_chunks(self, plan: list[tuple[Request, int]]) -> list[PrefillChunk]:
+        chunks = []
+        for req, c in plan:
+            toks = req.tokens[req.seq_len : req.seq_len + c]
+            chunks.append(PrefillChunk(toks, req.seq_len, list(self.kv.pages(req))))
+        return chunks
+
+    def finish_prefill_(self, plan: list[tuple[Request, int]]) -> int:
+        """Account the prefill forward and move fully prefilled requests into decode rows."""
+        for req, c in plan:
+            req.seq_len += c
+        ready = [r for r in self.admitted
+                 if r.status is Status.PREFILL and r.seq_len == r.num_tokens - 1]
+        if ready:
+            self.state.append_rows_([r.tokens[-1] for r in ready], [r.seq_len for r in ready],
+                                    [list(self.kv.pages(r)) for r in ready])
+            for r in ready:
+                r.status = Status.DECODE
+            self.rows.extend(ready)
+        return len(ready)
+
+    def commit_tokens_(self, tokens: list[list[int]], now: float) -> list[Request]:
+        """Append each row's committed tokens; finish and evict done requests; returns them."""
+        done = []
+        for req, toks in zip(self.rows, tokens):
+            req.seq_len += len(toks)
+            for t in toks:
+                req.output_ids.append(t)
+                req.token_times.append(now)
+                if req.first_token_s is None:
+                    req.first_token_s = now
+                reason = self._finish_reason(req, t)
+                if reason is not None:
+                    req.finish_reason = reason
+                    done.append(req)
+                    break  # tokens committed after EOS / a stop in the same step are dropped
+        if done:
+            self._leave_batch_(done)
+            for req in done:
+                self._finish_(req, req.finish_reason, now)
+        return done
+
+    # -- internals --------------------------------------------------------------------------------
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        if tok in req.eos_ids and not req.ignore_eos:
+            return "eos"
+        if req.stop:
+            width = max(len(s) for s in req.stop) + 4  # tokens: every token decodes to >= 1 char
+            tail = self.detokenize(req.output_ids[-width:])
+            if any(s in tail for s in req.stop):
+                return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return None
+
+    def _leave_batch_(self, reqs: list[Request]) -> None:
+        """Take ``reqs`` out of the admitted set and the decode rows, and free their pages."""
+        gone = set(map(id, reqs))
+        if any(r.status is Status.DECODE for r in reqs):
+            keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
+            self.state.keep_rows_(keep)
+            self.rows = [self.rows[i] for i in keep]
+        self.admitted = [r for r in self.admitted if id(r) not in gone]
+        for r in reqs:
+            self.kv.release_(r)
+
+    def _preempt_(self, req: Request) -> None:
+        """Free ``req``'s pages and queue it first for recompute (its output so far is kept)."""
+        self._leave_batch_([req])
+        req.status = Status.WAITING
+        req.seq_len = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish_(self, req: Request, reason: str, now: float) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finish_s = now
+        self.finished.append(req)

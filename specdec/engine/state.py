@@ -1,0 +1,101 @@
+"""DecodeState: the batch as device tensors, one row per running (decode-ready) request.
+
+Per row r < num_rows, for the request the scheduler keeps in row r:
+
+    pending[r]     the last committed token; its KV is NOT written yet (the next step computes it)
+    seq_lens[r]    tokens whose KV is written = committed tokens - 1
+    page_table[r]  the request's pages (logical slot s -> page_table[r, s // PS], offset s % PS)
+
+A step reads these, writes KV at slots seq_lens[r] .. seq_lens[r] + T_r - 1 (scratch: only commit
+makes them count), samples, and commits: ``pending`` becomes the last committed token and
+``seq_lens`` advances by the committed count. Slots at or past seq_lens are never trusted, so
+rejected speculative KV needs no cleanup.
+
+Rows past num_rows are stale and must be ignored: the step masks them with ``row_ids < num_active``
+(a device scalar, so a CUDA graph captured for a bucket of B rows serves any num_rows <= B).
+
+The host keeps a mirror (``seq_lens_host``) updated from the committed tokens it already reads each
+step, so scheduling never reads device memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _upload(values, dtype, device) -> torch.Tensor:
+    """Host list -> device tensor without waiting for queued GPU work (small transfers only)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+class DecodeState:
+    def __init__(self, max_rows: int, max_pages_per_row: int, page_size: int, device, seed: int = 0):
+        dev = torch.device(device)
+        self.device = dev
+        self.max_rows = max_rows
+        self.max_pages_per_row = max_pages_per_row
+        self.page_size = page_size
+        self.pending = torch.zeros(max_rows, dtype=torch.int64, device=dev)  # [R]
+        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=dev)  # [R]
+        self.page_table = torch.zeros(max_rows, max_pages_per_row, dtype=torch.int32, device=dev)  # [R, MP]
+        self.row_ids = torch.arange(max_rows, dtype=torch.int32, device=dev)  # [R] for the validity mask
+        self.num_active = torch.zeros((), dtype=torch.int32, device=dev)  # num_rows as a graph input
+        self.uniform = torch.zeros(max_rows, dtype=torch.float32, device=dev)  # [R] sampling draws
+        self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=dev)  # [R] step output
+        # One generator per engine: seeded runs are reproducible; draws happen outside CUDA graphs.
+        self.generator = torch.Generator(device=dev).manual_seed(int(seed))
+        self.num_rows = 0
+        self.seq_lens_host: list[int] = []  # mirror of seq_lens[:num_rows]
+
+    def append_rows_(self, pending: list[int], seq_lens: list[int], pages: list[list[int]]) -> list[int]:
+        """Append rows for requests that became decode-ready; returns their row indices.
+
+        Mutates rows num_rows .. num_rows + m - 1 and num_rows.
+        """
+        m = len(pending)
+        if m == 0:
+            return []
+        r0 = self.num_rows
+        if r0 + m > self.max_rows:
+            raise RuntimeError(f"DecodeState: {r0} + {m} rows exceed max_rows={self.max_rows}")
+        table = torch.zeros(m, self.max_pages_per_row, dtype=torch.int32)  # [m, MP] host
+        for i, p in enumerate(pages):
+            if len(p) > self.max_pages_per_row:
+                raise RuntimeError(f"DecodeState: {len(p)} pages exceed max_pages_per_row={self.max_pages_per_row}")
+            table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
+        self.pending[r0 : r0 + m] = _upload(pending, torch.int64, self.device)
+        self.seq_lens[r0 : r0 + m] = _upload(seq_lens, torch.int32, self.device)
+        self.page_table[r0 : r0 + m] = table.to(self.device, non_blocking=True)
+        self.num_rows += m
+        self.seq_lens_host.extend(seq_lens)
+        return list(range(r0, r0 + m))
+
+    def keep_rows_(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (in that order), compacted to rows 0 .. len(keep) - 1.
+
+        Mutates pending, seq_lens, page_table, num_rows and the host mirror. Only called when some
+        request leaves the batch (finish, abort, preemption), not on every step.
+        """
+        if keep == list(range(self.num_rows)):
+            return
+        m = len(keep)
+        if m:
+            idx = _upload(keep, torch.int64, self.device)  # [m]
+            self.pending[:m] = self.pending[idx]
+            self.seq_lens[:m] = self.seq_lens[idx]
+            self.page_table[:m] = self.page_table[idx]
+        self.seq_lens_host = [self.seq_lens_host[r] for r in keep]
+        self.num_rows = m
+
+    def set_pages_(self, rows: list[int], cols: list[int], pages: list[int]) -> None:
+        """page_table[rows[i], cols[i]] = pages[i] (pages added to running requests); one upload."""
+        if not rows:
+            return
+        r = _upload(rows, torch.int64, self.device)
+        c = _upload(cols, torch.int64, self.device)
+        self.page_table.index_put_((r, c), _upload(pages, torch.int32, self.device))
+
+    def commit_host_(self, counts: list[int]) -> None:
+        """Advance the host mirror by the committed count of each row (device side: the step)."""
+        for r, n in enumerate(counts):
+            self.seq_lens_host[r] += n
