@@ -79,9 +79,14 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -
     ignore_eos = bool(wl.get("ignore_eos", False))
     stop = list(cfg.engine.get("stop") or [])
     ids_only = getattr(tokenizer, "is_ids_only", False)
+    from .policy import build_policy
+    from .spec.drafters import build_drafter
+
+    drafter = build_drafter(cfg.draft, model, device=model.device, backend=model.backend)
     engine = Engine(model, EngineConfig.from_cfg(cfg.engine, temperature=float(cfg.sampling.temperature),
                                                  seed=int(cfg.seed)),
-                    eos_ids=eos, detokenize=None if ids_only else tokenizer.decode, trace=trace)
+                    eos_ids=eos, detokenize=None if ids_only else tokenizer.decode, trace=trace,
+                    drafter=drafter, policy=build_policy(cfg.policy))
     order: dict[int, int] = {}  # id(request) -> prompt index
     by_index: dict[int, dict] = {}
 
@@ -168,9 +173,9 @@ def run(cfg: DictConfig) -> dict:
     device = resolve_device(cfg.device)
     if int(cfg.tp.size) != 1:
         raise ConfigError(f"tp.size={cfg.tp.size}: this build runs on one device only (tp=tp1)")
-    if cfg.draft.name != "none" or cfg.policy.name != "never":
-        raise ConfigError(f"draft={cfg.draft.name} policy={cfg.policy.name}: speculative decoding is "
-                         "not available in this build; use draft=none policy=never")
+    if cfg.draft.name == "none" and cfg.policy.name != "never":
+        raise ConfigError(f"policy={cfg.policy.name} speculates but draft=none; choose a drafter "
+                          "(draft=ngram or draft=eagle3_smollm2 / eagle3) or policy=never")
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))

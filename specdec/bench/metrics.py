@@ -115,7 +115,19 @@ class StepTrace:
         by_bucket: dict[int, list[float]] = {}
         for s in dec:
             by_bucket.setdefault(s["bucket"], []).append(s["decode_ms"])
+        spec = [s for s in dec if s.get("k", 0) > 0]
+        accepted = [a for s in spec for a in s.get("accepted", [])]
+        hist: dict[str, int] = {}
+        for a in accepted:
+            hist[str(a)] = hist.get(str(a), 0) + 1
         return {
+            "speculating_step_fraction": len(spec) / len(dec) if dec else 0.0,
+            # accepted draft tokens per row per speculative step, and tokens committed (+1 bonus)
+            "mean_accepted_drafts": _mean(accepted),
+            "mean_accepted_length": _mean(a + 1 for a in accepted),
+            "accepted_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "mean_spec_step_ms": _mean(s["decode_ms"] for s in spec),
+            "mean_plain_step_ms": _mean(s["decode_ms"] for s in dec if s.get("k", 0) == 0),
             "steps": len(steps),
             "decode_steps": len(dec),
             "prefill_steps": len(pre),

@@ -13,6 +13,7 @@ to the step trace (batch size, bucket, k, prefill tokens, phase milliseconds, qu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -21,11 +22,12 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ConfigError
+from ..policy import BatchView, StepStats
 from .graphs import EagerDecode, GraphedDecode, bucket_for, make_buckets
 from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
 from .state import DecodeState
-from .step import PhaseTimer, Stepper, check_k, decode_body_
+from .step import PhaseTimer, Stepper, step_body_
 
 
 @dataclass
@@ -40,7 +42,8 @@ class EngineConfig:
     max_seq_len: int | None = None  # prompt + output bound; None: the model's max_position_embeddings
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0  # sampling generator seed
-    max_tree_tokens: int = 1  # slots one step writes per request (k = 0: the pending token)
+    max_tree_tokens: int = 1  # slots one step writes per request (k = 0: the pending token); the
+    # engine raises it to the drafter's largest tree
     pad_eager: bool = False  # eager decode padded to the buckets (tests the graphed shapes on CPU)
 
     @classmethod
@@ -90,8 +93,17 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig | None = None, *, eos_ids: Iterable[int] = (),
                  detokenize: Callable[[list[int]], str] | None = None,
-                 trace: Callable[[dict], None] | None = None):
-        cfg = self.config = config or EngineConfig()
+                 trace: Callable[[dict], None] | None = None, drafter=None, policy=None,
+                 ks: Iterable[int] = (0,)):
+        cfg = self.config = dataclasses.replace(config or EngineConfig())  # a copy: adjusted below
+        # Every k a policy may pick is known up front: its tree size is reserved and graphed now.
+        self.policy = policy
+        self.ks = sorted({0, *(int(k) for k in ks), *(policy.ks if policy is not None else ())})
+        if drafter is None and self.ks != [0]:
+            raise ConfigError(f"speculation lengths {self.ks} need a drafter (draft=none)")
+        tree_sizes = sorted({1} | {drafter.num_nodes(k) for k in self.ks if k > 0})
+        cfg.max_tree_tokens = max(cfg.max_tree_tokens, tree_sizes[-1])
+        self.drafter = drafter
         self.model = model
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.trace = trace
@@ -105,24 +117,29 @@ class Engine:
         self.kv = KVCache(model, num_pages, cfg.page_size)
         # Page-table width: enough for the longest request the scheduler admits.
         max_pages = min(pages_for(self.max_seq_len + cfg.max_tree_tokens, cfg.page_size), num_pages)
-        self.state = DecodeState(cfg.max_batch_size, max_pages, cfg.page_size, model.device, cfg.seed)
+        self.state = DecodeState(cfg.max_batch_size, max_pages, cfg.page_size, model.device, cfg.seed,
+                                 max_tree_nodes=cfg.max_tree_tokens)
+        if drafter is not None:  # its KV pool mirrors the target's pages; its row state follows rows
+            drafter.bind_(self.state, num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.kv, self.state, max_batch_size=cfg.max_batch_size,
                                    prefill_chunk=cfg.prefill_chunk, max_seq_len=self.max_seq_len,
                                    max_tree_tokens=cfg.max_tree_tokens, detokenize=detokenize)
         buckets = make_buckets(cfg.max_batch_size, cfg.graph_buckets)
 
-        def body(B: int) -> None:
-            decode_body_(model, self.state, self.kv, B, cfg.temperature)
+        def body(B: int, T: int, context) -> None:
+            step_body_(model, self.state, self.kv, B, T, cfg.temperature, drafter, context)
 
         t0 = time.perf_counter()
         if _use_graphs(cfg.cuda_graphs, model):
-            runner = GraphedDecode(body, self.state, buckets)
+            eager_T = [t for t in tree_sizes if t > 1 and not getattr(drafter, "capturable", True)]
+            runner = GraphedDecode(body, self.state, buckets, tree_sizes, eager_T)
         else:
             runner = EagerDecode(body, pad_to=buckets if cfg.pad_eager else None)
         self.startup_s = time.perf_counter() - t0  # graph capture (incl. kernel compiles)
         self.buckets = buckets
         self.graphed = runner.graphed
-        self.stepper = Stepper(model, self.kv, self.state, runner, temperature=cfg.temperature)
+        self.stepper = Stepper(model, self.kv, self.state, runner, temperature=cfg.temperature,
+                               drafter=drafter)
         self._timer = PhaseTimer(model.device)
         self._pending_trace: dict[int, dict] = {}
         self._step_no = 0
@@ -162,12 +179,15 @@ class Engine:
         return len(self.scheduler.waiting)
 
     # -- iterations -----------------------------------------------------------------------------
-    def step(self, k: int = 0) -> list[Request]:
-        """One iteration (prefill chunks + one decode step at ``k``); returns requests finished in it."""
+    def step(self, k: int | None = None) -> list[Request]:
+        """One iteration (prefill chunks + one decode step with k draft tokens); returns requests
+        finished in it. k None: the policy decides (from decode rows only), else 0."""
         sched, no = self.scheduler, self._step_no
         self._step_no += 1
         timed = self.trace is not None  # CUDA events only when someone reads them
-        check_k(k)  # before anything changes
+        if k is not None and k not in self.ks:  # before anything changes
+            raise ConfigError(f"k={k} was not configured for this engine (ks={self.ks}); every "
+                              "speculation length must be known at start-up so its graphs exist")
         t_start = time.perf_counter()
         preempted = sched.ensure_decode_capacity_()
         sched.admit_(t_start)
@@ -175,17 +195,34 @@ class Engine:
         if plan:
             if timed:
                 self._timer.start(no, "prefill")
-            self.stepper.prefill_(sched.prefill_chunks(plan))
+            roots = self.stepper.prefill_(sched.prefill_chunks(plan))
             if timed:
                 self._timer.stop(no, "prefill")
-        sched.finish_prefill_(plan)
+        else:
+            roots = None
+        ready = sched.finish_prefill_(plan)
+        if k is None:
+            k = 0 if self.policy is None else self.policy.choose(
+                BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting)))
+            if k not in self.ks:
+                raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
+        if self.drafter is not None and ready:
+            # Each new decode row takes the draft state of its request's last prefill chunk.
+            chunk_of = {id(req): i for i, (req, _) in enumerate(plan)}
+            self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready],
+                                     [row for _, row in ready])
         n = self.state.num_rows
         tokens: list[list[int]] = []
         if n:
             if timed:
                 self._timer.start(no, "decode")
-            tokens = self.stepper.decode_step_(k, (lambda: self._timer.stop(no, "decode")) if timed else None)
+            context = ([r.tokens for r in sched.rows]
+                       if k > 0 and getattr(self.drafter, "needs_context", False) else None)
+            tokens = self.stepper.decode_step_(k, (lambda: self._timer.stop(no, "decode")) if timed else None,
+                                               context)
         now = time.perf_counter()
+        if self.policy is not None and n:
+            self.policy.update(StepStats(k=k, num_decode=n, committed=[len(t) for t in tokens]))
         sched.commit_tokens_(tokens, now)
         finished = sched.pop_finished()
         if timed:
@@ -194,6 +231,7 @@ class Engine:
                 decode_bs=n, bucket=self._bucket(n), k=k,
                 prefill_tokens=sum(c for _, c in plan), prefill_reqs=len(plan),
                 committed=sum(len(t) for t in tokens), finished=len(finished), preempted=preempted,
+                accepted=[len(t) - 1 for t in tokens] if k > 0 else [],
                 running=len(sched.admitted), waiting=len(sched.waiting), free_pages=self.kv.num_free,
                 prefill_ms=0.0, decode_ms=0.0)
             self._emit_trace(wait=False)
@@ -235,7 +273,7 @@ class Engine:
             pages = [self.kv.reserve_(o, total) for o in owners]
             self.state.append_rows_([7] * batch_size, [context_len] * batch_size, pages)
             self.state.num_active.fill_(batch_size)
-            run = self.stepper.runner.run_
+            run = self.stepper.runner.run_  # k = 0 steps (T = 1)
             for _ in range(warmup):
                 run(batch_size)
             cuda = self.model.device.type == "cuda"

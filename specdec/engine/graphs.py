@@ -1,4 +1,4 @@
-"""CUDA graphs for the k = 0 decode step, one per batch-size bucket, captured once at start-up.
+"""CUDA graphs for the step, one per (batch-size bucket, tree size), captured once at start-up.
 
 A decode of n rows replays the graph of the smallest bucket B >= n. The graph reads the
 DecodeState's persistent buffers (pending, seq_lens, page_table, num_active, uniform) and writes
@@ -8,8 +8,9 @@ DecodeState's persistent buffers (pending, seq_lens, page_table, num_active, uni
 Why graphs: SmolLM2-135M's step is ~350 small kernels (30 layers x ~11); launched eagerly the host
 cannot keep up (Hugging Face eager: ~75 ms/step on the lent H200), replayed as one graph the GPU
 runs them back to back. All buckets share one memory pool, captured largest first so the smaller
-ones reuse its blocks. The speculative issue adds verify graphs per tree size next to these, never a
-recapture or an eager fallback at run time.
+ones reuse its blocks. Every tree size a policy may choose (T = 1 for k = 0, T = num_nodes(k) for
+each configured k) has its graphs captured up front: switching k selects another graph, never a
+recapture or a slower mode.
 
 Numerics: a replay runs the same kernels as an eager run of the same bucket, so their tokens are
 identical. Eager at exactly n rows may differ from the bucket in the last bits (cuBLAS picks its
@@ -50,48 +51,62 @@ def bucket_for(buckets: list[int], n: int) -> int:
 
 
 class EagerDecode:
-    """Runs ``body(B)`` eagerly: B = n (default), or the bucket of n when ``pad_to`` is given."""
+    """Runs ``body(B, T, context)`` eagerly: B = n (default), or the bucket of n with ``pad_to``."""
 
     graphed = False
 
-    def __init__(self, body: Callable[[int], None], pad_to: list[int] | None = None):
+    def __init__(self, body: Callable, pad_to: list[int] | None = None):
         self.body = body
         self.buckets = sorted(pad_to) if pad_to else None
 
-    def run_(self, n: int) -> int:
+    def run_(self, n: int, T: int = 1, context=None) -> int:
         B = bucket_for(self.buckets, n) if self.buckets else n
-        self.body(B)
+        self.body(B, T, context)
         return B
 
 
 class GraphedDecode:
-    """One CUDA graph of ``body(B)`` per bucket B; ``run_(n)`` replays bucket_for(n)."""
+    """One CUDA graph of ``body(B, T)`` per bucket B and tree size T in ``tree_sizes``.
+
+    ``run_(n, T)`` replays graph (bucket_for(n), T). Tree sizes whose drafter needs host input
+    (``eager_tree_sizes``, e.g. the n-gram drafter's prompt lookup) run eagerly at the bucket shape.
+    """
 
     graphed = True
 
-    def __init__(self, body: Callable[[int], None], state, buckets: list[int]):
+    def __init__(self, body: Callable, state, buckets: list[int], tree_sizes=(1,), eager_tree_sizes=()):
         if state.device.type != "cuda":
             raise ConfigError("CUDA graphs need a CUDA device; use engine.cuda_graphs=false on the CPU")
+        self.body = body
         self.buckets = sorted(buckets)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.eager_tree_sizes = frozenset(eager_tree_sizes)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
         cur = torch.cuda.current_stream()
         # num_active = 0 makes every row padding: warm-up and capture write no KV and commit nothing.
         state.num_active.fill_(0)
-        for B in reversed(self.buckets):
-            side = torch.cuda.Stream()
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):  # compile Triton kernels, warm cuBLAS outside the capture
-                for _ in range(2):
-                    body(B)
-            cur.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                body(B)
-            self.graphs[B] = graph
+        for T in sorted(set(tree_sizes) - self.eager_tree_sizes, reverse=True):
+            for B in reversed(self.buckets):
+                side = torch.cuda.Stream()
+                side.wait_stream(cur)
+                with torch.cuda.stream(side):  # compile Triton kernels, warm cuBLAS outside the capture
+                    for _ in range(2):
+                        body(B, T, None)
+                cur.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    body(B, T, None)
+                self.graphs[(B, T)] = graph
         torch.cuda.synchronize()
 
-    def run_(self, n: int) -> int:
+    def run_(self, n: int, T: int = 1, context=None) -> int:
         B = bucket_for(self.buckets, n)
-        self.graphs[B].replay()
+        if T in self.eager_tree_sizes:
+            self.body(B, T, context)
+            return B
+        graph = self.graphs.get((B, T))
+        if graph is None:
+            raise RuntimeError(f"no CUDA graph for {B} rows x {T} tree nodes; captured tree sizes: "
+                               f"{sorted({t for _, t in self.graphs})}")
+        graph.replay()
         return B

@@ -226,22 +226,26 @@ class Scheduler:
         chunks = []
         for req, c in plan:
             toks = req.tokens[req.seq_len : req.seq_len + c]
-            chunks.append(PrefillChunk(toks, req.seq_len, list(self.kv.pages(req))))
+            chunks.append(PrefillChunk(toks, req.seq_len, list(self.kv.pages(req)),
+                                       next_token=req.tokens[req.seq_len + c]))
         return chunks
 
-    def finish_prefill_(self, plan: list[tuple[Request, int]]) -> int:
-        """Account the prefill forward and move fully prefilled requests into decode rows."""
+    def finish_prefill_(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Account the prefill forward and move fully prefilled requests into decode rows.
+
+        Returns (request, row) for each request that became decode-ready."""
         for req, c in plan:
             req.seq_len += c
         ready = [r for r in self.admitted
                  if r.status is Status.PREFILL and r.seq_len == r.num_tokens - 1]
+        rows: list[int] = []
         if ready:
-            self.state.append_rows_([r.tokens[-1] for r in ready], [r.seq_len for r in ready],
-                                    [list(self.kv.pages(r)) for r in ready])
+            rows = self.state.append_rows_([r.tokens[-1] for r in ready], [r.seq_len for r in ready],
+                                           [list(self.kv.pages(r)) for r in ready])
             for r in ready:
                 r.status = Status.DECODE
             self.rows.extend(ready)
-        return len(ready)
+        return list(zip(ready, rows))
 
     def commit_tokens_(self, tokens: list[list[int]], now: float) -> list[Request]:
         """Append each row's committed tokens; finish and evict done requests; returns them."""

@@ -29,7 +29,8 @@ def _upload(values, dtype, device) -> torch.Tensor:
 
 
 class DecodeState:
-    def __init__(self, max_rows: int, max_pages_per_row: int, page_size: int, device, seed: int = 0):
+    def __init__(self, max_rows: int, max_pages_per_row: int, page_size: int, device, seed: int = 0,
+                 max_tree_nodes: int = 1):
         dev = torch.device(device)
         self.device = dev
         self.max_rows = max_rows
@@ -40,8 +41,13 @@ class DecodeState:
         self.page_table = torch.zeros(max_rows, max_pages_per_row, dtype=torch.int32, device=dev)  # [R, MP]
         self.row_ids = torch.arange(max_rows, dtype=torch.int32, device=dev)  # [R] for the validity mask
         self.num_active = torch.zeros((), dtype=torch.int32, device=dev)  # num_rows as a graph input
-        self.uniform = torch.zeros(max_rows, dtype=torch.float32, device=dev)  # [R] sampling draws
-        self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=dev)  # [R] step output
+        self.max_tree_nodes = max_tree_nodes  # T: tree nodes a step may verify per row (1 = k 0)
+        # [R, T, 2] draws for verification: acceptance coin and bonus draw per node
+        self.uniform = torch.zeros(max_rows, max_tree_nodes, 2, dtype=torch.float32, device=dev)
+        # [R, T] step output: committed tokens of each row (accepted drafts + bonus), then -1
+        self.sampled = torch.full((max_rows, max_tree_nodes), -1, dtype=torch.int64, device=dev)
+        # Per-row tensors of other modules (a drafter's root state) that follow row compaction.
+        self.row_buffers: dict[str, torch.Tensor] = {}
         # One generator per engine: seeded runs are reproducible; draws happen outside CUDA graphs.
         self.generator = torch.Generator(device=dev).manual_seed(int(seed))
         self.num_rows = 0
@@ -84,6 +90,8 @@ class DecodeState:
             self.pending[:m] = self.pending[idx]
             self.seq_lens[:m] = self.seq_lens[idx]
             self.page_table[:m] = self.page_table[idx]
+            for buf in self.row_buffers.values():
+                buf[:m] = buf[idx]
         self.seq_lens_host = [self.seq_lens_host[r] for r in keep]
         self.num_rows = m
 
@@ -99,3 +107,9 @@ class DecodeState:
         """Advance the host mirror by the committed count of each row (device side: the step)."""
         for r, n in enumerate(counts):
             self.seq_lens_host[r] += n
+
+    def add_row_buffer(self, name: str, shape: tuple[int, ...], dtype) -> torch.Tensor:
+        """A [max_rows, *shape] device tensor that keep_rows_ compacts along with the rows."""
+        buf = torch.zeros(self.max_rows, *shape, dtype=dtype, device=self.device)
+        self.row_buffers[name] = buf
+        return buf

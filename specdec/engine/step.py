@@ -24,69 +24,81 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpecdecError
+from ..models import ops
 from ..models.ops import AttentionMeta
+from ..spec.tree import DraftTree, single_node_tree
 from .kv_cache import KVCache
 from .state import DecodeState
 
 
-class SpeculationUnavailable(SpecdecError, NotImplementedError):
-    """The step was asked for k > 0 before speculative decoding exists in this build."""
+def tree_inputs(state: DecodeState, kv: KVCache, tree: DraftTree, B: int, valid: torch.Tensor):
+    """Target inputs for verifying ``tree`` (T nodes per row) over state rows 0 .. B-1.
 
-
-def check_k(k: int) -> None:
-    """Raise unless this build supports a step with k draft tokens (only k = 0 so far)."""
-    if k != 0:
-        raise SpeculationUnavailable(
-            f"step with k={k} draft tokens: speculative decoding is not built yet; only k=0 "
-            "(plain decode) is supported")
-
-
-def sample_from_uniform(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> torch.Tensor:
-    """[B, V] logits, [B] uniforms in [0, 1) -> [B] int64 tokens; capturable in a CUDA graph.
-
-    Temperature 0 is argmax (per row, so batching never changes the choice for a given row of
-    logits). Otherwise an exact draw from softmax(logits / T) by inverting the CDF at u: one uniform
-    per row, drawn outside the graph from the engine's seeded generator.
+    Node i of row b reads/writes logical slot seq_lens[b] + i (scratch until commit) at RoPE
+    position seq_lens[b] + depth[i]; padding rows (valid False) get T_b = 0 and slot -1.
+    Returns (input_ids [B*T], positions [B*T], AttentionMeta); device ops only (graph-capturable).
     """
-    if temperature == 0:
-        return logits.argmax(dim=-1)  # [B]
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    cdf = probs.cumsum(dim=-1)  # [B, V]
-    # First index whose CDF exceeds u * total: zero-probability tokens (flat CDF) are never hit.
-    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # [B]
-    return tok.clamp_(max=logits.shape[-1] - 1)
-
-
-def decode_body_(model, state: DecodeState, kv: KVCache, B: int, temperature: float) -> None:
-    """The k = 0 step over state rows 0 .. B-1; rows >= state.num_active are padding.
-
-    Padding rows get T_b = 0 (cu_q_lens repeats), kv_len 0 and slot -1, so they read and write no
-    KV; their stale pending / seq_lens values are never read (append_rows_ overwrites a row before
-    it is used again). Writes state.sampled[:B] and commits in place (pending, seq_lens).
-    Everything is a device op on static buffers, so a CUDA graph can capture it per bucket B; the
-    ~15 small ops here cost a few microseconds each inside a graph.
-    """
-    PS = kv.page_size
-    valid = state.row_ids[:B] < state.num_active  # [B] bool
-    pos = torch.where(valid, state.seq_lens[:B], 0)  # [B] int32; padding reads table column 0
-    pos64 = pos.long()
-    page = state.page_table[:B].gather(1, (pos64 // PS)[:, None])[:, 0]  # [B] int32
-    slot = torch.where(valid, page * PS + pos64 % PS, -1)  # [B] int64
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=pos.device)  # [B+1]
-    cu[1:] = torch.cumsum(valid, 0, dtype=torch.int32)
+    PS, MP = kv.page_size, state.max_pages_per_row
+    T = tree.num_nodes
+    seq = state.seq_lens[:B]  # [B] int32
+    node = torch.arange(T, device=seq.device)  # [T]
+    slot_l = seq[:, None].long() + node[None, :]  # [B, T] logical slots
+    page_col = torch.clamp(slot_l // PS, max=MP - 1)  # stale padding rows may point past the table
+    page = state.page_table[:B].gather(1, page_col).long()  # [B, T]
+    slot = torch.where(valid[:, None], page * PS + slot_l % PS, -1)  # [B, T] int64
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=seq.device)  # [B+1]; valid rows come first
+    cu[1:] = (valid.to(torch.int32) * T).cumsum(0)
     meta = AttentionMeta(
         cu_q_lens=cu,
-        kv_lens=pos + valid,  # [B] int32: prefix + the pending token; 0 for padding
-        page_table=state.page_table[:B],  # [B, MP]
-        slot_mapping=slot,
-        max_q_len=1,
+        kv_lens=torch.where(valid, seq + T, 0).to(torch.int32),  # prefix + the T tree nodes
+        page_table=state.page_table[:B],
+        slot_mapping=slot.reshape(-1),
+        max_q_len=T,
+        tree_mask=None if T == 1 else tree.mask.reshape(-1),  # T = 1: causal == the single node
     )
-    hidden = model(state.pending[:B], pos, meta, kv.k, kv.v).hidden  # [B, H]
-    tok = sample_from_uniform(model.logits(hidden), temperature, state.uniform[:B])  # [B]
-    # commit (k = 0: accepted length 0 + 1 token); padding rows' values are don't-care
-    state.sampled[:B].copy_(tok)
-    state.pending[:B].copy_(tok)
-    state.seq_lens[:B].add_(valid)
+    ids = torch.where(valid[:, None], tree.tokens, 0).reshape(-1)  # [B*T]
+    pos = torch.where(valid[:, None], seq[:, None].long() + tree.depth.long(), 0).reshape(-1)  # [B*T]
+    return ids, pos, meta
+
+
+def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperature: float,
+               drafter=None, context=None) -> None:
+    """One step over state rows 0 .. B-1 with trees of T nodes (T = 1: plain decoding, k = 0).
+
+    draft -> verify -> accept -> commit, all on the device:
+      tree    root = pending token, plus T - 1 draft nodes from ``drafter`` (none when T = 1)
+      verify  one target forward over every node, KV written to scratch slots seq_lens + i
+      accept  verify_accept: accepted path + bonus token per row (greedy or exact sampling)
+      commit  kv_sync_: accepted KV moved into place, seq_lens += accepted + 1, pending = bonus;
+              then the drafter extends its own KV over the committed tokens (ALWAYS, also at T = 1)
+    Rows >= state.num_active are padding: T_b = 0, no KV read or written, nothing committed.
+    Writes state.sampled[:B, :T] (committed tokens then -1) and commits in place; no host sync,
+    so a CUDA graph can capture it per (bucket B, tree size T).
+    """
+    valid = state.row_ids[:B] < state.num_active  # [B] bool
+    root = state.pending[:B]
+    if T == 1:
+        tree = single_node_tree(root)
+    else:
+        if drafter is None:
+            raise SpecdecError(f"a step with {T - 1} draft tokens needs a drafter (draft=none)")
+        tree = drafter.propose(state, B, T, valid, context)
+    ids, pos, meta = tree_inputs(state, kv, tree, B, valid)
+    capture = drafter.capture_layers if drafter is not None else ()
+    out = model(ids, pos, meta, kv.k, kv.v, capture_layers=capture)
+    logits = model.logits(out.hidden).view(B, T, -1)  # [B, T, V]
+    be = model.backend
+    uniforms = state.uniform[:B, :T] if temperature > 0 else None
+    accept_len, nodes, out_tokens = ops.verify_accept(logits, tree.tokens, tree.parents, temperature,
+                                                      uniforms, backend=be)
+    seq_old = state.seq_lens[:B].clone()  # [B] the drafter's extend starts here
+    new_seq, pending = ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len,
+                                    out_tokens, backend=be)
+    state.sampled[:B, :T].copy_(torch.where(valid[:, None], out_tokens, -1))
+    state.pending[:B].copy_(torch.where(valid, pending, state.pending[:B]))
+    state.seq_lens[:B].copy_(torch.where(valid, new_seq, seq_old))
+    if drafter is not None:
+        drafter.extend_(state, B, T, valid, seq_old, out.captured, nodes, out_tokens, accept_len)
 
 
 @dataclass
@@ -96,6 +108,7 @@ class PrefillChunk:
     token_ids: list[int]
     start: int  # = the request's seq_len before the chunk (its KV prefix)
     pages: list[int]  # the request's page list; must cover start + len(token_ids) slots
+    next_token: int = -1  # the committed token after the chunk (a drafter pairs row j with j + 1)
 
 
 def prefill_inputs(chunks: list[PrefillChunk], page_size: int, device):
@@ -122,47 +135,70 @@ def prefill_inputs(chunks: list[PrefillChunk], page_size: int, device):
 
 
 class Stepper:
-    """Runs prefill and decode steps over one model, KV cache and DecodeState.
+    """Runs prefill and decode steps over one model, KV cache, DecodeState and optional drafter.
 
-    ``runner`` executes :func:`decode_body_` for n rows: eagerly, or by replaying the CUDA graph of
-    the smallest bucket >= n (see :mod:`specdec.engine.graphs`).
+    ``runner.run_(n, T)`` executes :func:`step_body_` for n rows with T-node trees: eagerly, or by
+    replaying the CUDA graph of the smallest bucket >= n for that T (see :mod:`specdec.engine.graphs`).
     """
 
-    def __init__(self, model, kv: KVCache, state: DecodeState, runner, *, temperature: float):
+    def __init__(self, model, kv: KVCache, state: DecodeState, runner, *, temperature: float,
+                 drafter=None):
         if temperature < 0:
             raise SpecdecError(f"sampling.temperature must be >= 0, got {temperature}")
         self.model, self.kv, self.state, self.runner = model, kv, state, runner
         self.temperature = float(temperature)
+        self.drafter = drafter
 
-    def prefill_(self, chunks: list[PrefillChunk]) -> None:
-        """Write KV for every chunk in one forward (no logits). Mutates the KV cache only."""
-        if not chunks:
-            return
-        ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
-        self.model(ids, pos, meta, self.kv.k, self.kv.v)
+    def prefill_(self, chunks: list[PrefillChunk]):
+        """Write target (and draft) KV for every chunk in one forward each (no target logits).
 
-    def decode_step_(self, k: int = 0, launched=None) -> list[list[int]]:
-        """One step over all state rows; returns the committed tokens of each row (k = 0: one each).
-
-        Mutates KV slots seq_lens[r] (.. + T_r - 1), state.pending, state.seq_lens and the host
-        mirror. The only GPU -> CPU transfer is the [num_rows] tensor of committed tokens.
-        ``launched()``, if given, is called once the step's GPU work is queued, before that
-        transfer waits for it (the engine records its timing event there).
+        Returns the drafter's root state per chunk (what its last row predicts), or None.
         """
-        check_k(k)
+        if not chunks:
+            return None
+        ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
+        capture = self.drafter.capture_layers if self.drafter is not None else ()
+        out = self.model(ids, pos, meta, self.kv.k, self.kv.v, capture_layers=capture)
+        if self.drafter is None:
+            return None
+        next_ids = [t for c in chunks for t in c.token_ids[1:] + [c.next_token]]
+        next_ids = torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
+        return self.drafter.prefill_(ids, pos, meta, out.captured, next_ids)
+
+    def num_nodes(self, k: int) -> int:
+        """Tree nodes per row of a step with k draft tokens (1 at k = 0)."""
+        if k < 0:
+            raise SpecdecError(f"k={k}: the number of draft tokens must be >= 0")
+        if k == 0:
+            return 1
+        if self.drafter is None:
+            raise SpecdecError(f"k={k} draft tokens need a drafter; this engine has draft=none")
+        return self.drafter.num_nodes(k)
+
+    def decode_step_(self, k: int = 0, launched=None, context=None) -> list[list[int]]:
+        """One step over all state rows; returns the committed tokens of each row.
+
+        k = 0 is plain decoding (one token per row); k > 0 drafts a tree of num_nodes(k) nodes and
+        commits the accepted path plus a bonus token. Mutates KV, state.pending, state.seq_lens, the
+        drafter's KV and the host mirror. The only GPU -> CPU transfer is the [num_rows, T] tensor of
+        committed tokens. ``launched()``, if given, is called once the step's GPU work is queued.
+        ``context``: per-row committed token lists, for drafters that need them (n-gram).
+        """
+        T = self.num_nodes(k)
         st = self.state
         n = st.num_rows
         if n == 0:
             return []
         st.num_active.fill_(n)  # a kernel, not a sync
         if self.temperature > 0:
-            st.uniform[:n].uniform_(generator=st.generator)
-        self.runner.run_(n)
+            st.uniform[:n, :T].uniform_(generator=st.generator)
+        self.runner.run_(n, T, context)
         if launched is not None:
             launched()
-        tokens = st.sampled[:n].tolist()  # the one GPU -> CPU copy of the step
-        st.commit_host_([1] * n)
-        return [[t] for t in tokens]
+        rows = st.sampled[:n, :T].tolist()  # the one GPU -> CPU copy of the step
+        tokens = [[t for t in row if t >= 0] for row in rows]
+        st.commit_host_([len(t) for t in tokens])
+        return tokens
 
 
 class PhaseTimer:

@@ -87,3 +87,17 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, 
                                          max_q_len=meta.max_q_len)
     return attention.paged_attention_ref(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
                                          meta.kv_lens, meta.tree_mask, sm_scale)
+
+
+def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_probs=None, *, backend="auto"):
+    from kernels_triton import verify_accept as va
+
+    fn = va.verify_accept if _triton(backend, logits) else va.verify_accept_ref
+    return fn(logits, tokens, parents, temperature, uniforms, draft_probs)
+
+
+def kv_sync_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens, *, backend="auto"):
+    from kernels_triton import kv_sync
+
+    fn = kv_sync.kv_sync_ if _triton(backend, seq_lens) else kv_sync.kv_sync_ref_
+    return fn(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens)

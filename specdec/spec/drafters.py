@@ -1,0 +1,263 @@
+"""Drafters: propose a tree of draft tokens per row; the target verifies it in one forward.
+
+One interface (used by :func:`specdec.engine.step.step_body_`):
+
+    capture_layers          target layers whose input residual stream the drafter reads (or ())
+    needs_context           True if propose() wants each row's committed tokens (host lists)
+    capturable              True if propose() is pure device work (CUDA-graph capturable)
+    num_nodes(k)            tree nodes per row for k draft tokens (root included)
+    bind_(state, P, PS)     allocate per-engine state (draft KV mirroring the target's pages)
+    prefill_(...)           extend draft state over prefill chunks; returns per-chunk root state
+    stage_rows_(...)        hand that root state to the decode rows the chunks became
+    propose(state, B, T, valid, context) -> DraftTree
+    extend_(state, B, T, valid, seq_old, captured, nodes, out_tokens, accept_len)
+                            after EVERY step (also k = 0): extend over the committed tokens
+
+Drafters:
+- :class:`NgramDrafter`: prompt lookup (no weights): find the latest earlier occurrence of the
+  row's last n tokens (n = max_ngram .. min_ngram) in its own history and propose what followed.
+- :class:`Eagle3Drafter`: the EAGLE-3 head grows an EAGLE-2 tree from the target's features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ..models import ops
+from ..models.ops import AttentionMeta
+from .tree import DraftTree, bit, grow_tree
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: a chain of up to k tokens copied from the row's own history."""
+
+    name = "ngram"
+    capture_layers: tuple[int, ...] = ()
+    needs_context = True
+    capturable = False  # the lookup runs on the host over committed tokens
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ConfigError(f"draft.min_ngram={min_ngram}, draft.max_ngram={max_ngram}: need "
+                              "1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def num_nodes(self, k: int) -> int:
+        return k + 1
+
+    def bind_(self, state, num_pages: int, page_size: int) -> None:
+        pass
+
+    def prefill_(self, ids, pos, meta, captured, next_ids):
+        return None
+
+    def stage_rows_(self, roots, chunk_idx, rows) -> None:
+        pass
+
+    def extend_(self, *args) -> None:
+        pass
+
+    def lookup(self, history: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of history's suffix."""
+        n_hist = len(history)
+        for n in range(min(self.max_ngram, n_hist - 1), self.min_ngram - 1, -1):
+            suffix = history[n_hist - n:]
+            # Scan right to left: the most recent match predicts best and ends the search early.
+            for start in range(n_hist - n - 1, -1, -1):
+                if history[start:start + n] == suffix:
+                    follow = history[start + n:start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+    def propose(self, state, B: int, T: int, valid, context) -> DraftTree:
+        k = T - 1
+        tokens = torch.full((B, T), -1, dtype=torch.int64)
+        parents = torch.full((B, T), -1, dtype=torch.int32)
+        depth = torch.zeros((B, T), dtype=torch.int32)
+        mask = bit(torch.arange(T)).expand(B, T).clone()  # padding nodes see the prefix + themselves
+        for r, hist in enumerate(context or []):
+            if r >= B:
+                break
+            follow = self.lookup(hist, k)
+            m = len(follow)
+            tokens[r, 1:m + 1] = torch.tensor(follow, dtype=torch.int64)
+            parents[r, 1:m + 1] = torch.arange(m, dtype=torch.int32)
+            depth[r, :m + 1] = torch.arange(m + 1, dtype=torch.int32)
+            mask[r, :m + 1] = bit(torch.arange(m + 1) + 1) - 1  # a chain: all earlier nodes
+        dev = state.pending.device
+        tokens = tokens.to(dev, non_blocking=True)
+        tokens[:, 0] = state.pending[:B]
+        tokens = torch.where(tokens >= 0, tokens, 0)  # padding nodes carry token 0 (never accepted)
+        return DraftTree(tokens, parents.to(dev, non_blocking=True), depth.to(dev, non_blocking=True),
+                         mask.to(dev, non_blocking=True))
+
+
+class Eagle3Drafter:
+    """EAGLE-3 drafting: trees grown by the draft head over its own paged KV cache.
+
+    Draft row j pairs the target's feature at position j with the token at j + 1 and sits in draft
+    KV slot j (the target's page table addresses both pools). Invariant after every commit: the
+    draft KV covers slots 0 .. seq_len - 1 like the target's, and ``root_hidden``/``root_logp``
+    hold the output of row seq_len - 1, which predicts the token after the pending one: the first
+    tree level of the next step.
+
+    Tree growth: round r processes the frontier (topk nodes at depth r + 1) together with every
+    node of earlier rounds, at draft scratch slots seq_len + j with an ancestor mask (earlier nodes
+    are recomputed with identical inputs: the draft layer is cheap and the attention kernel's tree
+    window stays "the new tokens").
+    """
+
+    name = "eagle3"
+    needs_context = False
+    capturable = True
+
+    def __init__(self, head, target, *, topk: int, steps: int, num_draft_tokens: int):
+        if topk < 1 or steps < 1 or num_draft_tokens < 1:
+            raise ConfigError(f"draft.topk={topk}, draft.steps={steps}, draft.num_draft_tokens="
+                              f"{num_draft_tokens}: all must be >= 1")
+        if steps * topk > 63:
+            raise ConfigError(f"draft.steps x draft.topk = {steps * topk} scratch nodes; at most 63")
+        self.head, self.target = head, target
+        self.topk, self.steps, self.num_draft_tokens = topk, steps, num_draft_tokens
+        self.capture_layers = tuple(head.config.target_layers)
+        self.k_cache = self.v_cache = None
+        self.root_hidden = self.root_logp = None
+
+    # -- sizes ---------------------------------------------------------------------------------
+    def shape_for(self, k: int) -> tuple[int, int, int]:
+        """(topk, steps, kept draft nodes) of the tree for a budget of k draft tokens."""
+        steps = min(self.steps, k)
+        topk = min(self.topk, k)
+        candidates = topk + (steps - 1) * topk * topk
+        return topk, steps, min(k, candidates)
+
+    def num_nodes(self, k: int) -> int:
+        return 1 + self.shape_for(k)[2]
+
+    # -- state ---------------------------------------------------------------------------------
+    def bind_(self, state, num_pages: int, page_size: int) -> None:
+        self.k_cache, self.v_cache = self.head.new_kv_cache(num_pages, page_size)
+        H = self.head.config.hidden_size
+        self.root_hidden = state.add_row_buffer("eagle3_root_hidden", (H,), self.head.dtype)
+        self.root_logp = state.add_row_buffer("eagle3_root_logp", (self.head.config.draft_vocab_size,),
+                                              torch.float32)
+
+    def _run(self, token_ids, hidden, positions, meta):
+        """Draft layer over rows: token_ids [N] (target ids), hidden [N, H] -> (hidden, logp)."""
+        emb = self.target.embed_tokens(token_ids).to(self.head.dtype)
+        h, logits = self.head(emb, hidden, positions, meta, self.k_cache, self.v_cache)
+        return h, torch.log_softmax(logits.float(), dim=-1)
+
+    def prefill_(self, ids, pos, meta: AttentionMeta, captured, next_ids):
+        """Draft rows over prefill chunks (same slots/positions as the target's); returns the last
+        row of each chunk: (hidden [C, H], logp [C, Vd])."""
+        h, logp = self._run(next_ids, self.head.fuse(captured.to(self.head.dtype)), pos, meta)
+        last = (meta.cu_q_lens[1:] - 1).long()  # [C]
+        return h[last], logp[last]
+
+    def stage_rows_(self, roots, chunk_idx: list[int], rows: list[int]) -> None:
+        """Copy each chunk's root state into its decode row (-1: no prefill row, e.g. a 1-token
+        prompt: zero state, so that row's drafts are arbitrary until its first step commits)."""
+        dev = self.root_hidden.device
+        for c, r in zip(chunk_idx, rows):
+            if roots is None or c < 0:
+                self.root_hidden[r].zero_()
+                self.root_logp[r].zero_()
+            else:
+                self.root_hidden[r].copy_(roots[0][c].to(dev))
+                self.root_logp[r].copy_(roots[1][c].to(dev))
+
+    # -- per step --------------------------------------------------------------------------------
+    def _scratch_meta(self, state, B: int, valid, n: int, T_q: int, mask) -> AttentionMeta:
+        """Meta for n scratch rows per request at draft slots seq_len .. seq_len + n - 1."""
+        PS = state.page_size
+        seq = state.seq_lens[:B]
+        slot_l = seq[:, None].long() + torch.arange(n, device=seq.device)[None, :]  # [B, n]
+        col = torch.clamp(slot_l // PS, max=state.max_pages_per_row - 1)
+        page = state.page_table[:B].gather(1, col).long()
+        slot = torch.where(valid[:, None], page * PS + slot_l % PS, -1)
+        cu = torch.zeros(B + 1, dtype=torch.int32, device=seq.device)
+        cu[1:] = (valid.to(torch.int32) * T_q).cumsum(0)
+        return AttentionMeta(cu_q_lens=cu, kv_lens=torch.where(valid, seq + n, 0).to(torch.int32),
+                             page_table=state.page_table[:B], slot_mapping=slot.reshape(-1),
+                             max_q_len=T_q, tree_mask=mask)
+
+    def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
+        topk, steps, kept = self.shape_for(T - 1)
+        seq = state.seq_lens[:B].long()
+        rows_tok, rows_hid, rows_pos, rows_mask = [], [], [], []  # scratch rows so far, [B, m] each
+        outs = {}
+
+        def expand(r: int, tokens, parent_slot):
+            # tokens [B, topk] of depth r + 1; parents are round r - 1's frontier (or the root).
+            if r == 0:
+                hid = self.root_hidden[:B, None, :].expand(B, topk, -1)
+                par_mask = torch.zeros(B, topk, dtype=torch.int64, device=seq.device)
+            else:
+                prev_h, prev_mask = outs[r - 1]
+                idx = parent_slot.long()
+                hid = prev_h.gather(1, idx[:, :, None].expand(-1, -1, prev_h.shape[-1]))
+                par_mask = prev_mask.gather(1, idx)
+            j = r * topk + torch.arange(topk, device=seq.device)  # scratch indices of the new nodes
+            mask = par_mask | bit(j)[None, :]
+            rows_tok.append(tokens)
+            rows_hid.append(hid)
+            rows_pos.append((seq + r)[:, None].expand(B, topk))  # depth r+1 node -> position s + r
+            rows_mask.append(mask)
+            n = (r + 1) * topk
+            meta = self._scratch_meta(state, B, valid, n, n, torch.cat(rows_mask, 1).reshape(-1))
+            ids = torch.where(valid[:, None], torch.cat(rows_tok, 1), 0).reshape(-1)
+            h, logp = self._run(ids, torch.cat(rows_hid, 1).reshape(B * n, -1),
+                                torch.cat(rows_pos, 1).reshape(-1), meta)
+            h = h.view(B, n, -1)[:, -topk:]  # the frontier's outputs
+            outs[r] = (h, mask)
+            return logp.view(B, n, -1)[:, -topk:]
+
+        return grow_tree(state.pending[:B], self.root_logp[:B], expand, topk=topk, steps=steps,
+                         num_draft_tokens=kept, to_target=self.head.to_target_ids)
+
+    def extend_(self, state, B: int, T: int, valid, seq_old, captured, nodes, out_tokens, accept_len) -> None:
+        """Draft rows seq_old + i (i < T) pairing the feature of accepted path node i with the
+        committed token after it; rows past accept_len are scratch (overwritten later), so the
+        shapes stay static. Leaves root state = output of row seq_old + accept_len."""
+        H3 = captured.shape[-1]
+        feat = captured.view(B, T, H3).gather(1, nodes.clamp(min=0).long()[:, :, None].expand(-1, -1, H3))
+        tok = torch.where(out_tokens >= 0, out_tokens, 0)  # [B, T]
+        PS = state.page_size
+        slot_l = seq_old[:, None].long() + torch.arange(T, device=seq_old.device)[None, :]
+        col = torch.clamp(slot_l // PS, max=state.max_pages_per_row - 1)
+        page = state.page_table[:B].gather(1, col).long()
+        slot = torch.where(valid[:, None], page * PS + slot_l % PS, -1)
+        cu = torch.zeros(B + 1, dtype=torch.int32, device=seq_old.device)
+        cu[1:] = (valid.to(torch.int32) * T).cumsum(0)
+        meta = AttentionMeta(cu_q_lens=cu, kv_lens=torch.where(valid, seq_old + T, 0).to(torch.int32),
+                             page_table=state.page_table[:B], slot_mapping=slot.reshape(-1), max_q_len=T)
+        h, logp = self._run(tok.reshape(-1), self.head.fuse(feat.reshape(B * T, H3).to(self.head.dtype)),
+                            slot_l.reshape(-1), meta)
+        last = accept_len.long()[:, None]  # [B, 1]
+        h_last = h.view(B, T, -1).gather(1, last[:, :, None].expand(-1, -1, h.shape[-1]))[:, 0]
+        lp_last = logp.view(B, T, -1).gather(1, last[:, :, None].expand(-1, -1, logp.shape[-1]))[:, 0]
+        self.root_hidden[:B].copy_(torch.where(valid[:, None], h_last, self.root_hidden[:B]))
+        self.root_logp[:B].copy_(torch.where(valid[:, None], lp_last, self.root_logp[:B]))
+
+
+def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
+    """From the Hydra ``draft`` group: none -> None, ngram, eagle3 (needs draft.path)."""
+    name = cfg.get("name", "none")
+    if name == "none":
+        return None
+    if name == "ngram":
+        return NgramDrafter(int(cfg.get("max_ngram", 3)), int(cfg.get("min_ngram", 1)))
+    if name == "eagle3":
+        from ..models.eagle3 import Eagle3Head
+
+        path = cfg.get("path")
+        if not path:
+            raise ConfigError("draft=eagle3 needs draft.path=DIR (an EAGLE-3 checkpoint directory)")
+        head = Eagle3Head.load(path, device=device, dtype=dtype if dtype is not None else target.dtype,
+                               backend=backend, target=target.config)
+        return Eagle3Drafter(head, target, topk=int(cfg.topk), steps=int(cfg.steps),
+                             num_draft_tokens=int(cfg.num_draft_tokens))
+    raise ConfigError(f"unknown draft {name!r}; valid: none, ngram, eagle3")

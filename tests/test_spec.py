@@ -1,0 +1,205 @@
+"""Speculative decoding through the one step: greedy output is token-identical to plain greedy for
+every drafter, tree shape, batch size and k schedule, and the draft KV stays in sync at k = 0."""
+
+import pytest
+import torch
+from test_engine import VOCAB, rand_prompts, reference, tiny_model
+
+from specdec.engine.engine import Engine, EngineConfig
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.models.ops import AttentionMeta
+from specdec.policy import Always, BatchThreshold, BatchView
+from specdec.spec.drafters import Eagle3Drafter, NgramDrafter
+from specdec.spec.tree import DraftTree, ancestor_masks
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(layers=2)
+
+
+def repetitive_prompts(n, seed=0):
+    """Prompts that repeat a motif, so the n-gram drafter finds continuations the target may take."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        motif = torch.randint(0, VOCAB, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen).tolist()
+        out.append((motif * 6)[: 10 + 3 * i])
+    return out
+
+
+def tiny_head(model, draft_vocab=None, seed=0, layers=(0, 1, 1)):
+    cfg = Eagle3Config.for_target(model.config, draft_vocab or VOCAB, target_layers=layers)
+    head = Eagle3Head(cfg, backend=model.backend).init_weights_(seed)
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[: cfg.draft_vocab_size]
+    head.set_vocab_(ids)
+    return head.to_device(model.device, torch.float32)
+
+
+def run_engine(model, prompts, max_new, *, drafter=None, ks=(0,), k_of_step=lambda i: 0, max_batch=8,
+               page_size=4, policy=None):
+    trace = []
+    engine = Engine(model, EngineConfig(max_batch_size=max_batch, page_size=page_size, kv_cache_tokens=2048),
+                    drafter=drafter, ks=ks, policy=policy, trace=trace.append)
+    engine.accepted = [a for rec in trace for a in rec["accepted"]]  # filled in below
+    reqs = [engine.add_request(p, max_new) for p in prompts]
+    i = 0
+    while engine.has_work():
+        engine.step(None if policy is not None else k_of_step(i))
+        engine.check()
+        i += 1
+    engine.flush_trace()
+    engine.accepted = [a for rec in trace for a in rec["accepted"]]
+    return [r.output_ids for r in reqs], engine
+
+
+def test_ngram_greedy_identical_and_accepts(tiny):
+    prompts = repetitive_prompts(5)
+    want = [reference(tiny, p, 20) for p in prompts]
+    got, engine = run_engine(tiny, prompts, 20, drafter=NgramDrafter(), ks=(4,), k_of_step=lambda i: 4)
+    assert got == want
+    assert max(engine.accepted) >= 2  # drafts were accepted, so multi-token commits were exercised
+    assert engine.drafter.lookup([1, 2, 3, 1, 2], 3) == [3, 1, 2]
+
+
+class OracleTrees:
+    """Proposes random trees in which one path follows the target's own greedy continuation (known
+    from the reference run) with deliberate corruptions, and the other nodes are wrong siblings:
+    exercises every branch of tree verification and commit."""
+
+    needs_context = True
+    capturable = False
+
+    def __init__(self, continuations, seed=0, **kw):
+        super().__init__(**kw)
+        self.cont = continuations  # prompt tuple -> full greedy output
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, state, B, T, valid, context):
+        toks = torch.zeros(B, T, dtype=torch.long)
+        parents = torch.full((B, T), -1, dtype=torch.int32)
+        depth = torch.zeros(B, T, dtype=torch.int32)
+        for r, hist in enumerate(context[:B]):
+            future = next(c for p, c in self.cont.items() if hist[: len(p)] == list(p))
+            done = len(hist) - next(len(p) for p in self.cont if hist[: len(p)] == list(p))
+            future = future[done:] + [0] * T
+            good = int(torch.randint(0, T, (1,), generator=self.gen))  # length of the true path
+            # The true path sits at random increasing node indices (so commit must move its KV);
+            # every other node is a wrong sibling hanging anywhere above it.
+            path = sorted(torch.randperm(T - 1, generator=self.gen)[:good].add(1).tolist())
+            prev = 0
+            for i in range(1, T):
+                if i in path:
+                    parents[r, i] = prev
+                    toks[r, i] = future[path.index(i)]
+                    if torch.rand(1, generator=self.gen) < 0.15:
+                        toks[r, i] = (toks[r, i] + 1) % VOCAB  # a wrong token on the path
+                    prev = i
+                else:
+                    parents[r, i] = int(torch.randint(0, i, (1,), generator=self.gen))
+                    toks[r, i] = int(torch.randint(0, VOCAB, (1,), generator=self.gen))
+                depth[r, i] = depth[r, parents[r, i]] + 1
+        dev = state.pending.device
+        toks[:, 0] = state.pending[:B].cpu()
+        return DraftTree(toks.to(dev), parents.to(dev), depth.to(dev), ancestor_masks(parents, T).to(dev))
+
+
+class OracleDrafter(OracleTrees, NgramDrafter):
+    pass
+
+
+class OracleEagle(OracleTrees, Eagle3Drafter):
+    """The EAGLE-3 drafter's real prefill / extend (draft KV sync) with oracle trees, so that its
+    extend runs over multi-token accepted paths."""
+
+    def num_nodes(self, k):
+        return k + 1
+
+
+def test_trees_with_true_paths_identical_and_accept_deeply(tiny):
+    prompts = rand_prompts([5, 17, 9, 30], seed=3)
+    want = [reference(tiny, p, 24) for p in prompts]
+    oracle = OracleDrafter({tuple(p): w for p, w in zip(prompts, want)})
+    got, engine = run_engine(tiny, prompts, 24, drafter=oracle, ks=(7,), k_of_step=lambda i: 7)
+    assert got == want
+    assert max(engine.accepted) >= 4 and 0 in engine.accepted  # deep accepts and full rejections
+
+
+@pytest.mark.parametrize("topk,steps,ntok", [(1, 3, 3), (2, 3, 6), (3, 2, 8)])
+def test_eagle3_greedy_identical(tiny, topk, steps, ntok):
+    prompts = rand_prompts([6, 13, 21], seed=topk)
+    want = [reference(tiny, p, 16) for p in prompts]
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=topk, steps=steps, num_draft_tokens=ntok)
+    got, _ = run_engine(tiny, prompts, 16, drafter=drafter, ks=(ntok,), k_of_step=lambda i: ntok)
+    assert got == want
+
+
+def draft_prefill_kv(drafter, model, tokens):
+    """Draft KV [n, HKV, D] of rows 0..n-1 computed from scratch over ``tokens`` (n + 1 tokens)."""
+    n = len(tokens) - 1
+    k, v = model.new_kv_cache(1 + n // 4, 4)
+    dk, dv = drafter.head.new_kv_cache(1 + n // 4, 4)
+    table = torch.arange(1 + n // 4, dtype=torch.int32)[None]
+    meta = AttentionMeta(torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                         table, torch.arange(n), n)
+    out = model(torch.tensor(tokens[:n]), torch.arange(n), meta, k, v, capture_layers=drafter.capture_layers)
+    emb = model.embed_tokens(torch.tensor(tokens[1:]))
+    drafter.head(emb, drafter.head.fuse(out.captured), torch.arange(n), meta, dk, dv)
+    return dk[0].reshape(-1, *dk.shape[-2:])[:n]
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle):
+    prompts = rand_prompts([7, 12], seed=11)
+    want = [reference(tiny, p, 18) for p in prompts]
+    if oracle:  # multi-token accepted paths through the real draft extend
+        drafter = OracleEagle({tuple(p): w for p, w in zip(prompts, want)}, head=tiny_head(tiny),
+                              target=tiny, topk=2, steps=2, num_draft_tokens=4)
+    else:
+        drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
+    trace = []
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=drafter, ks=(4,), trace=trace.append)
+    reqs = [engine.add_request(p, 18) for p in prompts]
+    schedule = [0, 4, 0, 0, 4, 4, 0, 4]
+    for i in range(len(schedule)):
+        engine.step(schedule[i])
+    engine.flush_trace()
+    if oracle:
+        assert max(a for rec in trace for a in rec["accepted"]) >= 2
+    # Mid-run: every row's draft KV over its committed tokens equals a from-scratch draft prefill.
+    sched = engine.scheduler
+    for row, req in enumerate(sched.rows):
+        s = req.seq_len
+        pages = engine.kv.pages(req)
+        slots = torch.tensor([pages[j // 4] * 4 + j % 4 for j in range(s)])
+        live = drafter.k_cache[0].reshape(-1, *drafter.k_cache.shape[-2:])[slots]
+        fresh = draft_prefill_kv(drafter, tiny, req.tokens[: s + 1])
+        torch.testing.assert_close(live, fresh, atol=1e-4, rtol=1e-4)
+    while engine.has_work():
+        engine.step(4 if engine._step_no % 3 else 0)
+    assert [r.output_ids for r in reqs] == want
+
+
+def test_batch_threshold_policy_switches_with_hysteresis(tiny):
+    pol = BatchThreshold(k=3, off_above=4, on_at_or_below=2)
+    seen = [pol.choose(BatchView(n, 0)) for n in [1, 4, 5, 4, 3, 2, 3, 5]]
+    assert seen == [3, 3, 0, 0, 0, 3, 3, 0]
+    prompts = repetitive_prompts(6, seed=2)
+    want = [reference(tiny, p, 12) for p in prompts]
+    got, engine = run_engine(tiny, prompts, 12, drafter=NgramDrafter(),
+                             policy=BatchThreshold(k=3, off_above=3, on_at_or_below=2))
+    assert got == want
+    assert engine.ks == [0, 3]
+
+
+def test_always_policy_with_smollm2_ngram(smollm2, smollm2_tokenizer):
+    """The embedded model, real code prompts: n-gram speculation commits the same greedy tokens."""
+    prompts = [smollm2_tokenizer.encode_chat([{"role": "user", "content": c}]) for c in
+               ("Repeat exactly: a b c a b c a b c", "Write a Python function add(a, b).")]
+    want = [reference(smollm2, p, 16, eos=[2]) for p in prompts]
+    engine = Engine(smollm2, EngineConfig(max_batch_size=4, kv_cache_tokens=1024), eos_ids=[2],
+                    drafter=NgramDrafter(), policy=Always(4))
+    reqs = [engine.add_request(p, 16) for p in prompts]
+    engine.run_until_done()
+    assert [r.output_ids for r in reqs] == want
