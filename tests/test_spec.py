@@ -203,3 +203,30 @@ def test_always_policy_with_smollm2_ngram(smollm2, smollm2_tokenizer):
     reqs = [engine.add_request(p, 16) for p in prompts]
     engine.run_until_done()
     assert [r.output_ids for r in reqs] == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["eagle3", "ngram"])
+def test_cuda_graphs_speculative_identical(kind):
+    """On the GPU: Triton kernels, CUDA graphs per (bucket, tree size), fp32: greedy spec output
+    equals the torch-reference plain greedy loop."""
+    model = tiny_model(layers=2, device="cuda", backend="auto")
+    ref_model = tiny_model(layers=2, device="cuda", backend="torch")
+    prompts = repetitive_prompts(5, seed=4)
+    want = [reference(ref_model, p, 20) for p in prompts]
+    if kind == "eagle3":
+        head = tiny_head(ref_model)
+        head.backend = "auto"
+        drafter = Eagle3Drafter(head, model, topk=2, steps=3, num_draft_tokens=6)
+        k = 6
+    else:
+        drafter, k = NgramDrafter(), 4
+    engine = Engine(model, EngineConfig(max_batch_size=8, page_size=16, kv_cache_tokens=4096,
+                                        graph_buckets=(1, 2, 4, 8)), drafter=drafter, ks=(k,))
+    assert engine.graphed
+    reqs = [engine.add_request(p, 20) for p in prompts]
+    i = 0
+    while engine.has_work():
+        engine.step(k if i % 3 else 0)
+        i += 1
+    assert [r.output_ids for r in reqs] == want
