@@ -37,7 +37,6 @@ import datetime
 import gc
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+from specdec.bench.provenance import git_commit  # noqa: E402
 
 from specdec.bench.clients import closed_loop  # noqa: E402
 from specdec.bench.metrics import StepTrace, request_record, summarize_requests  # noqa: E402
@@ -77,17 +77,6 @@ def log(msg: str) -> None:
 def sync() -> None:
     if CUDA:
         torch.cuda.synchronize()
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def copy_bandwidth_gbps() -> float:

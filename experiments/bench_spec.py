@@ -23,7 +23,6 @@ import argparse
 import csv
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from specdec.bench.provenance import git_commit  # noqa: E402
 
 from specdec.bench.clients import closed_loop  # noqa: E402
 from specdec.bench.metrics import StepTrace, request_record, summarize_requests  # noqa: E402
@@ -40,14 +40,6 @@ from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.models.tokenizer import Tokenizer  # noqa: E402
 from specdec.policy import Always, BatchThreshold, Never  # noqa: E402
 from specdec.spec.drafters import NgramDrafter  # noqa: E402
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def main() -> None:

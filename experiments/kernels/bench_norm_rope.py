@@ -24,7 +24,6 @@ import argparse
 import csv
 import datetime
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+from specdec.bench.provenance import git_commit  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -184,17 +184,6 @@ def measure(case, copy_gbps):
 
 
 # ------------------------------------------------------------------------------------- output
-
-
-def git_commit():
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 TABLE_COLS = [  # (csv key, header, format)
