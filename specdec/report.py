@@ -1,0 +1,799 @@
+"""Paper-style tables and plots from run directories.
+
+    python -m specdec.report RUN_DIRS... [--out DIR] [--group-by KEYS] [--metrics KEYS]
+
+Reads every run directory (one holding ``metrics.json`` and ``config.json``, as written by
+``python -m specdec.run``) under the given paths, recursively, so a multirun sweep folder works as
+is. Each run becomes one flat row: the resolved config and the metrics under dotted keys
+(``workload.concurrency``, ``draft.topk``, ``workload.sources.0.limit``, ``output_tok_per_s``,
+``accepted_histogram.2``). Where a metric and a config entry share a key, the metric keeps it and
+the config value moves to ``config.KEY`` (``device`` is the device the run used, ``config.device``
+what was asked for, e.g. ``auto``).
+
+Default report, each part only when the runs hold it:
+
+- Speculation: one row per workload x target x drafter x policy x temperature: mean accepted length,
+  fraction of decode steps that speculated, output tok/s, and the speed-up over the matching plain
+  run. The matching plain run is ``policy=never`` (or ``draft=none``) with the same config apart
+  from ``draft.*``, ``policy.*`` and bookkeeping (``name``, ``run_dir``, ``logger.*``), on the same
+  device and dtype: a speed-up is only ever a ratio of two runs that served the same requests the
+  same way. No such run: "-".
+- Throughput vs concurrency: closed-loop runs at two or more ``workload.concurrency`` values; one
+  row per config, one column per C (output tok/s), and a plot of tok/s against C (log2 axis).
+- Runs: every config with its headline numbers.
+- One accepted-length histogram plot per speculative run.
+
+Config keys that differ between runs that would otherwise share a row (``workload.concurrency``,
+``engine.max_new_tokens``, ...) become extra columns, so two different runs never merge into one
+row; runs with identical configs (repeats) do, and their numbers are averaged (column "runs").
+Rows from random-weight targets are labelled "(random weights)".
+
+``--group-by KEYS`` (comma-separated dotted keys) asks for one table instead of the default report:
+rows grouped by those values, ``--metrics KEYS`` (default: the headline numbers) averaged per group.
+``--metrics`` alone keeps the Runs table's rows (one per config) with those metrics. No plots then.
+
+Writes ``report.md``, ``report.tex`` (booktabs tables, ``\\usepackage{booktabs}``) and the plots
+(PNG + PDF; needs matplotlib: ``pip install -e ".[plot]"``) into ``--out`` (default ``./report``),
+and prints the markdown. Bad input (a path without runs, malformed JSON, an unknown key) exits 2
+with a message naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import os
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError, SpecdecError
+
+# Config entries that say where or how a run was recorded, not what it measured.
+BOOKKEEPING = ("name", "run_dir", "logger.")
+# Config entries a speculative run may differ in from its plain-decoding baseline.
+SPEC_ONLY = ("draft.", "policy.")
+# Metrics that describe the machine, compared like config entries.
+CONTEXT_METRICS = ("device", "dtype")
+# Keys shown by the descriptor columns (Workload, Target, Drafter, Policy, T) of every table.
+DESCRIBED = ("workload.name", "target.name", "sampling.temperature", "policy.", "draft.name")
+
+# key -> (markdown header, LaTeX header, scale, kind); kind picks the number format.
+METRICS = {
+    "output_tok_per_s": ("tok/s", "tok/s", 1.0, "num"),
+    "mean_accepted_length": ("acc. len", r"acc.\ len $\tau$", 1.0, "fixed2"),
+    "speculating_step_fraction": ("spec. steps", "spec.\\ steps", 100.0, "percent"),
+    "mean_ttft_s": ("TTFT ms", "TTFT (ms)", 1e3, "num"),
+    "p50_ttft_s": ("p50 TTFT ms", "p50 TTFT (ms)", 1e3, "num"),
+    "p99_ttft_s": ("p99 TTFT ms", "p99 TTFT (ms)", 1e3, "num"),
+    "mean_tpot_s": ("TPOT ms", "TPOT (ms)", 1e3, "num"),
+    "p50_tpot_s": ("p50 TPOT ms", "p50 TPOT (ms)", 1e3, "num"),
+    "p99_tpot_s": ("p99 TPOT ms", "p99 TPOT (ms)", 1e3, "num"),
+    "mean_batch_size": ("batch", "batch", 1.0, "num"),
+    "requests": ("requests", "requests", 1.0, "num"),
+    "failed_requests": ("failed", "failed", 1.0, "num"),
+}
+OVERVIEW_METRICS = ("output_tok_per_s", "mean_ttft_s", "p50_tpot_s", "mean_batch_size",
+                    "mean_accepted_length", "speculating_step_fraction")
+HEADERS = {"workload.concurrency": "C", "engine.max_new_tokens": "max new"}  # short column names
+
+
+# --------------------------------------------------------------------------------------- loading
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    metrics: dict
+    row: dict = field(default_factory=dict)       # flat config + metrics: every key a table may show
+    settings: dict = field(default_factory=dict)  # what the run did: flat config + device, dtype
+
+    def get(self, key: str, default=None):
+        return self.row.get(key, default)
+
+
+def flatten(obj, prefix: str = "") -> dict:
+    """Nested dicts -> {"a.b.c": leaf}. Lists of dicts index like Hydra overrides do
+    ("workload.sources.0.limit"); a list of plain values stays one value ("engine.graph_buckets")."""
+    if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
+        items = enumerate(obj)
+    else:
+        items = obj.items() if isinstance(obj, dict) else None
+    if items is None or not obj:  # a leaf, or an empty container kept as its own value
+        return {prefix: obj} if prefix else {}
+    out = {}
+    for k, v in items:
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{path}: malformed JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdecError(f"{path}: cannot read it ({e})") from None
+    if not isinstance(data, dict):
+        raise SpecdecError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def find_run_dirs(paths) -> list[Path]:
+    """Run directories (holding metrics.json) at or below each path, in order, each once."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_file() and p.name == "metrics.json":
+            p = p.parent
+        if not p.exists():
+            raise SpecdecError(f"{p}: no such file or directory")
+        if not p.is_dir():
+            raise SpecdecError(f"{p}: not a directory; pass run directories (holding metrics.json) "
+                               "or folders above them, e.g. outputs/ or multirun/NAME/")
+        if (p / "metrics.json").is_file():
+            dirs = [p]  # a run directory is a leaf: nothing below it is another run
+        else:
+            dirs = sorted({m.parent for m in p.rglob("metrics.json")}, key=_path_sort_key)
+        if not dirs:
+            raise SpecdecError(f"{p}: no metrics.json in it or below it; is it a run directory "
+                               "written by `python -m specdec.run` (or a folder above some)?")
+        found += dirs
+    seen, unique = set(), []
+    for d in found:
+        if d.resolve() not in seen:
+            seen.add(d.resolve())
+            unique.append(d)
+    return unique
+
+
+def find_unfinished(paths) -> list[Path]:
+    """Hydra job directories (holding .hydra/) below ``paths`` without metrics.json: runs that failed
+    or are still running."""
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir() and not (p / "metrics.json").is_file():
+            out += [h.parent for h in p.rglob(".hydra")
+                    if h.is_dir() and not (h.parent / "metrics.json").exists()]
+    return sorted(set(out), key=_path_sort_key)
+
+
+def _path_sort_key(p: Path):
+    # multirun/NAME/DATE/10 after .../9: numeric path parts compare as numbers
+    return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.parts]
+
+
+def load_run(path: Path) -> Run:
+    metrics = _read_json(path / "metrics.json")
+    if not (path / "config.json").is_file():
+        raise SpecdecError(f"{path}: metrics.json without config.json; a run directory written by "
+                           "`python -m specdec.run` holds both")
+    config = _read_json(path / "config.json")
+    metrics = {**_step_summary(path, metrics), **metrics}
+    flat_cfg, flat_met = flatten(config), flatten(metrics)
+    for k in set(flat_cfg) & set(flat_met):  # the measured value keeps the key
+        flat_cfg[f"config.{k}"] = flat_cfg.pop(k)
+    settings = {k: v for k, v in flat_cfg.items() if not k.startswith(BOOKKEEPING)}
+    settings.update({k: metrics.get(k) for k in CONTEXT_METRICS})
+    row = {"run": str(path), **flat_cfg, **flat_met}
+    return Run(path, config, metrics, row, settings)
+
+
+def _step_summary(path: Path, metrics: dict) -> dict:
+    """Speculation numbers from steps.jsonl, for runs whose metrics.json predates them."""
+    wanted = ("accepted_histogram", "mean_accepted_length", "speculating_step_fraction")
+    steps_file = path / "steps.jsonl"
+    if all(k in metrics for k in wanted) or not steps_file.is_file():
+        return {}
+    from .bench.metrics import StepTrace  # the same definitions the engine logs with
+
+    trace = StepTrace()
+    for i, line in enumerate(steps_file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            trace.records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise SpecdecError(f"{steps_file}:{i}: malformed JSON ({e.msg})") from None
+    try:
+        summary = trace.summary()
+    except (KeyError, TypeError) as e:
+        raise SpecdecError(f"{steps_file}: a step record lacks a field the engine writes ({e})") from None
+    return {k: summary[k] for k in wanted}
+
+
+def load_runs(paths) -> list[Run]:
+    return [load_run(d) for d in find_run_dirs(paths)]
+
+
+# ------------------------------------------------------------------------------ describing runs
+def _h(v) -> str:
+    """Hashable, order-free identity of a config value (lists and dicts included)."""
+    return json.dumps(v, sort_keys=True)
+
+
+def _params(section: dict, skip=("name", "path")) -> str:
+    return " ".join(f"{k}={_show(v)}" for k, v in section.items() if k not in skip)
+
+
+def is_random(run: Run) -> bool:
+    return run.metrics.get("weights", "pretrained") != "pretrained" or bool(
+        (run.config.get("target") or {}).get("random_weights"))
+
+
+def target_label(run: Run) -> str:
+    t = run.config.get("target") or {}
+    label = Path(t["path"]).name if t.get("path") else str(t.get("name", "?"))
+    if is_random(run):
+        tag = run.metrics.get("weights") or "random weights"
+        if tag not in label:  # llama31_8b_random already says it in its name
+            label += f" ({tag})"
+    return label
+
+
+def drafter_label(run: Run) -> str:
+    d = run.config.get("draft") or {}
+    return f"{d.get('name', 'none')} {_params(d)}".strip()
+
+
+def policy_label(run: Run) -> str:
+    p = run.config.get("policy") or {}
+    return f"{p.get('name', 'never')} {_params(p)}".strip()
+
+
+def is_baseline(run: Run) -> bool:
+    return run.get("policy.name", "never") == "never" or run.get("draft.name", "none") == "none"
+
+
+def is_spec(run: Run) -> bool:
+    return not is_baseline(run)
+
+
+def descriptors(run: Run) -> dict:
+    """The label columns every table starts from."""
+    return {"Workload": str(run.get("workload.name", "?")), "Target": target_label(run),
+            "Drafter": drafter_label(run), "Policy": policy_label(run),
+            "T": _show(run.get("sampling.temperature", 0.0))}
+
+
+def _described(key: str) -> bool:
+    if key.startswith("draft."):
+        return key != "draft.path"  # every draft field but the path is in the Drafter label
+    return key.startswith(DESCRIBED)
+
+
+def distinguishing_keys(runs: list[Run], ignore=()) -> list[str]:
+    """Setting keys that differ between runs with the same descriptors: they need a column.
+
+    A key some runs lack (written by an older specdec) is no difference by itself.
+    """
+    groups: dict[tuple, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(tuple(descriptors(r).values()), []).append(r)
+    keys = set()
+    for rs in groups.values():
+        for k in set().union(*(r.settings for r in rs)):
+            if len({_h(r.settings[k]) for r in rs if k in r.settings}) > 1:
+                keys.add(k)
+    keys = {k for k in keys if not _described(k) and k not in ignore and k not in CONTEXT_METRICS}
+    return sorted(keys, key=lambda k: (k != "workload.concurrency", k))
+
+
+def _baseline_key(run: Run) -> str:
+    return _h({k: v for k, v in run.settings.items() if not k.startswith(SPEC_ONLY)})
+
+
+def baseline_tok_s(run: Run, runs: list[Run]) -> float | None:
+    """Output tok/s of the plain run(s) matching ``run`` (mean of repeats; draft=none preferred)."""
+    key = _baseline_key(run)
+    matches = [b for b in runs if is_baseline(b) and _baseline_key(b) == key]
+    plain = [b for b in matches if b.get("draft.name", "none") == "none"] or matches
+    return _mean(b.metrics.get("output_tok_per_s") for b in plain)
+
+
+# ----------------------------------------------------------------------------------- formatting
+def _show(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
+    if isinstance(v, str) and v.startswith("torch."):
+        return v[len("torch."):]  # dtype "torch.float32" -> "float32"
+    return str(v)
+
+
+def _mean(values) -> float | None:
+    xs = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
+          and math.isfinite(v)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def format_column(values: list, kind: str = "num") -> list[str]:
+    """One precision per column, so numbers line up: 1234 | 123.4 | 12.3 | 1.23 | 0.0123."""
+    nums = [v for v in values if v is not None]
+    if kind == "fixed2":
+        return [f"{v:.2f}" if v is not None else "-" for v in values]
+    if kind == "percent":
+        return [f"{v:.0f}%" if v is not None else "-" for v in values]
+    if kind == "speedup":
+        return [f"{v:.2f}×" if v is not None else "-" for v in values]
+    if nums and all(isinstance(v, int) and not isinstance(v, bool) for v in nums):
+        return [str(v) if v is not None else "-" for v in values]
+    top = max((abs(v) for v in nums), default=0.0)
+    if top >= 1000:
+        dec = 0
+    elif top >= 10:
+        dec = 1
+    elif top >= 1:
+        dec = 2
+    elif top > 0:
+        dec = min(6, 2 - math.floor(math.log10(top)))  # three significant digits
+    else:
+        dec = 2
+    return [f"{v:.{dec}f}" if v is not None else "-" for v in values]
+
+
+def _sort_key(values) -> list:
+    """Numbers numerically (C = 2 before 16), then strings, missing last."""
+    out = []
+    for v in values:
+        if _is_num(v):
+            out.append((0, float(v), ""))
+        elif v is None or v == "-":
+            out.append((2, 0.0, ""))
+        else:
+            out.append((1, 0.0, str(v)))
+    return out
+
+
+# --------------------------------------------------------------------------------------- tables
+@dataclass
+class Column:
+    header: str
+    tex: str | None = None  # LaTeX header (raw); default: the escaped markdown header
+    align: str = "l"
+
+
+@dataclass
+class Table:
+    title: str
+    caption: str
+    label: str
+    columns: list[Column]
+    rows: list[list[str]]
+    span: tuple[str, int] | None = None  # LaTeX header over columns [span[1]:], e.g. "tok/s at C"
+    notes: list[str] = field(default_factory=list)
+
+
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+        "<": r"\textless{}", ">": r"\textgreater{}",
+        "×": r"$\times$", "τ": r"$\tau$", "≤": r"$\leq$", "≥": r"$\geq$"}
+
+
+def tex_escape(s: str) -> str:
+    return "".join(_TEX.get(c, c) for c in str(s))
+
+
+def to_markdown(t: Table) -> str:
+    cells = [[c.header for c in t.columns]] + t.rows
+    cells = [[str(x).replace("|", r"\|").replace("\n", " ") for x in row] for row in cells]
+    widths = [max(3, *(len(row[i]) for row in cells)) for i in range(len(t.columns))]
+
+    def line(row):
+        return "| " + " | ".join(x.rjust(w) if c.align == "r" else x.ljust(w)
+                                 for x, w, c in zip(row, widths, t.columns)) + " |"
+
+    rule = "| " + " | ".join(("-" * (w - 1) + ":") if c.align == "r" else ("-" * w)
+                             for w, c in zip(widths, t.columns)) + " |"
+    out = [f"## {t.title}", "", t.caption, "", line(cells[0]), rule, *map(line, cells[1:])]
+    if t.notes:
+        out += [""] + t.notes
+    return "\n".join(out)
+
+
+def to_latex(t: Table) -> str:
+    cols = "".join(c.align for c in t.columns)
+    head = [c.tex if c.tex is not None else tex_escape(c.header) for c in t.columns]
+    out = [f"% {t.title}", r"\begin{table}[t]", r"\centering",
+           rf"\caption{{{tex_escape(t.caption)}}}", rf"\label{{tab:{t.label}}}",
+           rf"\begin{{tabular}}{{{cols}}}", r"\toprule"]
+    if t.span is not None:
+        text, first = t.span
+        n = len(t.columns)
+        out.append(" & " * first + rf"\multicolumn{{{n - first}}}{{c}}{{{text}}} \\")
+        out.append(rf"\cmidrule(lr){{{first + 1}-{n}}}")
+    out.append(" & ".join(head) + r" \\")
+    out.append(r"\midrule")
+    out += [" & ".join("--" if x == "-" else tex_escape(x) for x in row) + r" \\" for row in t.rows]
+    out += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    return "\n".join(out)
+
+
+def _context(runs: list[Run]) -> tuple[str, list[str]]:
+    """Device and dtype: a caption phrase when one value, else keys needing a column."""
+    phrase, varying = [], []
+    for k in CONTEXT_METRICS:
+        vals = sorted({_show(r.metrics.get(k)) for r in runs})
+        if len(vals) == 1:
+            if vals[0] != "-":
+                phrase.append(vals[0])
+        else:
+            varying.append(k)
+    return ", ".join(phrase), varying
+
+
+def _merge(runs: list[Run], key_fn) -> list[tuple[tuple, list[Run]]]:
+    """Runs with equal keys (a tuple of values, lists allowed) as (key, runs), sorted by key."""
+    groups: dict[str, tuple[tuple, list[Run]]] = {}
+    for r in runs:
+        key = key_fn(r)
+        groups.setdefault(_h(key), (key, []))[1].append(r)
+    return sorted(groups.values(), key=lambda kv: _sort_key(kv[0]))
+
+
+def _label_values(r: Run, desc: list[str], extras: list[str]) -> tuple:
+    d = descriptors(r)
+    return tuple(d[c] for c in desc) + tuple(r.settings.get(k) for k in extras)
+
+
+def _label_columns(desc: list[str], extras: list[str]) -> list[Column]:
+    return [Column(c, "$T$" if c == "T" else None) for c in desc] + [
+        Column(HEADERS.get(k, k), "$C$" if k == "workload.concurrency" else None,
+               "r" if k == "workload.concurrency" else "l") for k in extras]
+
+
+def _describe(columns: list[Column], key: tuple, keep=None) -> str:
+    """A row's label for plots: "humaneval, ngram ..., always k=5, T=0, C=4"."""
+    parts = []
+    for i, (c, v) in enumerate(zip(columns, key)):
+        if keep is None or i in keep:
+            named = c.header in ("Workload", "Target", "Drafter", "Policy")
+            parts.append(_show(v) if named else f"{c.header}={_show(v)}")
+    return ", ".join(parts)
+
+
+def speculation_table(runs: list[Run]) -> tuple[Table, list[tuple[str, Run]]] | None:
+    """Speculative runs against their plain baselines; also returns (label, run) per spec run."""
+    spec = [r for r in runs if is_spec(r)]
+    if not spec:
+        return None
+    context, ctx_keys = _context(spec)
+    extras = distinguishing_keys(spec) + ctx_keys
+    desc = ["Workload", "Target", "Drafter", "Policy", "T"]
+    groups = _merge(spec, lambda r: _label_values(r, desc, extras))
+    acc = [_mean(r.metrics.get("mean_accepted_length") for r in rs) for _, rs in groups]
+    frac = [_mean(r.metrics.get("speculating_step_fraction") for r in rs) for _, rs in groups]
+    frac = [None if f is None else 100 * f for f in frac]
+    tok = [_mean(r.metrics.get("output_tok_per_s") for r in rs) for _, rs in groups]
+    base = [baseline_tok_s(rs[0], runs) for _, rs in groups]  # a group shares one config
+    speedup = [t / b if t is not None and b else None for t, b in zip(tok, base)]
+    n = [len(rs) for _, rs in groups]
+    columns = _label_columns(desc, extras) + [
+        Column("acc. len", r"acc.\ len $\tau$", "r"), Column("spec. steps", r"spec.\ steps", "r"),
+        Column("tok/s", None, "r"), Column("baseline tok/s", None, "r"),
+        Column("speedup", None, "r")]
+    tok_base = format_column(tok + base)  # one precision for both tok/s columns
+    cols = [format_column(acc, "fixed2"), format_column(frac, "percent"), tok_base[:len(tok)],
+            tok_base[len(tok):], format_column(speedup, "speedup")]
+    if max(n) > 1:
+        columns.append(Column("runs", None, "r"))
+        cols.append([str(x) for x in n])
+    rows = [[_show(v) for v in key] + [c[i] for c in cols] for i, (key, _) in enumerate(groups)]
+    caption = ("Speculative decoding: mean accepted length τ (tokens committed per verify step and "
+               "request, bonus token included), share of decode steps that speculated, output tok/s, "
+               "and speed-up over the plain-decoding run (policy=never or draft=none) with the same "
+               "config otherwise" + (f"; {context}" if context else "") + ".")
+    notes = []
+    if any(b is None for b in base):
+        notes.append("-: no plain-decoding run with the same config apart from draft and policy "
+                     "was among the inputs.")
+    label_cols = columns[:len(desc) + len(extras)]
+    hist_runs = [(_describe(label_cols, key), r) for key, rs in groups for r in rs]
+    return Table("Speculation", caption, "speculation", columns, rows, notes=notes), hist_runs
+
+
+def _concurrency(r: Run):
+    c = r.get("workload.concurrency")
+    closed = r.get("workload.mode", "closed") == "closed"
+    return c if closed and isinstance(c, int) and not isinstance(c, bool) else None
+
+
+def concurrency_table(runs: list[Run]) -> tuple[Table, list[tuple[str, list, list]], str] | None:
+    """Closed-loop tok/s per config (rows) and concurrency C (columns); None below two C values.
+
+    Also returns the plot's series (label, C values, tok/s) and what all of them share (its title).
+    """
+    swept = [r for r in runs if _concurrency(r) is not None]
+    cs = sorted({_concurrency(r) for r in swept})
+    if len(cs) < 2:
+        return None
+    context, ctx_keys = _context(swept)
+    extras = distinguishing_keys(swept, ignore=("workload.concurrency",)) + ctx_keys
+    desc = [c for c in ("Workload", "Target", "Drafter", "Policy", "T")
+            if c in ("Target", "Drafter", "Policy") or len({descriptors(r)[c] for r in swept}) > 1]
+    fixed = [("workload " if c == "Workload" else "T = ") + descriptors(swept[0])[c]
+             for c in ("Workload", "T") if c not in desc]
+    groups = _merge(swept, lambda r: _label_values(r, desc, extras))
+    grid = [[_mean(r.metrics.get("output_tok_per_s") for r in rs if _concurrency(r) == c) for c in cs]
+            for _, rs in groups]
+    flat = format_column([v for row in grid for v in row])
+    columns = _label_columns(desc, extras) + [Column(f"C={c}", str(c), "r") for c in cs]
+    rows = [[_show(v) for v in key] + flat[i * len(cs):(i + 1) * len(cs)]
+            for i, (key, _) in enumerate(groups)]
+    caption = ("Output tok/s against closed-loop concurrency C (requests in flight)"
+               + "".join(f"; {x}" for x in fixed + ([context] if context else [])) + ".")
+    # Legend labels name only what differs between the rows (the policy when nothing does).
+    label_cols = columns[:len(desc) + len(extras)]
+    keep = [i for i in range(len(label_cols)) if len({_h(key[i]) for key, _ in groups}) > 1]
+    keep = keep or [desc.index("Policy")]
+    series = [(_describe(label_cols, key, keep), cs, vals) for (key, _), vals in zip(groups, grid)]
+    target = desc.index("Target")  # a shared target goes in the title: "(random weights)" stays visible
+    shared = ([groups[0][0][target]] if target not in keep else []) + fixed + ([context] if context else [])
+    table = Table("Throughput vs concurrency", caption, "concurrency", columns, rows,
+                  span=("output tok/s at concurrency $C$", len(columns) - len(cs)))
+    return table, series, ", ".join(shared)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _metric_column(groups: list[tuple[tuple, list[Run]]], key: str) -> tuple[Column, list[str]]:
+    """One metric over row groups: numbers averaged (known metrics scaled, e.g. s -> ms), other
+    values (device, weights, flags) listed."""
+    header, tex, scale, kind = METRICS.get(key, (key, None, 1.0, "num"))
+    values = [[r.get(key) for r in rs] for _, rs in groups]
+    present = [v for vs in values for v in vs if v is not None]
+    if not all(_is_num(v) for v in present):
+        return Column(header, tex, "l"), [", ".join(sorted({_show(v) for v in vs})) for vs in values]
+    means = [None if (x := _mean(vs)) is None else x * scale for vs in values]
+    if all(isinstance(v, int) for v in present) and scale == 1.0:  # counts stay integers
+        means = [int(x) if x is not None and x.is_integer() else x for x in means]
+    return Column(header, tex, "r"), format_column(means, kind)
+
+
+def _with_metrics(columns, rows, groups, metrics, always_count=False) -> None:
+    """Append a column per metric, then the run count (when rows merged runs), to ``columns`` and
+    ``rows`` in place."""
+    for m in metrics:
+        column, cells = _metric_column(groups, m)
+        columns.append(column)
+        for row, x in zip(rows, cells):
+            row.append(x)
+    n = [len(rs) for _, rs in groups]
+    if always_count or max(n, default=1) > 1:
+        columns.append(Column("runs", None, "r"))
+        for row, x in zip(rows, n):
+            row.append(str(x))
+
+
+def overview_table(runs: list[Run], metrics: list[str] | None = None) -> Table:
+    """Every config (one row each; repeats merged) with its headline numbers or ``metrics``."""
+    context, ctx_keys = _context(runs)
+    extras = distinguishing_keys(runs) + ctx_keys
+    desc = ["Workload", "Target", "Drafter", "Policy", "T"]
+    groups = _merge(runs, lambda r: _label_values(r, desc, extras))
+    if metrics is None:
+        metrics = [m for m in OVERVIEW_METRICS if any(r.metrics.get(m) is not None for r in runs)]
+        what = ("output tok/s, mean time to first token (TTFT), median time per output token (TPOT), "
+                "mean decode batch" + (", mean accepted length τ, share of decode steps that speculated"
+                                       if "mean_accepted_length" in metrics else ""))
+    else:
+        _check_keys(metrics, runs, "--metrics")
+        what = ", ".join(metrics) + " (mean over merged runs)"
+    columns = _label_columns(desc, extras)
+    rows = [[_show(v) for v in key] for key, _ in groups]
+    _with_metrics(columns, rows, groups, metrics)
+    caption = f"Runs: {what}" + (f"; {context}" if context else "") + "."
+    return Table("Runs", caption, "runs", columns, rows)
+
+
+def _check_keys(keys: list[str], runs: list[Run], what: str) -> None:
+    known = set().union(*(r.row for r in runs))
+    for k in keys:
+        if k not in known:
+            close = difflib.get_close_matches(k, sorted(known), n=5, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"{what} key {k!r} is in none of the {len(runs)} runs{hint} "
+                              f"(keys are dotted config / metrics.json paths, e.g. workload.concurrency, "
+                              f"output_tok_per_s)")
+
+
+def generic_table(runs: list[Run], group_by: list[str], metrics: list[str]) -> Table:
+    """Rows grouped by the ``group_by`` values; each metric averaged over the group's runs."""
+    _check_keys(group_by, runs, "--group-by")
+    _check_keys(metrics, runs, "--metrics")
+    groups = _merge(runs, lambda r: tuple(r.get(k) for k in group_by))
+    columns = [Column(HEADERS.get(k, k), "$C$" if k == "workload.concurrency" else None,
+                      "r" if all(_is_num(key[i]) or key[i] is None for key, _ in groups)
+                      else "l") for i, k in enumerate(group_by)]
+    rows = [[_show(v) for v in key] for key, _ in groups]
+    # Random weights must be visible in every row they are in: on the target column if shown.
+    tcol = group_by.index("target.name") if "target.name" in group_by else 0
+    for row, (_, rs) in zip(rows, groups):
+        if row and any(is_random(r) for r in rs) and "random weights" not in row[tcol]:
+            row[tcol] += " (random weights)"
+    _with_metrics(columns, rows, groups, metrics, always_count=True)
+    caption = f"Metrics averaged over the runs of each group; grouped by {', '.join(group_by)}."
+    return Table("Runs by " + ", ".join(group_by), caption, "grouped", columns, rows)
+
+
+# ---------------------------------------------------------------------------------------- plots
+def _figure():
+    """A matplotlib Figure without pyplot (no global backend state), or None without matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    return Figure(figsize=(5.0, 3.4), layout="constrained")
+
+
+def _save(fig, out: Path, stem: str) -> list[str]:
+    names = [f"{stem}.png", f"{stem}.pdf"]
+    fig.savefig(out / names[0], dpi=200)
+    fig.savefig(out / names[1], metadata={"CreationDate": None})  # byte-stable across re-runs
+    return names
+
+
+def plot_concurrency(series, out: Path, title_note: str = "") -> list[str] | None:
+    fig = _figure()
+    if fig is None:
+        return None
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax = fig.add_subplot()
+    all_c = sorted({c for _, cs, _ in series for c in cs})
+    for label, cs, vals in series:
+        pts = [(c, v) for c, v in zip(cs, vals) if v is not None]
+        if pts:
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(all_c))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(c) for c in all_c])
+    ax.set_xlabel("concurrency C (requests in flight)")
+    ax.set_ylabel("output tok/s")
+    ys = [v for _, _, vals in series for v in vals if v]
+    if ys and max(ys) > 10 * min(ys):  # log-log: a speed-up reads as a constant vertical gap
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    title = "Throughput vs concurrency" + (f": {title_note}" if title_note else "")
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, out, "throughput_vs_concurrency")
+
+
+def plot_accepted_histogram(run: Run, label: str, out: Path, stem: str) -> list[str] | None:
+    hist = {int(k): v for k, v in (run.metrics.get("accepted_histogram") or {}).items()}
+    if not hist:
+        return []
+    fig = _figure()
+    if fig is None:
+        return None
+    total = sum(hist.values())
+    k = int(run.get("policy.k") or 0)
+    if run.get("draft.steps"):  # a tree of k nodes accepts at most one path: `steps` deep
+        k = min(k, int(run.get("draft.steps")))
+    k = max(k, max(hist))
+    lengths = list(range(1, k + 2))  # accepted drafts a -> accepted length a + 1 (bonus token)
+    ax = fig.add_subplot()
+    ax.bar(lengths, [hist.get(n - 1, 0) / total for n in lengths], color="tab:blue")
+    mean = run.metrics.get("mean_accepted_length")
+    if mean is not None:
+        ax.axvline(mean, color="tab:red", linestyle="--", label=f"mean τ = {mean:.2f}")
+        ax.legend(fontsize=8)
+    ax.set_xticks(lengths)
+    ax.set_xlabel("accepted length τ (tokens committed per verify step)")
+    ax.set_ylabel(f"fraction of {total} request-steps")
+    ax.set_title("\n".join(textwrap.wrap(label, 80)), fontsize=7)
+    return _save(fig, out, stem)
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", s).strip("_")[:60]
+
+
+# ---------------------------------------------------------------------------------------- entry
+def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
+                 metrics: list[str] | None = None, unfinished=()) -> tuple[str, list[str]]:
+    """Write report.md, report.tex and plots into ``out``; return the markdown and the plot files.
+
+    ``unfinished``: run directories without metrics.json, named in the report so that a sweep
+    missing a point (a failed run) says so.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecdecError(f"--out {out}: cannot create the folder ({e.strerror})") from None
+    tables: list[Table] = []
+    figures: list[tuple[str, str]] = []  # (caption, png file name)
+    plot_files: list[str] = []
+    plots_skipped = False
+    if group_by:
+        tables.append(generic_table(runs, group_by, metrics or [
+            m for m in OVERVIEW_METRICS if any(r.metrics.get(m) is not None for r in runs)]))
+    elif metrics:  # one row per config, as in the default report
+        tables.append(overview_table(runs, metrics))
+    else:
+        spec = speculation_table(runs)
+        conc = concurrency_table(runs)
+        if spec:
+            tables.append(spec[0])
+        if conc:
+            tables.append(conc[0])
+            names = plot_concurrency(conc[1], out, conc[2])
+            if names is None:
+                plots_skipped = True
+            else:
+                figures.append(("Output tok/s against concurrency C", names[0]))
+                plot_files += names
+        tables.append(overview_table(runs))
+        for i, (label, run) in enumerate(spec[1] if spec else [], 1):
+            c = _concurrency(run)
+            stem = f"accepted_length_{i:02d}_" + _slug(f"{run.get('workload.name')}_{run.get('draft.name')}_"
+                                                       f"{run.get('policy.name')}" + (f"_C{c}" if c else ""))
+            names = plot_accepted_histogram(run, label, out, stem)
+            if names is None:
+                plots_skipped = True
+                break
+            if names:
+                figures.append((f"Accepted length τ: {label}", names[0]))
+                plot_files += names
+    src = ", ".join(sorted({str(r.path.parent) for r in runs}))
+    md = ["# specdec report", "", f"{len(runs)} run{'s' * (len(runs) != 1)} from {src}.", ""]
+    if unfinished:
+        md += [f"Not included: {len(unfinished)} run director{'ies' if len(unfinished) > 1 else 'y'} "
+               f"without metrics.json (failed or unfinished): {', '.join(map(str, unfinished))}.", ""]
+    for t in tables:
+        md += [to_markdown(t), ""]
+    if figures:
+        md += ["## Plots", ""] + [f"![{cap}]({name})" for cap, name in figures] + [""]
+    if plots_skipped:
+        md += ["Plots skipped: matplotlib is not installed (pip install -e \".[plot]\").", ""]
+    markdown = "\n".join(md)
+    (out / "report.md").write_text(markdown)
+    tex = ["% specdec report: tables for \\input{}; needs \\usepackage{booktabs}.", ""]
+    tex += [to_latex(t) + "\n" for t in tables]
+    (out / "report.tex").write_text("\n".join(tex))
+    return markdown, plot_files
+
+
+def _keys(s: str) -> list[str]:
+    return [k.strip() for k in s.split(",") if k.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m specdec.report",
+                                 description="Tables (markdown + LaTeX) and plots from specdec run directories.")
+    ap.add_argument("paths", nargs="+", metavar="RUN_DIR",
+                    help="run directories, or folders above them (outputs/, multirun/NAME/)")
+    ap.add_argument("--out", default="report", help="output folder (default: ./report)")
+    ap.add_argument("--group-by", type=_keys, default=None, metavar="KEYS",
+                    help="comma-separated dotted keys, e.g. workload.concurrency,policy.name: "
+                         "one table grouped by these instead of the default report")
+    ap.add_argument("--metrics", type=_keys, default=None, metavar="KEYS",
+                    help="comma-separated metrics.json keys for that table, e.g. output_tok_per_s")
+    args = ap.parse_args(argv)
+    try:
+        runs = load_runs(args.paths)
+        markdown, plots = build_report(runs, Path(args.out), args.group_by, args.metrics,
+                                       unfinished=find_unfinished(args.paths))
+    except SpecdecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        print(markdown)
+    except BrokenPipeError:  # `... | head` stopped reading; the files are written all the same
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(f"wrote report.md, report.tex and {len(plots)} plot files to {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""specdec.report: run directories -> tables (markdown + LaTeX) and plots.
+
+Fake run directories hold the config.json / metrics.json fields a real run writes; one real tiny run
+checks the report reads what ``specdec.run`` actually writes.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec import report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_run(path: Path, *, tok_s: float, draft: str = "none", policy: str = "never", k: int = 5,
+             workload: str = "humaneval", concurrency=None, temperature: float = 0.0,
+             target: str = "smollm2-135m-instruct", random_weights: bool = False, device: str = "cpu",
+             max_new_tokens: int = 128, accepted: dict | None = None, **metrics) -> Path:
+    """A run directory shaped like ``python -m specdec.run`` writes it."""
+    draft_cfg = {"name": draft, **({"max_ngram": 3, "min_ngram": 1} if draft == "ngram" else {})}
+    policy_cfg = {"name": policy, **({"k": k} if policy != "never" else {})}
+    config = {
+        "target": {"name": target, "path": None, "random_weights": random_weights},
+        "draft": draft_cfg, "tp": {"size": 1}, "policy": policy_cfg,
+        "workload": {"name": workload, "sources": [{"kind": workload, "limit": 2}], "chat": True,
+                     "mode": "closed", "concurrency": concurrency, "rate": None},
+        "engine": {"max_new_tokens": max_new_tokens, "page_size": 16, "graph_buckets": [1, 2, 4], "stop": []},
+        "logger": {"name": "none"}, "name": path.parent.name, "device": "auto", "seed": 0,
+        "sampling": {"temperature": temperature}, "run_dir": str(path),
+    }
+    spec = policy != "never" and draft != "none"
+    hist = accepted if accepted is not None else ({"0": 6, "1": 2, "5": 2} if spec else {})
+    n = sum(hist.values())
+    out = {
+        "requests": 2, "failed_requests": 0, "output_tokens": 256, "output_tok_per_s": tok_s,
+        "mean_ttft_s": 0.05, "p50_tpot_s": 0.012, "mean_batch_size": 2.0,
+        "speculating_step_fraction": 1.0 if spec else 0.0,
+        "mean_accepted_length": sum((int(a) + 1) * c for a, c in hist.items()) / n if n else None,
+        "accepted_histogram": hist,
+        "target": target, "device": device, "dtype": "torch.bfloat16", "workload": workload,
+        "weights": "random weights" if random_weights else "pretrained", **metrics,
+    }
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "metrics.json").write_text(json.dumps(out))
+    return path
+
+
+def table(md: str, title: str) -> list[list[str]]:
+    """The rows (header first) of the markdown table under ``## title``."""
+    section = md.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    rows = [[c.strip() for c in ln.strip("|").split(" | ")] for ln in lines]
+    return [rows[0]] + rows[2:]  # drop the alignment rule
+
+
+def col(rows, header):
+    return [r[rows[0].index(header)] for r in rows[1:]]
+
+
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "specdec.report", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_flatten_indexes_lists_of_dicts_like_hydra():
+    flat = report.flatten({"workload": {"sources": [{"limit": 2}]}, "engine": {"graph_buckets": [1, 2]},
+                           "stop": []})
+    assert flat == {"workload.sources.0.limit": 2, "engine.graph_buckets": [1, 2], "stop": []}
+
+
+def test_finds_run_dirs_below_sweep_folders(tmp_path):
+    sweep = tmp_path / "multirun" / "baseline_concurrency" / "2026-01-01_00-00-00"
+    for i, c in enumerate([1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]):
+        make_run(sweep / str(i), tok_s=float(c), concurrency=c, workload="synthetic")
+    (sweep / "multirun.yaml").write_text("")
+    (sweep / "11" / ".hydra").mkdir(parents=True)  # a sweep point that failed: no metrics.json
+    dirs = report.find_run_dirs([tmp_path / "multirun", sweep / "3"])  # parent and a child: once each
+    assert [d.name for d in dirs] == [str(i) for i in range(11)]  # 10 after 9, not after 1
+    unfinished = report.find_unfinished([tmp_path / "multirun"])
+    assert unfinished == [sweep / "11"]
+    md, _ = report.build_report(report.load_runs(dirs), tmp_path / "out", unfinished=unfinished)
+    assert f"without metrics.json (failed or unfinished): {sweep / '11'}" in md
+    run = report.load_run(dirs[0])
+    assert run.row["workload.concurrency"] == 1 and run.row["workload.sources.0.limit"] == 2
+    assert run.row["device"] == "cpu" and run.row["config.device"] == "auto"  # measured value keeps the key
+
+
+def test_speedup_is_against_the_matching_plain_run(tmp_path):
+    # Baselines: one per (workload, temperature, device, output budget); speculative runs must each
+    # find their own, and a run without one shows "-".
+    make_run(tmp_path / "base_he_t0", tok_s=100.0)
+    make_run(tmp_path / "base_he_t07", tok_s=50.0, temperature=0.7)
+    make_run(tmp_path / "base_mt_t0", tok_s=80.0, workload="mt_bench")
+    make_run(tmp_path / "base_he_t0_cuda", tok_s=1000.0, device="cuda")
+    make_run(tmp_path / "base_he_t0_short", tok_s=10.0, max_new_tokens=16)
+    make_run(tmp_path / "spec_he_t0", tok_s=150.0, draft="ngram", policy="always")
+    make_run(tmp_path / "spec_he_t07", tok_s=60.0, draft="ngram", policy="always", temperature=0.7)
+    make_run(tmp_path / "spec_mt_t0", tok_s=40.0, draft="ngram", policy="batch_threshold", workload="mt_bench")
+    make_run(tmp_path / "spec_cuda", tok_s=1500.0, draft="ngram", policy="always", device="cuda")
+    make_run(tmp_path / "spec_orphan", tok_s=70.0, draft="ngram", policy="always", max_new_tokens=64)
+    md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    rows = table(md, "Speculation")
+    got = {key[:-1]: key[-1] for key in zip(col(rows, "Workload"), col(rows, "T"), col(rows, "device"),
+                                            col(rows, "max new"), col(rows, "speedup"))}
+    assert len(got) == len(rows) - 1 == 5
+    assert got == {("humaneval", "0", "cpu", "128"): "1.50×", ("humaneval", "0.7", "cpu", "128"): "1.20×",
+                   ("mt_bench", "0", "cpu", "128"): "0.50×", ("humaneval", "0", "cuda", "128"): "1.50×",
+                   ("humaneval", "0", "cpu", "64"): "-"}
+    assert "no plain-decoding run" in md
+    assert not any(p.startswith("never") for p in col(rows, "Policy"))  # speculative runs only
+    assert set(col(rows, "acc. len")) == {"2.20"}  # accepted 0, 1, 5 drafts 6, 2, 2 times: 22 / 10
+
+
+def test_baseline_may_be_a_never_run_with_a_drafter(tmp_path):
+    make_run(tmp_path / "never_ngram", tok_s=40.0, draft="ngram", policy="never")
+    make_run(tmp_path / "spec", tok_s=60.0, draft="ngram", policy="always")
+    run = [r for r in report.load_runs([tmp_path]) if report.is_spec(r)]
+    assert len(run) == 1 and report.baseline_tok_s(run[0], report.load_runs([tmp_path])) == 40.0
+    # draft=none preferred over a never-with-drafter run when both exist
+    make_run(tmp_path / "none", tok_s=50.0)
+    runs = report.load_runs([tmp_path])
+    assert report.baseline_tok_s(next(r for r in runs if report.is_spec(r)), runs) == 50.0
+
+
+def test_concurrency_table_orders_c_numerically(tmp_path):
+    for c, tok in [(16, 160.0), (2, 20.0), (128, 900.0), (1, 10.0)]:  # "128" < "16" < "2" as text
+        make_run(tmp_path / f"never_c{c}", tok_s=tok, concurrency=c, workload="synthetic")
+    for c, tok in [(2, 35.0), (1, 18.0)]:
+        make_run(tmp_path / f"always_c{c}", tok_s=tok, concurrency=c, workload="synthetic",
+                 draft="ngram", policy="always")
+    md, files = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    rows = table(md, "Throughput vs concurrency")
+    assert rows[0][-4:] == ["C=1", "C=2", "C=16", "C=128"]
+    assert col(rows, "Policy") == ["always k=5", "never"]  # one row per config
+    assert rows[1][-4:] == ["18.0", "35.0", "-", "-"] and rows[2][-4:] == ["10.0", "20.0", "160.0", "900.0"]
+    tex = (tmp_path / "out" / "report.tex").read_text()
+    assert r"\multicolumn{4}{c}{output tok/s at concurrency $C$}" in tex and r"\cmidrule(lr){4-7}" in tex
+    assert "Workload" not in rows[0] and "workload synthetic" in md  # a constant moves to the caption
+    # the speculation table pairs each C with the plain run at the same C
+    spec = table(md, "Speculation")
+    assert col(spec, "C") == ["1", "2"] and col(spec, "speedup") == ["1.80×", "1.75×"]
+
+
+def test_latex_is_escaped_booktabs(tmp_path):
+    make_run(tmp_path / "a", tok_s=12.5, workload="my_prompts", target="ckpt_v2&50%")
+    make_run(tmp_path / "b", tok_s=20.0, workload="my_prompts", target="ckpt_v2&50%", draft="ngram",
+             policy="batch_threshold")
+    report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    tex = (tmp_path / "out" / "report.tex").read_text()
+    assert r"my\_prompts" in tex and r"ckpt\_v2\&50\%" in tex and r"batch\_threshold" in tex
+    assert r"1.60$\times$" in tex and r"\toprule" in tex and r"\midrule" in tex and r"\bottomrule" in tex
+    body = [ln for ln in tex.splitlines() if ln.endswith(r"\\")]
+    assert body and not [ln for ln in body if re.search(r"(?<!\\)[_&%#]", ln.replace(" & ", " "))]
+    for block in re.findall(r"\\begin\{tabular\}\{(\w+)\}(.*?)\\end\{tabular\}", tex, re.S):
+        ncols = len(block[0])
+        rows = [ln for ln in block[1].splitlines() if ln.endswith(r"\\") and "multicolumn" not in ln]
+        assert all(ln.count(" & ") == ncols - 1 for ln in rows), block
+
+
+def test_random_weight_targets_are_labelled(tmp_path):
+    make_run(tmp_path / "a", tok_s=1000.0, target="llama-3.1-8b-shape (random weights)", random_weights=True,
+             workload="synthetic", concurrency=1)
+    make_run(tmp_path / "b", tok_s=3000.0, target="llama-3.1-8b-shape (random weights)", random_weights=True,
+             workload="synthetic", concurrency=4)
+    make_run(tmp_path / "c", tok_s=100.0, target="tiny", random_weights=True, workload="synthetic",
+             concurrency=4)
+    make_run(tmp_path / "d", tok_s=100.0, target="tiny", workload="synthetic", concurrency=4)
+    md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    targets = col(table(md, "Throughput vs concurrency"), "Target")
+    assert sorted(targets) == ["llama-3.1-8b-shape (random weights)", "tiny", "tiny (random weights)"]
+    md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out2",
+                                group_by=["workload.concurrency"], metrics=["output_tok_per_s"])
+    assert "(random weights)" in md  # shown even when no target column is asked for
+
+
+def test_generic_group_by_and_metrics(tmp_path, capsys):
+    for c in (1, 2):
+        make_run(tmp_path / f"n{c}", tok_s=10.0 * c, concurrency=c)
+        make_run(tmp_path / f"n{c}_repeat", tok_s=10.0 * c + 2, concurrency=c)
+    report.main([str(tmp_path), "--out", str(tmp_path / "out"), "--group-by", "workload.concurrency",
+                 "--metrics", "output_tok_per_s,device,engine.max_new_tokens"])
+    md = capsys.readouterr().out
+    rows = table(md, "Runs by workload.concurrency")
+    assert rows[0] == ["C", "tok/s", "device", "engine.max_new_tokens", "runs"]
+    assert rows[1:] == [["1", "11.0", "cpu", "128", "2"], ["2", "21.0", "cpu", "128", "2"]]
+    assert "Speculation" not in md and (tmp_path / "out" / "report.md").read_text().strip() == md.strip()
+    # --metrics alone: one row per config (repeats merged), any metrics.json key, flags listed as text
+    md, files = report.build_report(report.load_runs([tmp_path]), tmp_path / "out2",
+                                    metrics=["requests", "p50_tpot_s", "weights"])
+    rows = table(md, "Runs")
+    assert rows[0] == ["Workload", "Target", "Drafter", "Policy", "T", "C", "requests", "p50 TPOT ms", "weights",
+                       "runs"]
+    assert rows[1][5:] == ["1", "2", "12.0", "pretrained", "2"] and files == []
+
+
+def test_old_runs_fall_back_to_steps_jsonl(tmp_path):
+    run = make_run(tmp_path / "old", tok_s=5.0, draft="ngram", policy="always")
+    m = json.loads((run / "metrics.json").read_text())
+    for key in ("accepted_histogram", "mean_accepted_length", "speculating_step_fraction"):
+        del m[key]
+    (run / "metrics.json").write_text(json.dumps(m))
+    steps = [{"decode_bs": 2, "bucket": 2, "k": 5, "accepted": [1, 3], "prefill_reqs": 0, "prefill_tokens": 0,
+              "prefill_ms": 0.0, "decode_ms": 1.0, "step_ms": 1.0},
+             {"decode_bs": 2, "bucket": 2, "k": 0, "accepted": [], "prefill_reqs": 0, "prefill_tokens": 0,
+              "prefill_ms": 0.0, "decode_ms": 1.0, "step_ms": 1.0}]
+    (run / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    r = report.load_run(run)
+    assert r.metrics["accepted_histogram"] == {"1": 1, "3": 1}
+    assert r.metrics["mean_accepted_length"] == 3.0 and r.metrics["speculating_step_fraction"] == 0.5
+
+
+def test_plots_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    for c in (1, 2, 4):
+        make_run(tmp_path / f"n{c}", tok_s=10.0 * c, concurrency=c, workload="synthetic")
+        make_run(tmp_path / f"s{c}", tok_s=15.0 * c, concurrency=c, workload="synthetic", draft="ngram",
+                 policy="always")
+    out = tmp_path / "out"
+    md, files = report.build_report(report.load_runs([tmp_path]), out)
+    assert "throughput_vs_concurrency.png" in files and "throughput_vs_concurrency.pdf" in files
+    hists = sorted(f for f in files if f.startswith("accepted_length_") and f.endswith(".png"))
+    assert len(hists) == 3  # one per speculative run
+    for f in files:
+        head = (out / f).read_bytes()[:8]
+        assert head == b"\x89PNG\r\n\x1a\n" if f.endswith(".png") else head.startswith(b"%PDF")
+        if f.endswith(".png"):
+            assert f"]({f})" in md  # linked from report.md
+
+
+def test_plots_skipped_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    for c in (1, 2):
+        make_run(tmp_path / f"s{c}", tok_s=15.0 * c, concurrency=c, draft="ngram", policy="always")
+    md, files = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    assert files == [] and md.count("Plots skipped: matplotlib is not installed") == 1
+    assert "## Throughput vs concurrency" in md and (tmp_path / "out" / "report.tex").exists()
+
+
+@pytest.mark.parametrize("case", ["empty", "missing", "malformed", "no_config", "list", "bad_key", "out_is_file"])
+def test_bad_input_is_a_clean_error(tmp_path, case):
+    target, args, needle = tmp_path / "runs", [], None
+    if case == "empty":
+        target.mkdir()
+        needle = "no metrics.json"
+    elif case == "missing":
+        needle = "no such file or directory"
+    elif case == "malformed":
+        make_run(target, tok_s=1.0)
+        (target / "metrics.json").write_text('{"output_tok_per_s": 1.0,\n  oops}')
+        target, needle = target / "metrics.json", "malformed JSON (line 2"
+    elif case == "no_config":
+        make_run(target, tok_s=1.0)
+        (target / "config.json").unlink()
+        needle = "without config.json"
+    elif case == "list":
+        make_run(target, tok_s=1.0)
+        (target / "config.json").write_text("[]")
+        needle = f"{target / 'config.json'}: expected a JSON object"
+    elif case == "bad_key":
+        make_run(target, tok_s=1.0, concurrency=4)
+        args, needle = ["--group-by", "workload.concurency"], "did you mean workload.concurrency"
+    else:
+        make_run(target, tok_s=1.0)
+        (tmp_path / "out").write_text("")
+        needle = f"--out {tmp_path / 'out'}: cannot create the folder"
+    proc = cli(target, "--out", tmp_path / "out", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and needle in proc.stderr, proc.stderr
+    assert str(target) in proc.stderr or case in ("bad_key", "out_is_file")
+
+
+def test_report_on_a_real_run(tmp_path):
+    """One tiny real speculative run (synthetic prompts, 1 request, 4 tokens): the report reads it."""
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    env.pop("TRITON_INTERPRET", None)  # the entry uses the torch references on CPU
+    run_dir = tmp_path / "multirun" / "spec" / "0"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec.run", "+experiment=baseline_concurrency", "draft=ngram", "policy=always",
+         "policy.k=3", "workload.concurrency=1", "workload.sources.0.prompt_len=8",
+         "workload.sources.0.output_len=4", "workload.sources.0.requests_per_client=1",
+         "workload.sources.0.min_prompts=1", "device=cpu", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cli(tmp_path / "multirun", "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = table(proc.stdout, "Speculation")
+    assert col(rows, "Workload") == ["synthetic"] and col(rows, "Policy") == ["always k=3"]
+    assert col(rows, "speedup") == ["-"] and float(col(rows, "tok/s")[0]) > 0
+    assert float(col(rows, "acc. len")[0]) >= 1.0 and col(rows, "spec. steps") == ["100%"]
+    assert (tmp_path / "out" / "report.md").exists() and (tmp_path / "out" / "report.tex").exists()
