@@ -36,7 +36,9 @@ Kernel layout (FlashAttention-2 style online softmax in the exp2 domain):
   any mask; only the tail tiles covering the new tokens apply the causal / tree mask and kv_len bound.
 - Split-KV: the block's KV range is cut into num_splits contiguous tile ranges; with num_splits > 1
   each split writes (out / l, log2-sum-exp) to an fp32 workspace and a second small kernel merges
-  the splits. num_splits defaults from static shapes (B, HKV, MP * PS, SM count) only.
+  the splits. num_splits defaults from static shapes (B, HKV, MP * PS, SM count) only; the tiles
+  are divided by the request's real length, so splits past a short request's last tile are empty:
+  they skip every load and only write a zero partial with weight 0.
 - Launch is capture-safe: the launcher never reads tensor values on the host (B, N, num_splits are
   runtime values, max_q_len a host int bound); the grid covers ceil(max_q_len / BLOCK_T) query blocks
   and programs past T_b return at once.
@@ -54,6 +56,7 @@ import triton.language as tl
 
 MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per tree node
 MAX_SPLITS = 64  # split-KV cap: bounds the merge kernel's tile and the fp32 workspace
+MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table capacity per split
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -235,14 +238,10 @@ def _paged_attention_fwd_kernel(
     m_r = (o_r < BLOCK_T * G) & (o_i < T)
     o_n = (bos + o_i).to(tl.int64)  # [BLOCK_M] row of q / out
     o_d = tl.arange(0, D)
-    p_q = q + (o_n * stride_qn + o_hq * stride_qh)[:, None] + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)  # [BLOCK_M, D]
     if IS_TREE:
-        b_tm = tl.load(tree_mask + o_n, mask=m_r, other=0)  # [BLOCK_M] int64 ancestor bits
         kv_hi = kv_len
         full_hi = prefix  # every node sees the whole prefix, nothing more for sure
     else:
-        b_tm = tl.zeros([BLOCK_M], dtype=tl.int64)
         kv_hi = prefix + tl.minimum(t0 + BLOCK_T, T)  # the block's last query sees up to here
         full_hi = prefix + t0 + 1  # the block's first query sees slots < full_hi
 
@@ -252,6 +251,24 @@ def _paged_attention_fwd_kernel(
     tile_lo = i_sp * per_split
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     n_full = full_hi // BLOCK_N
+    if SPLIT:
+        if tile_lo >= tile_hi:
+            # Empty split (num_splits comes from the page-table width, so a short request in a wide
+            # table leaves most splits empty): no q, page-table or K/V loads. It still writes the
+            # zeros and the weight 2^-inf = 0 that the merge reads, so the merge loads o_part and lse
+            # together instead of loading o_part only after seeing lse (one more round trip).
+            o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
+            tl.store(o_part + o_part_row[:, None] * D + o_d[None, :], tl.zeros([BLOCK_M, D], dtype=tl.float32),
+                     mask=m_r[:, None])
+            tl.store(lse_part + o_part_row, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_r)
+            return
+
+    p_q = q + (o_n * stride_qn + o_hq * stride_qh)[:, None] + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)  # [BLOCK_M, D]
+    if IS_TREE:
+        b_tm = tl.load(tree_mask + o_n, mask=m_r, other=0)  # [BLOCK_M] int64 ancestor bits
+    else:
+        b_tm = tl.zeros([BLOCK_M], dtype=tl.int64)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -400,14 +417,28 @@ def _launch_config(max_q_len, G, D, dtype=torch.bfloat16):
 def _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device):
     """Split-KV factor from static shapes: enough programs to fill every SM with as many as can be
     resident at once (by registers, see _launch_config: ~4 at BLOCK_M <= 32, 3 or 2 at 64, 1 at 128),
-    keeping >= 2 KV tiles of capacity per split."""
+    keeping >= MIN_SPLIT_TILES KV tiles of capacity per split.
+
+    Capture-safe means the split count cannot see kv_lens, only the capacity MP * PS (the page-table
+    width). Work is still spread by the real length (each split takes ceil(n_tiles / num_splits) of
+    the request's tiles, see the kernel), so a short request in a wide table keeps only its first
+    few splits busy; the others return after writing an empty partial. The trade-off of the
+    per-split minimum, decode at B = 1, 3 KV heads, capacity 8192 slots (128 tiles of 64):
+    - a full-length request runs 3 * 32 programs of 4 tiles; a minimum of 2 gives 3 * 64 programs
+      of 2 tiles (more SMs streaming KV: possibly faster at long contexts), 8 gives 3 * 16 of 8;
+    - a short request (kv_len 100: 2 tiles) keeps 2 splits busy whatever the minimum, plus 3 * 30
+      empty programs (3 * 62 with a minimum of 2), and the merge reads 32 partials per row, not 64.
+    Neither removes the merge launch: that needs num_splits = 1, i.e. a capacity <= one split's
+    minimum (an engine that captures graphs per context-length bucket could pass num_splits itself).
+    experiments/kernels/bench_decode_layer.py times the split counts side by side.
+    """
     base = max(1, B * HKV * n_qblocks)
     block_m = cfg["BLOCK_M"]
     # Tree tiles (BLOCK_M = 64) split only to reach one program per SM: at B=64, T=16 a second
     # split cost 60% (H200 tuning sweep, experiments/results/kernels).
     per_sm = 4 if block_m <= 32 else 1
     splits = max(1, (per_sm * _sm_count(device)) // base)
-    splits = min(splits, max(1, kv_capacity // (2 * cfg["BLOCK_N"])), MAX_SPLITS)
+    splits = min(splits, max(1, kv_capacity // (MIN_SPLIT_TILES * cfg["BLOCK_N"])), MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)  # a power of two: few distinct merge-kernel compiles
 
 

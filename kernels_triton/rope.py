@@ -28,6 +28,15 @@ row whose position is out of range reads no table memory and comes out as zeros.
 Kernel layout: one program per token rotates all HQ query heads and HKV key heads of that token in
 one launch, reading the token's table row once. The last dim of q/k must be contiguous; token and
 head strides are free (q/k may be views into a fused QKV projection).
+
+Fused with the KV-cache write (``rope_write_kv_``, the decode / verify / prefill layer path): the same
+program also stores its rotated k and its v into the paged caches at flat slot
+``slot_mapping[n] = page * PS + offset`` (k_cache, v_cache [P, PS, HKV, D]; slot < 0 = padding,
+nothing written) and returns only the rotated q. Bit-for-bit ``rope`` followed by
+``attention.write_kv_``: rotated k is rounded to k's dtype, then to the cache dtype; v is cast to the
+cache dtype. It saves one launch per layer and the round trip of rotated k through memory. Every
+load but the table row (q, k, v, position, slot) is issued first, so a program waits on two
+dependent memory round trips: the position, then its table row.
 """
 
 import math
@@ -125,6 +134,58 @@ def rope_ref(q, k, positions, cos, sin):
     return rotate(q), rotate(k)
 
 
+def rope_write_kv_ref_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping):
+    """``rope_ref`` then the paged KV write (slot < 0 skipped). Mutates k_cache / v_cache; returns
+    the rotated q."""
+    q_out, k_out = rope_ref(q, k, positions, cos, sin)
+    HKV, D = k_cache.shape[2], k_cache.shape[3]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, HKV, D)[slots] = k_out[keep].to(k_cache.dtype)
+    v_cache.view(-1, HKV, D)[slots] = v[keep].to(v_cache.dtype)
+    return q_out
+
+
+@triton.jit
+def _load_halves(
+    x_ptr,
+    i_n,
+    n_heads,
+    stride_xn,
+    stride_xh,
+    HALF,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Token i_n's n_heads head vectors as (first halves, second halves), fp32."""
+    o_h = tl.arange(0, BLOCK_HEADS)
+    o_d = tl.arange(0, BLOCK_HALF)
+    m_hd = (o_h < n_heads)[:, None] & (o_d < HALF)[None, :]
+    p_x1 = x_ptr + i_n * stride_xn + o_h[:, None] * stride_xh + o_d[None, :]
+    b_x1 = tl.load(p_x1, mask=m_hd, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
+    b_x2 = tl.load(p_x1 + HALF, mask=m_hd, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
+    return b_x1, b_x2
+
+
+@triton.jit
+def _rotate(b_x1, b_x2, b_cos, b_sin):
+    """(x1 c - x2 s, x2 c + x1 s) for [heads, HALF] halves and [HALF] cos / sin rows."""
+    b_c = b_cos[None, :]
+    b_s = b_sin[None, :]
+    return b_x1 * b_c - b_x2 * b_s, b_x2 * b_c + b_x1 * b_s
+
+
+@triton.jit
+def _store_heads(o_ptr, i_n, n_heads, b_o1, b_o2, HALF, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Store rotated halves of token i_n into a contiguous [N, n_heads, 2 * HALF] output."""
+    o_h = tl.arange(0, BLOCK_HEADS)
+    o_d = tl.arange(0, BLOCK_HALF)
+    m_hd = (o_h < n_heads)[:, None] & (o_d < HALF)[None, :]
+    p_o1 = o_ptr + (i_n * n_heads + o_h[:, None]) * (2 * HALF) + o_d[None, :]
+    tl.store(p_o1, b_o1.to(o_ptr.dtype.element_ty), mask=m_hd)
+    tl.store(p_o1 + HALF, b_o2.to(o_ptr.dtype.element_ty), mask=m_hd)
+
+
 @triton.jit
 def _rotate_heads(
     x_ptr,
@@ -139,22 +200,9 @@ def _rotate_heads(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    o_h = tl.arange(0, BLOCK_HEADS)
-    o_d = tl.arange(0, BLOCK_HALF)
-    m_hd = (o_h < n_heads)[:, None] & (o_d < HALF)[None, :]
-
-    p_x1 = x_ptr + i_n * stride_xn + o_h[:, None] * stride_xh + o_d[None, :]
-    b_x1 = tl.load(p_x1, mask=m_hd, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
-    b_x2 = tl.load(p_x1 + HALF, mask=m_hd, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
-    b_c = b_cos[None, :]
-    b_s = b_sin[None, :]
-    b_o1 = b_x1 * b_c - b_x2 * b_s
-    b_o2 = b_x2 * b_c + b_x1 * b_s
-
-    # Output is contiguous [N, heads, 2 * HALF].
-    p_o1 = o_ptr + (i_n * n_heads + o_h[:, None]) * (2 * HALF) + o_d[None, :]
-    tl.store(p_o1, b_o1.to(o_ptr.dtype.element_ty), mask=m_hd)
-    tl.store(p_o1 + HALF, b_o2.to(o_ptr.dtype.element_ty), mask=m_hd)
+    b_x1, b_x2 = _load_halves(x_ptr, i_n, n_heads, stride_xn, stride_xh, HALF, BLOCK_HEADS, BLOCK_HALF)
+    b_o1, b_o2 = _rotate(b_x1, b_x2, b_cos, b_sin)
+    _store_heads(o_ptr, i_n, n_heads, b_o1, b_o2, HALF, BLOCK_HEADS, BLOCK_HALF)
 
 
 @triton.jit
@@ -191,7 +239,114 @@ def rope_kernel(
     _rotate_heads(k_ptr, ko_ptr, i_n, HKV, stride_kn, stride_kh, b_cos, b_sin, HALF, BLOCK_HKV, BLOCK_HALF)
 
 
+@triton.jit
+def rope_write_kv_kernel(
+    q_ptr,  # [N, HQ, D]
+    k_ptr,  # [N, HKV, D]
+    v_ptr,  # [N, HKV, D]
+    pos_ptr,  # [N] int32 / int64
+    cos_ptr,  # [P, HALF] fp32
+    sin_ptr,  # [P, HALF] fp32
+    slot_ptr,  # [N] int64 flat cache slot, < 0 = skip
+    qo_ptr,  # [N, HQ, D] contiguous
+    kc_ptr,  # [NP, PS, HKV, D]
+    vc_ptr,  # [NP, PS, HKV, D]
+    HQ,
+    HKV,
+    HALF,
+    n_positions,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_cos,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    PS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    # Every load but the table row is independent of every other: issue them all before the
+    # position-dependent cos / sin loads, so their latencies overlap.
+    b_pos = tl.load(pos_ptr + i_n).to(tl.int64)  # scalar
+    b_slot = tl.load(slot_ptr + i_n)  # scalar int64
+    # [BLOCK_HQ, BLOCK_HALF] x 2 and [BLOCK_HKV, BLOCK_HALF] x 2
+    b_q1, b_q2 = _load_halves(q_ptr, i_n, HQ, stride_qn, stride_qh, HALF, BLOCK_HQ, BLOCK_HALF)
+    b_k1, b_k2 = _load_halves(k_ptr, i_n, HKV, stride_kn, stride_kh, HALF, BLOCK_HKV, BLOCK_HALF)
+    o_h = tl.arange(0, BLOCK_HKV)
+    o_d = tl.arange(0, BLOCK_HALF)
+    m_hd = (o_h < HKV)[:, None] & (o_d < HALF)[None, :]
+    p_v1 = v_ptr + i_n * stride_vn + o_h[:, None] * stride_vh + o_d[None, :]
+    b_v1 = tl.load(p_v1, mask=m_hd, other=0.0)  # [BLOCK_HKV, BLOCK_HALF]
+    b_v2 = tl.load(p_v1 + HALF, mask=m_hd, other=0.0)  # [BLOCK_HKV, BLOCK_HALF]
+
+    # Out-of-range positions read nothing (cos = sin = 0 -> zero output) instead of stray memory.
+    m_d = (o_d < HALF) & (b_pos >= 0) & (b_pos < n_positions)
+    b_cos = tl.load(cos_ptr + b_pos * stride_cos + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+    b_sin = tl.load(sin_ptr + b_pos * stride_cos + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+
+    b_q1, b_q2 = _rotate(b_q1, b_q2, b_cos, b_sin)
+    _store_heads(qo_ptr, i_n, HQ, b_q1, b_q2, HALF, BLOCK_HQ, BLOCK_HALF)
+    b_k1, b_k2 = _rotate(b_k1, b_k2, b_cos, b_sin)
+
+    # Padding tokens (slot < 0) rotate q but write no cache slot: masked stores rather than an early
+    # return, so no load waits for the slot.
+    m_w = m_hd & (b_slot >= 0)
+    b_slot = tl.maximum(b_slot, 0)
+    b_page = b_slot // PS
+    b_off = b_slot % PS
+    p_kc = kc_ptr + b_page * stride_kcp + b_off * stride_kcs + o_h[:, None] * stride_kch + o_d[None, :]
+    p_vc = vc_ptr + b_page * stride_vcp + b_off * stride_vcs + o_h[:, None] * stride_vch + o_d[None, :]
+    # Rotated k is rounded to k's dtype first, then to the cache's, as rope followed by write_kv_ does.
+    kc_dt = kc_ptr.dtype.element_ty
+    tl.store(p_kc, b_k1.to(k_ptr.dtype.element_ty).to(kc_dt), mask=m_w)
+    tl.store(p_kc + HALF, b_k2.to(k_ptr.dtype.element_ty).to(kc_dt), mask=m_w)
+    tl.store(p_vc, b_v1.to(vc_ptr.dtype.element_ty), mask=m_w)
+    tl.store(p_vc + HALF, b_v2.to(vc_ptr.dtype.element_ty), mask=m_w)
+
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_rope_args(name, q, k, positions, cos, sin):
+    """Shape / dtype / device checks shared by the launchers; returns (N, HQ, HKV, D)."""
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"{name}: q and k must be [N, heads, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    N, HQ, D = q.shape
+    if k.shape[0] != N or k.shape[2] != D:
+        raise ValueError(f"{name}: k must be [N={N}, HKV, D={D}], got {tuple(k.shape)}")
+    HKV = k.shape[1]
+    if D % 2:
+        raise ValueError(f"{name}: head dim D must be even, got {D}")
+    if q.dtype not in _FLOAT_DTYPES or k.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: q/k must be float32/float16/bfloat16, got {q.dtype} and {k.dtype}")
+    if positions.shape != (N,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{name}: positions must be int32/int64 [N={N}], got {positions.dtype} {tuple(positions.shape)}"
+        )
+    half = D // 2
+    if cos.dim() != 2 or cos.shape[1] != half or sin.shape != cos.shape:
+        raise ValueError(
+            f"{name}: cos and sin must both be [P, D/2={half}], got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"{name}: cos/sin must be float32 (see rope_tables), got {cos.dtype} and {sin.dtype}")
+    for arg, t in (("k", k), ("positions", positions), ("cos", cos), ("sin", sin)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: {arg} is on {t.device}, q on {q.device}")
+    return N, HQ, HKV, D
+
+
+def _num_warps(block_hq, block_hkv, block_half):
+    return 8 if (block_hq + block_hkv) * block_half * 2 >= 8192 else 4
 
 
 def rope(q, k, positions, cos, sin):
@@ -199,31 +354,8 @@ def rope(q, k, positions, cos, sin):
 
     Returns new contiguous ``(q_out, k_out)`` in q's / k's dtype (math in fp32, one rounding).
     """
-    if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"rope: q and k must be [N, heads, D], got {tuple(q.shape)} and {tuple(k.shape)}")
-    N, HQ, D = q.shape
-    if k.shape[0] != N or k.shape[2] != D:
-        raise ValueError(f"rope: k must be [N={N}, HKV, D={D}], got {tuple(k.shape)}")
-    HKV = k.shape[1]
-    if D % 2:
-        raise ValueError(f"rope: head dim D must be even, got {D}")
-    if q.dtype not in _FLOAT_DTYPES or k.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"rope: q/k must be float32/float16/bfloat16, got {q.dtype} and {k.dtype}")
-    if positions.shape != (N,) or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"rope: positions must be int32/int64 [N={N}], got {positions.dtype} {tuple(positions.shape)}"
-        )
+    N, HQ, HKV, D = _check_rope_args("rope", q, k, positions, cos, sin)
     half = D // 2
-    if cos.dim() != 2 or cos.shape[1] != half or sin.shape != cos.shape:
-        raise ValueError(
-            f"rope: cos and sin must both be [P, D/2={half}], got {tuple(cos.shape)} and {tuple(sin.shape)}"
-        )
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-        raise ValueError(f"rope: cos/sin must be float32 (see rope_tables), got {cos.dtype} and {sin.dtype}")
-    for name, t in (("k", k), ("positions", positions), ("cos", cos), ("sin", sin)):
-        if t.device != q.device:
-            raise ValueError(f"rope: {name} is on {t.device}, q on {q.device}")
-
     if q.stride(2) != 1:
         q = q.contiguous()
     if k.stride(2) != 1:
@@ -239,7 +371,6 @@ def rope(q, k, positions, cos, sin):
     block_hq = triton.next_power_of_2(max(HQ, 1))
     block_hkv = triton.next_power_of_2(max(HKV, 1))
     block_half = triton.next_power_of_2(half)
-    tile = (block_hq + block_hkv) * block_half * 2
     rope_kernel[(N,)](
         q, k, positions, cos, sin, q_out, k_out,
         HQ, HKV, half, cos.shape[0],
@@ -247,9 +378,73 @@ def rope(q, k, positions, cos, sin):
         BLOCK_HQ=block_hq,
         BLOCK_HKV=block_hkv,
         BLOCK_HALF=block_half,
-        num_warps=8 if tile >= 8192 else 4,
+        num_warps=_num_warps(block_hq, block_hkv, block_half),
         # Keep x1 * c - x2 * s as two rounded products and a subtraction, as torch computes it, so
         # fp32 outputs match transformers exactly; this kernel is memory-bound, FMA buys nothing.
         enable_fp_fusion=False,
     )
     return q_out, k_out
+
+
+def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping):
+    """RoPE on q and k, then k (rotated) and v written into the paged KV caches, in one launch.
+
+    Args:
+        q: [N, HQ, D]; k, v: [N, HKV, D] (views into a fused QKV output are fine: last dim contiguous).
+        positions: [N] int32/int64, rows of the cos/sin tables.
+        cos, sin: [P, D/2] fp32 from ``rope_tables``.
+        k_cache, v_cache: [NP, PS, HKV, D] page pools, written in place at flat slot
+            ``slot_mapping[n] = page * PS + offset``; ``slot_mapping`` [N] int64, < 0 skips token n.
+
+    Mutates k_cache and v_cache; returns the rotated q as a new contiguous [N, HQ, D] tensor in q's
+    dtype. Same values as ``rope`` followed by ``attention.write_kv_`` (rotated k discarded).
+    """
+    name = "rope_write_kv_"
+    N, HQ, HKV, D = _check_rope_args(name, q, k, positions, cos, sin)
+    if v.shape != k.shape or v.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: v must be a float tensor shaped like k {tuple(k.shape)}, got "
+                         f"{tuple(v.shape)} {v.dtype}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (HKV, D):
+        raise ValueError(
+            f"{name}: k_cache and v_cache must both be [P, PS, HKV={HKV}, D={D}], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype not in _FLOAT_DTYPES or v_cache.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: caches must be float32/float16/bfloat16, got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{name}: the head dim (last dim) of k_cache and v_cache must be contiguous")
+    if slot_mapping.shape != (N,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(
+            f"{name}: slot_mapping must be [N={N}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
+    for arg, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: {arg} is on {t.device}, q on {q.device}")
+
+    half = D // 2
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    cos = cos.contiguous()
+    sin = sin.contiguous()
+    positions = positions.contiguous()
+    slot_mapping = slot_mapping.contiguous()
+    q_out = torch.empty((N, HQ, D), dtype=q.dtype, device=q.device)
+    if N == 0:
+        return q_out
+
+    block_hq = triton.next_power_of_2(max(HQ, 1))
+    block_hkv = triton.next_power_of_2(max(HKV, 1))
+    block_half = triton.next_power_of_2(half)
+    rope_write_kv_kernel[(N,)](
+        q, k, v, positions, cos, sin, slot_mapping, q_out, k_cache, v_cache,
+        HQ, HKV, half, cos.shape[0],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        PS=k_cache.shape[1],
+        BLOCK_HQ=block_hq,
+        BLOCK_HKV=block_hkv,
+        BLOCK_HALF=block_half,
+        num_warps=_num_warps(block_hq, block_hkv, block_half),
+        enable_fp_fusion=False,  # fp32 results identical to rope's (see rope)
+    )  # fmt: skip
+    return q_out

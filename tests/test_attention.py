@@ -160,6 +160,42 @@ def test_sm_scale_and_default_splits_large_prefix():
     check(batch, torch.float32, max_q_len=3, splits=[None, 8], sm_scale=0.3)
 
 
+def test_short_requests_in_a_wide_page_table_leave_splits_empty(monkeypatch):
+    # The engine's page table is as wide as the longest allowed sequence, so the default split count
+    # is sized for that capacity; short requests then leave most splits without a tile (kv_len 1..70
+    # over 64 splits: at most 2 busy). Empty splits skip their loads; the merge must still be exact.
+    # The table's spare columns point at NaN pages, so reading past kv_len would show, and every
+    # workspace starts NaN, so a split partial the kernel forgets to write would too.
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    T = [1, 0, 1, 3]
+    batch = make_batch(T=T, prefix=[69, 4, 0, 40], heads=(9, 3, 64), PS=16, dtype=torch.float32, seed=9)
+    spare = batch["page_table"][:, -1:]  # a garbage (NaN) page from make_batch
+    batch["page_table"] = torch.cat([batch["page_table"], spare.expand(-1, 60)], dim=1).contiguous()
+    check(batch, torch.float32, max_q_len=3, splits=[64, None])
+    check(batch, torch.float32, max_q_len=3, splits=[17], tree_mask=batch_tree_mask(T, seed=9))
+
+
+def test_default_splits_keep_min_tiles_of_capacity(monkeypatch):
+    import kernels_triton.attention as attn
+
+    monkeypatch.setattr(attn, "_sm_count", lambda device: 132)  # H200
+    for B in (1, 2, 8, 64):
+        for capacity in (16, 100, 512, 8192, 131072):
+            for max_q_len in (1, 16):
+                cfg = attn._launch_config(max_q_len, 3, 64, torch.bfloat16)
+                n_qblocks = -(-max_q_len // cfg["BLOCK_T"])
+                ns = attn._default_num_splits(B, 3, 64, n_qblocks, capacity, cfg, torch.device("cpu"))
+                assert 1 <= ns <= attn.MAX_SPLITS and ns & (ns - 1) == 0
+                assert ns == 1 or capacity // ns >= attn.MIN_SPLIT_TILES * cfg["BLOCK_N"]
+    # Decode at B = 1 with an 8192-slot table: the SM count allows 176 programs per KV head, the
+    # capacity 8192 / (4 * 64) = 32 splits; at B = 64 the batch alone fills the GPU.
+    cfg = attn._launch_config(1, 3, 64, torch.bfloat16)
+    assert attn._default_num_splits(1, 3, 64, 1, 8192, cfg, torch.device("cpu")) == 32
+    assert attn._default_num_splits(64, 3, 64, 1, 8192, cfg, torch.device("cpu")) == 2
+    assert attn._default_num_splits(1, 3, 64, 1, 128, cfg, torch.device("cpu")) == 1
+
+
 def test_reference_matches_dense_sdpa():
     """The reference itself: one request laid out contiguously equals SDPA with a bottom-right
     causal mask over [prefix + T] keys (GQA expanded)."""

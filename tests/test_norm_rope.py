@@ -281,3 +281,122 @@ def test_rope_bad_inputs():
         rope(q, k, pos[:4], cos, sin)
     with pytest.raises(ValueError, match="D/2=32"):
         rope(q, k, pos, *rope_tables(128, 16, 10000.0, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------- rope + write_kv
+
+
+def _paged_caches(P, PS, HKV, D, dtype):
+    """NaN-filled page pools: any slot the kernel should not touch stays NaN and must match."""
+    shape = (P, PS, HKV, D)
+    return (torch.full(shape, float("nan"), device=DEVICE, dtype=dtype),
+            torch.full(shape, float("nan"), device=DEVICE, dtype=dtype))
+
+
+def _slots(N, P, PS, gen, n_pad):
+    """Distinct random flat slots for N tokens, n_pad of them -1 (padding), in shuffled order."""
+    slots = torch.randperm(P * PS, generator=gen)[:N]
+    slots[torch.randperm(N, generator=gen)[:n_pad]] = -1
+    return slots.to(device=DEVICE, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (5, 1, 48)])  # D = 48: HALF = 24 is not a power of two
+@pytest.mark.parametrize("N,PS", [(5, 16), (37, 7)])
+def test_rope_write_kv_matches_rope_then_write_kv(N, PS, heads, dtype, poison):
+    from kernels_triton.attention import write_kv_ref_
+    from kernels_triton.rope import rope_write_kv_, rope_write_kv_ref_
+
+    HQ, HKV, D = heads
+    P_TABLE = 50
+    gen = torch.Generator().manual_seed(N * 7 + D + PS)
+    cos, sin = rope_tables(D, P_TABLE, 10000.0, device=DEVICE)
+    qkv = _randn(N, (HQ + 2 * HKV) * D, dtype=dtype, gen=gen)  # fused projection: q, k, v are views
+    q = qkv[:, : HQ * D].view(N, HQ, D)
+    k = qkv[:, HQ * D : (HQ + HKV) * D].view(N, HKV, D)
+    v = qkv[:, (HQ + HKV) * D :].view(N, HKV, D)
+    positions = torch.randint(0, P_TABLE, (N,), generator=gen).to(DEVICE)
+    n_pages = -(-N // PS) + 3  # spare pages: most slots stay NaN
+    slot_mapping = _slots(N, n_pages, PS, gen, n_pad=2)
+    atol, rtol = ROPE_TOL[dtype]
+
+    kc, vc = _paged_caches(n_pages, PS, HKV, D, dtype)
+    q_out = rope_write_kv_(q, k, v, positions, cos, sin, kc, vc, slot_mapping)
+    assert poison["n"] >= 1
+    assert q_out.shape == (N, HQ, D) and q_out.dtype == dtype and q_out.is_contiguous()
+
+    q_ref, k_ref = rope_ref(q, k, positions, cos, sin)
+    kc_ref, vc_ref = _paged_caches(n_pages, PS, HKV, D, dtype)
+    write_kv_ref_(kc_ref, vc_ref, k_ref, v, slot_mapping)
+    torch.testing.assert_close(q_out, q_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(kc, kc_ref, atol=atol, rtol=rtol, equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0, equal_nan=True)  # a plain copy
+    assert int(torch.isnan(kc).any(-1).any(-1).logical_not().sum()) == N - 2  # written slots only
+
+    # Bit-for-bit the two kernels it replaces (same fp32 ops, same roundings).
+    from kernels_triton.attention import write_kv_
+
+    q_two, k_two = rope(q, k, positions, cos, sin)
+    kc_two, vc_two = _paged_caches(n_pages, PS, HKV, D, dtype)
+    write_kv_(kc_two, vc_two, k_two, v, slot_mapping)
+    torch.testing.assert_close(q_out, q_two, atol=0, rtol=0)
+    torch.testing.assert_close(kc, kc_two, atol=0, rtol=0, equal_nan=True)
+
+    # The reference used on CPU agrees with the two-step composition exactly.
+    kc_ref2, vc_ref2 = _paged_caches(n_pages, PS, HKV, D, dtype)
+    q_ref2 = rope_write_kv_ref_(q, k, v, positions, cos, sin, kc_ref2, vc_ref2, slot_mapping)
+    torch.testing.assert_close(q_ref2, q_ref, atol=0, rtol=0)
+    torch.testing.assert_close(kc_ref2, kc_ref, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(vc_ref2, vc_ref, atol=0, rtol=0, equal_nan=True)
+
+
+def test_rope_write_kv_rounds_k_like_the_two_step_path(poison):
+    # fp32 q/k/v into fp16 caches: rotated k goes fp32 -> fp32 (k's dtype) -> fp16, v fp32 -> fp16.
+    from kernels_triton.attention import write_kv_ref_
+    from kernels_triton.rope import rope_write_kv_
+
+    N, HQ, HKV, D, PS = 6, 4, 2, 32, 4
+    gen = torch.Generator().manual_seed(5)
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    q, k, v = _randn(N, HQ, D, gen=gen), _randn(N, HKV, D, gen=gen), _randn(N, HKV, D, gen=gen)
+    positions = torch.arange(10, 10 + N, device=DEVICE, dtype=torch.int32)
+    slot_mapping = _slots(N, 3, PS, gen, n_pad=1)
+    kc, vc = _paged_caches(3, PS, HKV, D, torch.float16)
+    q_out = rope_write_kv_(q, k, v, positions, cos, sin, kc, vc, slot_mapping)
+    q_ref, k_ref = rope_ref(q, k, positions, cos, sin)
+    kc_ref, vc_ref = _paged_caches(3, PS, HKV, D, torch.float16)
+    write_kv_ref_(kc_ref, vc_ref, k_ref, v, slot_mapping)
+    assert q_out.dtype == torch.float32
+    torch.testing.assert_close(q_out, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(kc, kc_ref, atol=1e-3, rtol=1e-3, equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0, equal_nan=True)
+
+
+def test_rope_write_kv_all_padding_writes_nothing(poison):
+    from kernels_triton.rope import rope_write_kv_
+
+    cos, sin = rope_tables(64, 16, 10000.0, device=DEVICE)
+    q, k, v = _randn(3, 9, 64), _randn(3, 3, 64), _randn(3, 3, 64)
+    pos = torch.tensor([1, 2, 3], device=DEVICE)
+    kc, vc = _paged_caches(2, 4, 3, 64, torch.float32)
+    q_out = rope_write_kv_(q, k, v, pos, cos, sin, kc, vc, torch.full((3,), -1, device=DEVICE))
+    assert torch.isnan(kc).all() and torch.isnan(vc).all()
+    torch.testing.assert_close(q_out, rope_ref(q, k, pos, cos, sin)[0], atol=1e-6, rtol=1e-6)
+
+
+def test_rope_write_kv_bad_inputs():
+    from kernels_triton.rope import rope_write_kv_
+
+    cos, sin = rope_tables(64, 16, 10000.0, device=DEVICE)
+    q, k, v = _randn(5, 9, 64), _randn(5, 3, 64), _randn(5, 3, 64)
+    pos = torch.zeros(5, dtype=torch.int32, device=DEVICE)
+    slots = torch.arange(5, device=DEVICE)
+    kc, vc = _paged_caches(2, 4, 3, 64, torch.float32)
+    with pytest.raises(ValueError, match="v must be"):
+        rope_write_kv_(q, k, v[:, :2], pos, cos, sin, kc, vc, slots)
+    with pytest.raises(ValueError, match="HKV=3"):
+        rope_write_kv_(q, k, v, pos, cos, sin, kc[:, :, :2], vc[:, :, :2], slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rope_write_kv_(q, k, v, pos, cos, sin, kc, vc, slots.to(torch.int32))
+    with pytest.raises(ValueError, match="positions"):
+        rope_write_kv_(q, k, v, pos[:4], cos, sin, kc, vc, slots)

@@ -8,7 +8,11 @@ tied or untied LM head. The forward can return the residual stream entering chos
 (EAGLE-3 reads three of them).
 
 Weights use fused projections: ``wqkv`` [(HQ + 2 HKV) * D, H] and ``w13`` [2 F, H] (gate | up) so a
-layer runs four matmuls.
+layer runs four matmuls. Around them a layer launches five kernels on the Triton backend: two RMSNorms
+(each fused with the residual add), RoPE fused with the KV-cache write, paged attention (plus its
+split-KV merge when it splits), and SwiGLU's silu(gate) * up read in place from the w13 output.
+At batch 1 a SmolLM2-135M step is bound by per-launch latency, not bandwidth, so launches are what
+these fusions save.
 """
 
 from __future__ import annotations
@@ -150,15 +154,16 @@ class LlamaModel(nn.Module):
             if i in capture_layers:
                 captured.append(residual)  # residual stream entering layer i
             qkv = x @ self.wqkv[i].t()  # [N, H] @ [H, (HQ+2HKV)D]
-            q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
-            q, k = ops.rope(q.view(N, HQ, D), k.view(N, HKV, D), positions, self.rope_cos,
-                            self.rope_sin, backend=be)
-            ops.write_kv_(k_cache[i], v_cache[i], k, v.reshape(N, HKV, D), meta.slot_mapping, backend=be)
+            q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)  # views, no copies
+            # One launch: rotate q and k, write rotated k and v into this layer's cache slots.
+            q = ops.rope_write_kv_(q.view(N, HQ, D), k.view(N, HKV, D), v.view(N, HKV, D), positions,
+                                   self.rope_cos, self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping,
+                                   backend=be)  # [N, HQ, D]
             o = ops.paged_attention(q, k_cache[i], v_cache[i], meta, backend=be)  # [N, HQ, D]
             h = o.reshape(N, HQ * D) @ self.wo[i].t()
             x, residual = ops.rms_norm(h, self.mlp_norm[i], c.rms_norm_eps, residual, backend=be)
-            gate, up = (x @ self.w13[i].t()).chunk(2, dim=-1)  # [N, F] each
-            h = (torch.nn.functional.silu(gate) * up) @ self.w2[i].t()
+            # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
+            h = ops.silu_mul(x @ self.w13[i].t(), backend=be) @ self.w2[i].t()  # [N, F] @ [F, H]
         out, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual, backend=be)
         cap = None
         if capture_layers:

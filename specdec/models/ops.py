@@ -78,6 +78,22 @@ def write_kv_(k_cache, v_cache, k, v, slot_mapping, *, backend="auto") -> None:
     fn(k_cache, v_cache, k, v, slot_mapping)
 
 
+def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, backend="auto"):
+    """RoPE on q and k, rotated k and v written to the cache slots (in place); returns rotated q."""
+    from kernels_triton import rope as rope_mod
+
+    fn = rope_mod.rope_write_kv_ if _triton(backend, q) else rope_mod.rope_write_kv_ref_
+    return fn(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def silu_mul(x, *, backend="auto"):
+    """SwiGLU of a fused [..., 2F] gate|up projection: silu(gate) * up, [..., F]."""
+    from kernels_triton import activation
+
+    fn = activation.silu_mul if _triton(backend, x) else activation.silu_mul_ref
+    return fn(x)
+
+
 def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, backend="auto"):
     from kernels_triton import attention
 
