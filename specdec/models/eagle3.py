@@ -255,8 +255,8 @@ class Eagle3Head(nn.Module):
         q = (x @ self.w("midlayer.self_attn.q_proj.weight").t()).view(N, HQ, D)
         k = (x @ self.w("midlayer.self_attn.k_proj.weight").t()).view(N, HKV, D)
         v = (x @ self.w("midlayer.self_attn.v_proj.weight").t()).view(N, HKV, D)
-        q, k = ops.rope(q, k, positions, self.rope_cos, self.rope_sin, backend=be)
-        ops.write_kv_(k_cache[0], v_cache[0], k, v, meta.slot_mapping, backend=be)
+        q = ops.rope_write_kv_(q, k, v, positions, self.rope_cos, self.rope_sin, k_cache[0], v_cache[0],
+                               meta.slot_mapping, backend=be)
         o = ops.paged_attention(q, k_cache[0], v_cache[0], meta, backend=be)  # [N, HQ, D]
         attn = o.reshape(N, HQ * D) @ self.w("midlayer.self_attn.o_proj.weight").t()
         x, residual = ops.rms_norm(attn, self.w("midlayer.post_attention_layernorm.weight"),
