@@ -192,6 +192,9 @@ class Stepper:
         st.num_active.fill_(n)  # a kernel, not a sync
         if self.temperature > 0:
             st.uniform[:n, :T].uniform_(generator=st.generator)
+        prepare = getattr(self.drafter, "prepare_", None)
+        if T > 1 and prepare is not None:
+            prepare(st, n, T, context)  # host-side drafting, before the (graphed) step
         self.runner.run_(n, T, context)
         if launched is not None:
             launched()

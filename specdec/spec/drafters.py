@@ -3,8 +3,11 @@
 One interface (used by :func:`specdec.engine.step.step_body_`):
 
     capture_layers          target layers whose input residual stream the drafter reads (or ())
-    needs_context           True if propose() wants each row's committed tokens (host lists)
+    needs_context           True if prepare_() wants each row's committed tokens (host lists)
     capturable              True if propose() is pure device work (CUDA-graph capturable)
+    prepare_(state, n, T, context)
+                            host-side work before the step (outside any graph), e.g. uploading
+                            looked-up drafts into static buffers that propose() then reads
     num_nodes(k)            tree nodes per row for k draft tokens (root included)
     bind_(state, P, PS)     allocate per-engine state (draft KV mirroring the target's pages)
     prefill_(...)           extend draft state over prefill chunks; returns per-chunk root state
@@ -30,12 +33,17 @@ from .tree import DraftTree, bit, grow_tree
 
 
 class NgramDrafter:
-    """Prompt-lookup drafting: a chain of up to k tokens copied from the row's own history."""
+    """Prompt-lookup drafting: a chain of up to k tokens copied from the row's own history.
+
+    The lookup runs on the host (over the committed tokens the scheduler already has) in
+    ``prepare_``, which uploads the chains into static device buffers with one copy; ``propose``
+    only reads those buffers, so the verify step stays a CUDA graph.
+    """
 
     name = "ngram"
     capture_layers: tuple[int, ...] = ()
     needs_context = True
-    capturable = False  # the lookup runs on the host over committed tokens
+    capturable = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -47,10 +55,25 @@ class NgramDrafter:
         return k + 1
 
     def bind_(self, state, num_pages: int, page_size: int) -> None:
-        pass
+        R, T = state.max_rows, state.max_tree_nodes
+        # [R, T] draft tokens (-1 = no draft: a padding node) as one static buffer; the tree's
+        # parents/depth/mask follow from how many leading nodes are real, computed on the device.
+        self.buf = torch.full((R, T), -1, dtype=torch.int64, device=state.pending.device)
+        self._host = torch.full((R, T), -1, dtype=torch.int64,
+                                pin_memory=state.pending.device.type == "cuda")
 
     def prefill_(self, ids, pos, meta, captured, next_ids):
         return None
+
+    def prepare_(self, state, n: int, T: int, context) -> None:
+        """Look up each row's chain on the host and upload it (one copy, before the graph runs)."""
+        host = self._host
+        host[:n, :T].fill_(-1)
+        for r, hist in enumerate((context or [])[:n]):
+            follow = self.lookup(hist, T - 1)
+            if follow:
+                host[r, 1:len(follow) + 1] = torch.tensor(follow, dtype=torch.int64)
+        self.buf[:n, :T].copy_(host[:n, :T], non_blocking=True)
 
     def stage_rows_(self, roots, chunk_idx, rows) -> None:
         pass
@@ -71,27 +94,17 @@ class NgramDrafter:
                         return follow
         return []
 
-    def propose(self, state, B: int, T: int, valid, context) -> DraftTree:
-        k = T - 1
-        tokens = torch.full((B, T), -1, dtype=torch.int64)
-        parents = torch.full((B, T), -1, dtype=torch.int32)
-        depth = torch.zeros((B, T), dtype=torch.int32)
-        mask = bit(torch.arange(T)).expand(B, T).clone()  # padding nodes see the prefix + themselves
-        for r, hist in enumerate(context or []):
-            if r >= B:
-                break
-            follow = self.lookup(hist, k)
-            m = len(follow)
-            tokens[r, 1:m + 1] = torch.tensor(follow, dtype=torch.int64)
-            parents[r, 1:m + 1] = torch.arange(m, dtype=torch.int32)
-            depth[r, :m + 1] = torch.arange(m + 1, dtype=torch.int32)
-            mask[r, :m + 1] = bit(torch.arange(m + 1) + 1) - 1  # a chain: all earlier nodes
-        dev = state.pending.device
-        tokens = tokens.to(dev, non_blocking=True)
-        tokens[:, 0] = state.pending[:B]
-        tokens = torch.where(tokens >= 0, tokens, 0)  # padding nodes carry token 0 (never accepted)
-        return DraftTree(tokens, parents.to(dev, non_blocking=True), depth.to(dev, non_blocking=True),
-                         mask.to(dev, non_blocking=True))
+    def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
+        """The chains prepared for rows 0 .. B-1 as trees (device ops only)."""
+        drafts = self.buf[:B, :T]  # [B, T]; column 0 unused (the root is the pending token)
+        node = torch.arange(T, device=drafts.device)
+        real = (drafts >= 0) | (node == 0)[None, :]  # [B, T]; a chain's real nodes lead
+        tokens = torch.where(node[None, :] == 0, state.pending[:B, None], drafts.clamp(min=0))
+        parents = torch.where(real, node - 1, -1).to(torch.int32).expand(B, T)
+        depth = torch.where(real, node, 0).to(torch.int32).expand(B, T)
+        chain = bit(node + 1) - 1  # node i sees nodes 0..i
+        mask = torch.where(real, chain[None, :], bit(node)[None, :])  # padding: prefix + itself
+        return DraftTree(tokens, parents.contiguous(), depth.contiguous(), mask)
 
 
 class Eagle3Drafter:
