@@ -81,7 +81,8 @@ def main() -> None:
                     lambda p, t: engine.add_request(p.prompt_ids, p.max_new_tokens))
         for C in Cs:
             n = min(len(prompts) - max(Cs), (2 if args.quick else 4) * C, max(Cs) * 4)
-            n = max(n, min(16, len(prompts) - max(Cs)))  # >= 16 requests: a point lasts seconds
+            if not args.quick:
+                n = max(n, min(16, len(prompts) - max(Cs)))  # >= 16 requests: a point lasts seconds
             batch = as_req(prompts[:n])
             trace = StepTrace()
             engine.trace = trace
