@@ -230,3 +230,21 @@ def test_cuda_graphs_speculative_identical(kind):
         engine.step(k if i % 3 else 0)
         i += 1
     assert [r.output_ids for r in reqs] == want
+
+
+def test_profile_step_phases_leaves_engine_clean(tiny):
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=drafter, ks=(4,))
+    for k in (0, 4):
+        phases = engine.profile_step_phases(3, 40, k, iters=2)
+        assert set(phases) == {"draft", "verify", "commit"} and all(v >= 0 for v in phases.values())
+        assert phases["verify"] > 0 and phases["commit"] > 0
+        if k == 0:  # the tree is the root alone: no draft forward
+            assert phases["draft"] < phases["verify"]
+    engine.check()  # borrowed rows and pages returned
+    prompts = rand_prompts([6, 9], seed=21)
+    reqs = [engine.add_request(p, 8) for p in prompts]
+    while engine.has_work():
+        engine.step(4)
+    assert [r.output_ids for r in reqs] == [reference(tiny, p, 8) for p in prompts]

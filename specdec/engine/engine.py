@@ -294,6 +294,57 @@ class Engine:
             for o in owners:
                 self.kv.release_(o)
 
+    def profile_step_phases(self, batch_size: int, context_len: int, k: int, iters: int = 5) -> dict:
+        """Milliseconds of the draft, verify and commit phases of one step with k draft tokens at
+        ``batch_size`` rows of ``context_len`` tokens, run eagerly with a timing mark between phases
+        (served steps run as whole graphs, so their phases cannot be split). Includes the draft
+        extend in commit. The engine must be idle; borrowed pages are returned."""
+        if self.scheduler.has_work() or self.state.num_rows:
+            raise RuntimeError("profile_step_phases needs an idle engine")
+        if k not in self.ks:
+            raise ConfigError(f"k={k} not configured (ks={self.ks})")
+        T = self.stepper.num_nodes(k)
+        B = min(batch_size, self.config.max_batch_size)
+        total = context_len + (iters + 1) * T + self.config.max_tree_tokens
+        if total > self.max_seq_len:
+            raise ValueError(f"context_len {context_len} leaves no room for {iters + 1} steps")
+        cuda = self.model.device.type == "cuda"
+        owners = [object() for _ in range(B)]
+        context = [[7, 8, 9] * (context_len // 3 + 1)] * B  # repetitive: the n-gram drafter finds drafts
+        sums = {"draft": 0.0, "verify": 0.0, "commit": 0.0}
+        try:
+            pages = [self.kv.reserve_(o, total) for o in owners]
+            self.state.append_rows_([7] * B, [context_len] * B, pages)
+            self.state.num_active.fill_(B)
+            prepare = getattr(self.drafter, "prepare_", None)
+            for it in range(iters + 1):  # the first step warms up
+                marks = []
+
+                def mark(phase, marks=marks):
+                    if cuda:
+                        ev = torch.cuda.Event(enable_timing=True)
+                        ev.record()
+                        marks.append((phase, ev))
+                    else:
+                        marks.append((phase, time.perf_counter()))
+
+                mark("start")
+                if T > 1 and prepare is not None:
+                    prepare(self.state, B, T, context)
+                step_body_(self.model, self.state, self.kv, B, T, self.config.temperature, self.drafter,
+                           context, mark)
+                if cuda:
+                    marks[-1][1].synchronize()
+                if it == 0:
+                    continue
+                for (_, a), (phase, b) in zip(marks, marks[1:]):
+                    sums[phase] += a.elapsed_time(b) if cuda else (b - a) * 1e3
+            return {phase: v / iters for phase, v in sums.items()}
+        finally:
+            self.state.keep_rows_([])
+            for o in owners:
+                self.kv.release_(o)
+
     def check(self) -> None:
         """Assert the bookkeeping invariants (tests): page accounting, rows vs. requests."""
         self.kv.check()

@@ -62,7 +62,7 @@ def tree_inputs(state: DecodeState, kv: KVCache, tree: DraftTree, B: int, valid:
 
 
 def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperature: float,
-               drafter=None, context=None) -> None:
+               drafter=None, context=None, marks=None) -> None:
     """One step over state rows 0 .. B-1 with trees of T nodes (T = 1: plain decoding, k = 0).
 
     draft -> verify -> accept -> commit, all on the device:
@@ -73,7 +73,8 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
               then the drafter extends its own KV over the committed tokens (ALWAYS, also at T = 1)
     Rows >= state.num_active are padding: T_b = 0, no KV read or written, nothing committed.
     Writes state.sampled[:B, :T] (committed tokens then -1) and commits in place; no host sync,
-    so a CUDA graph can capture it per (bucket B, tree size T).
+    so a CUDA graph can capture it per (bucket B, tree size T). ``marks(phase)``, when given (eager
+    profiling only), is called as the draft, verify and commit phases end.
     """
     valid = state.row_ids[:B] < state.num_active  # [B] bool
     root = state.pending[:B]
@@ -83,6 +84,8 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
         if drafter is None:
             raise SpecdecError(f"a step with {T - 1} draft tokens needs a drafter (draft=none)")
         tree = drafter.propose(state, B, T, valid, context)
+    if marks:
+        marks("draft")
     ids, pos, meta = tree_inputs(state, kv, tree, B, valid)
     capture = drafter.capture_layers if drafter is not None else ()
     out = model(ids, pos, meta, kv.k, kv.v, capture_layers=capture)
@@ -91,6 +94,8 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     uniforms = state.uniform[:B, :T] if temperature > 0 else None
     accept_len, nodes, out_tokens = ops.verify_accept(logits, tree.tokens, tree.parents, temperature,
                                                       uniforms, backend=be)
+    if marks:
+        marks("verify")
     seq_old = state.seq_lens[:B].clone()  # [B] the drafter's extend starts here
     new_seq, pending = ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len,
                                     out_tokens, backend=be)
@@ -99,6 +104,8 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     state.seq_lens[:B].copy_(torch.where(valid, new_seq, seq_old))
     if drafter is not None:
         drafter.extend_(state, B, T, valid, seq_old, out.captured, nodes, out_tokens, accept_len)
+    if marks:
+        marks("commit")
 
 
 @dataclass
