@@ -1,0 +1,613 @@
+"""Entry point: ``python -m specdec.train +experiment=train_eagle3_smollm2 [overrides]``.
+
+Trains an EAGLE-3 draft head for the configured target on the target's own answers. Reads top to
+bottom:
+
+1. prompts: Python standard-library coding tasks + self-instruct tasks written by the target (+ the
+   seed tasks), decontaminated against HumanEval and MT-bench and then asserted clean;
+2. answers: the target answers every prompt through the serving engine (``train.data``);
+3. draft vocabulary: the most frequent answer tokens (special tokens always included);
+4. features: one target forward per chunk keeps the three captured layers, the final hidden state
+   (teacher) and the argmax per token; a held-out split is set aside by sequence;
+5. training: the EAGLE-3 training-time-test loss (specdec.training.ttt), AdamW, warmup + cosine
+   decay, gradient clipping, bf16 autocast on the GPU, held-out acceptance per draft position;
+6. outputs in the run directory: ``checkpoint/`` (official layout, bf16, shards under
+   ``train.shard_mb``, README.md model card), ``metrics.json``, ``sequences.jsonl`` (reusable with
+   ``train.data.reuse=PATH``), ``config.json``, the W&B run; optionally a copy of the checkpoint in
+   ``train.output_dir``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from .errors import ConfigError, SpecdecError
+from .loggers import make_logger
+from .run import build_target, resolve_device
+from .training.data import (FeatureStore, Sequence, capture, draft_vocab, gather_batch, generate,
+                            length_batches, load_sequences, save_sequences)
+from .training.prompts import (SEED_TASKS, EvalIndex, TrainingDataError, TrainPrompt, assert_no_overlap,
+                               decontaminate, load_eval_texts, self_instruct, stdlib_prompts)
+from .training.ttt import ttt_unroll
+
+
+def log(msg: str) -> None:
+    print(f"[train] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1-2. Prompts and answers
+# ----------------------------------------------------------------------------------------------
+
+def build_prompts(dc, index: EvalIndex, write_tasks, seed: int) -> tuple[list[TrainPrompt], dict]:
+    """Standard-library prompts + seed tasks + self-instruct tasks, with overlaps dropped.
+
+    ``write_tasks(messages) -> replies`` runs the target (self-instruct)."""
+    stdlib = stdlib_prompts(int(dc.stdlib_per_item), seed=seed,
+                            max_prompts=None if dc.stdlib_max_prompts is None else int(dc.stdlib_max_prompts))
+    seeds = [TrainPrompt(f"seed/{i}", t, "seed") for i, t in enumerate(SEED_TASKS)] if dc.seed_tasks else []
+    tasks = []
+    if int(dc.self_instruct_requests) > 0:
+        tasks = self_instruct(write_tasks, num_requests=int(dc.self_instruct_requests),
+                              rounds=int(dc.self_instruct_rounds),
+                              examples_per_request=int(dc.self_instruct_examples), seed=seed)
+    written = [TrainPrompt(f"self_instruct/{i}", t, "self_instruct") for i, t in enumerate(tasks)]
+    kept, dropped = decontaminate(stdlib + seeds + written, index)
+    assert_no_overlap(kept, index)  # the guarantee the eval numbers rest on: checked, not assumed
+    stats = dict(stdlib_prompts=len(stdlib), seed_prompts=len(seeds),
+                 self_instruct_requests=int(dc.self_instruct_requests), self_instruct_tasks=len(written),
+                 dropped_overlap=len(dropped), prompts=len(kept))
+    if dropped:
+        log(f"dropped {len(dropped)} prompts overlapping the eval sets, e.g. {dropped[:3]}")
+    return kept, stats
+
+
+def special_ids(target_dir: Path | None, tokenizer, model) -> list[int]:
+    """Ids the draft vocabulary always holds: EOS ids and the tokenizer's special tokens."""
+    ids = set(int(e) for e in model.config.eos_token_id)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    tj = target_dir / "tokenizer.json" if target_dir is not None else None
+    if tj is not None and tj.is_file():
+        for tok in json.loads(tj.read_text()).get("added_tokens", []):
+            if tok.get("special"):
+                ids.add(int(tok["id"]))
+    return sorted(ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Training
+# ----------------------------------------------------------------------------------------------
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+class StepSums:
+    """Per-draft-position sums over batches: loss x rows, rows, top-1 hits, chain hits."""
+
+    def __init__(self, steps: int, device):
+        self.loss = torch.zeros(steps, device=device)
+        self.rows = torch.zeros(steps, dtype=torch.long, device=device)
+        self.correct = torch.zeros(steps, dtype=torch.long, device=device)
+        self.chain = torch.zeros(steps, dtype=torch.long, device=device)
+
+    def add_(self, out) -> None:
+        self.loss += out.step_loss.detach() * out.rows
+        self.rows += out.rows
+        self.correct += out.correct
+        self.chain += out.chain_correct
+
+    def summary(self, prefix: str) -> dict:
+        rows = self.rows.clamp(min=1).double().cpu()
+        loss = (self.loss.double().cpu() / rows).tolist()
+        acc = (self.correct.double().cpu() / rows).tolist()
+        chain = (self.chain.double().cpu() / rows).tolist()
+        out = {}
+        for i in range(len(loss)):  # draft position i + 1 = the (i+1)-th drafted token
+            out[f"{prefix}/loss_{i + 1}"] = loss[i]
+            out[f"{prefix}/acc_{i + 1}"] = acc[i]
+            out[f"{prefix}/chain_acc_{i + 1}"] = chain[i]
+        # Expected tokens per verify step of a chain as long as the unroll: accepted drafts + bonus.
+        out[f"{prefix}/chain_accept_len_est"] = 1.0 + sum(chain)
+        return out
+
+
+class Trainer:
+    """The head, the frozen target tensors it reads (embedding, teacher rows) and the optimizer."""
+
+    def __init__(self, head, model, tc, device: str):
+        self.head, self.tc, self.device = head, tc, device
+        self.steps = int(tc.ttt_steps)
+        self.decay = float(tc.step_decay)
+        self.embed = model.embed.detach()  # [V, H] frozen target embedding
+        out_w = (model.embed if model.lm_head is None else model.lm_head).detach()
+        draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.device))
+        self.vocab_weight = out_w[draft_ids.to(out_w.device)]  # [Vd, H] teacher rows, draft id order
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        cuda = device == "cuda"
+        self.opt = torch.optim.AdamW(self.params, lr=float(tc.lr), betas=tuple(float(b) for b in tc.betas),
+                                     weight_decay=float(tc.weight_decay), **({"fused": True} if cuda else {}))
+        # bf16 autocast on the GPU (fp32 master weights); plain fp32 on the CPU.
+        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+
+    def forward(self, batch):
+        with self.autocast():
+            return ttt_unroll(self.head, self.embed, self.vocab_weight, batch.tokens, batch.features,
+                              batch.teacher_hidden, batch.argmax, batch.lengths, batch.prompt_lens,
+                              steps=self.steps, decay=self.decay)
+
+    def train_step(self, batch, lr: float):
+        """One AdamW step at ``lr``; returns (TTTOut, gradient norm before clipping)."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        out = self.forward(batch)
+        self.opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, float(self.tc.grad_clip))
+        self.opt.step()
+        return out, float(grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self, store: FeatureStore, batches) -> dict:
+        sums = StepSums(self.steps, self.device)
+        for b in batches:
+            sums.add_(self.forward(gather_batch(store, b, self.device)))
+        return sums.summary("eval")
+
+
+def init_from_target_(head, model) -> None:
+    """Start lm_head as the target's output rows of the draft vocabulary and norm as the target's
+    final norm (``train.init_from_target``). Off in the shipped experiment: with a random fc the
+    target's sharp head makes confident wrong guesses (loss ~23 at step 0 vs ~7 from random init)
+    and it stayed behind random init in a short CPU comparison."""
+    with torch.no_grad():
+        out_w = model.embed if model.lm_head is None else model.lm_head
+        ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.device))
+        head.w("lm_head.weight").copy_(out_w[ids.to(out_w.device)].to(head.device, torch.float32))
+        head.w("norm.weight").copy_(model.norm.to(head.device, torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Checkpoint
+# ----------------------------------------------------------------------------------------------
+
+def save_checkpoint(head, path: Path, card: str, *, dtype: str = "bfloat16", shard_mb: float | None = 15) -> list[str]:
+    """The official layout (Eagle3Head.save: config.json + weights + README.md), then weights cast
+    to ``dtype`` and split into shards of at most ``shard_mb`` MiB with an HF index when one file
+    would be larger (files from the lent machine come back only up to 16 MiB each). Eagle3Head.load
+    reads every *.safetensors in the directory. Returns the weight file names."""
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for old in list(path.glob("*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+        old.unlink()
+    head.save(path, extra_files={"README.md": card})
+    single = path / "model.safetensors"
+    sd = load_file(str(single))
+    cast = getattr(torch, dtype)
+    sd = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["torch_dtype"] = dtype
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    limit = None if not shard_mb else int(float(shard_mb) * 2**20)
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    if limit is None or total <= limit:
+        save_file(sd, str(single), metadata={"format": "pt"})
+        return [single.name]
+    groups: list[list[str]] = [[]]
+    size = 0
+    for k, v in sd.items():
+        n = v.numel() * v.element_size()
+        if n > limit:
+            raise ConfigError(f"tensor {k} is {n / 2**20:.2f} MiB, over train.shard_mb={shard_mb}; "
+                              "lower train.draft_vocab_size or raise train.shard_mb")
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    single.unlink()
+    names, weight_map = [], {}
+    for i, keys in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: sd[k] for k in keys}, str(path / name), metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update({k: name for k in keys})
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parents[1], timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def model_card(m: dict, cfg: DictConfig, final: bool) -> str:
+    """README.md of the checkpoint: data, training, held-out acceptance, how to use it."""
+    tc, S = cfg.train, int(cfg.train.ttt_steps)
+    d = {k: "?" for k in ("stdlib_prompts", "seed_prompts", "self_instruct_tasks", "self_instruct_requests",
+                          "dropped_overlap", "answer_temperature", "max_new_tokens")} | m["data"]
+    ev = m.get("eval", {})
+    pos = " | ".join(str(i) for i in range(1, S + 1))
+    acc = " | ".join(f"{ev.get(f'eval/acc_{i}', float('nan')):.3f}" for i in range(1, S + 1))
+    chain = " | ".join(f"{ev.get(f'eval/chain_acc_{i}', float('nan')):.3f}" for i in range(1, S + 1))
+    status = "final" if final else f"intermediate (step {m['train']['steps']})"
+    reused = f"\n- Sequences reused from {d['reused']}." if d.get("reused") else ""
+    wall = ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_s"].items())
+    return f"""# EAGLE-3 draft head for {m['target']}
+
+{status} checkpoint, trained by specdec (commit {m['commit']}) on {m['device_name']} with
+`python -m specdec.train {' '.join(m['overrides'])}`.
+Official EAGLE-3 layout (`LlamaForCausalLMEagle3`, one layer, captured target layers
+{list(m['target_layers'])}), weights in {m['checkpoint_dtype']}. Use it with
+`python -m specdec.run draft=eagle3 draft.path=DIR policy=always` (or `draft=eagle3_smollm2`).
+
+## Data (written by the target itself)
+- Prompts: {d['stdlib_prompts']} Python standard-library coding tasks, {d['seed_prompts']} seed tasks and
+  {d['self_instruct_tasks']} tasks the target wrote itself (self-instruct, {d['self_instruct_requests']} requests);
+  {d['dropped_overlap']} dropped and the rest asserted free of overlap with HumanEval and MT-bench
+  (exact, normalised substring either way, shared 13-word n-gram).
+- Answers: the target's own, chat template, temperature {d['answer_temperature']}, at most
+  {d['max_new_tokens']} new tokens: {d['sequences']} sequences, {d['tokens']} tokens
+  ({d['answer_tokens']} answer tokens); held out: {d['heldout_sequences']} sequences.{reused}
+- Draft vocabulary: {m['draft_vocab_size']} most frequent answer tokens (special tokens included),
+  covering {100 * m['vocab_coverage']:.1f}% of answer tokens.
+
+## Training
+EAGLE-3 training-time test: {S} unrolled draft steps, loss weights {tc.step_decay}^i, soft
+cross-entropy against the target's distribution restricted to the draft vocabulary. AdamW
+(lr {tc.lr}, betas {list(tc.betas)}, weight decay {tc.weight_decay}), {tc.warmup_steps} warmup steps
+then cosine decay to {tc.min_lr_ratio} x lr, gradient clip {tc.grad_clip}, {tc.batch_tokens} padded
+tokens per batch. {m['train']['steps']} steps ({m['train']['epochs']:.2f} epochs,
+{m['train']['tokens_trained']} sequence tokens). Wall time: {wall}.
+
+## Held-out acceptance (teacher-forced top-1 agreement with the target's argmax)
+| draft position | {pos} |
+|---|{'---|' * S}
+| this position right | {acc} |
+| all positions up to here right | {chain} |
+
+Estimated tokens per step of a {S}-token chain (accepted + bonus, from the row above):
+{ev.get('eval/chain_accept_len_est', float('nan')):.2f}. An estimate from teacher-forced held-out data; the engine
+measures the real accepted length.
+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+def check_config(tc, target_config) -> None:
+    """Fail before minutes of data generation on settings that cannot work."""
+    V, H = target_config.vocab_size, target_config.hidden_size
+    vd = int(tc.draft_vocab_size)
+    if not 0 < vd <= V:
+        raise ConfigError(f"train.draft_vocab_size={vd}: must be in 1..{V} (the target's vocabulary)")
+    if int(tc.ttt_steps) < 1:
+        raise ConfigError(f"train.ttt_steps={tc.ttt_steps}: must be >= 1")
+    if tc.checkpoint_dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"train.checkpoint_dtype={tc.checkpoint_dtype!r}; valid: float32, bfloat16, float16")
+    width = 4 if tc.checkpoint_dtype == "float32" else 2
+    if tc.shard_mb and vd * H * width > float(tc.shard_mb) * 2**20:
+        raise ConfigError(f"the lm_head of train.draft_vocab_size={vd} takes {vd * H * width / 2**20:.1f} MiB, "
+                          f"over train.shard_mb={tc.shard_mb} (one tensor cannot be split across files); "
+                          "lower the draft vocabulary or raise train.shard_mb")
+
+
+def make_sequences(cfg, model, tokenizer, eos: set[int], run_dir: Path, phase: dict) -> tuple[list[Sequence], dict]:
+    """Prompts, then the target's answers (steps 1-2); or the sequences of an earlier run."""
+    from .assets import prompts_dir
+    from .engine.engine import EngineConfig
+
+    dc, seed = cfg.train.data, int(cfg.seed)
+    if dc.reuse:
+        seqs = load_sequences(dc.reuse)
+        stats_path = Path(dc.reuse).with_name("data_stats.json")
+        stats = json.loads(stats_path.read_text()) if stats_path.is_file() else {}
+        log(f"reusing {len(seqs)} sequences from {dc.reuse}")
+        return seqs, {**stats, "reused": str(dc.reuse)}
+
+    def engine_config(temperature: float):
+        return EngineConfig.from_cfg(cfg.engine, temperature=float(temperature), seed=seed)
+
+    def budget(value) -> float | None:
+        return None if value is None else float(value)
+
+    def write_tasks(messages: list[str]) -> list[str]:
+        ids = [tokenizer.encode_chat([{"role": "user", "content": m}]) for m in messages]
+        outs = generate(model, ids, int(dc.self_instruct_max_new_tokens),
+                        engine_config=engine_config(float(dc.self_instruct_temperature)), eos_ids=eos,
+                        time_budget_s=budget(dc.self_instruct_budget_s), title="self-instruct")
+        return [tokenizer.decode(o) for o in outs]
+
+    t0 = time.perf_counter()
+    index = EvalIndex(load_eval_texts(prompts_dir()))
+    prompts, stats = build_prompts(dc, index, write_tasks, seed)
+    phase["prompts"] = time.perf_counter() - t0
+    log(f"{len(prompts)} prompts: {stats['stdlib_prompts']} stdlib, {stats['seed_prompts']} seed, "
+        f"{stats['self_instruct_tasks']} self-instruct ({phase['prompts']:.1f} s)")
+
+    t0 = time.perf_counter()
+    max_seq, max_new = int(dc.max_seq_len), int(dc.max_new_tokens)
+    prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p.text}]) for p in prompts]
+    keep = [i for i, p in enumerate(prompt_ids) if len(p) + 2 <= max_seq]
+    outs = generate(model, [prompt_ids[i] for i in keep], max_new,
+                    engine_config=engine_config(float(dc.answer_temperature)), eos_ids=eos,
+                    time_budget_s=budget(dc.answer_budget_s), title="answers")
+    seqs = [Sequence(prompts[i].id, prompts[i].source, prompt_ids[i], o[: max_seq - len(prompt_ids[i])])
+            for i, o in zip(keep, outs) if o]
+    phase["answers"] = time.perf_counter() - t0
+    stats.update(answer_temperature=float(dc.answer_temperature), max_new_tokens=max_new)
+    save_sequences(run_dir / "sequences.jsonl", seqs)
+    (run_dir / "data_stats.json").write_text(json.dumps(stats, indent=2))
+    log(f"{len(seqs)} answers ({phase['answers']:.1f} s)")
+    return seqs, stats
+
+
+def fit(trainer: Trainer, train_store: FeatureStore, held_store: FeatureStore, tc, logger, seed: int,
+        snapshot) -> dict:
+    """The optimisation loop (step 5): AdamW steps over shuffled length-bucketed batches, warmup +
+    cosine decay fitted to ``train.time_budget_s``, train metrics every ``log_every`` steps, held-out
+    metrics every ``eval_every`` steps, ``snapshot(step, eval_metrics)`` every ``save_every`` steps."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    device, S = trainer.device, trainer.steps
+    batch_tokens = int(tc.batch_tokens)
+    train_lengths = train_store.lengths.tolist()
+    held_batches = length_batches(held_store.lengths.tolist(), batch_tokens, random.Random(seed))
+    per_epoch = len(length_batches(train_lengths, batch_tokens, random.Random(seed)))
+    planned = max(1, math.ceil(float(tc.epochs) * per_epoch))
+    if tc.get("max_steps"):
+        planned = min(planned, int(tc.max_steps))
+    total = planned
+    budget = None if tc.time_budget_s is None else float(tc.time_budget_s)
+    warmup, base_lr, min_ratio = int(tc.warmup_steps), float(tc.lr), float(tc.min_lr_ratio)
+    log_every, eval_every, save_every = int(tc.log_every), int(tc.eval_every or 0), int(tc.save_every or 0)
+    window = StepSums(S, device)
+    history: list[dict] = []
+    step, tokens, eval_metrics, eval_s = 0, 0, {}, 0.0
+    t0 = time.perf_counter()
+    t_probe = 0.0  # elapsed seconds at the first budget estimate
+
+    def evaluate() -> dict:
+        nonlocal eval_s
+        t = time.perf_counter()
+        res = trainer.evaluate(held_store, held_batches)
+        eval_s += time.perf_counter() - t
+        logger.log_metrics(res, step=step)
+        return res
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[stats]}"), transient=True) as bar:
+        task = bar.add_task(f"training ({device})", total=total, stats="")
+        epoch_rng = random.Random(seed + 1)
+        while step < total:
+            for b in length_batches(train_lengths, batch_tokens, epoch_rng):
+                if step >= total:
+                    break
+                lr = base_lr * lr_factor(step, warmup, total, min_ratio)
+                batch = gather_batch(train_store, b, device)
+                out, grad_norm = trainer.train_step(batch, lr)
+                window.add_(out)
+                tokens += batch.num_tokens
+                step += 1
+                if budget is not None and step in (min(20, planned), 100):
+                    # Fit the run into the budget, so the decay runs over the steps that fit: a first
+                    # estimate at step 20, refined at step 100 without the start-up (allocator, cuBLAS).
+                    elapsed = time.perf_counter() - t0
+                    per_step = elapsed / step if step != 100 else (elapsed - t_probe) / 80
+                    t_probe = elapsed
+                    fits = step + int((budget * 0.9 - elapsed) / per_step)  # 10% left for evaluations
+                    if min(planned, max(step, fits)) != total:
+                        total = min(planned, max(step, fits))
+                        log(f"{per_step * 1e3:.0f} ms/step: {total} of {planned} planned steps fit "
+                            f"train.time_budget_s={budget:.0f}")
+                        bar.update(task, total=total)
+                if step % log_every == 0 or step == total:
+                    m = window.summary("train")
+                    m.update({"train/loss": float(out.loss.detach()), "train/lr": lr, "train/grad_norm": grad_norm,
+                              "train/tokens_per_s": tokens / (time.perf_counter() - t0),
+                              "train/epoch": step / per_epoch})
+                    logger.log_metrics(m, step=step)
+                    history.append({"step": step, **m})
+                    bar.update(task, stats=f"loss {m['train/loss']:.3f}  acc@1 {m['train/acc_1']:.3f}  "
+                                           f"acc@{S} {m[f'train/acc_{S}']:.3f}  lr {lr:.2e}")
+                    window = StepSums(S, device)
+                if eval_every and step % eval_every == 0 and step < total:
+                    eval_metrics = evaluate()
+                if save_every and step % save_every == 0 and step < total:
+                    snapshot(dict(steps=step, epochs=step / per_epoch, tokens_trained=tokens), eval_metrics)
+                if budget is not None and time.perf_counter() - t0 > budget and step < total:
+                    log(f"train.time_budget_s={budget:.0f} reached at step {step} of {total}")
+                    total = step
+                bar.advance(task)
+    train_s = time.perf_counter() - t0
+    eval_metrics = evaluate()
+    return dict(steps=step, planned_steps=planned, epochs=step / per_epoch, tokens_trained=tokens,
+                history=history, eval=eval_metrics, train_s=train_s, eval_s=eval_s)
+
+
+def run(cfg: DictConfig) -> dict:
+    from rich.progress import Progress
+
+    from .assets import smollm2_dir
+    from .models.eagle3 import Eagle3Config, Eagle3Head
+
+    if "train" not in cfg:
+        raise ConfigError("no `train` section: run an experiment that has one, e.g. "
+                          "+experiment=train_eagle3_smollm2")
+    tc = cfg.train
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed = int(cfg.seed)
+    torch.manual_seed(seed)
+    device = resolve_device(cfg.device)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    t_start = time.perf_counter()
+    phase: dict[str, float] = {}
+
+    model, tokenizer = build_target(cfg, device)
+    if getattr(tokenizer, "is_ids_only", False):
+        raise ConfigError(f"target {cfg.target.name!r} has no tokenizer (random weights); training needs "
+                          "a real target that can write its own answers")
+    check_config(tc, model.config)
+    eos = set(int(e) for e in model.config.eos_token_id)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    layers = tuple(int(x) for x in tc.target_layers) if tc.target_layers else None
+    head_cfg = Eagle3Config.for_target(model.config, int(tc.draft_vocab_size), target_layers=layers)
+    max_seq = int(tc.data.max_seq_len)
+
+    logger = make_logger(cfg.logger, run_dir, run_dir.name, resolved)
+    try:
+        # 1-2. Prompts and the target's answers.
+        seqs, data_stats = make_sequences(cfg, model, tokenizer, eos, run_dir, phase)
+        if len(seqs) < 2:
+            raise TrainingDataError(f"only {len(seqs)} sequences were generated; need at least 2 "
+                                    "(one to train on, one held out): raise the train.data sizes")
+        ids_list = [s.ids[:max_seq] for s in seqs]
+        plens = [min(len(s.prompt_ids), max_seq) for s in seqs]
+
+        # 3. Draft vocabulary.
+        target_dir = Path(cfg.target.path) if cfg.target.path else smollm2_dir()
+        vocab_ids, coverage = draft_vocab(ids_list, plens, int(tc.draft_vocab_size), model.config.vocab_size,
+                                          always=special_ids(target_dir, tokenizer, model))
+        log(f"draft vocabulary of {len(vocab_ids)} ids covers {100 * coverage:.1f}% of answer tokens")
+
+        # 4. Target features, then the held-out split (by sequence).
+        t0 = time.perf_counter()
+        with Progress(transient=True) as bar:
+            task = bar.add_task(f"capturing target features ({device})", total=sum(map(len, ids_list)))
+            store = capture(model, ids_list, plens, head_cfg.target_layers,
+                            chunk_tokens=int(tc.data.capture_chunk_tokens), progress=lambda n: bar.advance(task, n))
+        phase["capture"] = time.perf_counter() - t0
+        order = list(range(store.num_seqs))
+        random.Random(seed).shuffle(order)
+        n_held = min(max(1, round(float(tc.data.heldout_fraction) * len(order))), len(order) - 1)
+        held, train_idx = sorted(order[:n_held]), sorted(order[n_held:])
+        data_stats.update(sequences=len(seqs), tokens=sum(map(len, ids_list)), answer_tokens=store.answer_tokens(),
+                          train_sequences=len(train_idx), heldout_sequences=len(held))
+
+        # 5. Head and training.
+        head = Eagle3Head(head_cfg, backend="torch").init_weights_(seed)
+        head.set_vocab_(vocab_ids)
+        head.to_device(device, torch.float32)
+        if tc.init_from_target:
+            init_from_target_(head, model)
+        trainer = Trainer(head, model, tc, device)
+        card = {"target": cfg.target.name, "commit": git_commit(), "device_name": _device_name(device),
+                "overrides": _overrides(), "target_layers": head_cfg.target_layers,
+                "checkpoint_dtype": str(tc.checkpoint_dtype), "draft_vocab_size": int(tc.draft_vocab_size),
+                "vocab_coverage": coverage, "data": data_stats, "ttt_steps": int(tc.ttt_steps)}
+        ckpt_dir = run_dir / "checkpoint"
+
+        def snapshot(path: Path, train_state: dict, eval_metrics: dict, final: bool) -> None:
+            m = dict(card, eval=eval_metrics, train=train_state, phase_s={k: round(v, 1) for k, v in phase.items()})
+            save_checkpoint(head, path, model_card(m, cfg, final), dtype=str(tc.checkpoint_dtype),
+                            shard_mb=tc.shard_mb)
+
+        res = fit(trainer, store.subset(train_idx), store.subset(held), tc, logger, seed,
+                  lambda state, ev: snapshot(ckpt_dir, state, ev, final=False))
+        phase["train"], phase["eval"] = res["train_s"], res["eval_s"]
+
+        # 6. Outputs.
+        t0 = time.perf_counter()
+        state = {k: res[k] for k in ("steps", "planned_steps", "epochs", "tokens_trained")}
+        snapshot(ckpt_dir, state, res["eval"], final=True)
+        exported = Path(tc.output_dir) if tc.output_dir else None
+        if exported is not None:  # e.g. checkpoints/eagle3-smollm2-135m, or $OUT/... on a lent machine
+            snapshot(exported, state, res["eval"], final=True)
+        phase["save"] = time.perf_counter() - t0
+        phase["total"] = time.perf_counter() - t_start
+        history = res["history"]
+        metrics = {
+            **{k: card[k] for k in ("target", "device_name", "draft_vocab_size", "vocab_coverage", "ttt_steps")},
+            "device": device, "dtype": str(model.dtype), "data": data_stats, "phase_s": phase,
+            "train": {**state, "first": _strip_step(history[0]) if history else {},
+                      "final": _strip_step(history[-1]) if history else {}},
+            "eval": res["eval"],
+            "checkpoint": str(ckpt_dir), "exported_checkpoint": str(exported) if exported else None,
+        }
+        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        (run_dir / "train_log.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+        logger.log_metrics({"final/" + k.split("/", 1)[1]: v for k, v in res["eval"].items()}, step=res["steps"])
+    finally:
+        logger.finish()
+    print_summary(metrics)
+    print(f"run directory: {run_dir}")
+    return metrics
+
+
+def _strip_step(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k != "step"}
+
+
+def print_summary(metrics: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ev, S = metrics["eval"], metrics["ttt_steps"]
+    table = Table(title=f"EAGLE-3 head for {metrics['target']}: held-out acceptance per draft position")
+    table.add_column("")
+    for i in range(1, S + 1):
+        table.add_column(str(i), justify="right")
+    for name, key in (("loss", "loss"), ("top-1 = target argmax", "acc"), ("chain so far", "chain_acc")):
+        table.add_row(name, *[f"{ev[f'eval/{key}_{i}']:.3f}" for i in range(1, S + 1)])
+    console = Console()
+    console.print(table)
+    d, t = metrics["data"], metrics["train"]
+    console.print(f"{d['sequences']} sequences ({d['tokens']} tokens), {t['steps']} steps "
+                  f"({t['epochs']:.2f} epochs) in {metrics['phase_s']['train']:.0f} s; estimated tokens per "
+                  f"{S}-token chain step {ev['eval/chain_accept_len_est']:.2f}; checkpoint {metrics['checkpoint']}")
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def _overrides() -> list[str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except Exception:  # not under @hydra.main (tests call run() directly)
+        return []
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    try:
+        metrics = run(cfg)
+    except (SpecdecError, MissingMandatoryValue) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return metrics["eval"]["eval/chain_accept_len_est"]
+
+
+if __name__ == "__main__":
+    main()

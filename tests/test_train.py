@@ -1,0 +1,317 @@
+"""EAGLE-3 training: the TTT mask and attention, the unroll against the inference path, a toy
+training run whose loss falls and whose checkpoint drafts in the engine, clean training prompts,
+and the Hydra entry end to end."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from test_engine import VOCAB, rand_prompts, reference, tiny_model
+
+from specdec.engine.engine import Engine, EngineConfig
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.models.ops import AttentionMeta
+from specdec.spec.drafters import Eagle3Drafter
+from specdec.train import StepSums, Trainer, lr_factor, save_checkpoint
+from specdec.training.data import capture, draft_vocab, gather_batch, generate, length_batches
+from specdec.training.prompts import (SEED_TASKS, EvalIndex, TrainingDataError, TrainPrompt,
+                                      assert_no_overlap, decontaminate, load_eval_texts, parse_task,
+                                      self_instruct, stdlib_prompts)
+from specdec.training.ttt import (draft_layer, draft_logits, row_mask, ttt_attention,
+                                  ttt_attention_ref, ttt_mask)
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = (0, 1, 1)  # captured layers of the 2-layer tiny target
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(layers=2)
+
+
+def causal_meta(start, n, pages=8):
+    """One request whose n new tokens sit at slots start .. start + n - 1 of pages 0, 1, ..."""
+    return AttentionMeta(cu_q_lens=torch.tensor([0, n], dtype=torch.int32),
+                         kv_lens=torch.tensor([start + n], dtype=torch.int32),
+                         page_table=torch.arange(pages, dtype=torch.int32)[None],
+                         slot_mapping=torch.arange(start, start + n), max_q_len=n)
+
+
+def new_head(model, draft_ids, seed=0):
+    cfg = Eagle3Config.for_target(model.config, len(draft_ids), target_layers=LAYERS)
+    head = Eagle3Head(cfg, backend="torch").init_weights_(seed)
+    head.set_vocab_(torch.as_tensor(draft_ids))
+    return head.to_device("cpu", torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mask, attention, unroll
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T,step", [(1, 0), (5, 0), (5, 3), (9, 6)])
+def test_ttt_mask_is_causal_plus_own_diagonal(T, step):
+    mask = ttt_mask(T, step)
+    assert mask.shape == (T, (step + 1) * T) and mask.dtype == torch.bool
+    for j in range(T):
+        for col in range(mask.shape[1]):
+            s, jk = divmod(col, T)
+            want = jk <= j if s == 0 else jk == j  # real keys <= j; draft keys of steps 1..step at j only
+            assert bool(mask[j, col]) == want, (j, s, jk)
+
+
+@pytest.mark.parametrize("B,T,HQ,HKV,D,steps", [(1, 1, 2, 1, 4, 1), (3, 13, 6, 2, 8, 4), (2, 7, 4, 4, 16, 2)])
+def test_ttt_attention_matches_dense_reference(B, T, HQ, HKV, D, steps):
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(B, T, HQ, D, generator=gen, requires_grad=True)
+    ks = [torch.randn(B, T, HKV, D, generator=gen, requires_grad=True) for _ in range(steps)]
+    vs = [torch.randn(B, T, HKV, D, generator=gen, requires_grad=True) for _ in range(steps)]
+    got, want = ttt_attention(q, ks, vs), ttt_attention_ref(q, ks, vs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    w = torch.randn(got.shape, generator=gen)
+    g_got = torch.autograd.grad((got * w).sum(), [q, *ks, *vs])
+    g_want = torch.autograd.grad((want * w).sum(), [q, *ks, *vs])
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_unroll_matches_the_inference_path(tiny):
+    """Step i of row j in training == the drafter's chain at inference: the paged head forward over
+    rows 0..j (step 0), then one node per step at position j + i fed the previous hidden."""
+    head = new_head(tiny, list(range(0, VOCAB, 2)))
+    n, S = 12, 4
+    toks = torch.tensor(rand_prompts([n], seed=5)[0])
+    k, v = tiny.new_kv_cache(8, 4)
+    feats = tiny(toks, torch.arange(n), causal_meta(0, n), k, v, capture_layers=LAYERS).captured
+    hidden, ks, vs, logits = head.fuse(feats[None]), [], [], []
+    padded = torch.nn.functional.pad(toks[None], (0, S + 1))
+    for i in range(S):
+        hidden = draft_layer(head, tiny.embed[padded[:, 1 + i:1 + i + n]], hidden, torch.arange(n) + i, ks, vs)
+        logits.append(draft_logits(head, hidden[0]))  # [n, Vd]
+    for j in (0, 3, 7):
+        dk, dv = head.new_kv_cache(8, 4)
+        h, lg = head(tiny.embed_tokens(toks[1:j + 2]), head.fuse(feats[:j + 1]), torch.arange(j + 1),
+                     causal_meta(0, j + 1), dk, dv)
+        torch.testing.assert_close(lg[-1], logits[0][j], atol=1e-5, rtol=1e-5)
+        h = h[-1:]
+        for i in range(1, S):
+            h, lg = head(tiny.embed_tokens(toks[j + 1 + i:j + 2 + i]), h, torch.tensor([j + i]),
+                         causal_meta(j + i, 1), dk, dv)
+            torch.testing.assert_close(lg[0], logits[i][j], atol=1e-5, rtol=1e-5)
+
+
+def test_row_mask_counts_answer_predictions_only():
+    lengths, plens = torch.tensor([10, 6]), torch.tensor([4, 5])
+    m0, m2 = row_mask(lengths, plens, 10, 0), row_mask(lengths, plens, 10, 2)
+    # Row j at step i predicts token j + 2 + i: an answer token (>= prompt_len) that exists (< length),
+    # from a chain anchored in the answer (j + 2 >= prompt_len).
+    assert m0[0].nonzero().squeeze(1).tolist() == [2, 3, 4, 5, 6, 7]
+    assert m2[0].nonzero().squeeze(1).tolist() == [2, 3, 4, 5]
+    assert m0[1].nonzero().squeeze(1).tolist() == [3] and not m2[1].any()
+
+
+def test_lr_schedule_warms_up_then_decays():
+    f = [lr_factor(s, 10, 110, 0.1) for s in range(120)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[110] == pytest.approx(0.1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data pieces
+# ----------------------------------------------------------------------------------------------
+
+def test_draft_vocab_ranks_answer_tokens_and_keeps_specials():
+    seqs = [[1, 2, 3, 7, 7, 7, 8, 8], [3, 3, 9, 7, 5]]
+    plens = [3, 2]  # answers: [7, 7, 7, 8, 8] and [9, 7, 5]
+    ids, cov = draft_vocab(seqs, plens, 4, 16, always=[0])
+    # 0 forced; then answer counts 7: 4, 8: 2; 5 and 9 tie (1 each, never in prompts): lower id wins.
+    assert ids.tolist() == [0, 5, 7, 8]
+    assert cov == pytest.approx(7 / 8)
+    ids, _ = draft_vocab([[4, 4, 6, 6, 6]], [1], 3, 16)  # prompt counts break answer-count ties
+    assert ids.tolist() == [0, 4, 6]
+
+
+def test_length_batches_respect_the_token_budget():
+    lengths = [random.Random(i).randint(3, 60) for i in range(200)]
+    batches = length_batches(lengths, 128, random.Random(0))
+    assert sorted(i for b in batches for i in b) == list(range(200))
+    assert all(len(b) * max(lengths[i] for i in b) <= 128 for b in batches)
+
+
+def test_generate_stops_at_its_time_budget_keeping_prefixes(tiny):
+    prompts = rand_prompts([5, 6, 7, 8], seed=2)
+    cfg = EngineConfig(max_batch_size=2, page_size=4)
+    full = generate(tiny, prompts, 12, engine_config=cfg, eos_ids=())
+    cut = generate(tiny, prompts, 12, engine_config=cfg, eos_ids=(), time_budget_s=0.0)  # one step
+    assert [len(f) for f in full] == [12] * 4 and sum(map(len, cut)) < 4
+    assert all(c == f[:len(c)] for c, f in zip(cut, full))  # in-flight answers keep their prefix
+
+
+# ----------------------------------------------------------------------------------------------
+# Training on a tiny target, checkpoint, drafting in the engine
+# ----------------------------------------------------------------------------------------------
+
+def toy_config(**kw):
+    base = dict(ttt_steps=3, step_decay=0.8, lr=3e-3, betas=[0.9, 0.95], weight_decay=0.0, grad_clip=0.5)
+    return OmegaConf.create({**base, **kw})
+
+
+def test_toy_training_loss_falls_and_checkpoint_drafts(tiny, tmp_path):
+    prompts = rand_prompts([5, 9, 14, 7, 11, 6, 12, 8], seed=21)
+    outs = generate(tiny, prompts, 24, engine_config=EngineConfig(max_batch_size=8, page_size=4), eos_ids=())
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    plens = [len(p) for p in prompts]
+    vocab, coverage = draft_vocab(seqs, plens, 64, VOCAB)
+    assert 0.5 < coverage <= 1.0
+    store = capture(tiny, seqs, plens, LAYERS, chunk_tokens=64, page_size=4)
+    assert store.features.shape == (sum(map(len, seqs)), 3 * 64)
+    head = new_head(tiny, vocab)
+    trainer = Trainer(head, tiny, toy_config(), "cpu")
+    batches = length_batches(store.lengths.tolist(), 96, random.Random(0))
+    first = trainer.evaluate(store, batches)
+    torch.manual_seed(0)
+    for epoch in range(10):
+        for b in batches:
+            trainer.train_step(gather_batch(store, b, "cpu"), 3e-3)
+    last = trainer.evaluate(store, batches)
+    # The tiny target's teacher distributions are broad (entropy ~3.6 nats over the 64 draft ids,
+    # the floor of the soft cross-entropy), so the loss falls from ~4.17 to ~3.8.
+    for i in (1, 2, 3):  # every unrolled position learns
+        assert last[f"eval/loss_{i}"] < first[f"eval/loss_{i}"] - 0.2, (first, last)
+    assert last["eval/acc_1"] > first["eval/acc_1"] + 0.3
+    assert last["eval/chain_accept_len_est"] > 1.5
+
+    # Official layout, bf16, sharded (a 31 KiB limit forces several files), loads and drafts.
+    names = save_checkpoint(head, tmp_path / "ckpt", "# toy\n", dtype="bfloat16", shard_mb=0.03)
+    assert len(names) > 1 and (tmp_path / "ckpt" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "ckpt" / "README.md").read_text() == "# toy\n"
+    loaded = Eagle3Head.load(tmp_path / "ckpt", target=tiny.config, backend="torch")
+    assert torch.equal(loaded.d2t, head.d2t)
+    torch.testing.assert_close(loaded.w("lm_head.weight"), head.w("lm_head.weight"), atol=2e-2, rtol=1e-2)
+    drafter = Eagle3Drafter(loaded, tiny, topk=1, steps=3, num_draft_tokens=3)
+    trace = []
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=drafter, ks=(3,), trace=trace.append)
+    reqs = [engine.add_request(p, 16) for p in prompts[:3]]
+    while engine.has_work():
+        engine.step(3)
+    engine.flush_trace()
+    assert [r.output_ids for r in reqs] == [reference(tiny, p, 16) for p in prompts[:3]]
+    accepted = [a for rec in trace for a in rec["accepted"]]
+    assert sum(accepted) / len(accepted) > 0.5  # the trained head's drafts are accepted
+
+
+def test_step_sums_summary_names_positions_from_one():
+    s = StepSums(2, "cpu")
+
+    class Out:
+        step_loss, rows = torch.tensor([1.0, 2.0]), torch.tensor([4, 2])
+        correct, chain_correct = torch.tensor([2, 1]), torch.tensor([2, 0])
+
+    s.add_(Out)
+    m = s.summary("eval")
+    assert m["eval/acc_1"] == 0.5 and m["eval/acc_2"] == 0.5 and m["eval/chain_acc_2"] == 0.0
+    assert m["eval/chain_accept_len_est"] == 1.5
+
+
+# ----------------------------------------------------------------------------------------------
+# Training prompts never overlap the eval sets
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def eval_index():
+    from specdec.assets import prompts_dir
+
+    return EvalIndex(load_eval_texts(prompts_dir()))
+
+
+def test_training_prompts_do_not_overlap_eval_sets(eval_index):
+    prompts = stdlib_prompts(per_item=2, seed=0)
+    assert len(prompts) > 1000 and len({p.id for p in prompts}) == len(prompts)
+    seeds = [TrainPrompt(f"seed/{i}", t, "seed") for i, t in enumerate(SEED_TASKS)]
+    kept, dropped = decontaminate(prompts + seeds, eval_index)
+    assert len(dropped) <= 0.01 * len(prompts)  # the sources are disjoint by construction
+    assert_no_overlap(kept, eval_index)
+    assert stdlib_prompts(per_item=2, seed=0) == prompts  # deterministic
+
+
+def test_overlap_check_catches_copies(eval_index):
+    from specdec.assets import prompts_dir
+
+    he = json.loads((prompts_dir() / "humaneval.jsonl").read_text().splitlines()[3])["prompt"]
+    mt = json.loads((prompts_dir() / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
+    cases = {
+        "exact": he,
+        "contains": "Please help: " + mt.upper() + " Thanks!",  # normalised: case and punctuation
+        "contained": " ".join(mt.split()[2:9]),
+        "13-gram": "Intro words here. " + " ".join(he.split("\"\"\"")[1].split()[:14]) + " and more.",
+    }
+    for want, text in cases.items():
+        assert eval_index.overlap(text) == want, (want, text)
+    with pytest.raises(TrainingDataError, match="overlaps an eval prompt"):
+        assert_no_overlap([TrainPrompt("x", cases["contains"], "test")], eval_index)
+    clean = "Write a Python function like `textwrap.dedent`: remove common leading whitespace."
+    assert eval_index.overlap(clean) is None
+
+
+def test_self_instruct_parses_and_deduplicates():
+    replies = iter(["1. Write a story about a dragon who bakes bread.", "Sure! Here is a new task:\n",
+                    "4. write a story about a DRAGON who bakes bread!",  # a duplicate after normalisation
+                    "Task 5: Explain how tides work on a lake.", "I'm ready to help. What task would you like?",
+                    SEED_TASKS[0]])
+    seen_requests = []
+
+    def fake_generate(messages):
+        seen_requests.extend(messages)
+        return [next(replies) for _ in messages]
+
+    tasks = self_instruct(fake_generate, num_requests=6, rounds=2, examples_per_request=2, seed=0)
+    assert tasks == ["Write a story about a dragon who bakes bread.", "Explain how tides work on a lake."]
+    assert len(seen_requests) == 6 and all("Reply with the task only." in m for m in seen_requests)
+    assert parse_task("12) \"List three rivers in Peru.\"") == "List three rivers in Peru."
+    assert parse_task("Describe the sadness that is reflected upon their") is None  # cut off
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hydra entry
+# ----------------------------------------------------------------------------------------------
+
+def run_train(*overrides, tmp_path, timeout=600):
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    env.pop("TRITON_INTERPRET", None)  # the entry uses the torch references on CPU
+    return subprocess.run([sys.executable, "-m", "specdec.train", *overrides, f"hydra.run.dir={tmp_path}/run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_entry_smoke_writes_a_loadable_checkpoint(tmp_path, smollm2):
+    proc = run_train("+experiment=train_eagle3_smollm2_smoke", "logger=none", "device=cpu",
+                     f"train.output_dir={tmp_path}/export", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert m["train"]["steps"] == 6 and m["data"]["sequences"] >= 2 and m["ttt_steps"] == 3
+    assert m["train"]["final"]["train/loss_1"] < m["train"]["first"]["train/loss_1"]
+    assert {f"eval/acc_{i}" for i in (1, 2, 3)} <= set(m["eval"])
+    for d in (run_dir / "checkpoint", tmp_path / "export"):
+        head = Eagle3Head.load(d, target=smollm2.config, backend="torch")
+        assert head.config.draft_vocab_size == 512 and head.t2d[2]  # EOS is in the draft vocabulary
+        card = (d / "README.md").read_text()
+        assert "Held-out acceptance" in card and "HumanEval and MT-bench" in card
+    assert (run_dir / "sequences.jsonl").is_file() and not (run_dir / "wandb").exists()
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["+experiment=quickstart"], "no `train` section"),
+    (["+experiment=train_eagle3_smollm2_smoke", "train.draft_vocab_size=16384"], "over train.shard_mb=15"),
+    (["+experiment=train_eagle3_smollm2_smoke", "train.draft_vocab_size=0"], "must be in 1..49152"),
+])
+def test_train_entry_rejects_bad_settings_before_generating(tmp_path, overrides, needle):
+    proc = run_train(*overrides, "logger=none", "device=cpu", tmp_path=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert needle in proc.stderr
+    assert not (tmp_path / "run" / "sequences.jsonl").exists()
