@@ -44,6 +44,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+from specdec.bench.console import print_table as console_table  # noqa: E402
 from specdec.bench.provenance import git_commit  # noqa: E402
 
 import triton  # noqa: E402
@@ -397,22 +398,7 @@ def print_table(rows, cols, title):
 
     cells = [[cell(row, key, fmt) for key, _, fmt in cols] for row in rows]
     headers = [header for _, header, _ in cols]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-        print(title)
-        print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-        for c in cells:
-            print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
-        return
-    table = Table(title=title)
-    for h in headers:
-        table.add_column(h, justify="right")
-    for c in cells:
-        table.add_row(*c)
-    Console(width=200).print(table)
+    console_table(title, headers, cells)
 
 
 def write_csv(rows, path, extra):
