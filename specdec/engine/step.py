@@ -1,10 +1,11 @@
-"""The step: one forward over the decode batch, sampling, and commit; plus the KV extend (prefill).
+"""The step: draft, verify, accept and commit for every k; plus the KV extend (prefill).
 
-``Stepper.decode_step_(k)`` is the only place tokens are sampled and ``seq_lens`` advance. At k = 0
-request r feeds its pending token (T_r = 1) at position seq_lens[r] into slot seq_lens[r], samples
-the next token, and commits it: seq_lens[r] += 1, pending[r] = the sampled token. Speculation
-generalises this same step: the pending token becomes the root of a tree of T_r nodes in scratch
-slots seq_lens[r] .. seq_lens[r] + T_r - 1, and commit advances by accepted length + 1.
+``Stepper.decode_step_(k)`` is the only place tokens are sampled and ``seq_lens`` advance; it runs
+:func:`step_body_`. The pending token (committed, KV not yet written) is the root of a tree of T
+nodes in scratch slots seq_lens[r] .. seq_lens[r] + T - 1; the target verifies every node in one
+forward, and commit advances seq_lens by the accepted length + 1. At k = 0 the tree is the root
+alone (T = 1): plain decoding, through the same function, the same kernels and a CUDA graph of its
+own.
 
 ``Stepper.prefill_(chunks)`` extends KV over committed tokens that have none yet (a prompt, or prompt
 plus generated tokens after a preemption), chunk by chunk, always leaving the last committed token
