@@ -118,12 +118,11 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -
                           page_size=engine.kv.page_size, max_batch_size=engine.config.max_batch_size)
         # Draft / verify / commit split of one step per configured k, measured after serving
         # (served steps run as whole CUDA graphs) at the run's mean decode batch and 256 tokens.
-        mean_bs = trace.summary().get("mean_batch_size") or 1
-        ctx = min(256, engine.max_seq_len // 2)
-        trace.meta["step_phase_ms"] = {
-            f"k={k}": engine.profile_step_phases(max(1, round(mean_bs)), ctx, k, iters=int(cfg.engine.get("profile_iters", 3)))
-            for k in engine.ks}
-        trace.meta["step_phase_batch"] = max(1, round(mean_bs))
+        mean_bs = max(1, round(trace.summary().get("mean_batch_size") or 1))
+        ctx = min(256, engine.max_seq_len // 2, engine.kv.num_pages * engine.kv.page_size // 4)
+        iters = int(cfg.engine.get("profile_iters", 3))
+        trace.meta["step_phase_ms"] = {f"k={k}": engine.profile_step_phases(mean_bs, ctx, k, iters=iters)
+                                       for k in engine.ks}
     return [by_index[i] for i in range(len(by_index))]
 
 

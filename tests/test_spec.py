@@ -238,7 +238,8 @@ def test_profile_step_phases_leaves_engine_clean(tiny):
                     drafter=drafter, ks=(4,))
     for k in (0, 4):
         phases = engine.profile_step_phases(3, 40, k, iters=2)
-        assert set(phases) == {"draft", "verify", "commit"} and all(v >= 0 for v in phases.values())
+        assert set(phases) == {"draft", "verify", "commit", "batch", "context"}
+        assert phases["batch"] == 3 and all(phases[p] >= 0 for p in ("draft", "verify", "commit"))
         assert phases["verify"] > 0 and phases["commit"] > 0
         if k == 0:  # the tree is the root alone: no draft forward
             assert phases["draft"] < phases["verify"]

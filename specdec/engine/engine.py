@@ -298,7 +298,9 @@ class Engine:
         """Milliseconds of the draft, verify and commit phases of one step with k draft tokens at
         ``batch_size`` rows of ``context_len`` tokens, run eagerly with a timing mark between phases
         (served steps run as whole graphs, so their phases cannot be split). Includes the draft
-        extend in commit. The engine must be idle; borrowed pages are returned."""
+        extend in commit. The batch shrinks to what the free KV pool holds. Returns
+        {draft, verify, commit} in ms plus the batch and context used. The engine must be idle;
+        borrowed pages are returned."""
         if self.scheduler.has_work() or self.state.num_rows:
             raise RuntimeError("profile_step_phases needs an idle engine")
         if k not in self.ks:
@@ -308,6 +310,10 @@ class Engine:
         total = context_len + (iters + 1) * T + self.config.max_tree_tokens
         if total > self.max_seq_len:
             raise ValueError(f"context_len {context_len} leaves no room for {iters + 1} steps")
+        fit = self.kv.num_free // pages_for(total, self.kv.page_size)
+        if fit < 1:
+            raise ValueError(f"context_len {context_len}: one profiling row does not fit the KV pool")
+        B = min(B, fit)
         cuda = self.model.device.type == "cuda"
         owners = [object() for _ in range(B)]
         context = [[7, 8, 9] * (context_len // 3 + 1)] * B  # repetitive: the n-gram drafter finds drafts
@@ -339,7 +345,7 @@ class Engine:
                     continue
                 for (_, a), (phase, b) in zip(marks, marks[1:]):
                     sums[phase] += a.elapsed_time(b) if cuda else (b - a) * 1e3
-            return {phase: v / iters for phase, v in sums.items()}
+            return {**{phase: v / iters for phase, v in sums.items()}, "batch": B, "context": context_len}
         finally:
             self.state.keep_rows_([])
             for o in owners:
