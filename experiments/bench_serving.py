@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
 from specdec.bench.provenance import git_commit  # noqa: E402
+from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
 
 from specdec.bench.clients import closed_loop  # noqa: E402
 from specdec.bench.metrics import StepTrace, request_record, summarize_requests  # noqa: E402
@@ -79,30 +80,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def copy_bandwidth_gbps() -> float:
-    """Device copy bandwidth, bytes read + written per second (GB/s), of a 1 GiB bf16 copy."""
-    numel = (1 << 29) if CUDA else (1 << 24)
-    src = torch.empty(numel, dtype=torch.bfloat16, device=DEVICE).fill_(1.0)
-    dst = torch.empty_like(src)
-    for _ in range(5):
-        dst.copy_(src)
-    sync()
-    iters = 20 if CUDA else 3
-    t0 = time.perf_counter()
-    if CUDA:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    if CUDA:
-        end.record()
-        end.synchronize()
-        sec = start.elapsed_time(end) / 1e3 / iters
-    else:
-        sec = (time.perf_counter() - t0) / iters
-    gbps = 2 * numel * src.element_size() / sec / 1e9
-    del src, dst
-    return gbps
 
 
 def warm_up(engine: Engine, vocab: int) -> None:

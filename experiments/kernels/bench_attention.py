@@ -46,6 +46,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
 from specdec.bench.console import print_table as console_table  # noqa: E402
 from specdec.bench.provenance import git_commit  # noqa: E402
+from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
 
 import triton  # noqa: E402
 
@@ -93,18 +94,6 @@ def time_us(fn):
     return triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median") * 1e3, how
 
 
-def copy_bandwidth_gbps():
-    """Device copy bandwidth, bytes read + written per second, in GB/s."""
-    numel = (1 << 29) if CUDA else (1 << 20)  # 1 GiB of bf16 on the GPU
-    src = torch.randn(numel, device=DEVICE).to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    if CUDA:
-        us = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median") * 1e3
-    else:
-        us, _ = time_us(lambda: dst.copy_(src))
-    gbps = 2 * src.numel() * src.element_size() / (us * 1e-6) / 1e9
-    del src, dst
-    return gbps
 
 
 # ------------------------------------------------------------------------------------- inputs

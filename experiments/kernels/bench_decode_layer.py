@@ -36,7 +36,6 @@ import datetime
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -49,6 +48,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
 from specdec.bench.provenance import git_commit  # noqa: E402
+from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
+from specdec.bench.timing import time_graph as _time_graph  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -68,6 +69,10 @@ ROPE_BASE, ROPE_ROWS = 100000.0, 8192
 OLD_MIN_SPLIT_TILES = 2  # the split rule before MIN_SPLIT_TILES (>= 2 tiles of capacity per split)
 
 
+def time_graph(fn):
+    return _time_graph(fn, calls=1, replays=50)
+
+
 @triton.jit
 def empty_kernel(x_ptr):
     pass
@@ -76,34 +81,6 @@ def empty_kernel(x_ptr):
 # ------------------------------------------------------------------------------------- timers
 
 
-def time_graph(fn, replays=50):
-    """us per fn() call replaying a CUDA graph that holds one call (GPU); wall time per call on CPU."""
-    if not CUDA:
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile, cuBLAS workspaces, allocator) outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 1e3 / replays
-    del graph
-    return us
 
 
 def count_kernels(fn):
@@ -124,20 +101,6 @@ def count_kernels(fn):
         return float("nan")
 
 
-def copy_bandwidth_gbps():
-    """Device copy bandwidth, bytes read + written per second, in GB/s."""
-    numel = (1 << 29) if CUDA else (1 << 20)  # 1 GiB of bf16 on the GPU
-    src = torch.randn(numel, device=DEVICE).to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    if CUDA:
-        us = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median") * 1e3
-    else:
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        us = (time.perf_counter() - t0) * 1e6
-    gbps = 2 * src.numel() * src.element_size() / (us * 1e-6) / 1e9
-    del src, dst
-    return gbps
 
 
 @contextlib.contextmanager

@@ -39,6 +39,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
 from specdec.bench.console import print_table as console_table  # noqa: E402
 from specdec.bench.provenance import git_commit  # noqa: E402
+from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
+from specdec.bench.timing import time_graph as _time_graph  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -51,6 +53,10 @@ DEVICE = "cuda" if CUDA else "cpu"
 GRAPH_CALLS = 50  # calls captured per graph
 LOOP_CALLS = 200  # eager calls per host-loop measurement
 ROPE_POSITIONS = 8192  # table rows; tree positions are drawn from [0, ROPE_POSITIONS)
+
+
+def time_graph(fn):
+    return _time_graph(fn, calls=GRAPH_CALLS, replays=20)
 
 
 @triton.jit
@@ -72,31 +78,6 @@ def time_bench(fn):
     return (time.perf_counter() - t0) / 3 * 1e6
 
 
-def time_graph(fn, replays=20):
-    """Per-call time in us replaying a CUDA graph of GRAPH_CALLS back-to-back calls (GPU only)."""
-    if not CUDA:
-        return float("nan")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile, allocator) outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    per_call_us = start.elapsed_time(end) * 1e3 / (replays * GRAPH_CALLS)
-    del graph
-    return per_call_us
 
 
 def time_loop(fn):
@@ -113,15 +94,6 @@ def time_loop(fn):
     return (time.perf_counter() - t0) / LOOP_CALLS * 1e6
 
 
-def copy_bandwidth_gbps():
-    """Device copy bandwidth, bytes read + written per second, in GB/s."""
-    numel = (1 << 29) if CUDA else (1 << 20)  # 1 GiB of bf16 on the GPU
-    src = torch.randn(numel, device=DEVICE).to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    us = time_bench(lambda: dst.copy_(src))
-    gbps = 2 * src.numel() * src.element_size() / (us * 1e-6) / 1e9
-    del src, dst
-    return gbps
 
 
 # ------------------------------------------------------------------------------------- cases
