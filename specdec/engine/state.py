@@ -113,3 +113,24 @@ class DecodeState:
         buf = torch.zeros(self.max_rows, *shape, dtype=dtype, device=self.device)
         self.row_buffers[name] = buf
         return buf
+
+    def block_meta(self, B: int, start, n: int, valid, tree_mask=None):
+        """AttentionMeta for n new tokens per row at logical slots start[b] .. start[b] + n - 1
+        (rows 0 .. B-1; padding rows get T_b = 0 and slot -1). Device ops only (capturable).
+
+        Returns (meta, logical slots [B, n] int64) -- the logical slot is also the RoPE position of
+        a causal block, so callers that need it don't recompute it.
+        """
+        from ..models.ops import AttentionMeta
+
+        PS = self.page_size
+        slot_l = start[:, None].long() + torch.arange(n, device=start.device)[None, :]  # [B, n]
+        col = torch.clamp(slot_l // PS, max=self.max_pages_per_row - 1)  # stale rows may point past
+        page = self.page_table[:B].gather(1, col).long()  # [B, n]
+        slot = torch.where(valid[:, None], page * PS + slot_l % PS, -1)  # [B, n] int64
+        cu = torch.zeros(B + 1, dtype=torch.int32, device=start.device)  # valid rows come first
+        cu[1:] = (valid.to(torch.int32) * n).cumsum(0)
+        meta = AttentionMeta(cu_q_lens=cu, kv_lens=torch.where(valid, start + n, 0).to(torch.int32),
+                             page_table=self.page_table[:B], slot_mapping=slot.reshape(-1), max_q_len=n,
+                             tree_mask=tree_mask)
+        return meta, slot_l

@@ -39,24 +39,10 @@ def tree_inputs(state: DecodeState, kv: KVCache, tree: DraftTree, B: int, valid:
     position seq_lens[b] + depth[i]; padding rows (valid False) get T_b = 0 and slot -1.
     Returns (input_ids [B*T], positions [B*T], AttentionMeta); device ops only (graph-capturable).
     """
-    PS, MP = kv.page_size, state.max_pages_per_row
     T = tree.num_nodes
     seq = state.seq_lens[:B]  # [B] int32
-    node = torch.arange(T, device=seq.device)  # [T]
-    slot_l = seq[:, None].long() + node[None, :]  # [B, T] logical slots
-    page_col = torch.clamp(slot_l // PS, max=MP - 1)  # stale padding rows may point past the table
-    page = state.page_table[:B].gather(1, page_col).long()  # [B, T]
-    slot = torch.where(valid[:, None], page * PS + slot_l % PS, -1)  # [B, T] int64
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=seq.device)  # [B+1]; valid rows come first
-    cu[1:] = (valid.to(torch.int32) * T).cumsum(0)
-    meta = AttentionMeta(
-        cu_q_lens=cu,
-        kv_lens=torch.where(valid, seq + T, 0).to(torch.int32),  # prefix + the T tree nodes
-        page_table=state.page_table[:B],
-        slot_mapping=slot.reshape(-1),
-        max_q_len=T,
-        tree_mask=None if T == 1 else tree.mask.reshape(-1),  # T = 1: causal == the single node
-    )
+    # T = 1: causal is the single node, no mask needed
+    meta, _ = state.block_meta(B, seq, T, valid, None if T == 1 else tree.mask.reshape(-1))
     ids = torch.where(valid[:, None], tree.tokens, 0).reshape(-1)  # [B*T]
     pos = torch.where(valid[:, None], seq[:, None].long() + tree.depth.long(), 0).reshape(-1)  # [B*T]
     return ids, pos, meta

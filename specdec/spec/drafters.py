@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from ..models import ops
 from ..models.ops import AttentionMeta
 from .tree import DraftTree, bit, grow_tree
 
@@ -183,20 +182,6 @@ class Eagle3Drafter:
                 self.root_logp[r].copy_(roots[1][c].to(dev))
 
     # -- per step --------------------------------------------------------------------------------
-    def _scratch_meta(self, state, B: int, valid, n: int, T_q: int, mask) -> AttentionMeta:
-        """Meta for n scratch rows per request at draft slots seq_len .. seq_len + n - 1."""
-        PS = state.page_size
-        seq = state.seq_lens[:B]
-        slot_l = seq[:, None].long() + torch.arange(n, device=seq.device)[None, :]  # [B, n]
-        col = torch.clamp(slot_l // PS, max=state.max_pages_per_row - 1)
-        page = state.page_table[:B].gather(1, col).long()
-        slot = torch.where(valid[:, None], page * PS + slot_l % PS, -1)
-        cu = torch.zeros(B + 1, dtype=torch.int32, device=seq.device)
-        cu[1:] = (valid.to(torch.int32) * T_q).cumsum(0)
-        return AttentionMeta(cu_q_lens=cu, kv_lens=torch.where(valid, seq + n, 0).to(torch.int32),
-                             page_table=state.page_table[:B], slot_mapping=slot.reshape(-1),
-                             max_q_len=T_q, tree_mask=mask)
-
     def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
         topk, steps, kept = self.shape_for(T - 1)
         seq = state.seq_lens[:B].long()
@@ -220,7 +205,7 @@ class Eagle3Drafter:
             rows_pos.append((seq + r)[:, None].expand(B, topk))  # depth r+1 node -> position s + r
             rows_mask.append(mask)
             n = (r + 1) * topk
-            meta = self._scratch_meta(state, B, valid, n, n, torch.cat(rows_mask, 1).reshape(-1))
+            meta, _ = state.block_meta(B, state.seq_lens[:B], n, valid, torch.cat(rows_mask, 1).reshape(-1))
             ids = torch.where(valid[:, None], torch.cat(rows_tok, 1), 0).reshape(-1)
             h, logp = self._run(ids, torch.cat(rows_hid, 1).reshape(B * n, -1),
                                 torch.cat(rows_pos, 1).reshape(-1), meta)
@@ -238,15 +223,7 @@ class Eagle3Drafter:
         H3 = captured.shape[-1]
         feat = captured.view(B, T, H3).gather(1, nodes.clamp(min=0).long()[:, :, None].expand(-1, -1, H3))
         tok = torch.where(out_tokens >= 0, out_tokens, 0)  # [B, T]
-        PS = state.page_size
-        slot_l = seq_old[:, None].long() + torch.arange(T, device=seq_old.device)[None, :]
-        col = torch.clamp(slot_l // PS, max=state.max_pages_per_row - 1)
-        page = state.page_table[:B].gather(1, col).long()
-        slot = torch.where(valid[:, None], page * PS + slot_l % PS, -1)
-        cu = torch.zeros(B + 1, dtype=torch.int32, device=seq_old.device)
-        cu[1:] = (valid.to(torch.int32) * T).cumsum(0)
-        meta = AttentionMeta(cu_q_lens=cu, kv_lens=torch.where(valid, seq_old + T, 0).to(torch.int32),
-                             page_table=state.page_table[:B], slot_mapping=slot.reshape(-1), max_q_len=T)
+        meta, slot_l = state.block_meta(B, seq_old, T, valid)  # causal rows seq_old .. seq_old + T - 1
         h, logp = self._run(tok.reshape(-1), self.head.fuse(feat.reshape(B * T, H3).to(self.head.dtype)),
                             slot_l.reshape(-1), meta)
         last = accept_len.long()[:, None]  # [B, 1]

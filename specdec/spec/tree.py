@@ -98,11 +98,6 @@ def select_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torc
     return DraftTree(tokens, parents, depth, ancestor_masks(parents, max_depth))
 
 
-def tree_positions(tree: DraftTree, seq_lens: torch.Tensor) -> torch.Tensor:
-    """RoPE positions [B, T] = seq_len + depth."""
-    return seq_lens[:, None].long() + tree.depth.long()
-
-
 def grow_tree(root: torch.Tensor, first_logp: torch.Tensor, expand, *, topk: int, steps: int,
               num_draft_tokens: int, to_target=None) -> DraftTree:
     """EAGLE-2 growth. root: [B]; first_logp: [B, V] draft log-probs at the root.
