@@ -14,7 +14,7 @@ bottom:
 6. outputs in the run directory: ``checkpoint/`` (official layout, bf16, shards under
    ``train.shard_mb``, README.md model card), ``metrics.json``, ``sequences.jsonl`` (reusable with
    ``train.data.reuse=PATH``), ``config.json``, the W&B run; optionally a copy of the checkpoint in
-   ``train.output_dir``.
+   ``train.output_dir``. ``train.data.only=true`` stops after step 2 (data for several later runs).
 """
 
 from __future__ import annotations
@@ -485,6 +485,15 @@ def run(cfg: DictConfig) -> dict:
     try:
         # 1-2. Prompts and the target's answers.
         seqs, data_stats = make_sequences(cfg, model, tokenizer, eos, run_dir, phase)
+        if tc.data.get("only"):  # data for later runs (train.data.reuse=RUN_DIR/sequences.jsonl)
+            phase["total"] = time.perf_counter() - t_start
+            metrics = {"target": cfg.target.name, "device": device, "dtype": str(model.dtype),
+                       "data": {**data_stats, "sequences": len(seqs), "tokens": sum(map(len, (s.ids for s in seqs)))},
+                       "phase_s": phase, "sequences": str(run_dir / "sequences.jsonl")}
+            (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+            print(f"{len(seqs)} sequences ({metrics['data']['tokens']} tokens) in {metrics['sequences']}")
+            print(f"run directory: {run_dir}")
+            return metrics
         if len(seqs) < 2:
             raise TrainingDataError(f"only {len(seqs)} sequences were generated; need at least 2 "
                                     "(one to train on, one held out): raise the train.data sizes")
@@ -606,7 +615,7 @@ def main(cfg: DictConfig) -> float:
     except (SpecdecError, MissingMandatoryValue) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    return metrics["eval"]["eval/chain_accept_len_est"]
+    return metrics["eval"]["eval/chain_accept_len_est"] if "eval" in metrics else float("nan")
 
 
 if __name__ == "__main__":
