@@ -23,7 +23,6 @@ import contextlib
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from .bench.provenance import git_commit
 from .errors import ConfigError, SpecdecError
 from .loggers import make_logger
 from .run import build_target, resolve_device
@@ -233,15 +233,6 @@ def save_checkpoint(head, path: Path, card: str, *, dtype: str = "bfloat16", sha
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parents[1], timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def model_card(m: dict, cfg: DictConfig, final: bool) -> str:

@@ -1,7 +1,8 @@
 """Provenance stamped on every benchmark row: commit, device, date.
 
-The commit comes from ``git`` when the tree is a checkout, else from ``$SPECDEC_COMMIT`` (set it when
-a copy of the tree without ``.git`` runs on another machine), else "unknown".
+The commit comes from ``$SPECDEC_COMMIT`` when set (set it when a copy of the tree runs on another
+machine, whose ``.git`` may be missing or stale), else from ``git`` ("-dirty" with uncommitted
+changes), else "unknown".
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:
+    if os.environ.get("SPECDEC_COMMIT"):  # set explicitly: wins over a copied (possibly stale) .git
+        return os.environ["SPECDEC_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                              text=True, check=True).stdout.strip()
