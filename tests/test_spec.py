@@ -249,3 +249,31 @@ def test_profile_step_phases_leaves_engine_clean(tiny):
     while engine.has_work():
         engine.step(4)
     assert [r.output_ids for r in reqs] == [reference(tiny, p, 8) for p in prompts]
+
+
+def test_committed_smollm2_head_accepts_and_keeps_greedy(smollm2, smollm2_tokenizer):
+    """The trained head in checkpoints/ loads through the draft config, drafts the target's own greedy
+    continuation (a random head accepts ~nothing: τ ~ 1), and speculation stays token-identical."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from specdec.spec.drafters import build_drafter
+
+    ckpt = Path(__file__).resolve().parents[1] / "checkpoints" / "eagle3-smollm2-135m"
+    cfg = OmegaConf.create({"name": "eagle3", "path": str(ckpt), "topk": 4, "steps": 5, "num_draft_tokens": 16})
+    drafter = build_drafter(cfg, smollm2, device=smollm2.device, dtype=torch.float32, backend=smollm2.backend)
+    assert drafter.head.config.draft_vocab_size == 8192 and drafter.capture_layers == (2, 15, 27)
+    prompts = [smollm2_tokenizer.encode_chat([{"role": "user", "content": c}]) for c in
+               ("Write a Python function that returns the sum of a list of numbers.",
+                "def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n")]
+    want = [reference(smollm2, p, 32, eos=[2]) for p in prompts]
+    trace = []
+    engine = Engine(smollm2, EngineConfig(max_batch_size=2, kv_cache_tokens=1024), eos_ids=[2],
+                    drafter=drafter, policy=Always(16), trace=trace.append)
+    reqs = [engine.add_request(p, 32) for p in prompts]
+    engine.run_until_done()
+    engine.flush_trace()
+    assert [r.output_ids for r in reqs] == want
+    accepted = [a for rec in trace for a in rec["accepted"]]
+    assert sum(accepted) / len(accepted) + 1 > 2.0, accepted
