@@ -91,3 +91,28 @@ def test_corrupt_weights_file_is_rejected(target, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="cannot read safetensors"):
         Eagle3Head.load(tmp_path, target=target.config)
+
+
+def test_inference_forward_matches_training_form_and_tracks_weight_updates(target):
+    """Eagle3Head.forward (paged KV, fused q|k|v and gate|up) equals the TTT training form of the
+    layer on a causal block, also after a weight changes in place (the fused copy is rebuilt)."""
+    from specdec.models.ops import AttentionMeta
+    from specdec.training.ttt import draft_layer, draft_logits
+
+    head = make_head(target, seed=3)
+    H, T, PS = head.config.hidden_size, 7, 4
+    gen = torch.Generator().manual_seed(1)
+    emb, hidden = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
+    pos = torch.arange(T)
+    meta = AttentionMeta(cu_q_lens=torch.tensor([0, T], dtype=torch.int32), kv_lens=torch.tensor([T], dtype=torch.int32),
+                         page_table=torch.tensor([[2, 0, 1]], dtype=torch.int32),
+                         slot_mapping=torch.tensor([2 * PS + i if i < PS else (i - PS) for i in range(T)]), max_q_len=T)
+    for _ in range(2):
+        kc, vc = head.new_kv_cache(3, PS)
+        out, logits = head(emb, hidden, pos, meta, kc, vc)
+        want = draft_layer(head, emb[None], hidden[None], pos, [], [])[0]
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits, draft_logits(head, want), atol=1e-4, rtol=1e-4)
+        with torch.no_grad():  # an optimizer-style in-place update of fused source weights
+            head.w("midlayer.self_attn.k_proj.weight").mul_(1.5)
+            head.w("midlayer.mlp.up_proj.weight").add_(0.01)

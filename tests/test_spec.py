@@ -277,3 +277,20 @@ def test_committed_smollm2_head_accepts_and_keeps_greedy(smollm2, smollm2_tokeni
     assert [r.output_ids for r in reqs] == want
     accepted = [a for rec in trace for a in rec["accepted"]]
     assert sum(accepted) / len(accepted) + 1 > 2.0, accepted
+
+
+def test_block_metas_match_block_meta():
+    """The draft rounds' shared metadata equals block_meta per size: padding rows, pages out of order,
+    blocks crossing page boundaries."""
+    from specdec.engine.state import DecodeState
+
+    st = DecodeState(4, 6, 4, "cpu")
+    st.page_table[:4] = torch.randperm(24, generator=torch.Generator().manual_seed(0)).view(4, 6).int()
+    start = torch.tensor([3, 0, 9, 5], dtype=torch.int32)
+    valid = torch.tensor([True, True, False, True])
+    ns = [2, 4, 6, 8]
+    for n, got in zip(ns, st.block_metas(3, start[:3], ns, valid[:3])):
+        want, _ = st.block_meta(3, start[:3], n, valid[:3])
+        for f in ("cu_q_lens", "kv_lens", "page_table", "slot_mapping"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), (n, f)
+        assert got.max_q_len == n and got.tree_mask is None

@@ -134,3 +134,19 @@ class DecodeState:
                              page_table=self.page_table[:B], slot_mapping=slot.reshape(-1), max_q_len=n,
                              tree_mask=tree_mask)
         return meta, slot_l
+
+    def block_metas(self, B: int, start, ns, valid) -> list:
+        """``block_meta`` (causal, no tree mask) for each block size n in ``ns`` over the same rows and
+        start, e.g. the growing scratch blocks of draft rounds: the slot arithmetic runs once for the
+        largest n, then three small ops per size (each a kernel launch in a captured step)."""
+        from ..models.ops import AttentionMeta
+
+        n_max = max(ns)
+        full, _ = self.block_meta(B, start, n_max, valid)
+        slot = full.slot_mapping.view(B, n_max)
+        v32 = valid.to(torch.int32)
+        rows = torch.zeros(B + 1, dtype=torch.int32, device=start.device)
+        rows[1:] = v32.cumsum(0)  # valid rows before each row
+        base = torch.where(valid, start, 0).to(torch.int32)
+        return [AttentionMeta(cu_q_lens=rows * n, kv_lens=base + v32 * n, page_table=self.page_table[:B],
+                              slot_mapping=slot[:, :n].reshape(-1), max_q_len=n) for n in ns]

@@ -222,6 +222,7 @@ class Eagle3Head(nn.Module):
         c = self.config
         self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                                    c.rope_scaling, device=device)
+        self.fused_weights()  # built here, outside any CUDA graph capture
         return self
 
     @property
@@ -249,23 +250,35 @@ class Eagle3Head(nn.Module):
         c, be = self.config, self.backend
         N = hidden.shape[0]
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        wqkv, w13 = self.fused_weights()
         e = ops.rms_norm(token_embeds, self.w("midlayer.input_layernorm.weight"), c.rms_norm_eps, backend=be)
         h = ops.rms_norm(hidden, self.w("midlayer.hidden_norm.weight"), c.rms_norm_eps, backend=be)
         x = torch.cat([e, h], dim=-1)  # [N, 2H]
-        q = (x @ self.w("midlayer.self_attn.q_proj.weight").t()).view(N, HQ, D)
-        k = (x @ self.w("midlayer.self_attn.k_proj.weight").t()).view(N, HKV, D)
-        v = (x @ self.w("midlayer.self_attn.v_proj.weight").t()).view(N, HKV, D)
-        q = ops.rope_write_kv_(q, k, v, positions, self.rope_cos, self.rope_sin, k_cache[0], v_cache[0],
-                               meta.slot_mapping, backend=be)
+        q, k, v = (x @ wqkv.t()).split([HQ * D, HKV * D, HKV * D], dim=-1)  # one GEMM, views
+        q = ops.rope_write_kv_(q.view(N, HQ, D), k.view(N, HKV, D), v.view(N, HKV, D), positions,
+                               self.rope_cos, self.rope_sin, k_cache[0], v_cache[0], meta.slot_mapping, backend=be)
         o = ops.paged_attention(q, k_cache[0], v_cache[0], meta, backend=be)  # [N, HQ, D]
         attn = o.reshape(N, HQ * D) @ self.w("midlayer.self_attn.o_proj.weight").t()
         x, residual = ops.rms_norm(attn, self.w("midlayer.post_attention_layernorm.weight"),
                                    c.rms_norm_eps, hidden, backend=be)
-        gate = x @ self.w("midlayer.mlp.gate_proj.weight").t()
-        up = x @ self.w("midlayer.mlp.up_proj.weight").t()
-        out = residual + (torch.nn.functional.silu(gate) * up) @ self.w("midlayer.mlp.down_proj.weight").t()
+        # residual + silu(gate) * up @ down: the fused gate|up GEMM, one SwiGLU launch, one addmm.
+        out = torch.addmm(residual, ops.silu_mul(x @ w13.t(), backend=be),
+                          self.w("midlayer.mlp.down_proj.weight").t())
         logits = ops.rms_norm(out, self.w("norm.weight"), c.rms_norm_eps, backend=be) @ self.w("lm_head.weight").t()
         return out, logits
+
+    def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q|k|v [(HQ + 2 HKV) D, 2H], gate|up [2F, H]) for inference: one GEMM each. Rebuilt when a
+        source weight changes (moved, cast, loaded or updated in place: tensor versions are compared)."""
+        keys = ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+                "midlayer.self_attn.v_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight")
+        ws = [self.w(k) for k in keys]
+        sig = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+        if getattr(self, "_fused_sig", None) != sig:
+            with torch.no_grad():
+                self._fused = (torch.cat(ws[:3]).contiguous(), torch.cat(ws[3:]).contiguous())
+            self._fused_sig = sig
+        return self._fused
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -24,6 +24,8 @@ Drafters:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..errors import ConfigError
@@ -160,7 +162,7 @@ class Eagle3Drafter:
         """Draft layer over rows: token_ids [N] (target ids), hidden [N, H] -> (hidden, logp)."""
         emb = self.target.embed_tokens(token_ids).to(self.head.dtype)
         h, logits = self.head(emb, hidden, positions, meta, self.k_cache, self.v_cache)
-        return h, torch.log_softmax(logits.float(), dim=-1)
+        return h, torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
     def prefill_(self, ids, pos, meta: AttentionMeta, captured, next_ids):
         """Draft rows over prefill chunks (same slots/positions as the target's); returns the last
@@ -187,6 +189,9 @@ class Eagle3Drafter:
         seq = state.seq_lens[:B].long()
         rows_tok, rows_hid, rows_pos, rows_mask = [], [], [], []  # scratch rows so far, [B, m] each
         outs = {}
+        # Round r runs the (r + 1) * topk scratch rows so far; their metadata shares one slot lookup.
+        metas = state.block_metas(B, state.seq_lens[:B], [(r + 1) * topk for r in range(steps - 1)], valid) \
+            if steps > 1 else []
 
         def expand(r: int, tokens, parent_slot):
             # tokens [B, topk] of depth r + 1; parents are round r - 1's frontier (or the root).
@@ -205,7 +210,7 @@ class Eagle3Drafter:
             rows_pos.append((seq + r)[:, None].expand(B, topk))  # depth r+1 node -> position s + r
             rows_mask.append(mask)
             n = (r + 1) * topk
-            meta, _ = state.block_meta(B, state.seq_lens[:B], n, valid, torch.cat(rows_mask, 1).reshape(-1))
+            meta = dataclasses.replace(metas[r], tree_mask=torch.cat(rows_mask, 1).reshape(-1))
             ids = torch.where(valid[:, None], torch.cat(rows_tok, 1), 0).reshape(-1)
             h, logp = self._run(ids, torch.cat(rows_hid, 1).reshape(B * n, -1),
                                 torch.cat(rows_pos, 1).reshape(-1), meta)
