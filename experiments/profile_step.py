@@ -1,0 +1,170 @@
+"""Profile: where does a batch-1 request's time go? SmolLM2-135M shapes, bf16, RANDOM weights (the
+costs do not depend on the values), an EAGLE-3 head of the committed head's shapes (random too).
+
+(a) prefill: wall milliseconds of the engine step that prefills one new prompt (~120-190 tokens,
+    chat-prompt lengths of the eagle3_table runs) and decodes its first token, with and without
+    the drafter; then torch.profiler's busiest host-side ops of one such step;
+(b) graphed decode steps at batch 1: k = 0 and each configured tree size T: replay wall time vs
+    the sum of the kernel durations inside the graph (the gap is launch / dependency latency),
+    kernels per replay, and the kernels that take the most device time.
+
+Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
+    python experiments/profile_step.py --out $OUT
+CPU smoke run (tiny shapes, numbers meaningless):
+    python experiments/profile_step.py --quick --out /tmp/profile_step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first @triton.jit import
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from specdec.bench.provenance import device_name, git_commit  # noqa: E402
+from specdec.bench.targets import llama_config_from_dict, random_target  # noqa: E402
+from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
+from specdec.spec.drafters import Eagle3Drafter  # noqa: E402
+
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+TINY = dict(SMOLLM2, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_engine(model, drafter, trees):
+    cfg = EngineConfig(max_batch_size=1, graph_buckets=[1], kv_cache_tokens=8192)
+    return Engine(model, cfg, eos_ids=[], drafter=drafter, ks=(0, *trees) if drafter else (0,))
+
+
+def prefill_ms(engine, lengths, vocab) -> list[float]:
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for n in lengths:
+        ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+        engine.add_request(ids, 1)
+        sync()
+        t0 = time.perf_counter()
+        engine.step(0)
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+        engine.run_until_done()
+    return out
+
+
+def host_profile(engine, n, vocab, rows=18) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request(torch.randint(3, vocab, (n,)).tolist(), 1)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        engine.step(0)
+        sync()
+    engine.run_until_done()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
+
+
+def graphed_step(engine, T: int, iters: int = 20) -> dict:
+    """Wall ms per replay of the batch-1 step with T tree nodes, and its kernels from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    owner = object()
+    pages = engine.kv.reserve_(owner, 256 + 64 * (iters + 10))
+    engine.state.append_rows_([7], [256], [pages])
+    engine.state.num_active.fill_(1)
+    run = engine.stepper.runner.run_
+    try:
+        for _ in range(3):
+            run(1, T)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run(1, T)
+        sync()
+        wall = (time.perf_counter() - t0) * 1e3 / iters
+        if not torch.cuda.is_available():
+            return {"T": T, "replay_ms": wall}
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                run(1, T)
+            sync()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+        busy = sum(e.device_time for e in kernels) / 1e3 / iters  # us -> ms
+        by_name: dict[str, float] = {}
+        for e in kernels:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / iters
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+        return {"T": T, "replay_ms": wall, "kernel_ms": busy, "kernels": len(kernels) / iters,
+                "gap_ms": wall - busy, "top_us": [(n[:70], round(t, 1)) for n, t in top]}
+    finally:
+        engine.state.keep_rows_([])
+        engine.kv.release_(owner)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available() and not args.quick
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    shape = TINY if args.quick else SMOLLM2
+    model = random_target(llama_config_from_dict(shape), device=dev, dtype=dtype)
+    head_cfg = Eagle3Config.for_target(model.config, 8192 if not args.quick else 256)
+    head = Eagle3Head(head_cfg, backend=model.backend).init_weights_(0)
+    head.set_vocab_(torch.arange(head_cfg.draft_vocab_size))
+    head.to_device(dev, dtype)
+    trees = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree32": (8, 6, 32)}
+    lengths = [150, 131, 160, 144, 120, 188] if not args.quick else [20, 24]
+    V = shape["vocab_size"]
+    res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d")}
+
+    plain = make_engine(model, None, ())
+    prefill_ms(plain, lengths[:2], V)  # compiles
+    res["prefill_plain_ms"] = prefill_ms(plain, lengths, V)
+    res["host_profile_plain"] = host_profile(plain, 150 if not args.quick else 20, V)
+    res["steps"] = {"plain": graphed_step(plain, 1)}
+    del plain
+    for name, (topk, steps, n) in trees.items():
+        drafter = Eagle3Drafter(head, model, topk=topk, steps=steps, num_draft_tokens=n)
+        eng = make_engine(model, drafter, (n,))
+        if name == "tree16":
+            prefill_ms(eng, lengths[:2], V)
+            res["prefill_eagle3_ms"] = prefill_ms(eng, lengths, V)
+            res["host_profile_eagle3"] = host_profile(eng, 150 if not args.quick else 20, V)
+        res["steps"][name] = graphed_step(eng, drafter.num_nodes(n))
+        del eng
+    (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
+    print(res["host_profile_plain"])
+    print(res.get("host_profile_eagle3", ""))
+    print(f"prefill ms (plain): {[round(x, 1) for x in res['prefill_plain_ms']]}, "
+          f"median {statistics.median(res['prefill_plain_ms']):.1f}")
+    print(f"prefill ms (eagle3): {[round(x, 1) for x in res['prefill_eagle3_ms']]}, "
+          f"median {statistics.median(res['prefill_eagle3_ms']):.1f}")
+    for name, s in res["steps"].items():
+        print(name, json.dumps(s))
+    print(f"commit {res['commit']}, {res['device']}, {res['date']}")
+
+
+if __name__ == "__main__":
+    main()
