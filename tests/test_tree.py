@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from specdec.spec.tree import ancestor_masks, chain_tree, grow_tree, single_node_tree
+from specdec.spec.tree import ancestor_masks, chain_tree, grow_tree, single_node_tree, topk_of
 
 
 def brute_masks(parents):
@@ -49,9 +49,9 @@ def test_grow_tree_matches_brute_force_best_paths():
 
     def expand(r, tokens, parent_slot):
         calls.append(r)
-        return table[r + 1][tokens]  # [B, k, V]
+        return topk_of(table[r + 1][tokens], topk)  # best children of [B, k, V]
 
-    tree = grow_tree(root, first, expand, topk=topk, steps=steps, num_draft_tokens=n)
+    tree = grow_tree(root, topk_of(first, topk), expand, topk=topk, steps=steps, num_draft_tokens=n)
     assert calls == [0, 1]
     assert tree.tokens.shape == (2, n + 1)
     assert torch.equal(tree.mask, brute_masks(tree.parents))
@@ -80,7 +80,8 @@ def test_grow_chain_is_greedy_path():
     g = torch.Generator().manual_seed(2)
     table = torch.log_softmax(torch.randn(V, V, generator=g), -1)
     root = torch.tensor([3])
-    tree = grow_tree(root, table[root], lambda r, t, p: table[t], topk=1, steps=4, num_draft_tokens=4)
+    tree = grow_tree(root, topk_of(table[root], 1), lambda r, t, p: topk_of(table[t], 1), topk=1, steps=4,
+                     num_draft_tokens=4)
     want, cur = [], 3
     for _ in range(4):
         cur = int(table[cur].argmax())

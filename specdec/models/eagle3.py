@@ -244,9 +244,11 @@ class Eagle3Head(nn.Module):
         """[N, 3H] captured target features -> [N, H] draft input hidden."""
         return target_features @ self.w("fc.weight").t()
 
-    def forward(self, token_embeds, hidden, positions, meta: ops.AttentionMeta, k_cache, v_cache):
+    def forward(self, token_embeds, hidden, positions, meta: ops.AttentionMeta, k_cache, v_cache,
+                with_logits: bool = True):
         """One draft layer. token_embeds, hidden: [N, H] -> (draft hidden [N, H] pre-norm, logits
-        [N, draft_vocab]). ``hidden`` is ``fuse(features)`` or a previous draft hidden state."""
+        [N, draft_vocab] or None without ``with_logits``: callers that need a few rows' logits take
+        ``logits(hidden[rows])``). ``hidden`` is ``fuse(features)`` or a previous draft hidden state."""
         c, be = self.config, self.backend
         N = hidden.shape[0]
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -264,8 +266,12 @@ class Eagle3Head(nn.Module):
         # residual + silu(gate) * up @ down: the fused gate|up GEMM, one SwiGLU launch, one addmm.
         out = torch.addmm(residual, ops.silu_mul(x @ w13.t(), backend=be),
                           self.w("midlayer.mlp.down_proj.weight").t())
-        logits = ops.rms_norm(out, self.w("norm.weight"), c.rms_norm_eps, backend=be) @ self.w("lm_head.weight").t()
-        return out, logits
+        return out, (self.logits(out) if with_logits else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] pre-norm draft hidden -> [N, draft_vocab] logits (final norm + lm_head)."""
+        c = self.config
+        return ops.rms_norm(hidden, self.w("norm.weight"), c.rms_norm_eps, backend=self.backend) @ self.w("lm_head.weight").t()
 
     def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q|k|v [(HQ + 2 HKV) D, 2H], gate|up [2F, H]) for inference: one GEMM each. Rebuilt when a

@@ -94,6 +94,24 @@ def silu_mul(x, *, backend="auto"):
     return fn(x)
 
 
+def topk_logprobs(logits, k: int, *, backend="auto"):
+    """(log_softmax(logits) top-k values fp32, their ids int64), descending, ties lowest id first."""
+    from kernels_triton import topk
+
+    if _triton(backend, logits) and logits.shape[-1] <= topk.MAX_V:
+        return topk.topk_logprobs(logits, k)
+    return topk.topk_logprobs_ref(logits, k)
+
+
+def topk(x, k: int, *, backend="auto"):
+    """(k largest values of the last dim as fp32, their ids int64), descending, ties lowest id first."""
+    from kernels_triton import topk as topk_mod
+
+    if _triton(backend, x) and x.shape[-1] <= topk_mod.MAX_V:
+        return topk_mod.topk(x, k)
+    return topk_mod.topk_ref(x, k)
+
+
 def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, backend="auto"):
     from kernels_triton import attention
 

@@ -30,6 +30,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.ops import AttentionMeta
+from ..models import ops
 from .tree import DraftTree, bit, grow_tree
 
 
@@ -113,9 +114,11 @@ class Eagle3Drafter:
 
     Draft row j pairs the target's feature at position j with the token at j + 1 and sits in draft
     KV slot j (the target's page table addresses both pools). Invariant after every commit: the
-    draft KV covers slots 0 .. seq_len - 1 like the target's, and ``root_hidden``/``root_logp``
-    hold the output of row seq_len - 1, which predicts the token after the pending one: the first
-    tree level of the next step.
+    draft KV covers slots 0 .. seq_len - 1 like the target's, ``root_hidden`` holds the output of row
+    seq_len - 1 and ``root_top``/``root_ids`` its best ``topk`` children (log-probs, draft ids),
+    which predict the token after the pending one: the first tree level of the next step. Only the
+    best children of a node can enter a tree, so no step materialises a full draft distribution:
+    the lm_head runs on the frontier rows only and one top-k kernel returns their log-probs.
 
     Tree growth: round r processes the frontier (topk nodes at depth r + 1) together with every
     node of earlier rounds, at draft scratch slots seq_len + j with an ancestor mask (earlier nodes
@@ -137,7 +140,7 @@ class Eagle3Drafter:
         self.topk, self.steps, self.num_draft_tokens = topk, steps, num_draft_tokens
         self.capture_layers = tuple(head.config.target_layers)
         self.k_cache = self.v_cache = None
-        self.root_hidden = self.root_logp = None
+        self.root_hidden = self.root_top = self.root_ids = None
 
     # -- sizes ---------------------------------------------------------------------------------
     def shape_for(self, k: int) -> tuple[int, int, int]:
@@ -155,33 +158,37 @@ class Eagle3Drafter:
         self.k_cache, self.v_cache = self.head.new_kv_cache(num_pages, page_size)
         H = self.head.config.hidden_size
         self.root_hidden = state.add_row_buffer("eagle3_root_hidden", (H,), self.head.dtype)
-        self.root_logp = state.add_row_buffer("eagle3_root_logp", (self.head.config.draft_vocab_size,),
-                                              torch.float32)
+        self.root_top = state.add_row_buffer("eagle3_root_top", (self.topk,), torch.float32)
+        self.root_ids = state.add_row_buffer("eagle3_root_ids", (self.topk,), torch.int64)
 
     def _run(self, token_ids, hidden, positions, meta):
-        """Draft layer over rows: token_ids [N] (target ids), hidden [N, H] -> (hidden, logp)."""
+        """Draft layer over rows: token_ids [N] (target ids), hidden [N, H] -> hidden [N, H]."""
         emb = self.target.embed_tokens(token_ids).to(self.head.dtype)
-        h, logits = self.head(emb, hidden, positions, meta, self.k_cache, self.v_cache)
-        return h, torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        return self.head(emb, hidden, positions, meta, self.k_cache, self.v_cache, with_logits=False)[0]
+
+    def _children(self, h, k: int):
+        """Best k children of draft hidden rows h [..., H]: (log-probs fp32, draft ids) [..., k]."""
+        lead = h.shape[:-1]
+        v, i = ops.topk_logprobs(self.head.logits(h.reshape(-1, h.shape[-1])), k, backend=self.head.backend)
+        return v.view(*lead, k), i.view(*lead, k)
 
     def prefill_(self, ids, pos, meta: AttentionMeta, captured, next_ids):
         """Draft rows over prefill chunks (same slots/positions as the target's); returns the last
-        row of each chunk: (hidden [C, H], logp [C, Vd])."""
-        h, logp = self._run(next_ids, self.head.fuse(captured.to(self.head.dtype)), pos, meta)
+        row of each chunk: (hidden [C, H], best children log-probs [C, topk], their ids [C, topk])."""
+        h = self._run(next_ids, self.head.fuse(captured.to(self.head.dtype)), pos, meta)
         last = (meta.cu_q_lens[1:] - 1).long()  # [C]
-        return h[last], logp[last]
+        return (h[last], *self._children(h[last], self.topk))
 
     def stage_rows_(self, roots, chunk_idx: list[int], rows: list[int]) -> None:
         """Copy each chunk's root state into its decode row (-1: no prefill row, e.g. a 1-token
         prompt: zero state, so that row's drafts are arbitrary until its first step commits)."""
         dev = self.root_hidden.device
         for c, r in zip(chunk_idx, rows):
-            if roots is None or c < 0:
-                self.root_hidden[r].zero_()
-                self.root_logp[r].zero_()
-            else:
-                self.root_hidden[r].copy_(roots[0][c].to(dev))
-                self.root_logp[r].copy_(roots[1][c].to(dev))
+            for buf, i in ((self.root_hidden, 0), (self.root_top, 1), (self.root_ids, 2)):
+                if roots is None or c < 0:
+                    buf[r].zero_()
+                else:
+                    buf[r].copy_(roots[i][c].to(dev))
 
     # -- per step --------------------------------------------------------------------------------
     def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
@@ -212,14 +219,13 @@ class Eagle3Drafter:
             n = (r + 1) * topk
             meta = dataclasses.replace(metas[r], tree_mask=torch.cat(rows_mask, 1).reshape(-1))
             ids = torch.where(valid[:, None], torch.cat(rows_tok, 1), 0).reshape(-1)
-            h, logp = self._run(ids, torch.cat(rows_hid, 1).reshape(B * n, -1),
-                                torch.cat(rows_pos, 1).reshape(-1), meta)
+            h = self._run(ids, torch.cat(rows_hid, 1).reshape(B * n, -1), torch.cat(rows_pos, 1).reshape(-1), meta)
             h = h.view(B, n, -1)[:, -topk:]  # the frontier's outputs
             outs[r] = (h, mask)
-            return logp.view(B, n, -1)[:, -topk:]
+            return self._children(h, topk)  # [B, topk, topk] each
 
-        return grow_tree(state.pending[:B], self.root_logp[:B], expand, topk=topk, steps=steps,
-                         num_draft_tokens=kept, to_target=self.head.to_target_ids)
+        return grow_tree(state.pending[:B], (self.root_top[:B], self.root_ids[:B]), expand, topk=topk,
+                         steps=steps, num_draft_tokens=kept, to_target=self.head.to_target_ids)
 
     def extend_(self, state, B: int, T: int, valid, seq_old, captured, nodes, out_tokens, accept_len) -> None:
         """Draft rows seq_old + i (i < T) pairing the feature of accepted path node i with the
@@ -229,13 +235,15 @@ class Eagle3Drafter:
         feat = captured.view(B, T, H3).gather(1, nodes.clamp(min=0).long()[:, :, None].expand(-1, -1, H3))
         tok = torch.where(out_tokens >= 0, out_tokens, 0)  # [B, T]
         meta, slot_l = state.block_meta(B, seq_old, T, valid)  # causal rows seq_old .. seq_old + T - 1
-        h, logp = self._run(tok.reshape(-1), self.head.fuse(feat.reshape(B * T, H3).to(self.head.dtype)),
-                            slot_l.reshape(-1), meta)
+        h = self._run(tok.reshape(-1), self.head.fuse(feat.reshape(B * T, H3).to(self.head.dtype)),
+                      slot_l.reshape(-1), meta)
         last = accept_len.long()[:, None]  # [B, 1]
         h_last = h.view(B, T, -1).gather(1, last[:, :, None].expand(-1, -1, h.shape[-1]))[:, 0]
-        lp_last = logp.view(B, T, -1).gather(1, last[:, :, None].expand(-1, -1, logp.shape[-1]))[:, 0]
-        self.root_hidden[:B].copy_(torch.where(valid[:, None], h_last, self.root_hidden[:B]))
-        self.root_logp[:B].copy_(torch.where(valid[:, None], lp_last, self.root_logp[:B]))
+        top, ids = self._children(h_last, self.topk)
+        keep = valid[:, None]
+        self.root_hidden[:B].copy_(torch.where(keep, h_last, self.root_hidden[:B]))
+        self.root_top[:B].copy_(torch.where(keep, top, self.root_top[:B]))
+        self.root_ids[:B].copy_(torch.where(keep, ids, self.root_ids[:B]))
 
 
 def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):

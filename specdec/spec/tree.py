@@ -72,6 +72,13 @@ def chain_tree(root: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
     return DraftTree(tokens, parents, depth, mask)
 
 
+def topk_of(logp: torch.Tensor, k: int):
+    """(values, ids) of the k largest entries of the last dim, descending: ``grow_tree``'s inputs
+    from full log-probs (drafters with a fused kernel produce them directly)."""
+    v, i = logp.float().topk(k, dim=-1)
+    return v, i
+
+
 def select_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
                 cand_parents: torch.Tensor, cand_depth: torch.Tensor, num_draft_tokens: int,
                 max_depth: int) -> DraftTree:
@@ -98,29 +105,31 @@ def select_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torc
     return DraftTree(tokens, parents, depth, ancestor_masks(parents, max_depth))
 
 
-def grow_tree(root: torch.Tensor, first_logp: torch.Tensor, expand, *, topk: int, steps: int,
+def grow_tree(root: torch.Tensor, first, expand, *, topk: int, steps: int,
               num_draft_tokens: int, to_target=None) -> DraftTree:
-    """EAGLE-2 growth. root: [B]; first_logp: [B, V] draft log-probs at the root.
+    """EAGLE-2 growth. root: [B]; ``first`` = (log-probs, ids) of the root's best children, [B, >= k]
+    each, descending (e.g. ``topk_of(logp, k)`` of full draft log-probs [B, V]).
 
-    ``expand(r, tokens [B, topk], parent_slot [B, topk]) -> logp [B, topk, V]`` runs the draft on
-    round r's frontier (``parent_slot`` = each node's parent's index in the previous frontier, -1 in
-    round 0) and returns its children's log-probs. ``to_target`` maps draft-vocabulary ids to target
-    ids (EAGLE-3's d2t); identity when None.
+    ``expand(r, tokens [B, topk], parent_slot [B, topk]) -> (log-probs, ids)`` [B, topk, >= topk]
+    each, descending, runs the draft on round r's frontier (``parent_slot`` = each node's parent's
+    index in the previous frontier, -1 in round 0) and returns its best children. ``to_target``
+    maps draft-vocabulary ids to target ids (EAGLE-3's d2t); identity when None. Only the best
+    ``topk`` children of a node can be kept, so no step ever needs the full distribution.
     """
     if steps < 1 or topk < 1:
         raise ValueError(f"a tree needs steps >= 1 and topk >= 1 (got steps={steps}, topk={topk})")
     to_target = to_target or (lambda ids: ids)
     B = root.shape[0]
     dev = root.device
-    scores, ids = first_logp.float().topk(topk, dim=-1)  # [B, k]
+    scores, ids = first[0][:, :topk].float(), first[1][:, :topk]  # [B, k]
     front_tok = to_target(ids)
     front_ids = torch.arange(topk, device=dev).expand(B, topk)  # candidate ids of the frontier
     cands = [(front_tok, scores, torch.full_like(ids, -1), torch.ones_like(ids))]
     n_cand = topk
     parent_slot = torch.full_like(ids, -1)
     for r in range(1, steps):
-        logp = expand(r - 1, front_tok, parent_slot).float()  # [B, k, V]
-        cs, cid = logp.topk(topk, dim=-1)  # [B, k, k]
+        cs, cid = expand(r - 1, front_tok, parent_slot)  # [B, k, >= k]
+        cs, cid = cs[:, :, :topk].float(), cid[:, :, :topk]
         child_scores = (scores[:, :, None] + cs).reshape(B, topk * topk)
         child_tok = to_target(cid).reshape(B, topk * topk)
         child_par = front_ids[:, :, None].expand(B, topk, topk).reshape(B, topk * topk)

@@ -1,0 +1,114 @@
+"""Top-k log-probabilities of rows of logits, in one launch (the draft tree's branching step).
+
+Math, for one row x of V logits (any float dtype, computed in fp32):
+
+    lse      = max(x) + log(sum(exp(x - max(x))))        # logsumexp
+    ids[j]   = index of the j-th largest x (j < K), ties broken by the lower index
+    logp[j]  = x[ids[j]] - lse                           # log_softmax(x)[ids[j]], descending
+
+Equal to ``log_softmax(x.float()).topk(K)`` up to the order of tied values (torch leaves that
+unspecified; here it is the lower index first) and fp32 rounding of the logsumexp. A draft step
+needs exactly this: the K best children and their log-probabilities, never the full [N, V]
+log-softmax; torch's radix-select ``topk`` on an 8192-wide row costs ~20-40 us in a CUDA graph,
+this kernel a few.
+
+Shapes: logits [N, V] (leading dims flattened: [..., V] works), returns logp [..., K] fp32 and ids
+[..., K] int64 (new, contiguous). K <= V and K <= 64; V <= 16384 (MAX_V: the whole row lives in
+registers of one program; a wider row raises, use the reference there).
+
+Kernel layout: grid (N,); one program loads its row once (BLOCK_V = next power of two of V,
+padding = -inf), reduces it for the logsumexp, then K times takes the max, the lowest index
+holding it, stores both and masks that element out. N rides on the grid and is not an argument,
+so one compile serves every batch size (captured per bucket in a CUDA graph).
+
+``topk(x, k)`` is the same kernel without the logsumexp: the k largest values themselves (the
+tree's frontier and final node selection over a few dozen candidate scores).
+
+Invariants: the last dim of logits is contiguous (row stride is free). NaN logits are not
+supported (a NaN never equals the row max, so its row's result is unspecified).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_V = 16384
+MAX_K = 64
+
+
+def topk_logprobs_ref(logits, k: int):
+    """Plain torch: the k largest log_softmax values of each row (fp32) and their indices."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    v, i = lp.topk(k, dim=-1)
+    return v.contiguous(), i.contiguous()
+
+
+@triton.jit
+def topk_logprobs_kernel(
+    x_ptr,  # [N, V]
+    v_ptr,  # [N, K] fp32
+    i_ptr,  # [N, K] int64
+    V,
+    stride_x,
+    K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    LOG_SOFTMAX: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_V)
+    x = tl.load(x_ptr + n * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    if LOG_SOFTMAX:
+        mx = tl.max(x, axis=0)
+        lse = mx + tl.log(tl.sum(tl.exp(x - mx), axis=0))
+    else:
+        lse = 0.0
+    for j in tl.static_range(K):
+        best = tl.max(x, axis=0)
+        idx = tl.min(tl.where(x == best, offs, BLOCK_V), axis=0)  # lowest index holding the max
+        tl.store(v_ptr + n * K + j, best - lse)
+        tl.store(i_ptr + n * K + j, idx.to(tl.int64))
+        x = tl.where(offs == idx, float("-inf"), x)
+
+
+def topk_logprobs(logits, k: int):
+    """The k largest log-probabilities of each row of ``logits`` [..., V] and their indices, in
+    descending order: (logp [..., k] fp32, ids [..., k] int64). One launch; see the module docstring."""
+    return _launch(logits, k, True, "topk_logprobs")
+
+
+def topk_ref(x, k: int):
+    """Plain torch: the k largest values of each row (fp32) and their indices."""
+    v, i = x.float().topk(k, dim=-1)
+    return v.contiguous(), i.contiguous()
+
+
+def topk(x, k: int):
+    """The k largest values of each row of ``x`` [..., V] (as fp32) and their indices, descending,
+    ties lowest index first: the same kernel without the logsumexp."""
+    return _launch(x, k, False, "topk")
+
+
+def _launch(logits, k: int, log_softmax: bool, name: str):
+    if logits.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: logits must be float32/float16/bfloat16, got {logits.dtype}")
+    if logits.dim() < 1:
+        raise ValueError(f"{name}: logits must be [..., V]")
+    V = logits.shape[-1]
+    if not isinstance(k, int) or not 1 <= k <= min(V, MAX_K):
+        raise ValueError(f"{name}: k must be an int in [1, min(V, {MAX_K})] = [1, {min(V, MAX_K)}], got {k!r}")
+    if V > MAX_V:
+        raise ValueError(f"{name}: rows of {V} > {MAX_V} values do not fit one program; use {name}_ref")
+    x2 = logits.reshape(-1, V)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    N = x2.shape[0]
+    vals = torch.empty((*logits.shape[:-1], k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((*logits.shape[:-1], k), dtype=torch.int64, device=logits.device)
+    if N == 0:
+        return vals, ids
+    block_v = max(16, triton.next_power_of_2(V))
+    num_warps = max(1, min(16, block_v // 512))  # ~16 fp32 values per thread
+    topk_logprobs_kernel[(N,)](x2, vals, ids, V, x2.stride(0), K=k, BLOCK_V=block_v,
+                               LOG_SOFTMAX=log_softmax, num_warps=num_warps)
+    return vals, ids

@@ -1,0 +1,83 @@
+"""topk_logprobs (the draft tree's branching step) against log_softmax + topk.
+
+Odd shapes (N = 1, 5, 37; V = 50, 1000, 8192; k = 1, 4, 8), leading dims, a row stride wider than
+the row, every dtype the device supports, outputs NaN-poisoned so unwritten elements fail; ties
+must come out lowest index first (a stable sort is the reference there).
+"""
+
+import pytest
+import torch
+
+from kernels_triton.topk import MAX_V, topk, topk_logprobs, topk_logprobs_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    real_empty = torch.empty
+
+    def empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,V,k", [(1, 8192, 4), (5, 1000, 8), (37, 50, 1), (3, 8192, 1)])
+def test_matches_reference(poison, dtype, N, V, k):
+    g = torch.Generator().manual_seed(N * 131 + V + k)
+    x = (torch.randn(N, V, generator=g) * 4).to(DEVICE, dtype)
+    v, i = topk_logprobs(x, k)
+    rv, ri = topk_logprobs_ref(x, k)
+    assert v.shape == (N, k) and i.shape == (N, k) and v.dtype == torch.float32 and i.dtype == torch.int64
+    torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+    # The ids carry those values (ties in half precision may order differently from torch's topk).
+    lp = torch.log_softmax(x.float(), -1)
+    torch.testing.assert_close(lp.gather(1, i), rv, atol=1e-5, rtol=1e-5)
+    assert all(len(set(row)) == k for row in i.tolist())
+    if dtype == torch.float32:
+        assert torch.equal(i, ri)
+
+
+def test_ties_lowest_index_first_and_leading_dims(poison):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (2, 3, 300), generator=g).float().to(DEVICE)  # many ties
+    v, i = topk_logprobs(x, 6)
+    lp = torch.log_softmax(x, -1)
+    sv, si = torch.sort(lp, dim=-1, descending=True, stable=True)
+    assert v.shape == (2, 3, 6)
+    assert torch.equal(i, si[..., :6])
+    torch.testing.assert_close(v, sv[..., :6], atol=1e-6, rtol=1e-6)
+
+
+def test_strided_rows_and_masked_logits(poison):
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(4, 700, generator=g).to(DEVICE)
+    x = wide[:, :500]  # row stride 700
+    x[1, 10:] = float("-inf")  # only 10 finite logits in row 1
+    v, i = topk_logprobs(x, 8)
+    rv, _ = topk_logprobs_ref(x, 8)
+    torch.testing.assert_close(v, rv)
+    assert i[1].tolist() == torch.log_softmax(x[1], -1)[:10].argsort(descending=True)[:8].tolist()
+
+
+def test_bad_arguments_are_rejected():
+    x = torch.zeros(2, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="k must be"):
+        topk_logprobs(x, 11)
+    with pytest.raises(ValueError, match="do not fit"):
+        topk_logprobs(torch.zeros(1, MAX_V + 1, device=DEVICE), 2)
+    with pytest.raises(ValueError, match="float32"):
+        topk_logprobs(torch.zeros(2, 10, dtype=torch.int32, device=DEVICE), 2)
+
+
+def test_plain_topk_values(poison):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 5, 68, generator=g).to(DEVICE)
+    x[0, 0, :4] = 1.5  # ties
+    v, i = topk(x, 16)
+    sv, si = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(i, si[..., :16]) and torch.equal(v, sv[..., :16])
