@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models import ops
+
 MAX_TREE_NODES = 64  # one int64 ancestor bitmask per node
 _TIE = 1e-6  # depth penalty: makes a child's score strictly below its parent's
 
@@ -93,7 +95,7 @@ def select_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torc
     if n + 1 > MAX_TREE_NODES:
         raise ValueError(f"num_draft_tokens={num_draft_tokens}: a tree holds at most {MAX_TREE_NODES - 1}")
     score = cand_scores.float() - _TIE * cand_depth.float()
-    keep = score.topk(n, dim=1).indices.sort(dim=1).values  # [B, n] candidate ids, topological
+    keep = ops.topk(score, n)[1].sort(dim=1).values  # [B, n] candidate ids, topological
     node_of = torch.full((B, C), -1, dtype=torch.long, device=root.device)
     node_of.scatter_(1, keep, torch.arange(1, n + 1, device=root.device).expand(B, n))
     cpar = cand_parents.long().gather(1, keep)  # [B, n] candidate id of each kept node's parent
@@ -134,7 +136,7 @@ def grow_tree(root: torch.Tensor, first, expand, *, topk: int, steps: int,
         child_tok = to_target(cid).reshape(B, topk * topk)
         child_par = front_ids[:, :, None].expand(B, topk, topk).reshape(B, topk * topk)
         cands.append((child_tok, child_scores, child_par, torch.full_like(child_tok, r + 1)))
-        scores, best = child_scores.topk(topk, dim=-1)  # next frontier [B, k]
+        scores, best = ops.topk(child_scores, topk)  # next frontier [B, k] (one launch, no sort)
         front_tok = child_tok.gather(1, best)
         front_ids = n_cand + best
         parent_slot = best // topk
