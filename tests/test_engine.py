@@ -282,4 +282,7 @@ def test_cuda_graphs_match_eager():
         assert engine.graphed == (mode == "graph")
         reqs = drive(engine, [(i, p) for i, p in enumerate(prompts)], 24)
         outs[mode] = [r.output_ids for r in reqs]
+        if mode == "graph":  # one-chunk prefills replayed as graphs at padded lengths
+            assert engine.stepper.prefill_runner is not None and engine.stepper.prefill_runner.graphs
     assert outs["graph"] == outs["eager_padded"]
+    assert outs["graph"] == [reference(model, p, 24) for p in prompts]

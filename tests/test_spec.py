@@ -148,8 +148,8 @@ def draft_prefill_kv(drafter, model, tokens):
     return dk[0].reshape(-1, *dk.shape[-2:])[:n]
 
 
-@pytest.mark.parametrize("oracle", [False, True])
-def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle):
+@pytest.mark.parametrize("oracle,pad", [(False, False), (True, False), (True, True)])
+def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle, pad):
     prompts = rand_prompts([7, 12], seed=11)
     want = [reference(tiny, p, 18) for p in prompts]
     if oracle:  # multi-token accepted paths through the real draft extend
@@ -158,10 +158,15 @@ def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle):
     else:
         drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
     trace = []
-    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+    # pad: prefill one chunk at a time through the padded static-buffer path a CUDA graph replays.
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024, pad_eager=pad,
+                                       graph_buckets=(1, 2, 4), prefill_buckets=(8, 16)),
                     drafter=drafter, ks=(4,), trace=trace.append)
-    reqs = [engine.add_request(p, 18) for p in prompts]
-    schedule = [0, 4, 0, 0, 4, 4, 0, 4]
+    assert (engine.stepper.prefill_runner is not None) == pad
+    reqs = [engine.add_request(prompts[0], 18)]
+    engine.step(0)
+    reqs.append(engine.add_request(prompts[1], 18))
+    schedule = [4, 0, 0, 4, 4, 0, 4]
     for i in range(len(schedule)):
         engine.step(schedule[i])
     engine.flush_trace()

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ConfigError
 from ..policy import BatchView, StepStats
-from .graphs import EagerDecode, GraphedDecode, bucket_for, make_buckets
+from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets
 from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
 from .state import DecodeState
@@ -44,7 +44,8 @@ class EngineConfig:
     seed: int = 0  # sampling generator seed
     max_tree_tokens: int = 1  # slots one step writes per request (k = 0: the pending token); the
     # engine raises it to the drafter's largest tree
-    pad_eager: bool = False  # eager decode padded to the buckets (tests the graphed shapes on CPU)
+    pad_eager: bool = False  # eager decode and prefill padded to the buckets (tests the graphed shapes on CPU)
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # one-chunk prefill lengths graphed
 
     @classmethod
     def from_cfg(cls, engine_cfg, *, temperature: float = 0.0, seed: int = 0) -> "EngineConfig":
@@ -60,6 +61,7 @@ class EngineConfig:
             cuda_graphs=get("cuda_graphs", "auto"),
             graph_buckets=None if buckets is None else tuple(int(b) for b in buckets),
             max_seq_len=None if get("max_seq_len") is None else int(get("max_seq_len")),
+            prefill_buckets=tuple(int(b) for b in get("prefill_graph_tokens", (16, 32, 64, 128, 256, 512)) or ()),
             temperature=float(temperature),
             seed=int(seed),
         )
@@ -140,6 +142,12 @@ class Engine:
         self.graphed = runner.graphed
         self.stepper = Stepper(model, self.kv, self.state, runner, temperature=cfg.temperature,
                                drafter=drafter)
+        prefill_buckets = [b for b in cfg.prefill_buckets if 1 <= b <= cfg.prefill_chunk]
+        if prefill_buckets and (runner.graphed or cfg.pad_eager):
+            t0 = time.perf_counter()
+            self.stepper.prefill_runner = PaddedPrefill(self.stepper.prefill_body, model.device, prefill_buckets,
+                                                        max_pages, graphed=runner.graphed)
+            self.startup_s += time.perf_counter() - t0
         self._timer = PhaseTimer(model.device)
         self._pending_trace: dict[int, dict] = {}
         self._step_no = 0

@@ -110,3 +110,87 @@ class GraphedDecode:
                                f"{sorted({t for _, t in self.graphs})}")
         graph.replay()
         return B
+
+
+class PaddedPrefill:
+    """Single-chunk prefill at padded token buckets, from static input buffers: one CUDA graph per
+    bucket (``graphed``), or the same padded shapes eagerly (CPU tests of the padding).
+
+    ``forward(ids [N], pos [N], meta, next_ids [N]) -> outputs`` is the prefill body (target forward
+    plus the drafter's prefill). A chunk of n tokens runs in the smallest bucket N >= n: tokens
+    n .. N-1 are padding (token 0, position 0, slot -1: no KV write; ``cu_q_lens`` = [0, n], so no
+    attention row owns them and nothing reads their outputs). Why: an eager prefill of SmolLM2 is
+    ~300 launches whose host cost (~15 ms) dwarfs the GPU's (~2 ms); replayed, the GPU sets the
+    pace. Batched prefills (several chunks in one forward) and longer chunks stay eager.
+    Outputs of a replay live in the graph's memory until the next replay of the same bucket.
+    """
+
+    def __init__(self, forward: Callable, device, buckets, max_pages: int, *, graphed: bool):
+        self.forward = forward
+        self.buckets = sorted(int(b) for b in buckets)
+        self.graphed = graphed
+        n_max, dev = self.buckets[-1], torch.device(device)
+        self.tokens = torch.zeros(4, n_max, dtype=torch.int64, device=dev)  # ids, pos, slot, next id
+        self.ints = torch.zeros(3 + max_pages, dtype=torch.int32, device=dev)  # cu[0:2], kv_len, pages
+        self._host_tokens = torch.zeros(4, n_max, dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._host_ints = torch.zeros(3 + max_pages, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, object] = {}
+        self._copied = None  # event after the last upload: the pinned host buffers are free again
+        if graphed:
+            if dev.type != "cuda":
+                raise ConfigError("CUDA graphs need a CUDA device; use engine.cuda_graphs=false on the CPU")
+            pool = torch.cuda.graph_pool_handle()
+            cur = torch.cuda.current_stream()
+            self.tokens[2].fill_(-1)  # warm-up and capture own no rows and write no KV
+            self.ints.zero_()
+            for N in reversed(self.buckets):
+                side = torch.cuda.Stream()
+                side.wait_stream(cur)
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._body(N)
+                cur.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[N] = self._body(N)
+                self.graphs[N] = graph
+            torch.cuda.synchronize()
+
+    def _body(self, N: int):
+        from ..models.ops import AttentionMeta
+
+        t, i = self.tokens, self.ints
+        meta = AttentionMeta(cu_q_lens=i[0:2], kv_lens=i[2:3], page_table=i[3:].view(1, -1),
+                             slot_mapping=t[2, :N], max_q_len=N)
+        return self.forward(t[0, :N], t[1, :N], meta, t[3, :N])
+
+    def fits(self, chunks) -> bool:
+        return len(chunks) == 1 and len(chunks[0].token_ids) <= self.buckets[-1]
+
+    def run_(self, chunk, page_size: int, next_ids: list[int]):
+        n = len(chunk.token_ids)
+        N = bucket_for(self.buckets, n)
+        ht, hi = self._host_tokens, self._host_ints
+        if self._copied is not None:
+            self._copied.synchronize()
+        s = torch.arange(chunk.start, chunk.start + n)
+        pages = torch.tensor(chunk.pages, dtype=torch.int64)
+        ht[:, :N].zero_()
+        ht[0, :n] = torch.tensor(chunk.token_ids, dtype=torch.int64)
+        ht[1, :n] = s
+        ht[2, :N] = -1
+        ht[2, :n] = pages[s // page_size] * page_size + s % page_size
+        ht[3, :n] = torch.tensor(next_ids, dtype=torch.int64)
+        hi.zero_()
+        hi[1], hi[2] = n, chunk.start + n
+        hi[3:3 + len(chunk.pages)] = pages.to(torch.int32)
+        self.tokens[:, :N].copy_(ht[:, :N], non_blocking=True)
+        self.ints.copy_(hi, non_blocking=True)
+        if self.tokens.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        if not self.graphed:
+            return self._body(N)
+        self.graphs[N].replay()
+        return self.outputs[N]

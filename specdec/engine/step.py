@@ -142,21 +142,33 @@ class Stepper:
         self.model, self.kv, self.state, self.runner = model, kv, state, runner
         self.temperature = float(temperature)
         self.drafter = drafter
+        self.prefill_runner = None  # PaddedPrefill, set by the engine when it pads / graphs prefill
 
     def prefill_(self, chunks: list[PrefillChunk]):
         """Write target (and draft) KV for every chunk in one forward each (no target logits).
 
+        One chunk that fits a prefill bucket runs padded from static buffers (a CUDA graph replay
+        when graphed, see :class:`specdec.engine.graphs.PaddedPrefill`); several chunks run eagerly.
         Returns the drafter's root state per chunk (what its last row predicts), or None.
         """
         if not chunks:
             return None
+        if self.drafter is not None:
+            next_ids = [t for c in chunks for t in c.token_ids[1:] + [c.next_token]]
+        else:
+            next_ids = [0] * sum(len(c.token_ids) for c in chunks)
+        if self.prefill_runner is not None and self.prefill_runner.fits(chunks):
+            return self.prefill_runner.run_(chunks[0], self.kv.page_size, next_ids)
         ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
+        nxt = torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
+        return self.prefill_body(ids, pos, meta, nxt)
+
+    def prefill_body(self, ids, pos, meta, next_ids):
+        """Target forward over prefill tokens (KV written) + the drafter's prefill; device ops only."""
         capture = self.drafter.capture_layers if self.drafter is not None else ()
         out = self.model(ids, pos, meta, self.kv.k, self.kv.v, capture_layers=capture)
         if self.drafter is None:
             return None
-        next_ids = [t for c in chunks for t in c.token_ids[1:] + [c.next_token]]
-        next_ids = torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
         return self.drafter.prefill_(ids, pos, meta, out.captured, next_ids)
 
     def num_nodes(self, k: int) -> int:
