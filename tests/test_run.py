@@ -29,12 +29,13 @@ def test_config_groups_exist():
 
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))])
 def test_every_config_composes(group, option):
-    key = f"+experiment={option}" if group == "experiment" else f"{group}={option}"
+    plus = group in ("experiment", "method")  # @package _global_ groups chosen with +group=option
+    key = f"+{group}={option}" if plus else f"{group}={option}"
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[key])
     for g in ("target", "draft", "tp", "policy", "workload", "engine", "logger"):
         assert OmegaConf.select(cfg, f"{g}.name" if g not in ("tp", "engine") else g) is not None
-    if group != "experiment":  # the chosen option is the one composed
+    if not plus:  # the chosen option is the one composed
         want = OmegaConf.load(CONF / group / f"{option}.yaml")
         assert OmegaConf.to_container(cfg[group]).keys() >= OmegaConf.to_container(want).keys()
 
