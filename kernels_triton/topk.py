@@ -24,8 +24,9 @@ so one compile serves every batch size (captured per bucket in a CUDA graph).
 ``topk(x, k)`` is the same kernel without the logsumexp: the k largest values themselves (the
 tree's frontier and final node selection over a few dozen candidate scores).
 
-Invariants: the last dim of logits is contiguous (row stride is free). NaN logits are not
-supported (a NaN never equals the row max, so its row's result is unspecified).
+Invariants: the last dim of logits is contiguous (row stride is free). Every returned id is in
+[0, V), whatever the row holds: NaN ranks below -inf (padding rows of a CUDA graph carry garbage,
+and their ids still index tables such as the draft's d2t).
 """
 
 import torch
@@ -58,6 +59,7 @@ def topk_logprobs_kernel(
     n = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_V)
     x = tl.load(x_ptr + n * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("-inf"))  # NaN (e.g. a padding row's garbage) ranks last
     if LOG_SOFTMAX:
         mx = tl.max(x, axis=0)
         lse = mx + tl.log(tl.sum(tl.exp(x - mx), axis=0))
@@ -66,6 +68,7 @@ def topk_logprobs_kernel(
     for j in tl.static_range(K):
         best = tl.max(x, axis=0)
         idx = tl.min(tl.where(x == best, offs, BLOCK_V), axis=0)  # lowest index holding the max
+        idx = tl.minimum(idx, V - 1)  # always a valid id, whatever the row holds
         tl.store(v_ptr + n * K + j, best - lse)
         tl.store(i_ptr + n * K + j, idx.to(tl.int64))
         x = tl.where(offs == idx, float("-inf"), x)

@@ -81,3 +81,14 @@ def test_plain_topk_values(poison):
     v, i = topk(x, 16)
     sv, si = torch.sort(x, dim=-1, descending=True, stable=True)
     assert torch.equal(i, si[..., :16]) and torch.equal(v, sv[..., :16])
+
+
+def test_garbage_rows_still_give_valid_ids(poison):
+    """Padding rows of a graphed step hold garbage: NaN / inf must never yield an id outside [0, V)."""
+    x = torch.full((3, 100), float("nan"), device=DEVICE)
+    x[1, :50] = float("-inf")
+    x[2, 7] = 3.0
+    for fn in (topk_logprobs, topk):
+        _, i = fn(x, 4)
+        assert bool(((i >= 0) & (i < 100)).all()), i
+        assert int(i[2, 0]) == 7
