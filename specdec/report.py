@@ -746,7 +746,7 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
             if names:
                 figures.append((f"Accepted length τ: {label}", names[0]))
                 plot_files += names
-    src = ", ".join(sorted({str(r.path.parent) for r in runs}))
+    src = str(runs[0].path) if len(runs) == 1 else ", ".join(sorted({str(r.path.parent) for r in runs}))
     md = ["# specdec report", "", f"{len(runs)} run{'s' * (len(runs) != 1)} from {src}.", ""]
     if unfinished:
         md += [f"Not included: {len(unfinished)} run director{'ies' if len(unfinished) > 1 else 'y'} "

@@ -30,7 +30,7 @@ def test_run_then_report(tmp_path, smollm2):
     assert (run_dir / "metrics.json").is_file()
     proc = cli("report", str(run_dir), "--out", str(tmp_path / "rep"))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "1 run from" in (tmp_path / "rep" / "report.md").read_text()
+    assert f"1 run from {run_dir}." in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_unknown_experiment_fails_naming_it():
