@@ -12,6 +12,8 @@ what was asked for, e.g. ``auto``).
 
 Default report, each part only when the runs hold it:
 
+- Speculation summary (paper style): one row per drafter x policy, one column per workload x
+  temperature, cells "τ / speed-up"; when the speculative runs cover two or more such pairs.
 - Speculation: one row per workload x target x drafter x policy x temperature: mean accepted length,
   fraction of decode steps that speculated, output tok/s, and the speed-up over the matching plain
   run. The matching plain run is ``policy=never`` (or ``draft=none``) with the same config apart
@@ -497,6 +499,42 @@ def speculation_table(runs: list[Run]) -> tuple[Table, list[tuple[str, Run]]] | 
     return Table("Speculation", caption, "speculation", columns, rows, notes=notes), hist_runs
 
 
+def speculation_summary(runs: list[Run]) -> Table | None:
+    """Paper-style matrix: one row per drafter x policy (x target and other settings), one column
+    per workload x temperature, each cell "τ / speed-up". Only when the speculative runs cover two
+    or more (workload, temperature) pairs; the long-form Speculation table keeps every number."""
+    spec = [r for r in runs if is_spec(r)]
+    combos = sorted({(str(r.get("workload.name", "?")), r.get("sampling.temperature", 0.0)) for r in spec},
+                    key=lambda c: _sort_key(list(c)))
+    if len(combos) < 2:
+        return None
+    context, ctx_keys = _context(spec)
+    extras = distinguishing_keys(spec) + ctx_keys
+    desc = ["Target", "Drafter", "Policy"]
+    groups = _merge(spec, lambda r: _label_values(r, desc, extras))
+    targets = {key[0] for key, _ in groups}
+    keep = [i for i, c in enumerate(desc) if not (c == "Target" and len(targets) == 1)]
+    label_cols = _label_columns(desc, extras)
+    columns = [label_cols[i] for i in keep] + label_cols[len(desc):]
+    columns += [Column(f"{w} T={_show(t)}", tex_escape(f"{w} ") + f"$T={_show(t)}$", "r") for w, t in combos]
+    rows = []
+    for key, rs in groups:
+        cells = []
+        for w, t in combos:
+            cell = [r for r in rs if (str(r.get("workload.name", "?")), r.get("sampling.temperature", 0.0)) == (w, t)]
+            acc = _mean(r.metrics.get("mean_accepted_length") for r in cell)
+            tok = _mean(r.metrics.get("output_tok_per_s") for r in cell)
+            base = baseline_tok_s(cell[0], runs) if cell else None
+            sp = tok / base if tok is not None and base else None
+            cells.append("-" if acc is None and sp is None else
+                         f"{format_column([acc], 'fixed2')[0]} / {format_column([sp], 'speedup')[0]}")
+        rows.append([_show(key[i]) for i in keep] + [_show(v) for v in key[len(desc):]] + cells)
+    only = f" (target {next(iter(targets))})" if len(targets) == 1 else ""
+    caption = ("Mean accepted length τ / speed-up over plain decoding of the same config, per workload "
+               f"and temperature{only}" + (f"; {context}" if context else "") + ".")
+    return Table("Speculation summary", caption, "speculation-summary", columns, rows)
+
+
 def _concurrency(r: Run):
     c = r.get("workload.concurrency")
     closed = r.get("workload.mode", "closed") == "closed"
@@ -725,6 +763,9 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
         spec = speculation_table(runs)
         conc = concurrency_table(runs)
         if spec:
+            summary = speculation_summary(runs)
+            if summary is not None:
+                tables.append(summary)
             tables.append(spec[0])
         if conc:
             tables.append(conc[0])

@@ -118,6 +118,28 @@ def test_speedup_is_against_the_matching_plain_run(tmp_path):
     assert set(col(rows, "acc. len")) == {"2.20"}  # accepted 0, 1, 5 drafts 6, 2, 2 times: 22 / 10
 
 
+def test_speculation_summary_matrix(tmp_path):
+    # Methods x (workload, T): "τ / speed-up" per cell, "-" where a method was not run.
+    for w, t, base in (("humaneval", 0.0, 100.0), ("humaneval", 1.0, 80.0), ("mt_bench", 0.0, 50.0)):
+        make_run(tmp_path / f"plain_{w}_{t}", tok_s=base, workload=w, temperature=t)
+        make_run(tmp_path / f"ngram_{w}_{t}", tok_s=base * 2, draft="ngram", policy="always", workload=w,
+                 temperature=t)
+    make_run(tmp_path / "ngram_k3", tok_s=150.0, draft="ngram", policy="always", k=3,
+             accepted={"1": 1, "2": 1})
+    md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    rows = table(md, "Speculation summary")
+    assert rows[0] == ["Drafter", "Policy", "humaneval T=0", "humaneval T=1", "mt_bench T=0"]
+    assert rows[1:] == [["ngram max_ngram=3 min_ngram=1", "always k=3", "2.50 / 1.50×", "-", "-"],
+                        ["ngram max_ngram=3 min_ngram=1", "always k=5", "2.20 / 2.00×", "2.20 / 2.00×",
+                         "2.20 / 2.00×"]]
+    assert md.index("## Speculation summary") < md.index("## Speculation\n")
+    assert r"mt\_bench $T=0$" in (tmp_path / "out" / "report.tex").read_text()
+    # One (workload, T) pair: the long-form table says it all.
+    md1, _ = report.build_report(report.load_runs([tmp_path / "plain_humaneval_0.0", tmp_path / "ngram_k3"]),
+                                 tmp_path / "out1")
+    assert "Speculation summary" not in md1 and "## Speculation" in md1
+
+
 def test_baseline_may_be_a_never_run_with_a_drafter(tmp_path):
     make_run(tmp_path / "never_ngram", tok_s=40.0, draft="ngram", policy="never")
     make_run(tmp_path / "spec", tok_s=60.0, draft="ngram", policy="always")
