@@ -284,18 +284,21 @@ def test_committed_smollm2_head_accepts_and_keeps_greedy(smollm2, smollm2_tokeni
     assert sum(accepted) / len(accepted) + 1 > 2.0, accepted
 
 
-def test_block_metas_match_block_meta():
-    """The draft rounds' shared metadata equals block_meta per size: padding rows, pages out of order,
-    blocks crossing page boundaries."""
-    from specdec.engine.state import DecodeState
+def test_step_kernels_keep_greedy_and_draft_kv(tiny, monkeypatch):
+    """SPECDEC_STEP_KERNELS=1: block_meta and ancestor_masks as Triton kernels (the interpreter
+    here) inside the engine loop: trees stay token-identical and the draft KV in sync."""
+    from kernels_triton import paging, tree_mask
 
-    st = DecodeState(4, 6, 4, "cpu")
-    st.page_table[:4] = torch.randperm(24, generator=torch.Generator().manual_seed(0)).view(4, 6).int()
-    start = torch.tensor([3, 0, 9, 5], dtype=torch.int32)
-    valid = torch.tensor([True, True, False, True])
-    ns = [2, 4, 6, 8]
-    for n, got in zip(ns, st.block_metas(3, start[:3], ns, valid[:3])):
-        want, _ = st.block_meta(3, start[:3], n, valid[:3])
-        for f in ("cu_q_lens", "kv_lens", "page_table", "slot_mapping"):
-            assert torch.equal(getattr(got, f), getattr(want, f)), (n, f)
-        assert got.max_q_len == n and got.tree_mask is None
+    calls = {"block_meta": 0, "ancestor_masks": 0}
+    for mod, name in ((paging, "block_meta"), (tree_mask, "ancestor_masks")):
+        real = getattr(mod, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, counted)
+    monkeypatch.setenv("SPECDEC_STEP_KERNELS", "1")
+    test_eagle3_greedy_identical(tiny, 3, 2, 8)
+    test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle=True, pad=True)
+    assert calls["block_meta"] > 0 and calls["ancestor_masks"] > 0

@@ -116,31 +116,27 @@ class DecodeState:
 
     def block_meta(self, B: int, start, n: int, valid, tree_mask=None):
         """AttentionMeta for n new tokens per row at logical slots start[b] .. start[b] + n - 1
-        (rows 0 .. B-1; padding rows get T_b = 0 and slot -1). Device ops only (capturable).
+        (rows 0 .. B-1; padding rows get T_b = 0 and slot -1). One launch on the GPU
+        (kernels_triton/paging.py); device ops only (capturable).
 
         Returns (meta, logical slots [B, n] int64) -- the logical slot is also the RoPE position of
         a causal block, so callers that need it don't recompute it.
         """
-        from ..models.ops import AttentionMeta
+        from ..models.ops import AttentionMeta, block_meta
 
-        PS = self.page_size
-        slot_l = start[:, None].long() + torch.arange(n, device=start.device)[None, :]  # [B, n]
-        col = torch.clamp(slot_l // PS, max=self.max_pages_per_row - 1)  # stale rows may point past
-        page = self.page_table[:B].gather(1, col).long()  # [B, n]
-        slot = torch.where(valid[:, None], page * PS + slot_l % PS, -1)  # [B, n] int64
-        cu = torch.zeros(B + 1, dtype=torch.int32, device=start.device)  # valid rows come first
-        cu[1:] = (valid.to(torch.int32) * n).cumsum(0)
-        meta = AttentionMeta(cu_q_lens=cu, kv_lens=torch.where(valid, start + n, 0).to(torch.int32),
-                             page_table=self.page_table[:B], slot_mapping=slot.reshape(-1), max_q_len=n,
-                             tree_mask=tree_mask)
-        return meta, slot_l
+        slot, pos, cu, kv_lens = block_meta(start, valid, self.page_table[:B], n, self.page_size)
+        meta = AttentionMeta(cu_q_lens=cu, kv_lens=kv_lens, page_table=self.page_table[:B], slot_mapping=slot,
+                             max_q_len=n, tree_mask=tree_mask)
+        return meta, pos
 
     def block_metas(self, B: int, start, ns, valid) -> list:
-        """``block_meta`` (causal, no tree mask) for each block size n in ``ns`` over the same rows and
-        start, e.g. the growing scratch blocks of draft rounds: the slot arithmetic runs once for the
-        largest n, then three small ops per size (each a kernel launch in a captured step)."""
-        from ..models.ops import AttentionMeta
+        """``block_meta`` (causal, no tree mask) for each block size n in ``ns`` over the same rows
+        and start, e.g. the growing scratch blocks of draft rounds: one launch per size with the
+        step kernels, else one slot lookup for the largest n and three small ops per size."""
+        from ..models.ops import AttentionMeta, _step_kernel
 
+        if _step_kernel("auto", start):
+            return [self.block_meta(B, start, n, valid)[0] for n in ns]
         n_max = max(ns)
         full, _ = self.block_meta(B, start, n_max, valid)
         slot = full.slot_mapping.view(B, n_max)

@@ -223,6 +223,8 @@ class Eagle3Head(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                                    c.rope_scaling, device=device)
         self.fused_weights()  # built here, outside any CUDA graph capture
+        self._d2t_abs = None
+        self.to_target_ids(self.d2t[:1] * 0)  # likewise the draft -> target id table
         return self
 
     @property
@@ -287,7 +289,11 @@ class Eagle3Head(nn.Module):
         return self._fused
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
+        """Draft-vocabulary ids -> target ids (d2t holds offsets): one gather from a cached table."""
+        if getattr(self, "_d2t_abs", None) is None or self._d2t_abs_src != (self.d2t.data_ptr(), self.d2t._version):
+            self._d2t_abs = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+            self._d2t_abs_src = (self.d2t.data_ptr(), self.d2t._version)
+        return self._d2t_abs[draft_ids]
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -103,6 +103,34 @@ def topk_logprobs(logits, k: int, *, backend="auto"):
     return topk.topk_logprobs_ref(logits, k)
 
 
+def _step_kernel(backend: str, t: torch.Tensor) -> bool:
+    """The step's addressing helpers (block_meta, ancestor_masks) run as Triton kernels with an
+    explicit backend="triton", or with "auto" only when SPECDEC_STEP_KERNELS=1 (on CUDA, or on the
+    CPU under the interpreter): they replace ~12 and ~8-per-level small torch kernels per call, and
+    stay opt-in until their effect on the graphed step is measured on the GPU."""
+    if backend == "auto":
+        return os.environ.get("SPECDEC_STEP_KERNELS") == "1" and (
+            t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return _triton(backend, t)
+
+
+def block_meta(start, valid, page_table, n: int, page_size: int, *, backend="auto"):
+    """(slot [B*n] int64, pos [B, n] int64, cu_q_lens [B+1] int32, kv_lens [B] int32) of a block of
+    n new tokens per row at logical slots start .. start + n - 1 (padding rows: slot -1, T_b = 0)."""
+    from kernels_triton import paging
+
+    fn = paging.block_meta if _step_kernel(backend, start) else paging.block_meta_ref
+    return fn(start, valid, page_table, n, page_size)
+
+
+def ancestor_masks(parents, max_depth: int, *, backend="auto"):
+    """[B, T] tree parents -> [B, T] int64 ancestor-or-self bitmasks."""
+    from kernels_triton import tree_mask
+
+    fn = tree_mask.ancestor_masks if _step_kernel(backend, parents) else tree_mask.ancestor_masks_ref
+    return fn(parents, max_depth)
+
+
 def topk(x, k: int, *, backend="auto"):
     """(k largest values of the last dim as fp32, their ids int64), descending, ties lowest id first."""
     from kernels_triton import topk as topk_mod

@@ -196,9 +196,10 @@ class Eagle3Drafter:
         seq = state.seq_lens[:B].long()
         rows_tok, rows_hid, rows_pos, rows_mask = [], [], [], []  # scratch rows so far, [B, m] each
         outs = {}
-        # Round r runs the (r + 1) * topk scratch rows so far; their metadata shares one slot lookup.
+        # Round r runs the (r + 1) * topk scratch rows so far.
         metas = state.block_metas(B, state.seq_lens[:B], [(r + 1) * topk for r in range(steps - 1)], valid) \
             if steps > 1 else []
+        node_bits = bit(torch.arange(steps * topk, device=seq.device))  # scratch node j -> 1 << j
 
         def expand(r: int, tokens, parent_slot):
             # tokens [B, topk] of depth r + 1; parents are round r - 1's frontier (or the root).
@@ -210,8 +211,7 @@ class Eagle3Drafter:
                 idx = parent_slot.long()
                 hid = prev_h.gather(1, idx[:, :, None].expand(-1, -1, prev_h.shape[-1]))
                 par_mask = prev_mask.gather(1, idx)
-            j = r * topk + torch.arange(topk, device=seq.device)  # scratch indices of the new nodes
-            mask = par_mask | bit(j)[None, :]
+            mask = par_mask | node_bits[None, r * topk:(r + 1) * topk]  # the new nodes' own bits
             rows_tok.append(tokens)
             rows_hid.append(hid)
             rows_pos.append((seq + r)[:, None].expand(B, topk))  # depth r+1 node -> position s + r

@@ -44,16 +44,9 @@ def bit(i: torch.Tensor) -> torch.Tensor:
 
 
 def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[B, T] parents (root -1, topological) -> [B, T] int64 ancestor-or-self bitmasks."""
-    B, T = parents.shape
-    idx = torch.arange(T, device=parents.device).expand(B, T)
-    mask = bit(idx)
-    anc = parents.long()
-    for _ in range(max_depth):  # one gather per level: depth <= steps, never T
-        valid = anc >= 0
-        mask = mask | torch.where(valid, bit(anc.clamp(min=0)), torch.zeros_like(mask))
-        anc = torch.where(valid, parents.long().gather(1, anc.clamp(min=0)), anc)
-    return mask
+    """[B, T] parents (root -1, topological) -> [B, T] int64 ancestor-or-self bitmasks (one launch
+    on the GPU: kernels_triton/tree_mask.py; ``max_depth`` bounds the walk, depth <= steps)."""
+    return ops.ancestor_masks(parents, max_depth)
 
 
 def single_node_tree(root: torch.Tensor) -> DraftTree:
