@@ -10,6 +10,7 @@ costs do not depend on the values), an EAGLE-3 head of the committed head's shap
 
 Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --out $OUT
+    SPECDEC_STEP_KERNELS=1 python experiments/profile_step.py --out $OUT/step_kernels   # opt-in kernels
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """
@@ -137,7 +138,8 @@ def main() -> None:
     trees = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree32": (8, 6, 32)}
     lengths = [150, 131, 160, 144, 120, 188] if not args.quick else [20, 24]
     V = shape["vocab_size"]
-    res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d")}
+    res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
+           "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS") == "1"}
 
     plain = make_engine(model, None, ())
     prefill_ms(plain, lengths[:2], V)  # compiles
@@ -163,7 +165,8 @@ def main() -> None:
           f"median {statistics.median(res['prefill_eagle3_ms']):.1f}")
     for name, s in res["steps"].items():
         print(name, json.dumps(s))
-    print(f"commit {res['commit']}, {res['device']}, {res['date']}")
+    print(f"commit {res['commit']}, {res['device']}, {res['date']}, step kernels "
+          f"{'on' if res['step_kernels'] else 'off'} (SPECDEC_STEP_KERNELS)")
 
 
 if __name__ == "__main__":
