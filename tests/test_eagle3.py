@@ -116,3 +116,11 @@ def test_inference_forward_matches_training_form_and_tracks_weight_updates(targe
         with torch.no_grad():  # an optimizer-style in-place update of fused source weights
             head.w("midlayer.self_attn.k_proj.weight").mul_(1.5)
             head.w("midlayer.mlp.up_proj.weight").add_(0.01)
+
+
+def test_to_target_ids_follow_vocab_changes(target):
+    head = make_head(target)  # every other target id
+    ids = torch.tensor([0, 3, 39])
+    assert head.to_target_ids(ids).tolist() == [0, 6, 78]
+    head.set_vocab_(torch.arange(40) + 1)  # in place: the cached table must be rebuilt
+    assert head.to_target_ids(ids).tolist() == [1, 4, 40]

@@ -168,7 +168,7 @@ class PaddedPrefill:
     def fits(self, chunks) -> bool:
         return len(chunks) == 1 and len(chunks[0].token_ids) <= self.buckets[-1]
 
-    def run_(self, chunk, page_size: int, next_ids: list[int]):
+    def run_(self, chunk, page_size: int, next_ids: list[int] | None):
         n = len(chunk.token_ids)
         N = bucket_for(self.buckets, n)
         ht, hi = self._host_tokens, self._host_ints
@@ -181,7 +181,8 @@ class PaddedPrefill:
         ht[1, :n] = s
         ht[2, :N] = -1
         ht[2, :n] = pages[s // page_size] * page_size + s % page_size
-        ht[3, :n] = torch.tensor(next_ids, dtype=torch.int64)
+        if next_ids is not None:  # None: no drafter reads them (row 3 stays zero)
+            ht[3, :n] = torch.tensor(next_ids, dtype=torch.int64)
         hi.zero_()
         hi[1], hi[2] = n, chunk.start + n
         hi[3:3 + len(chunk.pages)] = pages.to(torch.int32)

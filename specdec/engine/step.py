@@ -153,14 +153,13 @@ class Stepper:
         """
         if not chunks:
             return None
-        if self.drafter is not None:
-            next_ids = [t for c in chunks for t in c.token_ids[1:] + [c.next_token]]
-        else:
-            next_ids = [0] * sum(len(c.token_ids) for c in chunks)
+        # The token after each prefill token: only a drafter reads it (row j pairs with token j + 1).
+        next_ids = ([t for c in chunks for t in c.token_ids[1:] + [c.next_token]]
+                    if self.drafter is not None else None)
         if self.prefill_runner is not None and self.prefill_runner.fits(chunks):
             return self.prefill_runner.run_(chunks[0], self.kv.page_size, next_ids)
         ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
-        nxt = torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
+        nxt = None if next_ids is None else torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
         return self.prefill_body(ids, pos, meta, nxt)
 
     def prefill_body(self, ids, pos, meta, next_ids):

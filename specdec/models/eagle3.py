@@ -223,8 +223,7 @@ class Eagle3Head(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta,
                                                    c.rope_scaling, device=device)
         self.fused_weights()  # built here, outside any CUDA graph capture
-        self._d2t_abs = None
-        self.to_target_ids(self.d2t[:1] * 0)  # likewise the draft -> target id table
+        self.draft_to_target_table()  # likewise
         return self
 
     @property
@@ -288,12 +287,17 @@ class Eagle3Head(nn.Module):
             self._fused_sig = sig
         return self._fused
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> target ids (d2t holds offsets): one gather from a cached table."""
-        if getattr(self, "_d2t_abs", None) is None or self._d2t_abs_src != (self.d2t.data_ptr(), self.d2t._version):
+    def draft_to_target_table(self) -> torch.Tensor:
+        """[draft_vocab] target id of each draft id (d2t holds offsets); rebuilt when d2t changes."""
+        key = (self.d2t.data_ptr(), self.d2t._version)
+        if getattr(self, "_d2t_key", None) != key:
             self._d2t_abs = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
-            self._d2t_abs_src = (self.d2t.data_ptr(), self.d2t._version)
-        return self._d2t_abs[draft_ids]
+            self._d2t_key = key
+        return self._d2t_abs
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids: one gather."""
+        return self.draft_to_target_table()[draft_ids]
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
