@@ -11,6 +11,7 @@ costs do not depend on the values), an EAGLE-3 head of the committed head's shap
 Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --out $OUT
     SPECDEC_STEP_KERNELS=1 python experiments/profile_step.py --out $OUT/step_kernels   # opt-in kernels
+    SPECDEC_FUSED_LINEAR=0 python experiments/profile_step.py --out $OUT/unfused   # cuBLAS layer path
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """
@@ -139,7 +140,8 @@ def main() -> None:
     lengths = [150, 131, 160, 144, 120, 188] if not args.quick else [20, 24]
     V = shape["vocab_size"]
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
-           "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS") == "1"}
+           "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS") == "1",
+           "fused_linear": os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0"}
 
     plain = make_engine(model, None, ())
     prefill_ms(plain, lengths[:2], V)  # compiles
@@ -166,7 +168,8 @@ def main() -> None:
     for name, s in res["steps"].items():
         print(name, json.dumps(s))
     print(f"commit {res['commit']}, {res['device']}, {res['date']}, step kernels "
-          f"{'on' if res['step_kernels'] else 'off'} (SPECDEC_STEP_KERNELS)")
+          f"{'on' if res['step_kernels'] else 'off'} (SPECDEC_STEP_KERNELS), fused small-M layers "
+          f"{'on' if res['fused_linear'] else 'off'} (SPECDEC_FUSED_LINEAR)")
 
 
 if __name__ == "__main__":

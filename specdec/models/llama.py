@@ -7,12 +7,13 @@ arbitrary positions (Llama-3 scaling from config.json), GQA attention over paged
 tied or untied LM head. The forward can return the residual stream entering chosen layers
 (EAGLE-3 reads three of them).
 
-Weights use fused projections: ``wqkv`` [(HQ + 2 HKV) * D, H] and ``w13`` [2 F, H] (gate | up) so a
-layer runs four matmuls. Around them a layer launches five kernels on the Triton backend: two RMSNorms
-(each fused with the residual add), RoPE fused with the KV-cache write, paged attention (plus its
-split-KV merge when it splits), and SwiGLU's silu(gate) * up read in place from the w13 output.
-At batch 1 a SmolLM2-135M step is bound by per-launch latency, not bandwidth, so launches are what
-these fusions save.
+Weights use fused projections: ``wqkv`` [(HQ + 2 HKV) * D, H] and ``w13`` [2 F, H] (gate | up).
+A layer is three calls around attention (``specdec.models.ops``): RMSNorm(h + residual) -> qkv ->
+RoPE -> K/V written to the cache; o-projection; RMSNorm(h + residual) -> gate|up -> SwiGLU; then the
+down projection. With few rows (decode, tree verify: N <= kernels_triton.linear.MAX_M) on the Triton
+backend each of them is one fused launch (five per layer with attention), since a SmolLM2-135M step at
+batch 1 is bound by per-launch latency, not bandwidth; with more rows (prefill, large batches) they run
+as Triton RMSNorm / RoPE + KV write / SwiGLU kernels around cuBLAS GEMMs.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed if self.lm_head is None else self.lm_head
-        return hidden @ w.t()  # [N, H] @ [H, V] -> [N, V]
+        return ops.linear(hidden, w, backend=self.backend)  # [N, H] @ [H, V] -> [N, V]
 
     @torch.no_grad()
     def forward(self, input_ids, positions, meta: ops.AttentionMeta, k_cache, v_cache,
@@ -147,23 +148,18 @@ class LlamaModel(nn.Module):
         residual = None
         captured = []
         for i in range(c.num_hidden_layers):
-            if residual is None:
-                x, residual = ops.rms_norm(h, self.attn_norm[i], c.rms_norm_eps, backend=be), h
-            else:
-                x, residual = ops.rms_norm(h, self.attn_norm[i], c.rms_norm_eps, residual, backend=be)
+            # RMSNorm(h + residual) -> qkv -> RoPE -> K/V into this layer's cache slots; s = h + residual
+            # is the residual stream entering layer i.
+            q, residual = ops.norm_qkv_rope_write_kv_(
+                h, residual, self.attn_norm[i], c.rms_norm_eps, self.wqkv[i], HQ, HKV, positions,
+                self.rope_cos, self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping, backend=be)  # [N, HQ, D]
             if i in capture_layers:
-                captured.append(residual)  # residual stream entering layer i
-            qkv = x @ self.wqkv[i].t()  # [N, H] @ [H, (HQ+2HKV)D]
-            q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)  # views, no copies
-            # One launch: rotate q and k, write rotated k and v into this layer's cache slots.
-            q = ops.rope_write_kv_(q.view(N, HQ, D), k.view(N, HKV, D), v.view(N, HKV, D), positions,
-                                   self.rope_cos, self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping,
-                                   backend=be)  # [N, HQ, D]
+                captured.append(residual)
             o = ops.paged_attention(q, k_cache[i], v_cache[i], meta, backend=be)  # [N, HQ, D]
-            h = o.reshape(N, HQ * D) @ self.wo[i].t()
-            x, residual = ops.rms_norm(h, self.mlp_norm[i], c.rms_norm_eps, residual, backend=be)
-            # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
-            h = ops.silu_mul(x @ self.w13[i].t(), backend=be) @ self.w2[i].t()  # [N, F] @ [F, H]
+            h = ops.linear(o.reshape(N, HQ * D), self.wo[i], backend=be)  # [N, H]
+            x, residual = ops.norm_swiglu(h, residual, self.mlp_norm[i], c.rms_norm_eps, self.w13[i],
+                                          backend=be)  # [N, F]
+            h = ops.linear(x, self.w2[i], backend=be)  # [N, F] @ [F, H]
         out, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual, backend=be)
         cap = None
         if capture_layers:

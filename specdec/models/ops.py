@@ -94,6 +94,61 @@ def silu_mul(x, *, backend="auto"):
     return fn(x)
 
 
+def _fused(backend: str, x: torch.Tensor) -> bool:
+    """Small-M fused layers (kernels_triton/linear.py) for decode / verify rows on the Triton backend;
+    SPECDEC_FUSED_LINEAR=0 falls back to the unfused kernels + cuBLAS (an A/B switch for benchmarks)."""
+    from kernels_triton import linear
+
+    return (_triton(backend, x) and x.shape[0] <= linear.MAX_M
+            and os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0")
+
+
+def linear(x, w, *, backend="auto"):
+    """x [N, K] @ w [NOUT, K]^T."""
+    from kernels_triton import linear as lin
+
+    return lin.linear(x, w) if _fused(backend, x) else x @ w.t()
+
+
+def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
+    """(silu(gate) * up of RMSNorm(x + residual) @ w13^T [N, F], x + residual); residual None: x."""
+    from kernels_triton import linear as lin
+
+    if _fused(backend, x):
+        return lin.norm_swiglu(x, residual, norm_weight, eps, w13)
+    if residual is None:
+        y, s = rms_norm(x, norm_weight, eps, backend=backend), x
+    else:
+        y, s = rms_norm(x, norm_weight, eps, residual, backend=backend)
+    # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
+    return silu_mul(y @ w13.t(), backend=backend), s
+
+
+def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
+                            k_cache, v_cache, slot_mapping, *, backend="auto"):
+    """The attention block's input side: RMSNorm(x + residual) @ wqkv^T, RoPE, K/V written to the cache
+    slots (in place). Returns (rotated q [N, HQ, D], s = x + residual, or x without a residual)."""
+    from kernels_triton import linear as lin
+
+    N, D = x.shape[0], k_cache.shape[-1]
+    if _fused(backend, x):
+        if lin.rope_fusion_pays(wqkv, D):
+            return lin.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads,
+                                               positions, cos, sin, k_cache, v_cache, slot_mapping)
+        qkv, s = lin.norm_linear(x, residual, norm_weight, eps, wqkv)  # [N, (HQ+2HKV)D]
+    else:
+        if residual is None:
+            y, s = rms_norm(x, norm_weight, eps, backend=backend), x
+        else:
+            y, s = rms_norm(x, norm_weight, eps, residual, backend=backend)
+        qkv = y @ wqkv.t()  # [N, H] @ [H, (HQ+2HKV)D]
+    q, k, v = qkv.split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)  # views, no copies
+    # One launch: rotate q and k, write rotated k and v into this layer's cache slots.
+    q = rope_write_kv_(q.view(N, n_q_heads, D), k.view(N, n_kv_heads, D), v.view(N, n_kv_heads, D), positions,
+                       cos, sin, k_cache, v_cache, slot_mapping, backend=backend)
+    return q, s
+
+
 def topk_logprobs(logits, k: int, *, backend="auto"):
     """(log_softmax(logits) top-k values fp32, their ids int64), descending, ties lowest id first."""
     from kernels_triton import topk

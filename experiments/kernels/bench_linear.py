@@ -1,0 +1,151 @@
+"""Benchmark: fused small-M layer kernels (kernels_triton/linear.py) vs the unfused path they replace.
+
+Question: per decode / verify layer op, how much do the fused kernels save over Triton RMSNorm /
+RoPE + KV write / SwiGLU kernels around cuBLAS GEMMs, and how close to copy bandwidth do they stream
+the weights? Shapes: SmolLM2-135M (H 576, F 1536, 9/3 heads d64, V 49152) and Llama-3.1-8B (H 4096,
+F 14336, 32/8 heads d128, V 128256), bf16, M in {1, 17, 64} rows (batch-1 decode, a 16-node tree
+verify, batch 64).
+
+Ops (each as the model calls it through specdec.models.ops; "unfused" is SPECDEC_FUSED_LINEAR=0):
+  qkv      RMSNorm(x + r) -> wqkv -> RoPE -> K/V into a paged cache
+  wo       o @ wo^T
+  mlp_in   RMSNorm(x + r) -> w13 -> silu(gate) * up
+  w2       act @ w2^T
+  lm_head  hidden @ embed^T
+
+Columns: us per call inside a CUDA graph of 50 back-to-back calls (what a graphed step pays: launch
+latency included, host excluded), weight GB/s and % of the copy bandwidth measured in this run.
+``--sweep`` also times BLOCK_K / stages / warps variants of the fused kernels at M = 1.
+
+Run:  python experiments/kernels/bench_linear.py --out experiments/results/kernels [--sweep]
+      python experiments/kernels/bench_linear.py --quick --out /tmp/bench   (CPU smoke run)
+"""
+
+import argparse
+import csv
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first @triton.jit import
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from specdec.bench.console import print_table  # noqa: E402
+from specdec.bench.provenance import device_name, git_commit  # noqa: E402
+from specdec.bench.timing import copy_bandwidth_gbps, time_graph  # noqa: E402
+from specdec.models import ops  # noqa: E402
+
+from kernels_triton import linear as lin  # noqa: E402
+from kernels_triton.rope import rope_tables  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+SHAPES = {
+    "smollm2": dict(H=576, F=1536, HQ=9, HKV=3, D=64, V=49152),
+    "llama8b": dict(H=4096, F=14336, HQ=32, HKV=8, D=128, V=128256),
+}
+TINY = dict(H=64, F=96, HQ=4, HKV=2, D=32, V=300)
+
+
+def make_ops(s, M, dtype, gen):
+    """{op: (callable(config) -> None, weight bytes)} for one shape and row count."""
+    H, F, HQ, HKV, D, V = (s[k] for k in ("H", "F", "HQ", "HKV", "D", "V"))
+    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)  # noqa: E731
+    x, r, nw = rnd(M, H), rnd(M, H), rnd(H)
+    wqkv, wo = rnd((HQ + 2 * HKV) * D, H, scale=H ** -0.5), rnd(H, HQ * D, scale=H ** -0.5)
+    w13, w2 = rnd(2 * F, H, scale=H ** -0.5), rnd(H, F, scale=F ** -0.5)
+    emb = rnd(V, H, scale=H ** -0.5)
+    o, act = rnd(M, HQ * D), rnd(M, F)
+    cos, sin = rope_tables(D, 4096, 10000.0, device=DEVICE)
+    pos = torch.randint(0, 4096, (M,), generator=gen).to(DEVICE)
+    PS, NP = 16, max(8, M)
+    kc = torch.zeros(NP, PS, HKV, D, device=DEVICE, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
+    nbytes = lambda *ws: sum(w.numel() * w.element_size() for w in ws)  # noqa: E731
+    return {
+        "qkv": (lambda: ops.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots),
+                lambda cfg: lin.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
+                                                        config=cfg), nbytes(wqkv)),
+        "wo": (lambda: ops.linear(o, wo), lambda cfg: lin.linear(o, wo, config=cfg), nbytes(wo)),
+        "mlp_in": (lambda: ops.norm_swiglu(x, r, nw, 1e-5, w13),
+                   lambda cfg: lin.norm_swiglu(x, r, nw, 1e-5, w13, config=cfg), nbytes(w13)),
+        "w2": (lambda: ops.linear(act, w2), lambda cfg: lin.linear(act, w2, config=cfg), nbytes(w2)),
+        "lm_head": (lambda: ops.linear(x, emb), lambda cfg: lin.linear(x, emb, config=cfg), nbytes(emb)),
+    }
+
+
+def timed(fn, fused: bool) -> float:
+    """us per call in a graph of back-to-back calls, with the fused path switched on or off."""
+    os.environ["SPECDEC_FUSED_LINEAR"] = "1" if fused else "0"
+    try:
+        fn()  # compile outside the capture
+        return time_graph(fn, calls=50 if CUDA else 1, replays=20 if CUDA else 1)
+    finally:
+        os.environ.pop("SPECDEC_FUSED_LINEAR", None)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "kernels")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--sweep", action="store_true", help="also time BLOCK_K / stages / warps variants")
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    shapes = {"tiny": TINY} if args.quick else SHAPES
+    rows_m = [1, 5] if args.quick else [1, 17, 64]
+    copy_gbps = copy_bandwidth_gbps() if CUDA else float("nan")
+    meta = dict(commit=git_commit(), device=device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"))
+    rows, sweep = [], []
+    gen = torch.Generator().manual_seed(0)
+    for sname, s in shapes.items():
+        for M in rows_m:
+            for op, (call, call_cfg, wbytes) in make_ops(s, M, dtype, gen).items():
+                fused_us, unfused_us = timed(call, True), timed(call, False)
+                gbps = wbytes / (fused_us * 1e-6) / 1e9
+                rows.append(dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, fused_us=fused_us,
+                                 unfused_us=unfused_us, speedup=unfused_us / fused_us, fused_gbps=gbps,
+                                 pct_copy=100 * gbps / copy_gbps))
+                if args.sweep and M == 1:
+                    for bk in (64, 128, 256, 512):
+                        for stages, warps in ((3, 4), (4, 4), (3, 8)):
+                            cfg = dict(BLOCK_K=bk, num_stages=stages, num_warps=warps)
+                            try:
+                                us = timed(lambda: call_cfg(cfg), True)
+                            except Exception as exc:  # e.g. out of shared memory for this tile
+                                us = float("nan")
+                                print(f"sweep {sname} M={M} {op} {cfg}: {type(exc).__name__}", flush=True)
+                            sweep.append(dict(meta, shape=sname, M=M, op=op, **cfg, us=us,
+                                              pct_copy=100 * wbytes / (us * 1e-6) / 1e9 / copy_gbps))
+            print(f"done {sname} M={M}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, data in (("bench_linear.csv", rows), ("bench_linear_sweep.csv", sweep)):
+        if data:
+            with open(args.out / name, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(data[0]))
+                w.writeheader()
+                w.writerows(data)
+    if sweep:
+        best = {}
+        for row in sweep:
+            key = (row["shape"], row["M"], row["op"])
+            if row["us"] == row["us"] and (key not in best or row["us"] < best[key]["us"]):
+                best[key] = row
+        print_table("best sweep config per op", ["shape", "M", "op", "BLOCK_K", "stages", "warps", "us", "%copy"],
+                    [[r["shape"], str(r["M"]), r["op"], str(r["BLOCK_K"]), str(r["num_stages"]), str(r["num_warps"]),
+                      f"{r['us']:.2f}", f"{r['pct_copy']:.0f}"] for r in best.values()])
+    print_table(f"fused small-M layer kernels vs unfused ({meta['device']}, {meta['commit']}, copy {copy_gbps:.0f} GB/s)",
+                ["shape", "M", "op", "weight MB", "fused us", "unfused us", "x", "GB/s", "%copy"],
+                [[r["shape"], str(r["M"]), r["op"], f"{r['weight_mb']:.2f}", f"{r['fused_us']:.2f}",
+                  f"{r['unfused_us']:.2f}", f"{r['speedup']:.2f}", f"{r['fused_gbps']:.0f}", f"{r['pct_copy']:.0f}"]
+                 for r in rows])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+"""Small-M linear layers with their neighbours fused: the decode / verify layer in five launches.
+
+At batch 1 (and in a 17-node tree verify) every projection of a small model reads its whole weight
+to produce a handful of rows, and a SmolLM2-135M layer is bound by launches, not bytes: RMSNorm,
+a cuBLAS GEMM, RoPE + KV write, attention, a GEMM, RMSNorm, a GEMM, SwiGLU, a GEMM. These kernels
+fold the elementwise neighbours into the GEMM that reads their output, so a layer is
+
+    norm_qkv_rope_write_kv_   RMSNorm(x + residual) @ wqkv^T -> RoPE -> K/V into the paged cache
+    paged_attention           (attention.py)
+    linear                    o @ wo^T
+    norm_swiglu               silu(gate) * up of RMSNorm(x + residual) @ w13^T
+    linear                    act @ w2^T
+
+Math, for M rows x [M, K] in dtype ``dt``, weight w [NOUT, K] (nn.Linear layout):
+
+    linear:       out = dt(x @ w^T)                          fp32 accumulation, one rounding
+    norm prologue (``norm.py`` convention, bit-for-bit):
+                  s   = dt(x + residual)   (or x without a residual; s is returned, it is the
+                                            residual stream entering the layer)
+                  y   = dt(fp32(nw) * fp32(dt(s * rsqrt(mean(s^2) + eps))))
+                  out = dt(y @ w^T)
+    swiglu epilogue, w = [gate | up] of [2F, K]:
+                  g, u = dt(y @ gate^T), dt(y @ up^T);  act = dt(silu(g) * u)   (activation.py)
+    rope epilogue, w = [q | k | v] of [(HQ + 2 HKV) D, K]: each head's D outputs rounded to dt,
+                  q and k rotated at their token's position (rope.py), q returned [M, HQ, D],
+                  rotated k and v stored at ``slot_mapping[m]`` in the caches (slot < 0: skipped).
+
+So every result equals the unfused composition (``*_ref``: rms_norm_ref, matmul, silu_mul_ref,
+rope_write_kv_ref_) up to the GEMM's summation order.
+
+Kernel layout: grid (column blocks, row blocks of BLOCK_M). A program owns BLOCK_N output columns
+(two accumulators for swiglu: its gate and up columns; for rope one head as two D/2 halves, so the
+rotation pairs stay in one program) and streams them in BLOCK_K chunks: ``[BLOCK_M, BLOCK_K] @
+[BLOCK_K, BLOCK_N]`` tl.dots over the whole K. With the norm prologue each program first sums the
+squares of its rows (a pass over x, which every program re-reads from L2: M x K is a few KB), then
+normalises each x chunk right before its dot; the program of column block 0 also stores s. M is a
+runtime argument: one compile per BLOCK_M bucket (16, 32, 64), no recompile per batch size.
+
+Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
+x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-path tests), half
+precision ones tensor-core dots with fp32 accumulation.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .activation import silu_mul_ref
+from .norm import rms_norm_ref
+from .rope import rope_write_kv_ref_
+
+MAX_M = 64
+# The rope epilogue pins one program per head (15 for SmolLM2, 48 for Llama-3.1-8B): fine while a
+# head's weight rows are small (SmolLM2: 64 x 576 bf16 = 72 KB), too few streaming SMs for 8B's
+# 128 x 4096 (1 MB per program). Above this many bytes per head, run norm_linear + rope_write_kv_.
+ROPE_FUSE_MAX_BYTES = 1 << 18
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2
+
+
+# ----------------------------------------------------------------------------------------------
+# References (the unfused composition)
+# ----------------------------------------------------------------------------------------------
+
+
+def linear_ref(x, w):
+    """x [M, K] @ w [NOUT, K]^T -> [M, NOUT] in x's dtype."""
+    return x @ w.t()
+
+
+def _norm_ref(x, residual, norm_weight, eps):
+    if residual is None:
+        return rms_norm_ref(x, norm_weight, eps), x
+    return rms_norm_ref(x, norm_weight, eps, residual)
+
+
+def norm_linear_ref(x, residual, norm_weight, eps, w):
+    """(RMSNorm(x + residual) @ w^T, x + residual); residual None: (RMSNorm(x) @ w^T, x)."""
+    y, s = _norm_ref(x, residual, norm_weight, eps)
+    return y @ w.t(), s
+
+
+def norm_swiglu_ref(x, residual, norm_weight, eps, w13):
+    """(silu(gate) * up of RMSNorm(x + residual) @ w13^T, x + residual)."""
+    y, s = _norm_ref(x, residual, norm_weight, eps)
+    return silu_mul_ref(y @ w13.t()), s
+
+
+def norm_qkv_rope_write_kv_ref_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
+                                cos, sin, k_cache, v_cache, slot_mapping):
+    """(rotated q [M, HQ, D], x + residual); rotated k and v written to the cache slots."""
+    y, s = _norm_ref(x, residual, norm_weight, eps)
+    M, D = x.shape[0], k_cache.shape[-1]
+    q, k, v = (y @ wqkv.t()).split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
+    q = rope_write_kv_ref_(q.reshape(M, n_q_heads, D), k.reshape(M, n_kv_heads, D), v.reshape(M, n_kv_heads, D),
+                           positions, cos, sin, k_cache, v_cache, slot_mapping)
+    return q, s
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fused_linear_kernel(
+    x_ptr,  # [M, K] input rows
+    r_ptr,  # [M, K] residual (HAS_RESIDUAL)
+    nw_ptr,  # [K] norm weight (NORM)
+    s_ptr,  # [M, K] x + residual out (HAS_RESIDUAL)
+    w_ptr,  # [NOUT, K] weight
+    o_ptr,  # [M, NOUT] (none) | [M, F] (swiglu) | [M, HQ, D] rotated q (rope)
+    pos_ptr,  # [M] positions (rope)
+    cos_ptr,  # [P, BLOCK_N] fp32 (rope)
+    sin_ptr,  # [P, BLOCK_N] fp32 (rope)
+    slot_ptr,  # [M] int64 flat cache slots (rope)
+    kc_ptr,  # [NP, PS, HKV, D] (rope)
+    vc_ptr,  # [NP, PS, HKV, D] (rope)
+    M,
+    K,
+    NOUT,  # output columns of o (none: NOUT, swiglu: F)
+    eps,
+    n_positions,
+    stride_x,
+    stride_r,
+    stride_w,
+    stride_o,
+    stride_cos,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HALF: tl.constexpr,  # D / 2 (rope)
+    PS: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    EPI: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_n, i_m = tl.program_id(0), tl.program_id(1)
+    dt = x_ptr.dtype.element_ty
+    o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
+    m_m = o_m < M
+    o_c = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+
+    # Weight rows of the two accumulators: A = this block's columns (gate / first rope half), B = the
+    # up columns (swiglu) or the second half of the head (rope).
+    if EPI == EPI_ROPE:
+        o_wa = i_n * (2 * HALF) + o_c
+        o_wb = o_wa + HALF
+        m_w = o_c < HALF
+    elif EPI == EPI_SWIGLU:
+        o_wa = i_n * BLOCK_N + o_c
+        o_wb = o_wa + NOUT
+        m_w = o_wa < NOUT
+    else:
+        o_wa = i_n * BLOCK_N + o_c
+        o_wb = o_wa
+        m_w = o_wa < NOUT
+    o_wa = o_wa.to(tl.int64)
+    o_wb = o_wb.to(tl.int64)
+
+    if NORM:
+        # Pass 1: sum of squares of each row of s = x (+ residual), rounded to dt as norm.py does.
+        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            m_k = (k0 + o_k) < K
+            m_mk = m_m[:, None] & m_k[None, :]
+            b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+            b_x = b_x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
+            if HAS_RESIDUAL:
+                b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+                b_x = (b_x + b_r.to(tl.float32)).to(dt).to(tl.float32)
+            b_ss += tl.sum(b_x * b_x, axis=1)
+        b_rstd = tl.math.rsqrt(b_ss / K + eps)  # [BLOCK_M]
+
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        m_k = (k0 + o_k) < K
+        m_mk = m_m[:, None] & m_k[None, :]
+        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+        if HAS_RESIDUAL:
+            b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+            b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(dt)  # [BLOCK_M, BLOCK_K] the new residual
+            if i_n == 0:
+                tl.store(s_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], b_x, mask=m_mk)
+        if NORM:
+            b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_K]
+            b_y = (b_x.to(tl.float32) * b_rstd[:, None]).to(dt).to(tl.float32)
+            b_x = (b_y * b_nw[None, :]).to(dt)  # [BLOCK_M, BLOCK_K] normalised rows
+        m_wk = m_w[:, None] & m_k[None, :]
+        b_wa = tl.load(w_ptr + o_wa[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
+        acc_a += tl.dot(b_x, tl.trans(b_wa), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+        if EPI != EPI_NONE:
+            b_wb = tl.load(w_ptr + o_wb[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
+            acc_b += tl.dot(b_x, tl.trans(b_wb), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN]
+
+    # Projections are rounded to dt first, exactly where the unfused path stores them.
+    b_a = acc_a.to(dt)
+    if EPI == EPI_NONE:
+        m_o = m_m[:, None] & m_w[None, :]
+        tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_a, mask=m_o)
+    elif EPI == EPI_SWIGLU:
+        b_g = b_a.to(tl.float32)
+        b_u = acc_b.to(dt).to(tl.float32)
+        b_act = b_g / (1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u in fp32, one rounding
+        m_o = m_m[:, None] & m_w[None, :]
+        tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_act.to(o_ptr.dtype.element_ty), mask=m_o)
+    else:
+        # Head i_n of [q heads | k heads | v heads]; halves a = dims [0, D/2), b = [D/2, D).
+        b_x1 = b_a.to(tl.float32)
+        b_x2 = acc_b.to(dt).to(tl.float32)
+        m_o = m_m[:, None] & m_w[None, :]
+        if i_n < HQ + HKV:
+            b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
+            m_p = m_m & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
+            p_cs = b_pos[:, None] * stride_cos + o_c[None, :]
+            b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
+            b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
+            b_o1 = b_x1 * b_cos - b_x2 * b_sin
+            b_o2 = b_x2 * b_cos + b_x1 * b_sin
+        else:
+            b_o1 = b_x1
+            b_o2 = b_x2
+        if i_n < HQ:
+            p_q = o_ptr + o_m[:, None] * stride_o + i_n * (2 * HALF) + o_c[None, :]
+            tl.store(p_q, b_o1.to(dt), mask=m_o)
+            tl.store(p_q + HALF, b_o2.to(dt), mask=m_o)
+        else:
+            b_slot = tl.load(slot_ptr + o_m, mask=m_m, other=-1)  # [BLOCK_M] int64
+            m_s = m_o & (b_slot >= 0)[:, None]
+            b_slot = tl.maximum(b_slot, 0)
+            b_page = b_slot // PS
+            b_off = b_slot % PS
+            if i_n < HQ + HKV:
+                p_c = (kc_ptr + b_page[:, None] * stride_kcp + b_off[:, None] * stride_kcs
+                       + (i_n - HQ) * stride_kch + o_c[None, :])
+                kc_dt = kc_ptr.dtype.element_ty
+                tl.store(p_c, b_o1.to(dt).to(kc_dt), mask=m_s)  # rounded to k's dtype, then the cache's
+                tl.store(p_c + HALF, b_o2.to(dt).to(kc_dt), mask=m_s)
+            else:
+                p_c = (vc_ptr + b_page[:, None] * stride_vcp + b_off[:, None] * stride_vcs
+                       + (i_n - HQ - HKV) * stride_vch + o_c[None, :])
+                vc_dt = vc_ptr.dtype.element_ty
+                tl.store(p_c, b_o1.to(dt).to(vc_dt), mask=m_s)
+                tl.store(p_c + HALF, b_o2.to(dt).to(vc_dt), mask=m_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+_SM_COUNT = {}
+
+
+def _sm_count(device):
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _block_m(M):
+    return max(16, triton.next_power_of_2(M))
+
+
+def _block_n(n_cols, device, lo=16, hi=128):
+    """Widest column block that still gives every SM a program (weights stream from all SMs): SmolLM2
+    wo / w2 (576 columns) -> 16, lm_head (49152) -> 128; at least ``lo`` (the tl.dot minimum)."""
+    sms = _sm_count(device)
+    bn = hi
+    while bn > lo and triton.cdiv(n_cols, bn) < sms:
+        bn //= 2
+    return bn
+
+
+def _block_k(K, block_m, block_n, n_acc, esize):
+    """K chunk: ~16 KB of weight per pipeline stage (n_acc x [BLOCK_N, BLOCK_K]) so each SM keeps
+    enough bytes in flight to stream a wide weight (an 8B w2 row block is 16 x 14336), and at most
+    16 KB of x per stage (BLOCK_M x BLOCK_K); between 32 and 512, no wider than K needs."""
+    bk = min(16384 // (n_acc * block_n * esize), 16384 // (block_m * esize), 512)
+    bk = max(32, 1 << (bk.bit_length() - 1))
+    return min(bk, max(32, triton.next_power_of_2(K)))
+
+
+def _dot_prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check(name, x, w, residual=None, norm_weight=None):
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: x must be [M, K] and w [NOUT, K] with the same K, got "
+                         f"{tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype not in _FLOAT_DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"{name}: x and w must share a float dtype, got {x.dtype} and {w.dtype}")
+    if x.shape[0] > MAX_M:
+        raise ValueError(f"{name}: at most {MAX_M} rows (larger M belongs to a GEMM), got {x.shape[0]}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"{name}: the last dims of x and w must be contiguous")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.stride(1) != 1 or residual.stride(0) != x.stride(0)):
+        raise ValueError(f"{name}: residual must match x in shape, dtype and strides, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    if norm_weight is not None and norm_weight.shape != (x.shape[1],):
+        raise ValueError(f"{name}: norm weight must be [K={x.shape[1]}], got {tuple(norm_weight.shape)}")
+    for arg, t in (("w", w), ("residual", residual), ("norm_weight", norm_weight)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: {arg} is on {t.device}, x on {x.device}")
+
+
+def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=0.0, epi=EPI_NONE, nout=0,
+            rope_args=None, config=None):
+    """One launch of the fused kernel; returns s (x + residual, or x) when a norm runs, else None.
+    ``config`` overrides BLOCK_K / num_warps / num_stages (benchmark sweeps)."""
+    M, K = x.shape
+    block_m = _block_m(M)
+    norm = norm_weight is not None
+    if residual is not None:
+        s = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if s.stride(0) != x.stride(0):
+            x = x.contiguous()
+            residual = residual.contiguous()
+    else:
+        s = x
+    if rope_args is None:
+        pos = cos = sin = slots = kc = vc = x  # placeholders, never dereferenced
+        n_pos, cs_stride, kc_s, vc_s, hq, hkv, ps, half = 1, 0, (0, 0, 0), (0, 0, 0), 1, 1, 1, 1
+    else:
+        pos, cos, sin, slots, kc, vc, hq, hkv = rope_args
+        n_pos, cs_stride, ps, half = cos.shape[0], cos.stride(0), kc.shape[1], cos.shape[1]
+        kc_s, vc_s = kc.stride()[:3], vc.stride()[:3]
+    if M == 0:
+        return s if norm else None
+    r = residual if residual is not None else x
+    nw = norm_weight.contiguous() if norm else x
+    cfg = dict(BLOCK_K=_block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
+               num_warps=4, num_stages=3)
+    cfg.update(config or {})
+    _fused_linear_kernel[(grid_n, triton.cdiv(M, block_m))](
+        x, r, nw, s, w, out, pos, cos, sin, slots, kc, vc,
+        M, K, nout, float(eps), n_pos,
+        x.stride(0), r.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
+        HQ=hq, HKV=hkv, HALF=half, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, EPI=epi,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), **cfg,
+    )  # fmt: skip
+    return s if norm else None
+
+
+def rope_fusion_pays(wqkv, head_dim):
+    """Whether norm_qkv_rope_write_kv_ (one program per head) suits these weights; see ROPE_FUSE_MAX_BYTES."""
+    return head_dim * wqkv.shape[1] * wqkv.element_size() <= ROPE_FUSE_MAX_BYTES
+
+
+def linear(x, w, config=None):
+    """x [M, K] @ w [NOUT, K]^T -> new [M, NOUT] in x's dtype, in one launch (M <= MAX_M)."""
+    _check("linear", x, w)
+    M, NOUT = x.shape[0], w.shape[0]
+    out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
+    bn = _block_n(NOUT, x.device)
+    _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, config=config)
+    return out
+
+
+def norm_linear(x, residual, norm_weight, eps, w, config=None):
+    """(RMSNorm(x + residual) @ w^T, x + residual) in one launch; residual None: (..., x)."""
+    _check("norm_linear", x, w, residual, norm_weight)
+    M, NOUT = x.shape[0], w.shape[0]
+    out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
+    bn = _block_n(NOUT, x.device)
+    s = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, residual=residual,
+                norm_weight=norm_weight, eps=eps, nout=NOUT, config=config)
+    return out, s
+
+
+def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
+    """(silu(gate) * up of RMSNorm(x + residual) @ [gate | up]^T, x + residual) in one launch.
+
+    w13: [2F, K] (gate rows first). Returns a new [M, F] activation and s (x itself without residual).
+    """
+    _check("norm_swiglu", x, w13, residual, norm_weight)
+    if w13.shape[0] % 2:
+        raise ValueError(f"norm_swiglu: w13 must have an even number of rows [2F, K], got {tuple(w13.shape)}")
+    M, F = x.shape[0], w13.shape[0] // 2
+    out = torch.empty((M, F), dtype=x.dtype, device=x.device)
+    bn = _block_n(F, x.device, hi=64)
+    s = _launch(x, w13, out, grid_n=triton.cdiv(F, bn), block_n=bn, residual=residual, norm_weight=norm_weight,
+                eps=eps, epi=EPI_SWIGLU, nout=F, config=config)
+    return out, s
+
+
+def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
+                            k_cache, v_cache, slot_mapping, config=None):
+    """RMSNorm(x + residual) @ wqkv^T, RoPE on q and k, k and v into the paged caches: one launch.
+
+    wqkv: [(HQ + 2 HKV) D, K] (q rows, then k, then v); positions [M] int32/int64 rows of the fp32
+    cos/sin tables [P, D/2]; k_cache / v_cache [NP, PS, HKV, D] written in place at
+    ``slot_mapping`` [M] int64 (< 0 skips the row). Returns (rotated q, a new [M, HQ, D] tensor;
+    s = x + residual, or x itself without a residual).
+    """
+    name = "norm_qkv_rope_write_kv_"
+    _check(name, x, wqkv, residual, norm_weight)
+    M = x.shape[0]
+    D = k_cache.shape[-1]
+    HQ, HKV = n_q_heads, n_kv_heads
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2] != HKV:
+        raise ValueError(f"{name}: caches must both be [P, PS, HKV={HKV}, D], got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if D % 2:
+        raise ValueError(f"{name}: head dim must be even, got {D}")
+    if wqkv.shape[0] != (HQ + 2 * HKV) * D:
+        raise ValueError(f"{name}: wqkv must be [(HQ + 2 HKV) D = {(HQ + 2 * HKV) * D}, K], got {tuple(wqkv.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{name}: the head dim of the caches must be contiguous")
+    if positions.shape != (M,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: positions must be int32/int64 [M={M}], got {positions.dtype} {tuple(positions.shape)}")
+    if slot_mapping.shape != (M,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"{name}: slot_mapping must be int64 [M={M}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    if cos.dtype != torch.float32 or sin.shape != cos.shape or cos.shape[-1] != D // 2:
+        raise ValueError(f"{name}: cos/sin must be fp32 [P, D/2={D // 2}], got {tuple(cos.shape)} {cos.dtype}")
+    q = torch.empty((M, HQ, D), dtype=x.dtype, device=x.device)
+    rope_args = (positions.contiguous(), cos.contiguous(), sin.contiguous(), slot_mapping.contiguous(), k_cache,
+                 v_cache, HQ, HKV)
+    s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=HQ + 2 * HKV, block_n=max(16, triton.next_power_of_2(D // 2)), residual=residual,
+                norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, config=config)
+    return q, s

@@ -1,0 +1,165 @@
+"""Fused small-M linear kernels against their unfused references (kernels_triton/linear.py).
+
+Odd shapes (M = 1, 5, 17, 40 rows; K = 80, 96, 200; column counts that no block size divides),
+fp32 and fp16 on the CPU (bf16 on the GPU), outputs NaN-poisoned so an unwritten element fails,
+KV pools NaN-poisoned with pages out of order and padding rows (slot -1) so a write to the wrong
+slot, or any write for a padding row, fails.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kernels_triton import linear as lin
+from kernels_triton.rope import rope_tables
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# Outputs are one rounding of a K-long fp32 dot (summation order differs from the reference GEMM);
+# half types may round to a neighbouring value.
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """torch.empty / torch.empty_like return NaN-filled tensors (ints: -1)."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: fill(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: fill(real_empty_like(*a, **kw)))
+
+
+def _randn(*shape, dtype, scale=1.0, gen):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def _close(got, want, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5, 17, 40])
+@pytest.mark.parametrize("K,NOUT", [(80, 100), (200, 36)])
+def test_linear_matches_ref(M, K, NOUT, dtype, poison):
+    gen = torch.Generator().manual_seed(M * 31 + K)
+    x = _randn(M, K, dtype=dtype, gen=gen)
+    w = _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    out = lin.linear(x, w)
+    assert out.shape == (M, NOUT) and out.dtype == dtype
+    _close(out, lin.linear_ref(x, w), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 17])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_linear_matches_ref(M, dtype, with_residual, poison):
+    gen = torch.Generator().manual_seed(M + 7 * with_residual)
+    K, NOUT = 96, 70
+    x = _randn(M, K, dtype=dtype, scale=3.0, gen=gen)
+    r = _randn(M, K, dtype=dtype, gen=gen) if with_residual else None
+    nw = _randn(K, dtype=dtype, gen=gen)
+    w = _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    out, s = lin.norm_linear(x, r, nw, 1e-5, w)
+    out_ref, s_ref = lin.norm_linear_ref(x, r, nw, 1e-5, w)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)  # one fp32 add, one rounding: exact
+    _close(out, out_ref, dtype)
+    if not with_residual:
+        assert s is x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5, 33])
+def test_norm_swiglu_matches_ref(M, dtype, poison):
+    gen = torch.Generator().manual_seed(100 + M)
+    K, F = 96, 72  # F = 72: the last column block is partial
+    x = _randn(M, K, dtype=dtype, gen=gen)
+    r = _randn(M, K, dtype=dtype, gen=gen)
+    nw = _randn(K, dtype=dtype, gen=gen)
+    w13 = _randn(2 * F, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    act, s = lin.norm_swiglu(x, r, nw, 1e-5, w13)
+    act_ref, s_ref = lin.norm_swiglu_ref(x, r, nw, 1e-5, w13)
+    assert act.shape == (M, F)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    _close(act, act_ref, dtype)
+
+
+def test_norm_swiglu_uses_gate_and_up_rows(poison):
+    # Swapping gate and up changes silu(g) * u: the kernel must read gate rows first.
+    gen = torch.Generator().manual_seed(3)
+    x = _randn(3, 64, dtype=torch.float32, gen=gen)
+    nw = torch.ones(64, device=DEVICE)
+    w13 = _randn(64, 64, dtype=torch.float32, scale=0.5, gen=gen)
+    act, _ = lin.norm_swiglu(x, None, nw, 1e-5, w13)
+    swapped, _ = lin.norm_swiglu_ref(x, None, nw, 1e-5, torch.cat([w13[32:], w13[:32]]))
+    assert not torch.allclose(act, swapped, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 7, 20])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_qkv_rope_write_kv_matches_ref(M, dtype, with_residual, poison):
+    gen = torch.Generator().manual_seed(1000 + M + with_residual)
+    HQ, HKV, D, K, PS, NP = 9, 3, (32 if M != 7 else 24), 96, 4, 16  # D = 24: half 12, masked columns
+    x = _randn(M, K, dtype=dtype, gen=gen)
+    r = _randn(M, K, dtype=dtype, gen=gen) if with_residual else None
+    nw = _randn(K, dtype=dtype, gen=gen)
+    wqkv = _randn((HQ + 2 * HKV) * D, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    cos, sin = rope_tables(D, 512, 10000.0, device=DEVICE)
+    positions = torch.randint(0, 512, (M,), generator=gen).to(DEVICE)
+    # Distinct slots in shuffled pages; every third row is padding (-1).
+    slots = torch.randperm(NP * PS, generator=gen)[:M]
+    slots[::3] = -1
+    slots = slots.to(DEVICE)
+    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+
+    q, s = lin.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, wqkv, HQ, HKV, positions, cos, sin, kc, vc, slots)
+    q_ref, s_ref = lin.norm_qkv_rope_write_kv_ref_(x, r, nw, 1e-5, wqkv, HQ, HKV, positions, cos, sin,
+                                                   kc_ref, vc_ref, slots)
+    assert q.shape == (M, HQ, D)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    _close(q, q_ref, dtype)
+    written = torch.zeros(NP * PS, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    for cache, ref in ((kc, kc_ref), (vc, vc_ref)):
+        flat, flat_ref = cache.view(NP * PS, HKV, D), ref.view(NP * PS, HKV, D)
+        assert torch.isnan(flat[~written.to(DEVICE)]).all()  # untouched slots stay poisoned
+        _close(flat[written.to(DEVICE)], flat_ref[written.to(DEVICE)], dtype)
+
+
+def test_rope_epilogue_rotates_by_position(poison):
+    # Same row at two positions: q must differ (rotation applied) and equal the reference for each.
+    gen = torch.Generator().manual_seed(5)
+    HQ, HKV, D, K = 2, 1, 32, 64
+    x = _randn(1, K, dtype=torch.float32, gen=gen).expand(2, K).contiguous()
+    nw = torch.ones(K, device=DEVICE)
+    wqkv = _randn((HQ + 2 * HKV) * D, K, dtype=torch.float32, scale=0.2, gen=gen)
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    kc = torch.zeros(2, 4, HKV, D, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    pos = torch.tensor([0, 37], device=DEVICE)
+    slots = torch.tensor([0, 5], device=DEVICE)
+    q, _ = lin.norm_qkv_rope_write_kv_(x, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots)
+    assert not torch.allclose(q[0], q[1], atol=1e-3)
+    torch.testing.assert_close(vc.view(8, HKV, D)[0], vc.view(8, HKV, D)[5])  # v is not rotated
+    assert not torch.allclose(kc.view(8, HKV, D)[0], kc.view(8, HKV, D)[5], atol=1e-3)
+    assert math.isclose(float(q[0].norm()), float(q[1].norm()), rel_tol=1e-4)  # rotations keep norms
+
+
+def test_launchers_reject_bad_input():
+    x = torch.zeros(lin.MAX_M + 1, 64, device=DEVICE)
+    w = torch.zeros(32, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="at most"):
+        lin.linear(x, w)
+    with pytest.raises(ValueError, match="same K"):
+        lin.linear(x[:4], w[:, :32])
+    with pytest.raises(ValueError, match="dtype"):
+        lin.linear(x[:4], w.half())
+    with pytest.raises(ValueError, match="norm weight"):
+        lin.norm_linear(x[:4], None, torch.ones(63, device=DEVICE), 1e-5, w)
