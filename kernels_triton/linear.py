@@ -56,7 +56,9 @@ MAX_M = 64
 ROPE_FUSE_MAX_BYTES = 1 << 18
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2
+EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
+# The same values as constexpr globals: the only globals a compiled @triton.jit body may read.
+_EPI_NONE, _EPI_SWIGLU, _EPI_ROPE = tl.constexpr(EPI_NONE), tl.constexpr(EPI_SWIGLU), tl.constexpr(EPI_ROPE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,11 +156,11 @@ def _fused_linear_kernel(
 
     # Weight rows of the two accumulators: A = this block's columns (gate / first rope half), B = the
     # up columns (swiglu) or the second half of the head (rope).
-    if EPI == EPI_ROPE:
+    if EPI == _EPI_ROPE:
         o_wa = i_n * (2 * HALF) + o_c
         o_wb = o_wa + HALF
         m_w = o_c < HALF
-    elif EPI == EPI_SWIGLU:
+    elif EPI == _EPI_SWIGLU:
         o_wa = i_n * BLOCK_N + o_c
         o_wb = o_wa + NOUT
         m_w = o_wa < NOUT
@@ -201,16 +203,16 @@ def _fused_linear_kernel(
         m_wk = m_w[:, None] & m_k[None, :]
         b_wa = tl.load(w_ptr + o_wa[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
         acc_a += tl.dot(b_x, tl.trans(b_wa), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
-        if EPI != EPI_NONE:
+        if EPI != _EPI_NONE:
             b_wb = tl.load(w_ptr + o_wb[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
             acc_b += tl.dot(b_x, tl.trans(b_wb), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN]
 
     # Projections are rounded to dt first, exactly where the unfused path stores them.
     b_a = acc_a.to(dt)
-    if EPI == EPI_NONE:
+    if EPI == _EPI_NONE:
         m_o = m_m[:, None] & m_w[None, :]
         tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_a, mask=m_o)
-    elif EPI == EPI_SWIGLU:
+    elif EPI == _EPI_SWIGLU:
         b_g = b_a.to(tl.float32)
         b_u = acc_b.to(dt).to(tl.float32)
         b_act = b_g / (1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u in fp32, one rounding
