@@ -13,27 +13,30 @@ fold the elementwise neighbours into the GEMM that reads their output, so a laye
 
 Math, for M rows x [M, K] in dtype ``dt``, weight w [NOUT, K] (nn.Linear layout):
 
-    linear:       out = dt(x @ w^T)                          fp32 accumulation, one rounding
-    norm prologue (``norm.py`` convention, bit-for-bit):
-                  s   = dt(x + residual)   (or x without a residual; s is returned, it is the
-                                            residual stream entering the layer)
-                  y   = dt(fp32(nw) * fp32(dt(s * rsqrt(mean(s^2) + eps))))
-                  out = dt(y @ w^T)
+    linear:       out = dt(x @ w^T  [+ add])                 fp32 accumulation, one rounding
+    norm prologue:
+                  s    = dt(x + residual)  (or x without a residual; s is returned, it is the
+                                            residual stream entering the layer; bit-exact norm.py)
+                  rstd = rsqrt(mean(fp32(s)^2) + eps)
+                  out  = dt(rstd * (dt(s * nw) @ w^T))
     swiglu epilogue, w = [gate | up] of [2F, K]:
-                  g, u = dt(y @ gate^T), dt(y @ up^T);  act = dt(silu(g) * u)   (activation.py)
+                  g, u = dt(gate projection), dt(up projection);  act = dt(silu(g) * u)  (activation.py)
     rope epilogue, w = [q | k | v] of [(HQ + 2 HKV) D, K]: each head's D outputs rounded to dt,
                   q and k rotated at their token's position (rope.py), q returned [M, HQ, D],
                   rotated k and v stored at ``slot_mapping[m]`` in the caches (slot < 0: skipped).
 
-So every result equals the unfused composition (``*_ref``: rms_norm_ref, matmul, silu_mul_ref,
-rope_write_kv_ref_) up to the GEMM's summation order.
+The unfused path (``*_ref``: rms_norm_ref, matmul, silu_mul_ref, rope_write_kv_ref_) rounds the
+normalised row before the projection, dt(dt(dt(s * rstd) * nw) @ w^T); here the row scale 1 / rms is
+applied to the fp32 accumulator instead, so the norm costs no second pass over x (the sum of squares
+is accumulated in the same loop as the dot). Results agree with the references to a rounding or two of
+dt, like any change of GEMM summation order.
 
 Kernel layout: grid (column blocks, row blocks of BLOCK_M). A program owns BLOCK_N output columns
 (two accumulators for swiglu: its gate and up columns; for rope one head as two D/2 halves, so the
 rotation pairs stay in one program) and streams them in BLOCK_K chunks: ``[BLOCK_M, BLOCK_K] @
-[BLOCK_K, BLOCK_N]`` tl.dots over the whole K. With the norm prologue each program first sums the
-squares of its rows (a pass over x, which every program re-reads from L2: M x K is a few KB), then
-normalises each x chunk right before its dot; the program of column block 0 also stores s. M is a
+[BLOCK_K, BLOCK_N]`` tl.dots over the whole K, x (and the residual) re-read per program from L2 (M x K
+is a few KB); the program of column block 0 also stores s. The rope epilogue's inputs (positions,
+table rows, slots) are loaded before the loop so their latency hides under the weight stream. M is a
 runtime argument: one compile per BLOCK_M bucket (16, 32, 64), no recompile per batch size.
 
 Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
@@ -66,12 +69,14 @@ _EPI_NONE, _EPI_SWIGLU, _EPI_ROPE = tl.constexpr(EPI_NONE), tl.constexpr(EPI_SWI
 # ----------------------------------------------------------------------------------------------
 
 
-def linear_ref(x, w):
-    """x [M, K] @ w [NOUT, K]^T -> [M, NOUT] in x's dtype."""
-    return x @ w.t()
+def linear_ref(x, w, add=None):
+    """x [M, K] @ w [NOUT, K]^T (+ add) -> [M, NOUT] in x's dtype."""
+    return x @ w.t() if add is None else torch.addmm(add, x, w.t())
 
 
 def _norm_ref(x, residual, norm_weight, eps):
+    if norm_weight is None:  # no norm (then no residual either): the projection reads x as is
+        return x, x
     if residual is None:
         return rms_norm_ref(x, norm_weight, eps), x
     return rms_norm_ref(x, norm_weight, eps, residual)
@@ -113,6 +118,7 @@ def _fused_linear_kernel(
     s_ptr,  # [M, K] x + residual out (HAS_RESIDUAL)
     w_ptr,  # [NOUT, K] weight
     o_ptr,  # [M, NOUT] (none) | [M, F] (swiglu) | [M, HQ, D] rotated q (rope)
+    add_ptr,  # [M, NOUT] added to the output (HAS_ADD, epilogue none), same strides as o
     pos_ptr,  # [M] positions (rope)
     cos_ptr,  # [P, BLOCK_N] fp32 (rope)
     sin_ptr,  # [P, BLOCK_N] fp32 (rope)
@@ -141,6 +147,7 @@ def _fused_linear_kernel(
     PS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_ADD: tl.constexpr,
     EPI: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -171,26 +178,29 @@ def _fused_linear_kernel(
     o_wa = o_wa.to(tl.int64)
     o_wb = o_wb.to(tl.int64)
 
-    if NORM:
-        # Pass 1: sum of squares of each row of s = x (+ residual), rounded to dt as norm.py does.
-        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            m_k = (k0 + o_k) < K
-            m_mk = m_m[:, None] & m_k[None, :]
-            b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
-            b_x = b_x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
-            if HAS_RESIDUAL:
-                b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
-                b_x = (b_x + b_r.to(tl.float32)).to(dt).to(tl.float32)
-            b_ss += tl.sum(b_x * b_x, axis=1)
-        b_rstd = tl.math.rsqrt(b_ss / K + eps)  # [BLOCK_M]
+    if EPI == _EPI_ROPE:
+        # Epilogue inputs first: their loads (position -> table row, slot) overlap the weight stream
+        # instead of adding two dependent memory round trips after it.
+        b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
+        m_p = m_m & (b_pos >= 0) & (b_pos < n_positions) & (i_n < HQ + HKV)  # out of range: cos = sin = 0
+        p_cs = b_pos[:, None] * stride_cos + o_c[None, :]
+        b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
+        b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
+        b_slot = tl.load(slot_ptr + o_m, mask=m_m & (i_n >= HQ), other=-1)  # [BLOCK_M] int64
 
+    # One pass over K: s = x (+ residual) chunk by chunk, its sum of squares accumulated on the way, the
+    # dot taken over dt(s * norm_weight); the per-row 1 / rms multiplies the accumulators at the end.
+    b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         m_k = (k0 + o_k) < K
         m_mk = m_m[:, None] & m_k[None, :]
-        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+        m_wk = m_w[:, None] & m_k[None, :]
+        b_wa = tl.load(w_ptr + o_wa[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)  # [BN, BK]
+        if EPI != _EPI_NONE:
+            b_wb = tl.load(w_ptr + o_wb[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)  # [BN, BK]
+        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)  # [BM, BK]
         if HAS_RESIDUAL:
             b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
             b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(dt)  # [BLOCK_M, BLOCK_K] the new residual
@@ -198,19 +208,24 @@ def _fused_linear_kernel(
                 tl.store(s_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], b_x, mask=m_mk)
         if NORM:
             b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_K]
-            b_y = (b_x.to(tl.float32) * b_rstd[:, None]).to(dt).to(tl.float32)
-            b_x = (b_y * b_nw[None, :]).to(dt)  # [BLOCK_M, BLOCK_K] normalised rows
-        m_wk = m_w[:, None] & m_k[None, :]
-        b_wa = tl.load(w_ptr + o_wa[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
+            b_xf = b_x.to(tl.float32)
+            b_ss += tl.sum(b_xf * b_xf, axis=1)
+            b_x = (b_xf * b_nw[None, :]).to(dt)  # [BLOCK_M, BLOCK_K]
         acc_a += tl.dot(b_x, tl.trans(b_wa), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
         if EPI != _EPI_NONE:
-            b_wb = tl.load(w_ptr + o_wb[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
-            acc_b += tl.dot(b_x, tl.trans(b_wb), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN]
+            acc_b += tl.dot(b_x, tl.trans(b_wb), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+    if NORM:
+        b_rstd = tl.math.rsqrt(b_ss / K + eps)  # [BLOCK_M]
+        acc_a = acc_a * b_rstd[:, None]
+        acc_b = acc_b * b_rstd[:, None]
 
     # Projections are rounded to dt first, exactly where the unfused path stores them.
     b_a = acc_a.to(dt)
     if EPI == _EPI_NONE:
         m_o = m_m[:, None] & m_w[None, :]
+        if HAS_ADD:  # out = dt(x @ w^T + add), one rounding (torch.addmm's)
+            b_add = tl.load(add_ptr + o_m[:, None] * stride_o + o_wa[None, :], mask=m_o, other=0.0)
+            b_a = (acc_a + b_add.to(tl.float32)).to(dt)
         tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_a, mask=m_o)
     elif EPI == _EPI_SWIGLU:
         b_g = b_a.to(tl.float32)
@@ -224,11 +239,6 @@ def _fused_linear_kernel(
         b_x2 = acc_b.to(dt).to(tl.float32)
         m_o = m_m[:, None] & m_w[None, :]
         if i_n < HQ + HKV:
-            b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
-            m_p = m_m & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
-            p_cs = b_pos[:, None] * stride_cos + o_c[None, :]
-            b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
-            b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
             b_o1 = b_x1 * b_cos - b_x2 * b_sin
             b_o2 = b_x2 * b_cos + b_x1 * b_sin
         else:
@@ -239,7 +249,6 @@ def _fused_linear_kernel(
             tl.store(p_q, b_o1.to(dt), mask=m_o)
             tl.store(p_q + HALF, b_o2.to(dt), mask=m_o)
         else:
-            b_slot = tl.load(slot_ptr + o_m, mask=m_m, other=-1)  # [BLOCK_M] int64
             m_s = m_o & (b_slot >= 0)[:, None]
             b_slot = tl.maximum(b_slot, 0)
             b_page = b_slot // PS
@@ -323,7 +332,7 @@ def _check(name, x, w, residual=None, norm_weight=None):
 
 
 def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=0.0, epi=EPI_NONE, nout=0,
-            rope_args=None, config=None):
+            rope_args=None, add=None, config=None):
     """One launch of the fused kernel; returns s (x + residual, or x) when a norm runs, else None.
     ``config`` overrides BLOCK_K / num_warps / num_stages (benchmark sweeps)."""
     M, K = x.shape
@@ -351,10 +360,10 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
                num_warps=4, num_stages=3)
     cfg.update(config or {})
     _fused_linear_kernel[(grid_n, triton.cdiv(M, block_m))](
-        x, r, nw, s, w, out, pos, cos, sin, slots, kc, vc,
+        x, r, nw, s, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
         M, K, nout, float(eps), n_pos,
         x.stride(0), r.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
-        HQ=hq, HKV=hkv, HALF=half, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, EPI=epi,
+        HQ=hq, HKV=hkv, HALF=half, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), **cfg,
     )  # fmt: skip
     return s if norm else None
@@ -365,13 +374,19 @@ def rope_fusion_pays(wqkv, head_dim):
     return head_dim * wqkv.shape[1] * wqkv.element_size() <= ROPE_FUSE_MAX_BYTES
 
 
-def linear(x, w, config=None):
-    """x [M, K] @ w [NOUT, K]^T -> new [M, NOUT] in x's dtype, in one launch (M <= MAX_M)."""
+def linear(x, w, add=None, config=None):
+    """x [M, K] @ w [NOUT, K]^T (+ add [M, NOUT]) -> new [M, NOUT] in x's dtype, in one launch (M <= MAX_M).
+    With ``add`` the sum is rounded once, as torch.addmm(add, x, w.t()) does."""
     _check("linear", x, w)
     M, NOUT = x.shape[0], w.shape[0]
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
+    if add is not None:
+        if add.shape != (M, NOUT) or add.dtype != x.dtype or add.device != x.device:
+            raise ValueError(f"linear: add must be [M, NOUT] = [{M}, {NOUT}] {x.dtype} on {x.device}, got "
+                             f"{tuple(add.shape)} {add.dtype} on {add.device}")
+        add = add.contiguous()
     bn = _block_n(NOUT, x.device)
-    _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, config=config)
+    _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config)
     return out
 
 
@@ -383,7 +398,7 @@ def norm_linear(x, residual, norm_weight, eps, w, config=None):
     bn = _block_n(NOUT, x.device)
     s = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, residual=residual,
                 norm_weight=norm_weight, eps=eps, nout=NOUT, config=config)
-    return out, s
+    return out, (x if s is None else s)
 
 
 def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
@@ -409,10 +424,12 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     wqkv: [(HQ + 2 HKV) D, K] (q rows, then k, then v); positions [M] int32/int64 rows of the fp32
     cos/sin tables [P, D/2]; k_cache / v_cache [NP, PS, HKV, D] written in place at
     ``slot_mapping`` [M] int64 (< 0 skips the row). Returns (rotated q, a new [M, HQ, D] tensor;
-    s = x + residual, or x itself without a residual).
+    s = x + residual, or x itself without a residual). norm_weight None: no norm, x is projected as is.
     """
     name = "norm_qkv_rope_write_kv_"
     _check(name, x, wqkv, residual, norm_weight)
+    if norm_weight is None and residual is not None:
+        raise ValueError(f"{name}: a residual needs a norm weight (the sum is normalised)")
     M = x.shape[0]
     D = k_cache.shape[-1]
     HQ, HKV = n_q_heads, n_kv_heads
@@ -435,6 +452,6 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     q = torch.empty((M, HQ, D), dtype=x.dtype, device=x.device)
     rope_args = (positions.contiguous(), cos.contiguous(), sin.contiguous(), slot_mapping.contiguous(), k_cache,
                  v_cache, HQ, HKV)
-    s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=HQ + 2 * HKV, block_n=max(16, triton.next_power_of_2(D // 2)), residual=residual,
-                norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, config=config)
-    return q, s
+    s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=HQ + 2 * HKV, block_n=max(16, triton.next_power_of_2(D // 2)),
+                residual=residual, norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, config=config)
+    return q, (x if s is None else s)

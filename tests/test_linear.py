@@ -163,3 +163,13 @@ def test_launchers_reject_bad_input():
         lin.linear(x[:4], w.half())
     with pytest.raises(ValueError, match="norm weight"):
         lin.norm_linear(x[:4], None, torch.ones(63, device=DEVICE), 1e-5, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_with_add_matches_addmm(dtype, poison):
+    gen = torch.Generator().manual_seed(11)
+    x, add = _randn(5, 80, dtype=dtype, gen=gen), _randn(5, 36, dtype=dtype, scale=4.0, gen=gen)
+    w = _randn(36, 80, dtype=dtype, scale=80 ** -0.5, gen=gen)
+    out = lin.linear(x, w, add=add)
+    _close(out, lin.linear_ref(x, w, add), dtype)
+    assert not torch.allclose(out.float(), lin.linear_ref(x, w).float(), atol=0.5)  # the add happened

@@ -302,3 +302,31 @@ def test_step_kernels_keep_greedy_and_draft_kv(tiny, monkeypatch):
     test_eagle3_greedy_identical(tiny, 3, 2, 8)
     test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle=True, pad=True)
     assert calls["block_meta"] > 0 and calls["ancestor_masks"] > 0
+
+
+def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
+    """backend="triton" (the interpreter here): target and draft layers run the fused small-M kernels
+    (norm + qkv + RoPE + KV write, norm + gate|up + SwiGLU, linear with the residual add) for decode,
+    verify and draft rows, and greedy speculative output stays identical to plain greedy."""
+    from kernels_triton import linear as lin
+
+    calls = {"rope": 0, "add": 0}
+    real_qkv, real_linear = lin.norm_qkv_rope_write_kv_, lin.linear
+
+    def qkv(*a, **kw):
+        calls["rope"] += 1
+        return real_qkv(*a, **kw)
+
+    def linear(x, w, add=None, config=None):
+        calls["add"] += add is not None
+        return real_linear(x, w, add, config)
+
+    monkeypatch.setattr(lin, "norm_qkv_rope_write_kv_", qkv)
+    monkeypatch.setattr(lin, "linear", linear)
+    model = tiny_model(layers=2, backend="triton")
+    prompts = rand_prompts([7, 12], seed=5)
+    want = [reference(model, p, 10) for p in prompts]
+    drafter = Eagle3Drafter(tiny_head(model), model, topk=2, steps=3, num_draft_tokens=6)
+    got, _ = run_engine(model, prompts, 10, drafter=drafter, ks=(6,), k_of_step=lambda i: 6)
+    assert got == want
+    assert calls["rope"] > 0 and calls["add"] > 0  # target and draft went through the fused kernels

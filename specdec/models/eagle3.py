@@ -257,22 +257,22 @@ class Eagle3Head(nn.Module):
         e = ops.rms_norm(token_embeds, self.w("midlayer.input_layernorm.weight"), c.rms_norm_eps, backend=be)
         h = ops.rms_norm(hidden, self.w("midlayer.hidden_norm.weight"), c.rms_norm_eps, backend=be)
         x = torch.cat([e, h], dim=-1)  # [N, 2H]
-        q, k, v = (x @ wqkv.t()).split([HQ * D, HKV * D, HKV * D], dim=-1)  # one GEMM, views
-        q = ops.rope_write_kv_(q.view(N, HQ, D), k.view(N, HKV, D), v.view(N, HKV, D), positions,
-                               self.rope_cos, self.rope_sin, k_cache[0], v_cache[0], meta.slot_mapping, backend=be)
+        # qkv projection of the already-normed [e | h] rows, RoPE, K/V into the draft cache (one launch
+        # for few rows on the Triton backend).
+        q, _ = ops.norm_qkv_rope_write_kv_(x, None, None, c.rms_norm_eps, wqkv, HQ, HKV, positions, self.rope_cos,
+                                           self.rope_sin, k_cache[0], v_cache[0], meta.slot_mapping, backend=be)
         o = ops.paged_attention(q, k_cache[0], v_cache[0], meta, backend=be)  # [N, HQ, D]
-        attn = o.reshape(N, HQ * D) @ self.w("midlayer.self_attn.o_proj.weight").t()
-        x, residual = ops.rms_norm(attn, self.w("midlayer.post_attention_layernorm.weight"),
-                                   c.rms_norm_eps, hidden, backend=be)
-        # residual + silu(gate) * up @ down: the fused gate|up GEMM, one SwiGLU launch, one addmm.
-        out = torch.addmm(residual, ops.silu_mul(x @ w13.t(), backend=be),
-                          self.w("midlayer.mlp.down_proj.weight").t())
+        attn = ops.linear(o.reshape(N, HQ * D), self.w("midlayer.self_attn.o_proj.weight"), backend=be)
+        # RMSNorm(attn + hidden) -> gate|up -> SwiGLU, then residual + act @ down (rounded once).
+        act, residual = ops.norm_swiglu(attn, hidden, self.w("midlayer.post_attention_layernorm.weight"),
+                                        c.rms_norm_eps, w13, backend=be)  # [N, F]
+        out = ops.linear(act, self.w("midlayer.mlp.down_proj.weight"), residual, backend=be)  # [N, H]
         return out, (self.logits(out) if with_logits else None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] pre-norm draft hidden -> [N, draft_vocab] logits (final norm + lm_head)."""
-        c = self.config
-        return ops.rms_norm(hidden, self.w("norm.weight"), c.rms_norm_eps, backend=self.backend) @ self.w("lm_head.weight").t()
+        return ops.norm_linear(hidden, None, self.w("norm.weight"), self.config.rms_norm_eps,
+                               self.w("lm_head.weight"), backend=self.backend)[0]
 
     def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q|k|v [(HQ + 2 HKV) D, 2H], gate|up [2F, H]) for inference: one GEMM each. Rebuilt when a

@@ -103,11 +103,32 @@ def _fused(backend: str, x: torch.Tensor) -> bool:
             and os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0")
 
 
-def linear(x, w, *, backend="auto"):
-    """x [N, K] @ w [NOUT, K]^T."""
+def linear(x, w, add=None, *, backend="auto"):
+    """x [N, K] @ w [NOUT, K]^T (+ add [N, NOUT], rounded once like torch.addmm)."""
     from kernels_triton import linear as lin
 
-    return lin.linear(x, w) if _fused(backend, x) else x @ w.t()
+    if _fused(backend, x):
+        return lin.linear(x, w, add)
+    return x @ w.t() if add is None else torch.addmm(add, x, w.t())
+
+
+def _norm(x, residual, norm_weight, eps, backend):
+    """(RMSNorm(x + residual), x + residual); residual None: (RMSNorm(x), x); norm_weight None: (x, x)."""
+    if norm_weight is None:
+        return x, x
+    if residual is None:
+        return rms_norm(x, norm_weight, eps, backend=backend), x
+    return rms_norm(x, norm_weight, eps, residual, backend=backend)
+
+
+def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto"):
+    """(RMSNorm(x + residual) @ w^T, x + residual); residual None: s = x."""
+    from kernels_triton import linear as lin
+
+    if _fused(backend, x):
+        return lin.norm_linear(x, residual, norm_weight, eps, w)
+    y, s = _norm(x, residual, norm_weight, eps, backend)
+    return y @ w.t(), s
 
 
 def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
@@ -116,10 +137,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
 
     if _fused(backend, x):
         return lin.norm_swiglu(x, residual, norm_weight, eps, w13)
-    if residual is None:
-        y, s = rms_norm(x, norm_weight, eps, backend=backend), x
-    else:
-        y, s = rms_norm(x, norm_weight, eps, residual, backend=backend)
+    y, s = _norm(x, residual, norm_weight, eps, backend)
     # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
     return silu_mul(y @ w13.t(), backend=backend), s
 
@@ -127,7 +145,8 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
                             k_cache, v_cache, slot_mapping, *, backend="auto"):
     """The attention block's input side: RMSNorm(x + residual) @ wqkv^T, RoPE, K/V written to the cache
-    slots (in place). Returns (rotated q [N, HQ, D], s = x + residual, or x without a residual)."""
+    slots (in place). Returns (rotated q [N, HQ, D], s = x + residual, or x without a residual).
+    norm_weight None projects x as is (the EAGLE-3 draft layer normalises its two inputs itself)."""
     from kernels_triton import linear as lin
 
     N, D = x.shape[0], k_cache.shape[-1]
@@ -137,10 +156,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
                                                positions, cos, sin, k_cache, v_cache, slot_mapping)
         qkv, s = lin.norm_linear(x, residual, norm_weight, eps, wqkv)  # [N, (HQ+2HKV)D]
     else:
-        if residual is None:
-            y, s = rms_norm(x, norm_weight, eps, backend=backend), x
-        else:
-            y, s = rms_norm(x, norm_weight, eps, residual, backend=backend)
+        y, s = _norm(x, residual, norm_weight, eps, backend)
         qkv = y @ wqkv.t()  # [N, H] @ [H, (HQ+2HKV)D]
     q, k, v = qkv.split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)  # views, no copies
     # One launch: rotate q and k, write rotated k and v into this layer's cache slots.
