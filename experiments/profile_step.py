@@ -10,7 +10,7 @@ costs do not depend on the values), an EAGLE-3 head of the committed head's shap
 
 Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --out $OUT
-    SPECDEC_STEP_KERNELS=1 python experiments/profile_step.py --out $OUT/step_kernels   # opt-in kernels
+    SPECDEC_STEP_KERNELS=0 python experiments/profile_step.py --out $OUT/no_step_kernels   # torch addressing
     SPECDEC_FUSED_LINEAR=0 python experiments/profile_step.py --out $OUT/unfused   # cuBLAS layer path
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
@@ -140,7 +140,7 @@ def main() -> None:
     lengths = [150, 131, 160, 144, 120, 188] if not args.quick else [20, 24]
     V = shape["vocab_size"]
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
-           "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS") == "1",
+           "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS", "1") != "0",
            "fused_linear": os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0"}
 
     plain = make_engine(model, None, ())

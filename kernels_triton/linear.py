@@ -14,30 +14,35 @@ fold the elementwise neighbours into the GEMM that reads their output, so a laye
 Math, for M rows x [M, K] in dtype ``dt``, weight w [NOUT, K] (nn.Linear layout):
 
     linear:       out = dt(x @ w^T  [+ add])                 fp32 accumulation, one rounding
-    norm prologue:
-                  s    = dt(x + residual)  (or x without a residual; s is returned, it is the
-                                            residual stream entering the layer; bit-exact norm.py)
-                  rstd = rsqrt(mean(fp32(s)^2) + eps)
-                  out  = dt(rstd * (dt(s * nw) @ w^T))
+    norm prologue (``norm.py`` convention, bit-for-bit):
+                  s   = dt(x + residual)   (or x without a residual; s is returned, it is the
+                                            residual stream entering the layer)
+                  y   = dt(fp32(nw) * fp32(dt(s * rsqrt(mean(s^2) + eps))))
+                  out = dt(y @ w^T)
     swiglu epilogue, w = [gate | up] of [2F, K]:
-                  g, u = dt(gate projection), dt(up projection);  act = dt(silu(g) * u)  (activation.py)
+                  g, u = dt(y @ gate^T), dt(y @ up^T);  act = dt(silu(g) * u)   (activation.py)
     rope epilogue, w = [q | k | v] of [(HQ + 2 HKV) D, K]: each head's D outputs rounded to dt,
                   q and k rotated at their token's position (rope.py), q returned [M, HQ, D],
                   rotated k and v stored at ``slot_mapping[m]`` in the caches (slot < 0: skipped).
 
-The unfused path (``*_ref``: rms_norm_ref, matmul, silu_mul_ref, rope_write_kv_ref_) rounds the
-normalised row before the projection, dt(dt(dt(s * rstd) * nw) @ w^T); here the row scale 1 / rms is
-applied to the fp32 accumulator instead, so the norm costs no second pass over x (the sum of squares
-is accumulated in the same loop as the dot). Results agree with the references to a rounding or two of
-dt, like any change of GEMM summation order.
+So every result equals the unfused composition (``*_ref``: rms_norm_ref, matmul, silu_mul_ref,
+rope_write_kv_ref_) up to the GEMM's summation order.
 
 Kernel layout: grid (column blocks, row blocks of BLOCK_M). A program owns BLOCK_N output columns
 (two accumulators for swiglu: its gate and up columns; for rope one head as two D/2 halves, so the
 rotation pairs stay in one program) and streams them in BLOCK_K chunks: ``[BLOCK_M, BLOCK_K] @
-[BLOCK_K, BLOCK_N]`` tl.dots over the whole K, x (and the residual) re-read per program from L2 (M x K
-is a few KB); the program of column block 0 also stores s. The rope epilogue's inputs (positions,
-table rows, slots) are loaded before the loop so their latency hides under the weight stream. M is a
+[BLOCK_K, BLOCK_N]`` tl.dots over the whole K. With the norm prologue each program first sums the
+squares of its rows (a pass over x, which every program re-reads from L2: M x K is a few KB), then
+normalises each x chunk right before its dot; the program of column block 0 also stores s. M is a
 runtime argument: one compile per BLOCK_M bucket (16, 32, 64), no recompile per batch size.
+
+Measured on the H200 (bf16, experiments/kernels/bench_linear.py, results/kernels/bench_linear*.csv):
+at M = 1 the SmolLM2 layer ops take qkv 6.3 us (unfused 6.8), mlp_in 5.8 (5.9), w2 3.8 (4.6), wo 3.1
+(3.1): each launch is bound by dependent memory round trips, not bytes (1-14% of copy bandwidth), so
+folding three launches into one saves less than two launches' worth. At M >= 17 and at Llama-3.1-8B
+sizes cuBLAS is faster (e.g. 8B mlp_in 87 vs 64 us), so ``specdec.models.ops`` routes only up to
+``ops.FUSED_MAX_ROWS`` rows here. A variant that folded the norm into the main loop (row scale on the
+accumulator, no prologue pass) measured slower still (qkv 10.6 us, mlp_in 11.5 us at M = 1).
 
 Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
 x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-path tests), half
@@ -178,29 +183,26 @@ def _fused_linear_kernel(
     o_wa = o_wa.to(tl.int64)
     o_wb = o_wb.to(tl.int64)
 
-    if EPI == _EPI_ROPE:
-        # Epilogue inputs first: their loads (position -> table row, slot) overlap the weight stream
-        # instead of adding two dependent memory round trips after it.
-        b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
-        m_p = m_m & (b_pos >= 0) & (b_pos < n_positions) & (i_n < HQ + HKV)  # out of range: cos = sin = 0
-        p_cs = b_pos[:, None] * stride_cos + o_c[None, :]
-        b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
-        b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
-        b_slot = tl.load(slot_ptr + o_m, mask=m_m & (i_n >= HQ), other=-1)  # [BLOCK_M] int64
+    if NORM:
+        # Pass 1: sum of squares of each row of s = x (+ residual), rounded to dt as norm.py does.
+        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            m_k = (k0 + o_k) < K
+            m_mk = m_m[:, None] & m_k[None, :]
+            b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+            b_x = b_x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
+            if HAS_RESIDUAL:
+                b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+                b_x = (b_x + b_r.to(tl.float32)).to(dt).to(tl.float32)
+            b_ss += tl.sum(b_x * b_x, axis=1)
+        b_rstd = tl.math.rsqrt(b_ss / K + eps)  # [BLOCK_M]
 
-    # One pass over K: s = x (+ residual) chunk by chunk, its sum of squares accumulated on the way, the
-    # dot taken over dt(s * norm_weight); the per-row 1 / rms multiplies the accumulators at the end.
-    b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         m_k = (k0 + o_k) < K
         m_mk = m_m[:, None] & m_k[None, :]
-        m_wk = m_w[:, None] & m_k[None, :]
-        b_wa = tl.load(w_ptr + o_wa[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)  # [BN, BK]
-        if EPI != _EPI_NONE:
-            b_wb = tl.load(w_ptr + o_wb[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)  # [BN, BK]
-        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)  # [BM, BK]
+        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
         if HAS_RESIDUAL:
             b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
             b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(dt)  # [BLOCK_M, BLOCK_K] the new residual
@@ -208,16 +210,14 @@ def _fused_linear_kernel(
                 tl.store(s_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], b_x, mask=m_mk)
         if NORM:
             b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_K]
-            b_xf = b_x.to(tl.float32)
-            b_ss += tl.sum(b_xf * b_xf, axis=1)
-            b_x = (b_xf * b_nw[None, :]).to(dt)  # [BLOCK_M, BLOCK_K]
+            b_y = (b_x.to(tl.float32) * b_rstd[:, None]).to(dt).to(tl.float32)
+            b_x = (b_y * b_nw[None, :]).to(dt)  # [BLOCK_M, BLOCK_K] normalised rows
+        m_wk = m_w[:, None] & m_k[None, :]
+        b_wa = tl.load(w_ptr + o_wa[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
         acc_a += tl.dot(b_x, tl.trans(b_wa), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
         if EPI != _EPI_NONE:
-            acc_b += tl.dot(b_x, tl.trans(b_wb), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
-    if NORM:
-        b_rstd = tl.math.rsqrt(b_ss / K + eps)  # [BLOCK_M]
-        acc_a = acc_a * b_rstd[:, None]
-        acc_b = acc_b * b_rstd[:, None]
+            b_wb = tl.load(w_ptr + o_wb[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
+            acc_b += tl.dot(b_x, tl.trans(b_wb), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN]
 
     # Projections are rounded to dt first, exactly where the unfused path stores them.
     b_a = acc_a.to(dt)
@@ -239,6 +239,11 @@ def _fused_linear_kernel(
         b_x2 = acc_b.to(dt).to(tl.float32)
         m_o = m_m[:, None] & m_w[None, :]
         if i_n < HQ + HKV:
+            b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
+            m_p = m_m & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
+            p_cs = b_pos[:, None] * stride_cos + o_c[None, :]
+            b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
+            b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
             b_o1 = b_x1 * b_cos - b_x2 * b_sin
             b_o2 = b_x2 * b_cos + b_x1 * b_sin
         else:
@@ -249,6 +254,7 @@ def _fused_linear_kernel(
             tl.store(p_q, b_o1.to(dt), mask=m_o)
             tl.store(p_q + HALF, b_o2.to(dt), mask=m_o)
         else:
+            b_slot = tl.load(slot_ptr + o_m, mask=m_m, other=-1)  # [BLOCK_M] int64
             m_s = m_o & (b_slot >= 0)[:, None]
             b_slot = tl.maximum(b_slot, 0)
             b_page = b_slot // PS

@@ -285,7 +285,7 @@ def test_committed_smollm2_head_accepts_and_keeps_greedy(smollm2, smollm2_tokeni
 
 
 def test_step_kernels_keep_greedy_and_draft_kv(tiny, monkeypatch):
-    """SPECDEC_STEP_KERNELS=1: block_meta and ancestor_masks as Triton kernels (the interpreter
+    """SPECDEC_STEP_KERNELS=1 (forced on the CPU): block_meta and ancestor_masks as Triton kernels (the interpreter
     here) inside the engine loop: trees stay token-identical and the draft KV in sync."""
     from kernels_triton import paging, tree_mask
 

@@ -94,12 +94,16 @@ def silu_mul(x, *, backend="auto"):
     return fn(x)
 
 
-def _fused(backend: str, x: torch.Tensor) -> bool:
-    """Small-M fused layers (kernels_triton/linear.py) for decode / verify rows on the Triton backend;
-    SPECDEC_FUSED_LINEAR=0 falls back to the unfused kernels + cuBLAS (an A/B switch for benchmarks)."""
-    from kernels_triton import linear
+# Rows up to which the fused small-M layer kernels run (kernels_triton/linear.py). H200, bf16, SmolLM2
+# shapes: at M = 1 they match or beat norm + cuBLAS + epilogue kernels (w2 3.8 vs 4.6 us, qkv 6.3 vs
+# 6.8 us); at M = 17 (a 16-node tree verify) they lose (qkv 9.7 vs 6.3 us), so verify stays on cuBLAS.
+FUSED_MAX_ROWS = 16
 
-    return (_triton(backend, x) and x.shape[0] <= linear.MAX_M
+
+def _fused(backend: str, x: torch.Tensor) -> bool:
+    """Small-M fused layers for decode / draft rows on the Triton backend. SPECDEC_FUSED_LINEAR=0 falls
+    back to the unfused kernels + cuBLAS (an A/B switch for benchmarks)."""
+    return (_triton(backend, x) and x.shape[0] <= FUSED_MAX_ROWS
             and os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0")
 
 
@@ -175,13 +179,16 @@ def topk_logprobs(logits, k: int, *, backend="auto"):
 
 
 def _step_kernel(backend: str, t: torch.Tensor) -> bool:
-    """The step's addressing helpers (block_meta, ancestor_masks) run as Triton kernels with an
-    explicit backend="triton", or with "auto" only when SPECDEC_STEP_KERNELS=1 (on CUDA, or on the
-    CPU under the interpreter): they replace ~12 and ~8-per-level small torch kernels per call, and
-    stay opt-in until their effect on the graphed step is measured on the GPU."""
-    if backend == "auto":
-        return os.environ.get("SPECDEC_STEP_KERNELS") == "1" and (
-            t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """The step's addressing helpers (block_meta, ancestor_masks) run as Triton kernels wherever the
+    Triton backend runs: they replace ~12 and ~8-per-level small torch kernels per call (H200, graphed
+    batch-1 steps: plain 1.028 -> 1.006 ms, 16-node tree 1.676 -> 1.493 ms; profile_step results).
+    SPECDEC_STEP_KERNELS=0 keeps the torch versions (an A/B switch for benchmarks); =1 forces the kernels
+    with backend "auto" on the CPU too, under the interpreter (tests of the engine loop)."""
+    flag = os.environ.get("SPECDEC_STEP_KERNELS")
+    if flag == "0":
+        return False
+    if flag == "1" and backend == "auto" and os.environ.get("TRITON_INTERPRET") == "1":
+        return True
     return _triton(backend, t)
 
 
