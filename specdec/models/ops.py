@@ -98,12 +98,16 @@ def silu_mul(x, *, backend="auto"):
 # shapes: at M = 1 they match or beat norm + cuBLAS + epilogue kernels (w2 3.8 vs 4.6 us, qkv 6.3 vs
 # 6.8 us); at M = 17 (a 16-node tree verify) they lose (qkv 9.7 vs 6.3 us), so verify stays on cuBLAS.
 FUSED_MAX_ROWS = 16
+# ... and weights up to this size: Llama-3.1-8B projections (34-235 MB) stream faster through cuBLAS
+# (8B w2 at M = 1: 36.4 vs 31.9 us; the 57 MB SmolLM2 lm_head ties at 16.2 us).
+FUSED_MAX_WEIGHT_BYTES = 16 << 20
 
 
-def _fused(backend: str, x: torch.Tensor) -> bool:
+def _fused(backend: str, x: torch.Tensor, w: torch.Tensor) -> bool:
     """Small-M fused layers for decode / draft rows on the Triton backend. SPECDEC_FUSED_LINEAR=0 falls
     back to the unfused kernels + cuBLAS (an A/B switch for benchmarks)."""
     return (_triton(backend, x) and x.shape[0] <= FUSED_MAX_ROWS
+            and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
             and os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0")
 
 
@@ -111,7 +115,7 @@ def linear(x, w, add=None, *, backend="auto"):
     """x [N, K] @ w [NOUT, K]^T (+ add [N, NOUT], rounded once like torch.addmm)."""
     from kernels_triton import linear as lin
 
-    if _fused(backend, x):
+    if _fused(backend, x, w):
         return lin.linear(x, w, add)
     return x @ w.t() if add is None else torch.addmm(add, x, w.t())
 
@@ -129,7 +133,7 @@ def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto"):
     """(RMSNorm(x + residual) @ w^T, x + residual); residual None: s = x."""
     from kernels_triton import linear as lin
 
-    if _fused(backend, x):
+    if _fused(backend, x, w):
         return lin.norm_linear(x, residual, norm_weight, eps, w)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     return y @ w.t(), s
@@ -139,7 +143,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
     """(silu(gate) * up of RMSNorm(x + residual) @ w13^T [N, F], x + residual); residual None: x."""
     from kernels_triton import linear as lin
 
-    if _fused(backend, x):
+    if _fused(backend, x, w13):
         return lin.norm_swiglu(x, residual, norm_weight, eps, w13)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
@@ -154,7 +158,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     from kernels_triton import linear as lin
 
     N, D = x.shape[0], k_cache.shape[-1]
-    if _fused(backend, x):
+    if _fused(backend, x, wqkv):
         if lin.rope_fusion_pays(wqkv, D):
             return lin.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads,
                                                positions, cos, sin, k_cache, v_cache, slot_mapping)
