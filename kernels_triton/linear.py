@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from .activation import silu_mul_ref
+from .attention import _sm_count
 from .norm import rms_norm_ref
 from .rope import rope_write_kv_ref_
 
@@ -276,18 +277,6 @@ def _fused_linear_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
-
-_SM_COUNT = {}
-
-
-def _sm_count(device):
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
 
 def _block_m(M):
     return max(16, triton.next_power_of_2(M))
