@@ -1,7 +1,6 @@
-"""Small-M linear layers with their neighbours fused: the decode / verify layer in five launches.
+"""Small-M linear layers with their neighbours fused: a decode / draft layer in five launches.
 
-At batch 1 (and in a 17-node tree verify) every projection of a small model reads its whole weight
-to produce a handful of rows, and a SmolLM2-135M layer is bound by launches, not bytes: RMSNorm,
+At batch 1 every projection of a small model reads its whole weight to produce a handful of rows, and a SmolLM2-135M layer is bound by launches, not bytes: RMSNorm,
 a cuBLAS GEMM, RoPE + KV write, attention, a GEMM, RMSNorm, a GEMM, SwiGLU, a GEMM. These kernels
 fold the elementwise neighbours into the GEMM that reads their output, so a layer is
 
@@ -59,10 +58,6 @@ from .norm import rms_norm_ref
 from .rope import rope_write_kv_ref_
 
 MAX_M = 64
-# The rope epilogue pins one program per head (15 for SmolLM2, 48 for Llama-3.1-8B): fine while a
-# head's weight rows are small (SmolLM2: 64 x 576 bf16 = 72 KB), too few streaming SMs for 8B's
-# 128 x 4096 (1 MB per program). Above this many bytes per head, run norm_linear + rope_write_kv_.
-ROPE_FUSE_MAX_BYTES = 1 << 18
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
@@ -362,11 +357,6 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), **cfg,
     )  # fmt: skip
     return s if norm else None
-
-
-def rope_fusion_pays(wqkv, head_dim):
-    """Whether norm_qkv_rope_write_kv_ (one program per head) suits these weights; see ROPE_FUSE_MAX_BYTES."""
-    return head_dim * wqkv.shape[1] * wqkv.element_size() <= ROPE_FUSE_MAX_BYTES
 
 
 def linear(x, w, add=None, config=None):

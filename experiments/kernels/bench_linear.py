@@ -6,7 +6,8 @@ the weights? Shapes: SmolLM2-135M (H 576, F 1536, 9/3 heads d64, V 49152) and Ll
 F 14336, 32/8 heads d128, V 128256), bf16, M in {1, 17, 64} rows (batch-1 decode, a 16-node tree
 verify, batch 64).
 
-Ops (each as the model calls it through specdec.models.ops; "unfused" is SPECDEC_FUSED_LINEAR=0):
+Ops ("fused": the kernels_triton/linear.py launcher, whatever rows / weight size; "unfused": the model's
+path through specdec.models.ops with SPECDEC_FUSED_LINEAR=0):
   qkv      RMSNorm(x + r) -> wqkv -> RoPE -> K/V into a paged cache
   wo       o @ wo^T
   mlp_in   RMSNorm(x + r) -> w13 -> silu(gate) * up
@@ -82,7 +83,7 @@ def make_ops(s, M, dtype, gen):
 
 
 def timed(fn, fused: bool) -> float:
-    """us per call in a graph of back-to-back calls, with the fused path switched on or off."""
+    """us per call in a graph of back-to-back calls; ``fused=False`` switches the ops path to cuBLAS."""
     os.environ["SPECDEC_FUSED_LINEAR"] = "1" if fused else "0"
     try:
         fn()  # compile outside the capture
@@ -107,7 +108,7 @@ def main():
     for sname, s in shapes.items():
         for M in rows_m:
             for op, (call, call_cfg, wbytes) in make_ops(s, M, dtype, gen).items():
-                fused_us, unfused_us = timed(call, True), timed(call, False)
+                fused_us, unfused_us = timed(lambda: call_cfg(None), True), timed(call, False)
                 gbps = wbytes / (fused_us * 1e-6) / 1e9
                 rows.append(dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, fused_us=fused_us,
                                  unfused_us=unfused_us, speedup=unfused_us / fused_us, fused_gbps=gbps,

@@ -10,10 +10,10 @@ tied or untied LM head. The forward can return the residual stream entering chos
 Weights use fused projections: ``wqkv`` [(HQ + 2 HKV) * D, H] and ``w13`` [2 F, H] (gate | up).
 A layer is three calls around attention (``specdec.models.ops``): RMSNorm(h + residual) -> qkv ->
 RoPE -> K/V written to the cache; o-projection; RMSNorm(h + residual) -> gate|up -> SwiGLU; then the
-down projection. With few rows (decode, tree verify: N <= kernels_triton.linear.MAX_M) on the Triton
-backend each of them is one fused launch (five per layer with attention), since a SmolLM2-135M step at
-batch 1 is bound by per-launch latency, not bandwidth; with more rows (prefill, large batches) they run
-as Triton RMSNorm / RoPE + KV write / SwiGLU kernels around cuBLAS GEMMs.
+down projection. With few rows (N <= ops.FUSED_MAX_ROWS: decode at small batch) and small weights on the
+Triton backend each of them is one fused launch (kernels_triton/linear.py, five per layer with
+attention); otherwise (prefill, tree verify, large batches or large models) they run as Triton
+RMSNorm / RoPE + KV write / SwiGLU kernels around cuBLAS GEMMs.
 """
 
 from __future__ import annotations

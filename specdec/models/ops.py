@@ -157,15 +157,12 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     norm_weight None projects x as is (the EAGLE-3 draft layer normalises its two inputs itself)."""
     from kernels_triton import linear as lin
 
-    N, D = x.shape[0], k_cache.shape[-1]
     if _fused(backend, x, wqkv):
-        if lin.rope_fusion_pays(wqkv, D):
-            return lin.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads,
-                                               positions, cos, sin, k_cache, v_cache, slot_mapping)
-        qkv, s = lin.norm_linear(x, residual, norm_weight, eps, wqkv)  # [N, (HQ+2HKV)D]
-    else:
-        y, s = _norm(x, residual, norm_weight, eps, backend)
-        qkv = y @ wqkv.t()  # [N, H] @ [H, (HQ+2HKV)D]
+        return lin.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
+                                           cos, sin, k_cache, v_cache, slot_mapping)
+    N, D = x.shape[0], k_cache.shape[-1]
+    y, s = _norm(x, residual, norm_weight, eps, backend)
+    qkv = y @ wqkv.t()  # [N, H] @ [H, (HQ+2HKV)D]
     q, k, v = qkv.split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)  # views, no copies
     # One launch: rotate q and k, write rotated k and v into this layer's cache slots.
     q = rope_write_kv_(q.view(N, n_q_heads, D), k.view(N, n_kv_heads, D), v.view(N, n_kv_heads, D), positions,
