@@ -111,12 +111,16 @@ def graphed_step(engine, T: int, iters: int = 20) -> dict:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
         busy = sum(e.device_time for e in kernels) / 1e3 / iters  # us -> ms
-        by_name: dict[str, float] = {}
+        by_name: dict[str, list[float]] = {}
         for e in kernels:
-            by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / iters
-        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+            c = by_name.setdefault(e.name, [0.0, 0.0])
+            c[0] += 1 / iters
+            c[1] += e.device_time / iters
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
         return {"T": T, "replay_ms": wall, "kernel_ms": busy, "kernels": len(kernels) / iters,
-                "gap_ms": wall - busy, "top_us": [(n[:70], round(t, 1)) for n, t in top]}
+                "gap_ms": wall - busy, "top_us": [(n[:70], round(c[1], 1)) for n, c in ranked[:12]],
+                # every kernel name: [launches per replay, us per replay]
+                "all_kernels": [(n[:90], round(c[0], 2), round(c[1], 1)) for n, c in ranked]}
     finally:
         engine.state.keep_rows_([])
         engine.kv.release_(owner)
