@@ -12,6 +12,7 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --out $OUT
     SPECDEC_STEP_KERNELS=0 python experiments/profile_step.py --out $OUT/no_step_kernels   # torch addressing
     SPECDEC_FUSED_LINEAR=0 python experiments/profile_step.py --out $OUT/unfused   # cuBLAS layer path
+    SPECDEC_PDL=0 python experiments/profile_step.py --out $OUT/no_pdl   # no programmatic dependent launch
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """
@@ -145,7 +146,9 @@ def main() -> None:
     V = shape["vocab_size"]
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
            "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS", "1") != "0",
-           "fused_linear": os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0"}
+           "fused_linear": os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0",
+           "pdl": os.environ.get("SPECDEC_PDL", "1") != "0",
+           "pdl_prefetch": os.environ.get("SPECDEC_PDL_PREFETCH", "1") != "0"}
 
     plain = make_engine(model, None, ())
     prefill_ms(plain, lengths[:2], V)  # compiles

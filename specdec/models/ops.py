@@ -210,6 +210,30 @@ def ancestor_masks(parents, max_depth: int, *, backend="auto"):
     return fn(parents, max_depth)
 
 
+def new_tree_candidates(B: int, C: int, device):
+    """Candidate buffers of a growing draft tree (kernels_triton/tree_grow.py)."""
+    from kernels_triton import tree_grow
+
+    return tree_grow.new_candidates(B, C, device)
+
+
+def tree_expand(cand, cand_off, depth, lp, cid, d2t, score=None, fcid=None, rows=None, h_front=None, valid=None,
+                seq=None, *, backend="auto"):
+    """One EAGLE-2 growth round: candidates written, next frontier and next draft rows (tree_grow.py)."""
+    from kernels_triton import tree_grow
+
+    fn = tree_grow.tree_expand if _step_kernel(backend, lp) else tree_grow.tree_expand_ref
+    return fn(cand, cand_off, depth, lp, cid, d2t, score, fcid, rows, h_front, valid, seq)
+
+
+def tree_select(root, cand, n: int, max_depth: int, *, backend="auto"):
+    """The draft tree of the n best candidates: (tokens, parents, depth, ancestor masks) [B, n + 1]."""
+    from kernels_triton import tree_grow
+
+    fn = tree_grow.tree_select if _step_kernel(backend, cand[0]) else tree_grow.tree_select_ref
+    return fn(root, cand, n, max_depth)
+
+
 def topk(x, k: int, *, backend="auto"):
     """(k largest values of the last dim as fp32, their ids int64), descending, ties lowest id first."""
     from kernels_triton import topk as topk_mod

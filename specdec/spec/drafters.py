@@ -192,11 +192,46 @@ class Eagle3Drafter:
 
     # -- per step --------------------------------------------------------------------------------
     def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
+        """Grow the tree: one draft forward per round over the scratch rows so far, each round's
+        bookkeeping (child scores, next frontier, next rows) in one ``ops.tree_expand`` and the final
+        selection in one ``ops.tree_select`` (kernels_triton/tree_grow.py on the Triton backend).
+        Builds the same tree as :meth:`propose_reference` (``grow_tree`` over torch ops)."""
+        topk, steps, kept = self.shape_for(T - 1)
+        be = self.head.backend
+        seq = state.seq_lens[:B]
+        dev, H = seq.device, self.head.config.hidden_size
+        K = topk
+        cand = ops.new_tree_candidates(B, K + (steps - 1) * K * K, dev)
+        d2t = self.head.draft_to_target_table()
+        rows = None
+        if steps > 1:  # round 0's rows start empty
+            empty = torch.empty(B, 0, dtype=torch.int64, device=dev)
+            rows = (empty, empty, empty, torch.empty(B, 0, H, dtype=self.head.dtype, device=dev))
+        score, fcid, rows = ops.tree_expand(cand, 0, 1, self.root_top[:B, None, :K], self.root_ids[:B, None, :K], d2t,
+                                            rows=rows, h_front=self.root_hidden[:B, None], valid=valid, seq=seq,
+                                            backend=be)
+        metas = state.block_metas(B, seq, [(r + 1) * K for r in range(steps - 1)], valid) if steps > 1 else []
+        for r in range(steps - 1):  # round r runs the (r + 1) * K scratch rows so far
+            n = (r + 1) * K
+            tok, pos, mask, hid = rows
+            meta = dataclasses.replace(metas[r], tree_mask=mask.reshape(-1))
+            h = self._run(tok.reshape(-1), hid.reshape(B * n, H), pos.reshape(-1), meta).view(B, n, H)
+            front = h[:, n - K:]  # the frontier's outputs
+            lp, ids = self._children(front, K)  # [B, K, K] each
+            more = r < steps - 2
+            score, fcid, rows = ops.tree_expand(cand, K + r * K * K, r + 2, lp, ids, d2t, score, fcid,
+                                                rows if more else None, front, valid, seq, backend=be)
+        return DraftTree(*ops.tree_select(state.pending[:B], cand, kept, steps, backend=be))
+
+    def propose_reference(self, state, B: int, T: int, valid, context=None) -> DraftTree:
+        """The same tree through ``grow_tree`` and torch ops (a readable reference for tests).
+
+        Round r processes the frontier (topk nodes at depth r + 1) together with every node of
+        earlier rounds, at draft scratch slots seq_len + j with an ancestor mask."""
         topk, steps, kept = self.shape_for(T - 1)
         seq = state.seq_lens[:B].long()
         rows_tok, rows_hid, rows_pos, rows_mask = [], [], [], []  # scratch rows so far, [B, m] each
         outs = {}
-        # Round r runs the (r + 1) * topk scratch rows so far.
         metas = state.block_metas(B, state.seq_lens[:B], [(r + 1) * topk for r in range(steps - 1)], valid) \
             if steps > 1 else []
         node_bits = bit(torch.arange(steps * topk, device=seq.device))  # scratch node j -> 1 << j

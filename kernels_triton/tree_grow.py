@@ -1,0 +1,386 @@
+"""Growing and selecting EAGLE-2 draft trees on the device: one launch per draft round, one for the tree.
+
+The growth of ``specdec/spec/tree.py`` as torch ops costs ~20 small kernels per draft round (child
+scores, the vocabulary map, top-k, gathers, the concatenation of the next round's draft rows) and
+~25 for the final selection; in a graphed batch-1 step of a 16-node tree those ~140 launches took
+~0.18 ms of a 1.48 ms step (H200, experiments/results/profile). Here each is one program per
+request (grid (B,)).
+
+``tree_expand`` -- one round. Inputs: the frontier (F nodes: cumulative log-prob ``score`` [B, F],
+candidate id ``fcid`` [B, F]) and the best K children of each frontier node (log-probs ``lp``
+[B, F, K], draft-vocabulary ids ``cid`` [B, F, K]). With ``first`` the frontier is the root alone
+(F = 1, score 0, no candidate id). Child j = p * K + c (frontier node p, child c):
+
+    score[j]  = score[p] + lp[p, c]                (fp32)
+    token[j]  = d2t[cid[p, c]]                     (target id; identity without a table)
+    candidates cand_off + j  <- (token, score, parent = fcid[p] or -1 if first, depth)
+    next frontier = the K best children by score, descending, ties to the lower j (``first``:
+                    the K children in their given order, which is already descending)
+
+and, when the draft runs another round (``rows``), that round's input rows: the current rows
+[B, n] copied, then one row per new frontier node i at row n + i:
+
+    token     target id (0 for rows that are not ``valid``: padding rows of a graph bucket)
+    position  seq_lens + depth - 1                 (a node of depth d sits d - 1 past the root)
+    mask      mask[parent's row] | 1 << (n + i)    (ancestor bits over draft rows; first: own bit)
+    hidden    the parent's draft output hidden     (first: the root hidden)
+
+where the parent's row is among the current frontier rows, the last F of the n current rows.
+
+``tree_select`` -- keep the n best candidates by ``score - TIE * depth`` (TIE makes a child rank
+strictly below its parent, so the kept set is closed under ancestors; ties to the lower candidate
+id) in candidate order (topological), and emit the tree: node 0 = root, node i = the i-th kept
+candidate; parents as node indices (-1 for the root), depths, and ancestor-or-self bitmasks (bit 0,
+the root, in every mask).
+
+Invariants: K <= 64, F * K <= 4096 children per round, C <= 4096 candidates, n + 1 <= 64 nodes and
+rows n + K <= 64 (bitmasks are int64); candidates are written in round order, so a parent's id is
+below its child's.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_NODES = 64
+MAX_CANDIDATES = 4096
+TIE = 1e-6  # depth penalty: a child's selection key is strictly below its parent's
+
+
+def _bit(i: torch.Tensor) -> torch.Tensor:
+    return torch.bitwise_left_shift(torch.ones_like(i, dtype=torch.int64), i.to(torch.int64))
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------
+
+
+def new_candidates(B: int, C: int, device):
+    """Candidate buffers filled by the rounds: (tokens int64, scores fp32, parents int32, depths int32) [B, C]."""
+    return (torch.zeros(B, C, dtype=torch.int64, device=device), torch.zeros(B, C, dtype=torch.float32, device=device),
+            torch.full((B, C), -1, dtype=torch.int32, device=device), torch.zeros(B, C, dtype=torch.int32, device=device))
+
+
+def tree_expand_ref(cand, cand_off, depth, lp, cid, d2t, score=None, fcid=None, rows=None, h_front=None,
+                    valid=None, seq=None):
+    """Plain torch, same contract as :func:`tree_expand` (``score``/``fcid`` None: the first round)."""
+    ctok, cscore, cpar, cdep = cand
+    B, F, K = lp.shape
+    first = score is None
+    child_score = lp.float() + (0.0 if first else score.float()[:, :, None])  # [B, F, K]
+    tok = cid.long() if d2t is None else d2t[cid.long()]
+    par = (torch.full((B, F), -1, device=lp.device, dtype=torch.int64) if first else fcid.long())
+    sl = slice(cand_off, cand_off + F * K)
+    ctok[:, sl] = tok.reshape(B, F * K)
+    cscore[:, sl] = child_score.reshape(B, F * K)
+    cpar[:, sl] = par[:, :, None].expand(B, F, K).reshape(B, F * K).to(cpar.dtype)
+    cdep[:, sl] = depth
+    flat = child_score.reshape(B, F * K)
+    if first:
+        best = torch.arange(K, device=lp.device).expand(B, K)
+        nscore = flat[:, :K]
+    else:
+        nscore, best = torch.topk(flat, K, dim=1)
+    ncid = cand_off + best
+    if rows is None:
+        return nscore.contiguous(), ncid.contiguous(), None
+    r_tok, r_pos, r_mask, r_hid = rows
+    n = r_tok.shape[1]
+    ntok = tok.reshape(B, F * K).gather(1, best)
+    pslot = best // K  # [B, K] frontier slot of each new node's parent
+    bits = _bit(torch.arange(n, n + K, device=lp.device))[None, :]
+    pmask = torch.zeros_like(pslot) if first else r_mask[:, n - F:].gather(1, pslot)
+    hid = h_front.gather(1, pslot[:, :, None].expand(B, K, h_front.shape[-1]))
+    new_rows = (torch.cat([r_tok, torch.where(valid[:, None], ntok, 0)], 1),
+                torch.cat([r_pos, (seq.long() + depth - 1)[:, None].expand(B, K)], 1),
+                torch.cat([r_mask, pmask | bits], 1),
+                torch.cat([r_hid, hid.to(r_hid.dtype)], 1))
+    return nscore.contiguous(), ncid.contiguous(), new_rows
+
+
+def tree_select_ref(root, cand, n: int, max_depth: int):
+    """Plain torch: (tokens int64, parents int32, depth int32, mask int64), each [B, n + 1]."""
+    from .tree_mask import ancestor_masks_ref
+
+    ctok, cscore, cpar, cdep = cand
+    B, C = ctok.shape
+    dev = root.device
+    key = cscore.float() - TIE * cdep.float()
+    keep = torch.topk(key, n, dim=1).indices.sort(dim=1).values  # [B, n] candidate ids, topological
+    node_of = torch.full((B, C), -1, dtype=torch.long, device=dev)
+    node_of.scatter_(1, keep, torch.arange(1, n + 1, device=dev).expand(B, n))
+    p = cpar.long().gather(1, keep)
+    par = torch.where(p >= 0, node_of.gather(1, p.clamp(min=0)), torch.zeros_like(p))
+    tokens = torch.cat([root[:, None].long(), ctok.gather(1, keep)], 1)
+    parents = torch.cat([torch.full((B, 1), -1, device=dev, dtype=torch.long), par], 1).int()
+    depth = torch.cat([torch.zeros(B, 1, dtype=torch.int32, device=dev), cdep.gather(1, keep).int()], 1)
+    return tokens, parents, depth, ancestor_masks_ref(parents, max_depth)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["cand_off", "depth", "n_rows", "C", "H"])
+def _tree_expand_kernel(
+    score_ptr,  # [B, F] fp32 frontier scores (not FIRST)
+    fcid_ptr,  # [B, F] int64 frontier candidate ids (not FIRST)
+    lp_ptr,  # [B, F * K] fp32 child log-probs (row stride stride_lp)
+    cid_ptr,  # [B, F * K] int64 child draft ids (row stride stride_cid)
+    d2t_ptr,  # [Vd] int64 draft -> target id (HAS_D2T)
+    valid_ptr,  # [B] int8 (ROWS)
+    seq_ptr,  # [B] int32 (ROWS)
+    ctok_ptr,  # [B, C] int64 candidates
+    cscore_ptr,  # [B, C] fp32
+    cpar_ptr,  # [B, C] int32
+    cdep_ptr,  # [B, C] int32
+    nscore_ptr,  # [B, K] fp32 next frontier
+    ncid_ptr,  # [B, K] int64
+    rtok_ptr,  # [B, n] int64 current rows (ROWS and not FIRST)
+    rpos_ptr,  # [B, n] int64
+    rmask_ptr,  # [B, n] int64
+    rhid_ptr,  # [B, n, H]
+    ntok_ptr,  # [B, n + K] next rows (ROWS)
+    npos_ptr,
+    nmask_ptr,
+    nhid_ptr,  # [B, n + K, H]
+    hf_ptr,  # frontier output hidden, [B, F, H] with strides (stride_hfb, stride_hff, 1)
+    cand_off,
+    depth,
+    n_rows,
+    C,
+    H,
+    stride_lp,
+    stride_cid,
+    stride_hfb,
+    stride_hff,
+    F: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    FIRST: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_D2T: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    o_j = tl.arange(0, BLOCK_J)
+    m_j = o_j < F * K
+    o_p = o_j // K  # frontier slot of each child
+    b_lp = tl.load(lp_ptr + b * stride_lp + o_j, mask=m_j, other=float("-inf"))
+    if FIRST:
+        b_sc = b_lp
+        b_par = tl.full([BLOCK_J], -1, tl.int32)
+    else:
+        b_sc = tl.load(score_ptr + b * F + o_p, mask=m_j, other=0.0) + b_lp
+        b_par = tl.load(fcid_ptr + b * F + o_p, mask=m_j, other=-1).to(tl.int32)
+    b_cid = tl.load(cid_ptr + b * stride_cid + o_j, mask=m_j, other=0)
+    if HAS_D2T:
+        b_tok = tl.load(d2t_ptr + b_cid, mask=m_j, other=0)
+    else:
+        b_tok = b_cid
+    b_tok = b_tok.to(tl.int64)
+    p_c = b * C + cand_off + o_j
+    tl.store(ctok_ptr + p_c, b_tok, mask=m_j)
+    tl.store(cscore_ptr + p_c, b_sc, mask=m_j)
+    tl.store(cpar_ptr + p_c, b_par, mask=m_j)
+    tl.store(cdep_ptr + p_c, tl.full([BLOCK_J], 0, tl.int32) + depth, mask=m_j)
+
+    if ROWS:
+        n_next = n_rows + K
+        b_valid = tl.load(valid_ptr + b) != 0
+        b_pos = tl.load(seq_ptr + b).to(tl.int64) + depth - 1
+        o_h = tl.arange(0, BLOCK_H)
+        if not FIRST:  # the current rows come first
+            o_r = tl.arange(0, BLOCK_R)
+            m_r = o_r < n_rows
+            tl.store(ntok_ptr + b * n_next + o_r, tl.load(rtok_ptr + b * n_rows + o_r, mask=m_r), mask=m_r)
+            tl.store(npos_ptr + b * n_next + o_r, tl.load(rpos_ptr + b * n_rows + o_r, mask=m_r), mask=m_r)
+            tl.store(nmask_ptr + b * n_next + o_r, tl.load(rmask_ptr + b * n_rows + o_r, mask=m_r), mask=m_r)
+            for h0 in range(0, H, BLOCK_H):
+                m_rh = m_r[:, None] & ((h0 + o_h) < H)[None, :]
+                p_off = o_r[:, None] * H + (h0 + o_h)[None, :]
+                b_h = tl.load(rhid_ptr + b * n_rows * H + p_off, mask=m_rh)
+                tl.store(nhid_ptr + b * n_next * H + p_off, b_h, mask=m_rh)
+
+    # The next frontier: K times the best remaining child (lowest index on ties); NaN ranks last.
+    b_key = tl.where(m_j & (b_sc == b_sc), b_sc, float("-inf"))
+    b_free = m_j
+    for i in tl.static_range(K):
+        if FIRST:
+            idx = i
+        else:
+            best = tl.max(tl.where(b_free, b_key, float("-inf")), axis=0)
+            idx = tl.min(tl.where(b_free & (b_key == best), o_j, BLOCK_J), axis=0)
+            idx = tl.minimum(idx, F * K - 1)
+            b_free = b_free & (o_j != idx)
+        sel = o_j == idx
+        tl.store(nscore_ptr + b * K + i, tl.sum(tl.where(sel, b_sc, 0.0), axis=0))
+        tl.store(ncid_ptr + b * K + i, (cand_off + idx).to(tl.int64))
+        if ROWS:
+            row = n_rows + i
+            tok_i = tl.sum(tl.where(sel, b_tok, 0), axis=0)
+            tl.store(ntok_ptr + b * n_next + row, tl.where(b_valid, tok_i, 0))
+            tl.store(npos_ptr + b * n_next + row, b_pos)
+            bit = tl.full([], 1, tl.int64) << row.to(tl.int64)
+            pslot = idx // K
+            if FIRST:
+                pmask = tl.full([], 0, tl.int64)
+            else:
+                pmask = tl.load(rmask_ptr + b * n_rows + (n_rows - F) + pslot)
+            tl.store(nmask_ptr + b * n_next + row, pmask | bit)
+            for h0 in range(0, H, BLOCK_H):
+                m_h = (h0 + o_h) < H
+                b_h = tl.load(hf_ptr + b * stride_hfb + pslot * stride_hff + h0 + o_h, mask=m_h)
+                tl.store(nhid_ptr + (b * n_next + row) * H + h0 + o_h, b_h.to(nhid_ptr.dtype.element_ty), mask=m_h)
+
+
+@triton.jit(do_not_specialize=["C", "n", "max_depth"])
+def _tree_select_kernel(
+    root_ptr,  # [B] int64 root tokens
+    ctok_ptr,  # [B, C] int64
+    cscore_ptr,  # [B, C] fp32
+    cpar_ptr,  # [B, C] int32
+    cdep_ptr,  # [B, C] int32
+    node_ptr,  # [B, C] int32 scratch: node index of each candidate (0 = not kept)
+    tok_ptr,  # [B, n + 1] int64 out
+    par_ptr,  # [B, n + 1] int32 out
+    dep_ptr,  # [B, n + 1] int32 out
+    mask_ptr,  # [B, n + 1] int64 out
+    C,
+    n,
+    max_depth,
+    tie,
+    BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    o_c = tl.arange(0, BLOCK_C)
+    m_c = o_c < C
+    b_sc = tl.load(cscore_ptr + b * C + o_c, mask=m_c, other=0.0)
+    b_dep = tl.load(cdep_ptr + b * C + o_c, mask=m_c, other=0)
+    b_key = b_sc - b_dep.to(tl.float32) * tie
+    b_key = tl.where(m_c & (b_key == b_key), b_key, float("-inf"))
+    b_k = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for _ in range(n):  # n times the best candidate not yet kept (lowest id on ties)
+        b_free = m_c & (b_k == 0)
+        best = tl.max(tl.where(b_free, b_key, float("-inf")), axis=0)
+        idx = tl.min(tl.where(b_free & (b_key == best), o_c, BLOCK_C), axis=0)
+        b_k = tl.where(o_c == idx, 1, b_k)
+    b_kept = b_k != 0
+    b_node = tl.where(b_kept, tl.cumsum(b_k, axis=0), 0)  # 1-based node index of each kept candidate
+    tl.store(node_ptr + b * C + o_c, b_node, mask=m_c)
+    tl.debug_barrier()  # node indices visible to the whole program before the gathers below
+
+    b_cpar = tl.load(cpar_ptr + b * C + o_c, mask=m_c, other=-1)
+    has_par = b_kept & (b_cpar >= 0)
+    b_pnode = tl.load(node_ptr + b * C + tl.maximum(b_cpar, 0), mask=has_par, other=0)
+    b_mask = (tl.full([BLOCK_C], 1, tl.int64) << b_node.to(tl.int64)) | 1  # self and the root
+    b_anc = tl.where(has_par, b_cpar, -1)
+    for _ in range(max_depth):  # walk up the candidate ancestors (all kept: the set is closed)
+        v = b_anc >= 0
+        a = tl.maximum(b_anc, 0)
+        b_an = tl.load(node_ptr + b * C + a, mask=v, other=0)
+        b_mask = b_mask | tl.where(v, tl.full([BLOCK_C], 1, tl.int64) << b_an.to(tl.int64), 0)
+        b_anc = tl.where(v, tl.load(cpar_ptr + b * C + a, mask=v, other=-1), -1)
+
+    n1 = n + 1
+    b_tok = tl.load(ctok_ptr + b * C + o_c, mask=m_c, other=0)
+    p_out = b * n1 + b_node
+    tl.store(tok_ptr + p_out, b_tok, mask=b_kept)
+    tl.store(par_ptr + p_out, b_pnode, mask=b_kept)
+    tl.store(dep_ptr + p_out, b_dep, mask=b_kept)
+    tl.store(mask_ptr + p_out, b_mask, mask=b_kept)
+    tl.store(tok_ptr + b * n1, tl.load(root_ptr + b).to(tl.int64))
+    tl.store(par_ptr + b * n1, -1)
+    tl.store(dep_ptr + b * n1, 0)
+    tl.store(mask_ptr + b * n1, tl.full([], 1, tl.int64))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def tree_expand(cand, cand_off: int, depth: int, lp, cid, d2t, score=None, fcid=None, rows=None, h_front=None,
+                valid=None, seq=None):
+    """One growth round (see the module docstring); writes ``cand`` in place.
+
+    lp, cid: [B, F, K] (the first round: F = 1, ``score``/``fcid`` None); d2t: [Vd] int64 or None;
+    score [B, F] fp32, fcid [B, F] int64; ``rows`` = (tok, pos, mask [B, n] int64, hidden [B, n, H])
+    or None when no round follows -- with rows, ``h_front`` [B, F, H] (any strides, last dim
+    contiguous), ``valid`` [B] bool and ``seq`` [B] int32 are needed. For the first round pass rows
+    with n = 0. Returns (next frontier scores [B, K] fp32, candidate ids [B, K] int64, next rows or None).
+    """
+    ctok, cscore, cpar, cdep = cand
+    B, F, K = lp.shape
+    C = ctok.shape[1]
+    first = score is None
+    if cid.shape != lp.shape or (first and F != 1) or cand_off + F * K > C or C > MAX_CANDIDATES:
+        raise ValueError(f"tree_expand: lp/cid [B, F, K] = {tuple(lp.shape)}/{tuple(cid.shape)}, "
+                         f"candidates {cand_off} + {F * K} of {C} (<= {MAX_CANDIDATES}), first={first}")
+    if not first and (score.shape != (B, F) or fcid.shape != (B, F)):
+        raise ValueError(f"tree_expand: score/fcid must be [B, F] = [{B}, {F}]")
+    dev = lp.device
+    nscore = torch.empty(B, K, dtype=torch.float32, device=dev)
+    ncid = torch.empty(B, K, dtype=torch.int64, device=dev)
+    lp2 = lp.reshape(B, F * K).float()
+    cid2 = cid.reshape(B, F * K)
+    if lp2.stride(1) != 1:
+        lp2 = lp2.contiguous()
+    if cid2.stride(1) != 1:
+        cid2 = cid2.contiguous()
+    new_rows = None
+    H = 1
+    if rows is not None:
+        r_tok, r_pos, r_mask, r_hid = rows
+        n = r_tok.shape[1]
+        H = r_hid.shape[-1]
+        if n + K > MAX_NODES or (not first and n < F) or h_front.shape != (B, F, H) or h_front.stride(-1) != 1:
+            raise ValueError(f"tree_expand: {n} + {K} rows (<= {MAX_NODES}), frontier hidden "
+                             f"{tuple(h_front.shape)} must be [B, F, H] = [{B}, {F}, {H}] with a contiguous last dim")
+        new_rows = (torch.empty(B, n + K, dtype=torch.int64, device=dev),
+                    torch.empty(B, n + K, dtype=torch.int64, device=dev),
+                    torch.empty(B, n + K, dtype=torch.int64, device=dev),
+                    torch.empty(B, n + K, H, dtype=r_hid.dtype, device=dev))
+        rows = tuple(t.contiguous() for t in rows)
+        valid8 = valid.to(torch.int8)
+    if B == 0:
+        return nscore, ncid, new_rows
+    ph = lp2  # placeholder pointer for unused arguments
+    _tree_expand_kernel[(B,)](
+        score if not first else ph, fcid if not first else ph, lp2, cid2, d2t if d2t is not None else ph,
+        valid8 if rows is not None else ph, seq if rows is not None else ph,
+        ctok, cscore, cpar, cdep, nscore, ncid,
+        *(rows if rows is not None and not first else (ph,) * 4),
+        *(new_rows if new_rows is not None else (ph,) * 4),
+        h_front if rows is not None else ph,
+        cand_off, depth, rows[0].shape[1] if rows is not None else 0, C, H,
+        lp2.stride(0), cid2.stride(0),
+        h_front.stride(0) if rows is not None else 0, h_front.stride(1) if rows is not None else 0,
+        F=F, K=K, BLOCK_J=max(16, triton.next_power_of_2(F * K)), BLOCK_R=MAX_NODES,
+        BLOCK_H=min(256, max(16, triton.next_power_of_2(H))), FIRST=first, ROWS=rows is not None,
+        HAS_D2T=d2t is not None, num_warps=4,
+    )  # fmt: skip
+    return nscore, ncid, new_rows
+
+
+def tree_select(root, cand, n: int, max_depth: int):
+    """The tree of the n best candidates: (tokens int64, parents int32, depth int32, mask int64) [B, n + 1]."""
+    ctok, cscore, cpar, cdep = cand
+    B, C = ctok.shape
+    if not 1 <= n <= C or n + 1 > MAX_NODES or C > MAX_CANDIDATES:
+        raise ValueError(f"tree_select: keep 1 <= n <= C={C} (<= {MAX_CANDIDATES}) candidates, n + 1 <= "
+                         f"{MAX_NODES} nodes; got n={n}")
+    dev = ctok.device
+    tok = torch.empty(B, n + 1, dtype=torch.int64, device=dev)
+    par = torch.empty(B, n + 1, dtype=torch.int32, device=dev)
+    dep = torch.empty(B, n + 1, dtype=torch.int32, device=dev)
+    mask = torch.empty(B, n + 1, dtype=torch.int64, device=dev)
+    if B:
+        node = torch.empty(B, C, dtype=torch.int32, device=dev)
+        _tree_select_kernel[(B,)](root.contiguous(), ctok, cscore, cpar, cdep, node, tok, par, dep, mask,
+                                  C, n, int(max_depth), TIE, BLOCK_C=max(16, triton.next_power_of_2(C)),
+                                  num_warps=4)
+    return tok, par, dep, mask
