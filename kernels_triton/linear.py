@@ -96,9 +96,12 @@ def norm_swiglu_ref(x, residual, norm_weight, eps, w13):
 
 
 def norm_qkv_rope_write_kv_ref_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
-                                cos, sin, k_cache, v_cache, slot_mapping):
-    """(rotated q [M, HQ, D], x + residual); rotated k and v written to the cache slots."""
+                                cos, sin, k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None):
+    """(rotated q [M, HQ, D], x + residual); rotated k and v written to the cache slots. With x2 the
+    projected rows are cat(RMSNorm(x), RMSNorm2(x2))."""
     y, s = _norm_ref(x, residual, norm_weight, eps)
+    if x2 is not None:
+        y = torch.cat([y, rms_norm_ref(x2, norm_weight2, eps)], dim=-1)
     M, D = x.shape[0], k_cache.shape[-1]
     q, k, v = (y @ wqkv.t()).split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
     q = rope_write_kv_ref_(q.reshape(M, n_q_heads, D), k.reshape(M, n_kv_heads, D), v.reshape(M, n_kv_heads, D),
@@ -111,13 +114,64 @@ def norm_qkv_rope_write_kv_ref_(x, residual, norm_weight, eps, wqkv, n_q_heads, 
 # ----------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M] sums of squares of rows s = x (+ residual), s rounded to x's dtype as norm.py does."""
+    dt = x_ptr.dtype.element_ty
+    o_k = tl.arange(0, BLOCK_K)
+    b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        m_mk = m_m[:, None] & ((k0 + o_k) < K)[None, :]
+        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+        b_x = b_x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        if HAS_RESIDUAL:
+            b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+            b_x = (b_x + b_r.to(tl.float32)).to(dt).to(tl.float32)
+        b_ss += tl.sum(b_x * b_x, axis=1)
+    return b_ss
+
+
+@triton.jit
+def _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m_m, o_wa, o_wb, m_w, K, b_rstd,
+                stride_x, stride_r, stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc += rows @ w[:, w_col0 : w_col0 + K]^T for rows = x (+ residual, stored to s by column block 0),
+    normalised chunk by chunk with b_rstd and nw when NORM; acc_b takes the o_wb weight rows."""
+    dt = x_ptr.dtype.element_ty
+    o_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        m_k = (k0 + o_k) < K
+        m_mk = m_m[:, None] & m_k[None, :]
+        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+        if HAS_RESIDUAL:
+            b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
+            b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(dt)  # [BLOCK_M, BLOCK_K] the new residual
+            if i_n == 0:
+                tl.store(s_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], b_x, mask=m_mk)
+        if NORM:
+            b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_K]
+            b_y = (b_x.to(tl.float32) * b_rstd[:, None]).to(dt).to(tl.float32)
+            b_x = (b_y * b_nw[None, :]).to(dt)  # [BLOCK_M, BLOCK_K] normalised rows
+        m_wk = m_w[:, None] & m_k[None, :]
+        p_w = w_ptr + w_col0 + k0 + o_k[None, :]
+        b_wa = tl.load(p_w + o_wa[:, None] * stride_w, mask=m_wk, other=0.0)  # [BN, BK]
+        acc_a += tl.dot(b_x, tl.trans(b_wa), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+        if TWO_ACC:
+            b_wb = tl.load(p_w + o_wb[:, None] * stride_w, mask=m_wk, other=0.0)  # [BN, BK]
+            acc_b += tl.dot(b_x, tl.trans(b_wb), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN]
+    return acc_a, acc_b
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fused_linear_kernel(
     x_ptr,  # [M, K] input rows
     r_ptr,  # [M, K] residual (HAS_RESIDUAL)
     nw_ptr,  # [K] norm weight (NORM)
     s_ptr,  # [M, K] x + residual out (HAS_RESIDUAL)
-    w_ptr,  # [NOUT, K] weight
+    x2_ptr,  # [M, K2] second input (TWO_INPUTS): columns K .. K + K2 of the weight
+    nw2_ptr,  # [K2] its norm weight
+    w_ptr,  # [NOUT, K (+ K2)] weight
     o_ptr,  # [M, NOUT] (none) | [M, F] (swiglu) | [M, HQ, D] rotated q (rope)
     add_ptr,  # [M, NOUT] added to the output (HAS_ADD, epilogue none), same strides as o
     pos_ptr,  # [M] positions (rope)
@@ -128,11 +182,13 @@ def _fused_linear_kernel(
     vc_ptr,  # [NP, PS, HKV, D] (rope)
     M,
     K,
+    K2,
     NOUT,  # output columns of o (none: NOUT, swiglu: F)
     eps,
     n_positions,
     stride_x,
     stride_r,
+    stride_x2,
     stride_w,
     stride_o,
     stride_cos,
@@ -148,6 +204,7 @@ def _fused_linear_kernel(
     PS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    TWO_INPUTS: tl.constexpr,
     HAS_ADD: tl.constexpr,
     EPI: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -179,41 +236,22 @@ def _fused_linear_kernel(
     o_wa = o_wa.to(tl.int64)
     o_wb = o_wb.to(tl.int64)
 
+    # Pass 1 (norms): each row's 1 / rms; pass 2: the normalised chunks streamed against the weight.
+    b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
-        # Pass 1: sum of squares of each row of s = x (+ residual), rounded to dt as norm.py does.
-        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            m_k = (k0 + o_k) < K
-            m_mk = m_m[:, None] & m_k[None, :]
-            b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
-            b_x = b_x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
-            if HAS_RESIDUAL:
-                b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
-                b_x = (b_x + b_r.to(tl.float32)).to(dt).to(tl.float32)
-            b_ss += tl.sum(b_x * b_x, axis=1)
-        b_rstd = tl.math.rsqrt(b_ss / K + eps)  # [BLOCK_M]
-
+        b_rstd = tl.math.rsqrt(_sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL,
+                                            BLOCK_M, BLOCK_K) / K + eps)
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m_k = (k0 + o_k) < K
-        m_mk = m_m[:, None] & m_k[None, :]
-        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
-        if HAS_RESIDUAL:
-            b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
-            b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(dt)  # [BLOCK_M, BLOCK_K] the new residual
-            if i_n == 0:
-                tl.store(s_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], b_x, mask=m_mk)
-        if NORM:
-            b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BLOCK_K]
-            b_y = (b_x.to(tl.float32) * b_rstd[:, None]).to(dt).to(tl.float32)
-            b_x = (b_y * b_nw[None, :]).to(dt)  # [BLOCK_M, BLOCK_K] normalised rows
-        m_wk = m_w[:, None] & m_k[None, :]
-        b_wa = tl.load(w_ptr + o_wa[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
-        acc_a += tl.dot(b_x, tl.trans(b_wa), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
-        if EPI != _EPI_NONE:
-            b_wb = tl.load(w_ptr + o_wb[:, None] * stride_w + (k0 + o_k)[None, :], mask=m_wk, other=0.0)
-            acc_b += tl.dot(b_x, tl.trans(b_wb), input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN]
+    acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa, o_wb, m_w, K,
+                               b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL, EPI != _EPI_NONE,
+                               BLOCK_K, DOT_PREC)
+    if TWO_INPUTS:  # [norm(x) | norm2(x2)] @ w^T as two K ranges of one accumulation
+        b_rstd2 = tl.math.rsqrt(_sum_squares(x2_ptr, x2_ptr, o_m, m_m, K2, stride_x2, stride_x2, False,
+                                             BLOCK_M, BLOCK_K) / K2 + eps)
+        acc_a, acc_b = _accumulate(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m, m_m, o_wa, o_wb,
+                                   m_w, K2, b_rstd2, stride_x2, stride_x2, stride_w, i_n, True, False,
+                                   EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
 
     # Projections are rounded to dt first, exactly where the unfused path stores them.
     b_a = acc_a.to(dt)
@@ -322,7 +360,7 @@ def _check(name, x, w, residual=None, norm_weight=None):
 
 
 def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=0.0, epi=EPI_NONE, nout=0,
-            rope_args=None, add=None, config=None):
+            rope_args=None, add=None, x2=None, norm_weight2=None, config=None):
     """One launch of the fused kernel; returns s (x + residual, or x) when a norm runs, else None.
     ``config`` overrides BLOCK_K / num_warps / num_stages (benchmark sweeps)."""
     M, K = x.shape
@@ -346,14 +384,20 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         return s if norm else None
     r = residual if residual is not None else x
     nw = norm_weight.contiguous() if norm else x
+    if x2 is not None:
+        x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+        nw2, K2 = norm_weight2.contiguous(), x2.shape[1]
+    else:
+        x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
     cfg = dict(BLOCK_K=_block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
                num_warps=4, num_stages=3)
     cfg.update(config or {})
     _fused_linear_kernel[(grid_n, triton.cdiv(M, block_m))](
-        x, r, nw, s, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
-        M, K, nout, float(eps), n_pos,
-        x.stride(0), r.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
-        HQ=hq, HKV=hkv, HALF=half, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, HAS_ADD=add is not None, EPI=epi,
+        x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
+        M, K, K2, nout, float(eps), n_pos,
+        x.stride(0), r.stride(0), x2.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
+        HQ=hq, HKV=hkv, HALF=half, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, TWO_INPUTS=K2 > 0,
+        HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), **cfg,
     )  # fmt: skip
     return s if norm else None
@@ -403,16 +447,31 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
 
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
-                            k_cache, v_cache, slot_mapping, config=None):
+                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, config=None):
     """RMSNorm(x + residual) @ wqkv^T, RoPE on q and k, k and v into the paged caches: one launch.
 
     wqkv: [(HQ + 2 HKV) D, K] (q rows, then k, then v); positions [M] int32/int64 rows of the fp32
     cos/sin tables [P, D/2]; k_cache / v_cache [NP, PS, HKV, D] written in place at
     ``slot_mapping`` [M] int64 (< 0 skips the row). Returns (rotated q, a new [M, HQ, D] tensor;
     s = x + residual, or x itself without a residual). norm_weight None: no norm, x is projected as is.
+    With ``x2`` [M, K2] (and its ``norm_weight2``, x normed too, no residual) the projected rows are
+    [RMSNorm(x) | RMSNorm2(x2)] and wqkv is [.., K + K2]: EAGLE-3's draft layer, whose attention reads
+    the normed token embedding beside the normed hidden state, without a concatenated copy.
     """
     name = "norm_qkv_rope_write_kv_"
-    _check(name, x, wqkv, residual, norm_weight)
+    if x2 is not None:
+        if norm_weight is None or norm_weight2 is None or residual is not None:
+            raise ValueError(f"{name}: a second input needs both norm weights and no residual")
+        if x2.dim() != 2 or x2.shape[0] != x.shape[0] or x2.dtype != x.dtype or x2.device != x.device:
+            raise ValueError(f"{name}: x2 must be [M={x.shape[0]}, K2] {x.dtype} on {x.device}, got "
+                             f"{tuple(x2.shape)} {x2.dtype} on {x2.device}")
+        if norm_weight2.shape != (x2.shape[1],):
+            raise ValueError(f"{name}: norm weight 2 must be [K2={x2.shape[1]}], got {tuple(norm_weight2.shape)}")
+        _check(name, x, wqkv[:, :x.shape[1]], residual, norm_weight)
+        if wqkv.shape[1] != x.shape[1] + x2.shape[1]:
+            raise ValueError(f"{name}: wqkv must have K + K2 = {x.shape[1] + x2.shape[1]} columns, got {wqkv.shape[1]}")
+    else:
+        _check(name, x, wqkv, residual, norm_weight)
     if norm_weight is None and residual is not None:
         raise ValueError(f"{name}: a residual needs a norm weight (the sum is normalised)")
     M = x.shape[0]
@@ -438,5 +497,6 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     rope_args = (positions.contiguous(), cos.contiguous(), sin.contiguous(), slot_mapping.contiguous(), k_cache,
                  v_cache, HQ, HKV)
     s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=HQ + 2 * HKV, block_n=max(16, triton.next_power_of_2(D // 2)),
-                residual=residual, norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, config=config)
+                residual=residual, norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, x2=x2,
+                norm_weight2=norm_weight2, config=config)
     return q, (x if s is None else s)

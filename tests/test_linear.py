@@ -173,3 +173,46 @@ def test_linear_with_add_matches_addmm(dtype, poison):
     out = lin.linear(x, w, add=add)
     _close(out, lin.linear_ref(x, w, add), dtype)
     assert not torch.allclose(out.float(), lin.linear_ref(x, w).float(), atol=0.5)  # the add happened
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 6])
+def test_two_input_qkv_matches_concatenated_norms(M, dtype, poison):
+    # EAGLE-3's draft attention input: [RMSNorm(embeds) | RMSNorm2(hidden)] without the concat; the
+    # two halves have different norm weights and scales, so swapping or sharing a norm fails.
+    gen = torch.Generator().manual_seed(77 + M)
+    HQ, HKV, D, K, PS, NP = 4, 2, 32, 64, 4, 8
+    x = _randn(M, K, dtype=dtype, scale=3.0, gen=gen)
+    x2 = _randn(M, K, dtype=dtype, scale=0.2, gen=gen)
+    nw, nw2 = _randn(K, dtype=dtype, gen=gen), _randn(K, dtype=dtype, gen=gen)
+    wqkv = _randn((HQ + 2 * HKV) * D, 2 * K, dtype=dtype, scale=(2 * K) ** -0.5, gen=gen)
+    cos, sin = rope_tables(D, 128, 10000.0, device=DEVICE)
+    pos = torch.randint(0, 128, (M,), generator=gen).to(DEVICE)
+    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
+    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q, _ = lin.norm_qkv_rope_write_kv_(x, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
+                                       x2=x2, norm_weight2=nw2)
+    q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(x, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref,
+                                               slots, x2=x2, norm_weight2=nw2)
+    _close(q, q_ref, dtype)
+    torch.testing.assert_close(kc, kc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    swapped, _ = lin.norm_qkv_rope_write_kv_ref_(x, None, nw2, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref.clone(),
+                                                 vc_ref.clone(), slots, x2=x2, norm_weight2=nw)
+    assert not torch.allclose(q.float(), swapped.float(), atol=1e-2)
+
+
+def test_two_input_qkv_rejects_bad_shapes():
+    x = torch.zeros(2, 64, device=DEVICE)
+    w = torch.zeros(8 * 32, 100, device=DEVICE)
+    kc = torch.zeros(4, 4, 2, 32, device=DEVICE)
+    cos = torch.zeros(16, 16, device=DEVICE)
+    args = (4, 2, torch.zeros(2, dtype=torch.long, device=DEVICE), cos, cos, kc, kc.clone(),
+            torch.zeros(2, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="K \\+ K2"):
+        lin.norm_qkv_rope_write_kv_(x, None, torch.ones(64, device=DEVICE), 1e-5, w, *args, x2=x,
+                                    norm_weight2=torch.ones(64, device=DEVICE))
+    with pytest.raises(ValueError, match="both norm weights"):
+        lin.norm_qkv_rope_write_kv_(x, None, None, 1e-5, w, *args, x2=x, norm_weight2=torch.ones(64, device=DEVICE))

@@ -254,13 +254,12 @@ class Eagle3Head(nn.Module):
         N = hidden.shape[0]
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         wqkv, w13 = self.fused_weights()
-        e = ops.rms_norm(token_embeds, self.w("midlayer.input_layernorm.weight"), c.rms_norm_eps, backend=be)
-        h = ops.rms_norm(hidden, self.w("midlayer.hidden_norm.weight"), c.rms_norm_eps, backend=be)
-        x = torch.cat([e, h], dim=-1)  # [N, 2H]
-        # qkv projection of the already-normed [e | h] rows, RoPE, K/V into the draft cache (one launch
-        # for few rows on the Triton backend).
-        q, _ = ops.norm_qkv_rope_write_kv_(x, None, None, c.rms_norm_eps, wqkv, HQ, HKV, positions, self.rope_cos,
-                                           self.rope_sin, k_cache[0], v_cache[0], meta.slot_mapping, backend=be)
+        # [RMSNorm(embeds) | RMSNorm(hidden)] [N, 2H] -> qkv -> RoPE -> K/V into the draft cache (one launch
+        # for few rows on the Triton backend, no concatenated copy).
+        q, _ = ops.norm_qkv_rope_write_kv_(
+            token_embeds, None, self.w("midlayer.input_layernorm.weight"), c.rms_norm_eps, wqkv, HQ, HKV, positions,
+            self.rope_cos, self.rope_sin, k_cache[0], v_cache[0], meta.slot_mapping,
+            hidden, self.w("midlayer.hidden_norm.weight"), backend=be)  # [N, HQ, D]
         o = ops.paged_attention(q, k_cache[0], v_cache[0], meta, backend=be)  # [N, HQ, D]
         attn = ops.linear(o.reshape(N, HQ * D), self.w("midlayer.self_attn.o_proj.weight"), backend=be)
         # RMSNorm(attn + hidden) -> gate|up -> SwiGLU, then residual + act @ down (rounded once).

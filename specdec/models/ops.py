@@ -151,17 +151,20 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
 
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
-                            k_cache, v_cache, slot_mapping, *, backend="auto"):
+                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, *, backend="auto"):
     """The attention block's input side: RMSNorm(x + residual) @ wqkv^T, RoPE, K/V written to the cache
     slots (in place). Returns (rotated q [N, HQ, D], s = x + residual, or x without a residual).
-    norm_weight None projects x as is (the EAGLE-3 draft layer normalises its two inputs itself)."""
+    norm_weight None projects x as is. With ``x2`` (and ``norm_weight2``) the projected rows are
+    [RMSNorm(x) | RMSNorm2(x2)] (EAGLE-3's draft layer: token embedding beside hidden state)."""
     from kernels_triton import linear as lin
 
+    N, D = x.shape[0], k_cache.shape[-1]
     if _fused(backend, x, wqkv):
         return lin.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
-                                           cos, sin, k_cache, v_cache, slot_mapping)
-    N, D = x.shape[0], k_cache.shape[-1]
+                                           cos, sin, k_cache, v_cache, slot_mapping, x2, norm_weight2)
     y, s = _norm(x, residual, norm_weight, eps, backend)
+    if x2 is not None:
+        y = torch.cat([y, rms_norm(x2, norm_weight2, eps, backend=backend)], dim=-1)  # [N, K + K2]
     qkv = y @ wqkv.t()  # [N, H] @ [H, (HQ+2HKV)D]
     q, k, v = qkv.split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)  # views, no copies
     # One launch: rotate q and k, write rotated k and v into this layer's cache slots.
