@@ -159,6 +159,7 @@ def _tree_expand_kernel(
     F: tl.constexpr,
     K: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FIRST: tl.constexpr,
@@ -205,36 +206,43 @@ def _tree_expand_kernel(
                 b_h = tl.load(rhid_ptr + b * n_rows * H + p_off, mask=m_rh)
                 tl.store(nhid_ptr + b * n_next * H + p_off, b_h, mask=m_rh)
 
-    # The next frontier: K times the best remaining child (lowest index on ties); NaN ranks last.
-    b_key = tl.where(m_j & (b_sc == b_sc), b_sc, float("-inf"))
-    b_free = m_j
-    for i in tl.static_range(K):
-        if FIRST:
-            idx = i
-        else:
+    # The next frontier: K times the best remaining child (lowest index on ties; NaN ranks last), a
+    # register-only loop; everything it selects is then gathered in parallel.
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    if FIRST:
+        b_sel = o_k
+    else:
+        b_key = tl.where(m_j & (b_sc == b_sc), b_sc, float("-inf"))
+        b_free = m_j
+        b_sel = tl.zeros([BLOCK_K], dtype=tl.int32)
+        for i in tl.static_range(K):
             best = tl.max(tl.where(b_free, b_key, float("-inf")), axis=0)
             idx = tl.min(tl.where(b_free & (b_key == best), o_j, BLOCK_J), axis=0)
             idx = tl.minimum(idx, F * K - 1)
             b_free = b_free & (o_j != idx)
-        sel = o_j == idx
-        tl.store(nscore_ptr + b * K + i, tl.sum(tl.where(sel, b_sc, 0.0), axis=0))
-        tl.store(ncid_ptr + b * K + i, (cand_off + idx).to(tl.int64))
-        if ROWS:
-            row = n_rows + i
-            tok_i = tl.sum(tl.where(sel, b_tok, 0), axis=0)
-            tl.store(ntok_ptr + b * n_next + row, tl.where(b_valid, tok_i, 0))
-            tl.store(npos_ptr + b * n_next + row, b_pos)
-            bit = tl.full([], 1, tl.int64) << row.to(tl.int64)
-            pslot = idx // K
-            if FIRST:
-                pmask = tl.full([], 0, tl.int64)
-            else:
-                pmask = tl.load(rmask_ptr + b * n_rows + (n_rows - F) + pslot)
-            tl.store(nmask_ptr + b * n_next + row, pmask | bit)
-            for h0 in range(0, H, BLOCK_H):
-                m_h = (h0 + o_h) < H
-                b_h = tl.load(hf_ptr + b * stride_hfb + pslot * stride_hff + h0 + o_h, mask=m_h)
-                tl.store(nhid_ptr + (b * n_next + row) * H + h0 + o_h, b_h.to(nhid_ptr.dtype.element_ty), mask=m_h)
+            b_sel = tl.where(o_k == i, idx, b_sel)
+    tl.debug_barrier()  # the candidates stored above are read back by other threads
+    p_s = b * C + cand_off + b_sel
+    tl.store(nscore_ptr + b * K + o_k, tl.load(cscore_ptr + p_s, mask=m_k), mask=m_k)
+    tl.store(ncid_ptr + b * K + o_k, (cand_off + b_sel).to(tl.int64), mask=m_k)
+    if ROWS:
+        o_row = n_rows + o_k  # [BLOCK_K] the new rows
+        b_ntok = tl.load(ctok_ptr + p_s, mask=m_k, other=0)
+        tl.store(ntok_ptr + b * n_next + o_row, tl.where(b_valid, b_ntok, 0), mask=m_k)
+        tl.store(npos_ptr + b * n_next + o_row, tl.zeros([BLOCK_K], dtype=tl.int64) + b_pos, mask=m_k)
+        b_pslot = b_sel // K  # frontier slot of each new node's parent
+        b_bit = tl.full([BLOCK_K], 1, tl.int64) << o_row.to(tl.int64)
+        if FIRST:
+            b_pmask = tl.zeros([BLOCK_K], dtype=tl.int64)
+        else:
+            b_pmask = tl.load(rmask_ptr + b * n_rows + (n_rows - F) + b_pslot, mask=m_k, other=0)
+        tl.store(nmask_ptr + b * n_next + o_row, b_pmask | b_bit, mask=m_k)
+        for h0 in range(0, H, BLOCK_H):
+            m_kh = m_k[:, None] & ((h0 + o_h) < H)[None, :]
+            b_h = tl.load(hf_ptr + b * stride_hfb + b_pslot[:, None] * stride_hff + (h0 + o_h)[None, :], mask=m_kh)
+            tl.store(nhid_ptr + (b * n_next + o_row)[:, None] * H + (h0 + o_h)[None, :],
+                     b_h.to(nhid_ptr.dtype.element_ty), mask=m_kh)
 
 
 @triton.jit(do_not_specialize=["C", "n", "max_depth"])
@@ -254,6 +262,7 @@ def _tree_select_kernel(
     max_depth,
     tie,
     BLOCK_C: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C)
@@ -262,13 +271,19 @@ def _tree_select_kernel(
     b_dep = tl.load(cdep_ptr + b * C + o_c, mask=m_c, other=0)
     b_key = b_sc - b_dep.to(tl.float32) * tie
     b_key = tl.where(m_c & (b_key == b_key), b_key, float("-inf"))
-    b_k = tl.zeros([BLOCK_C], dtype=tl.int32)
-    for _ in range(n):  # n times the best candidate not yet kept (lowest id on ties)
-        b_free = m_c & (b_k == 0)
-        best = tl.max(tl.where(b_free, b_key, float("-inf")), axis=0)
-        idx = tl.min(tl.where(b_free & (b_key == best), o_c, BLOCK_C), axis=0)
-        b_k = tl.where(o_c == idx, 1, b_k)
-    b_kept = b_k != 0
+    # rank of each candidate = candidates ahead of it (a higher key, or the same key and a lower id);
+    # the n of rank < n are kept. Compared BLOCK_J candidates at a time, all in registers.
+    b_rank = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for j0 in range(0, C, BLOCK_J):
+        o_q = j0 + tl.arange(0, BLOCK_J)
+        m_q = o_q < C
+        b_kq = tl.load(cscore_ptr + b * C + o_q, mask=m_q, other=0.0) - tl.load(
+            cdep_ptr + b * C + o_q, mask=m_q, other=0).to(tl.float32) * tie
+        b_kq = tl.where(m_q & (b_kq == b_kq), b_kq, float("-inf"))
+        ahead = (b_kq[None, :] > b_key[:, None]) | ((b_kq[None, :] == b_key[:, None]) & (o_q[None, :] < o_c[:, None]))
+        b_rank += tl.sum((ahead & m_q[None, :]).to(tl.int32), axis=1)
+    b_kept = m_c & (b_rank < n)
+    b_k = b_kept.to(tl.int32)
     b_node = tl.where(b_kept, tl.cumsum(b_k, axis=0), 0)  # 1-based node index of each kept candidate
     tl.store(node_ptr + b * C + o_c, b_node, mask=m_c)
     tl.debug_barrier()  # node indices visible to the whole program before the gathers below
@@ -359,7 +374,8 @@ def tree_expand(cand, cand_off: int, depth: int, lp, cid, d2t, score=None, fcid=
         cand_off, depth, rows[0].shape[1] if rows is not None else 0, C, H,
         lp2.stride(0), cid2.stride(0),
         h_front.stride(0) if rows is not None else 0, h_front.stride(1) if rows is not None else 0,
-        F=F, K=K, BLOCK_J=max(16, triton.next_power_of_2(F * K)), BLOCK_R=MAX_NODES,
+        F=F, K=K, BLOCK_J=max(16, triton.next_power_of_2(F * K)), BLOCK_K=max(16, triton.next_power_of_2(K)),
+        BLOCK_R=MAX_NODES,
         BLOCK_H=min(256, max(16, triton.next_power_of_2(H))), FIRST=first, ROWS=rows is not None,
         HAS_D2T=d2t is not None, num_warps=4,
     )  # fmt: skip
@@ -379,8 +395,9 @@ def tree_select(root, cand, n: int, max_depth: int):
     dep = torch.empty(B, n + 1, dtype=torch.int32, device=dev)
     mask = torch.empty(B, n + 1, dtype=torch.int64, device=dev)
     if B:
+        block_c = max(16, triton.next_power_of_2(C))
         node = torch.empty(B, C, dtype=torch.int32, device=dev)
         _tree_select_kernel[(B,)](root.contiguous(), ctok, cscore, cpar, cdep, node, tok, par, dep, mask,
-                                  C, n, int(max_depth), TIE, BLOCK_C=max(16, triton.next_power_of_2(C)),
-                                  num_warps=4)
+                                  C, n, int(max_depth), TIE, BLOCK_C=block_c,
+                                  BLOCK_J=max(1, min(block_c, 8192 // block_c)), num_warps=4)
     return tok, par, dep, mask

@@ -139,8 +139,10 @@ def test_drafter_kernel_trees_equal_reference(monkeypatch):
         B, T = 4, drafter.num_nodes(ntok)
         valid = st.row_ids[:B] < st.num_rows
         want = drafter.propose_reference(st, B, T, valid)
+        calls.clear()
         got = drafter.propose(st, B, T, valid)
+        assert len(calls) == 1  # the kernels built this tree
         rows = valid.nonzero().flatten()
         for name in ("tokens", "parents", "depth", "mask"):
-            assert torch.equal(getattr(want, name)[rows], getattr(got, name)[rows]), (topk, steps, name)
-    assert len(calls) == 6  # the kernels built the trees: one engine step and one direct call per shape
+            w, x = getattr(want, name)[rows], getattr(got, name)[rows]
+            assert torch.equal(w, x), (topk, steps, name, w.tolist(), x.tolist())
