@@ -74,7 +74,7 @@ def grown_candidates(g, B, K, steps, Vd):
     return cand
 
 
-@pytest.mark.parametrize("K,steps,n", [(4, 5, 16), (8, 6, 32), (1, 5, 5), (3, 3, 20), (2, 4, 1)])
+@pytest.mark.parametrize("K,steps,n", [(4, 5, 16), (8, 6, 32), (8, 7, 48), (1, 5, 5), (3, 3, 20), (2, 4, 1)])
 def test_tree_select_matches_reference_and_is_a_tree(K, steps, n):
     g = torch.Generator().manual_seed(K * 100 + steps)
     B = 3
