@@ -334,3 +334,40 @@ def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
     got, _ = run_engine(model, prompts, 10, drafter=drafter, ks=(6,), k_of_step=lambda i: 6)
     assert got == want
     assert calls["rope"] > 0 and calls["add"] > 0  # target and draft went through the fused kernels
+
+
+def test_padding_rows_never_move_kv(tiny, monkeypatch):
+    """Rows past num_active in a padded bucket carry stale state (e.g. a finished request's page table);
+    even if verification "accepts" drafts there, the commit must move no KV for them, and the live
+    rows' output stays identical to plain greedy."""
+    import specdec.engine.step as stepmod
+
+    real_va, real_kv = stepmod.ops.verify_accept, stepmod.ops.kv_sync_
+    engine = None
+    padding_accepts = []
+
+    def va(logits, tokens, parents, *a, **kw):
+        acc, nodes, out = real_va(logits, tokens, parents, *a, **kw)
+        n, T = engine.state.num_rows, tokens.shape[1]
+        acc, nodes = acc.clone(), nodes.clone()
+        acc[n:] = T - 1  # claim the whole chain on padding rows
+        nodes[n:] = torch.arange(T, dtype=nodes.dtype)
+        return acc, nodes, out
+
+    def kv(caches, page_table, seq, nodes, acc, out, **kw):
+        padding_accepts.extend(acc[engine.state.num_rows:].tolist())
+        return real_kv(caches, page_table, seq, nodes, acc, out, **kw)
+
+    monkeypatch.setattr(stepmod.ops, "verify_accept", va)
+    monkeypatch.setattr(stepmod.ops, "kv_sync_", kv)
+    prompts = repetitive_prompts(3, seed=2)
+    want = [reference(tiny, p, 12) for p in prompts]
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024, pad_eager=True,
+                                       graph_buckets=(4,)), drafter=drafter, ks=(4,))
+    reqs = [engine.add_request(p, 12) for p in prompts]
+    while engine.has_work():
+        engine.step(4)
+        engine.check()
+    assert [r.output_ids for r in reqs] == want
+    assert padding_accepts and not any(padding_accepts)  # padding rows were there, and committed nothing

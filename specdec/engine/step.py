@@ -81,6 +81,9 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     uniforms = state.uniform[:B, :T] if temperature > 0 else None
     accept_len, nodes, out_tokens = ops.verify_accept(logits, tree.tokens, tree.parents, temperature,
                                                       uniforms, backend=be)
+    # Padding rows of a bucket hold stale state (a finished request's page table, whose pages live
+    # requests may own now) and garbage logits: whatever verify accepted there, they commit nothing.
+    accept_len = torch.where(valid, accept_len, 0)
     if marks:
         marks("verify")
     seq_old = state.seq_lens[:B].clone()  # [B] the drafter's extend starts here
