@@ -57,9 +57,10 @@ def _bit(i: torch.Tensor) -> torch.Tensor:
 
 
 def new_candidates(B: int, C: int, device):
-    """Candidate buffers filled by the rounds: (tokens int64, scores fp32, parents int32, depths int32) [B, C]."""
-    return (torch.zeros(B, C, dtype=torch.int64, device=device), torch.zeros(B, C, dtype=torch.float32, device=device),
-            torch.full((B, C), -1, dtype=torch.int32, device=device), torch.zeros(B, C, dtype=torch.int32, device=device))
+    """Candidate buffers the rounds fill (every slot: K + (steps - 1) K^2 of them, so no fill launch):
+    (tokens int64, scores fp32, parents int32, depths int32) [B, C]."""
+    return (torch.empty(B, C, dtype=torch.int64, device=device), torch.empty(B, C, dtype=torch.float32, device=device),
+            torch.empty(B, C, dtype=torch.int32, device=device), torch.empty(B, C, dtype=torch.int32, device=device))
 
 
 def tree_expand_ref(cand, cand_off, depth, lp, cid, d2t, score=None, fcid=None, rows=None, h_front=None,
@@ -121,6 +122,22 @@ def tree_select_ref(root, cand, n: int, max_depth: int):
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ranked(key, idx):
+    """Sort keys that order like (key descending, idx ascending) and are all distinct: the fp32 key's
+    bits made order-preserving as int32 (negatives flipped) in the high word, 2^31 - 1 - idx in the
+    low word. One bitonic tl.sort of these replaces a top-k loop of 2k reductions."""
+    bits = key.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) + (2147483647 - idx).to(tl.int64)
+
+
+@triton.jit
+def _rank_index(packed):
+    """The idx that ``_ranked`` packed."""
+    return (2147483647 - (packed & 0xFFFFFFFF)).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["cand_off", "depth", "n_rows", "C", "H"])
@@ -206,22 +223,18 @@ def _tree_expand_kernel(
                 b_h = tl.load(rhid_ptr + b * n_rows * H + p_off, mask=m_rh)
                 tl.store(nhid_ptr + b * n_next * H + p_off, b_h, mask=m_rh)
 
-    # The next frontier: K times the best remaining child (lowest index on ties; NaN ranks last), a
-    # register-only loop; everything it selects is then gathered in parallel.
+    # The next frontier: the K best children (lowest index on ties; NaN ranks last) from one sort in
+    # registers; everything they need is then gathered in parallel.
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < K
     if FIRST:
         b_sel = o_k
     else:
         b_key = tl.where(m_j & (b_sc == b_sc), b_sc, float("-inf"))
-        b_free = m_j
-        b_sel = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for i in tl.static_range(K):
-            best = tl.max(tl.where(b_free, b_key, float("-inf")), axis=0)
-            idx = tl.min(tl.where(b_free & (b_key == best), o_j, BLOCK_J), axis=0)
-            idx = tl.minimum(idx, F * K - 1)
-            b_free = b_free & (o_j != idx)
-            b_sel = tl.where(o_k == i, idx, b_sel)
+        b_sorted = tl.sort(_ranked(b_key, o_j), descending=True)  # [BLOCK_J], best child first
+        # the first K entries, as a [BLOCK_K] vector
+        b_first = tl.sum(tl.where(o_j[None, :] == o_k[:, None], b_sorted[None, :], 0), axis=1)
+        b_sel = tl.minimum(_rank_index(b_first), F * K - 1)
     tl.debug_barrier()  # the candidates stored above are read back by other threads
     p_s = b * C + cand_off + b_sel
     tl.store(nscore_ptr + b * K + o_k, tl.load(cscore_ptr + p_s, mask=m_k), mask=m_k)
@@ -262,7 +275,6 @@ def _tree_select_kernel(
     max_depth,
     tie,
     BLOCK_C: tl.constexpr,
-    BLOCK_J: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C)
@@ -271,18 +283,11 @@ def _tree_select_kernel(
     b_dep = tl.load(cdep_ptr + b * C + o_c, mask=m_c, other=0)
     b_key = b_sc - b_dep.to(tl.float32) * tie
     b_key = tl.where(m_c & (b_key == b_key), b_key, float("-inf"))
-    # rank of each candidate = candidates ahead of it (a higher key, or the same key and a lower id);
-    # the n of rank < n are kept. Compared BLOCK_J candidates at a time, all in registers.
-    b_rank = tl.zeros([BLOCK_C], dtype=tl.int32)
-    for j0 in range(0, C, BLOCK_J):
-        o_q = j0 + tl.arange(0, BLOCK_J)
-        m_q = o_q < C
-        b_kq = tl.load(cscore_ptr + b * C + o_q, mask=m_q, other=0.0) - tl.load(
-            cdep_ptr + b * C + o_q, mask=m_q, other=0).to(tl.float32) * tie
-        b_kq = tl.where(m_q & (b_kq == b_kq), b_kq, float("-inf"))
-        ahead = (b_kq[None, :] > b_key[:, None]) | ((b_kq[None, :] == b_key[:, None]) & (o_q[None, :] < o_c[:, None]))
-        b_rank += tl.sum((ahead & m_q[None, :]).to(tl.int32), axis=1)
-    b_kept = m_c & (b_rank < n)
+    # Kept: the n largest (key, -id) pairs, i.e. those at or above the n-th of one descending sort.
+    b_packed = _ranked(b_key, o_c)
+    b_sorted = tl.sort(b_packed, descending=True)
+    thr = tl.max(tl.where(o_c == n - 1, b_sorted, -9223372036854775807), axis=0)
+    b_kept = m_c & (b_packed >= thr)
     b_k = b_kept.to(tl.int32)
     b_node = tl.where(b_kept, tl.cumsum(b_k, axis=0), 0)  # 1-based node index of each kept candidate
     tl.store(node_ptr + b * C + o_c, b_node, mask=m_c)
@@ -398,6 +403,5 @@ def tree_select(root, cand, n: int, max_depth: int):
         block_c = max(16, triton.next_power_of_2(C))
         node = torch.empty(B, C, dtype=torch.int32, device=dev)
         _tree_select_kernel[(B,)](root.contiguous(), ctok, cscore, cpar, cdep, node, tok, par, dep, mask,
-                                  C, n, int(max_depth), TIE, BLOCK_C=block_c,
-                                  BLOCK_J=max(1, min(block_c, 8192 // block_c)), num_warps=4)
+                                  C, n, int(max_depth), TIE, BLOCK_C=block_c, num_warps=4)
     return tok, par, dep, mask

@@ -65,7 +65,7 @@ def test_tree_expand_matches_reference(first, F, K, n, d2t):
 def grown_candidates(g, B, K, steps, Vd):
     """Candidates of a real growth (closed under ancestors) through the reference rounds."""
     C = K + (steps - 1) * K * K
-    cand = tree_grow.new_candidates(B, C, DEV)
+    cand = poisoned_candidates(B, C)  # the rounds write every slot
     lp, cid, _, _ = random_round(g, B, 1, K, Vd, True)
     score, fcid, _ = tree_grow.tree_expand_ref(cand, 0, 1, lp, cid, None)
     for r in range(steps - 1):
@@ -104,7 +104,7 @@ def test_growth_rounds_rebuild_grow_tree():
 
     want = grow_tree(root, topk_of(first, K), expand, topk=K, steps=steps, num_draft_tokens=n,
                      to_target=lambda i: table[i])
-    cand = tree_grow.new_candidates(B, K + (steps - 1) * K * K, DEV)
+    cand = poisoned_candidates(B, K + (steps - 1) * K * K)
     lp, ids = topk_of(first, K)
     score, fcid, _ = tree_grow.tree_expand(cand, 0, 1, lp[:, None], ids[:, None], table)
     for r in range(steps - 1):
