@@ -275,10 +275,11 @@ class Eagle3Drafter:
         last = accept_len.long()[:, None]  # [B, 1]
         h_last = h.view(B, T, -1).gather(1, last[:, :, None].expand(-1, -1, h.shape[-1]))[:, 0]
         top, ids = self._children(h_last, self.topk)
-        keep = valid[:, None]
-        self.root_hidden[:B].copy_(torch.where(keep, h_last, self.root_hidden[:B]))
-        self.root_top[:B].copy_(torch.where(keep, top, self.root_top[:B]))
-        self.root_ids[:B].copy_(torch.where(keep, ids, self.root_ids[:B]))
+        # Padding rows (>= num_active) take garbage here too: their root state is never read, and a
+        # row becomes live only through stage_rows_ (which writes it) or keep_rows_ (a live row's).
+        self.root_hidden[:B].copy_(h_last)
+        self.root_top[:B].copy_(top)
+        self.root_ids[:B].copy_(ids)
 
 
 def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
