@@ -183,9 +183,10 @@ def topk_logprobs(logits, k: int, *, backend="auto"):
 
 
 def _step_kernel(backend: str, t: torch.Tensor) -> bool:
-    """The step's addressing helpers (block_meta, ancestor_masks) run as Triton kernels wherever the
-    Triton backend runs: they replace ~12 and ~8-per-level small torch kernels per call (H200, graphed
-    batch-1 steps: plain 1.028 -> 1.006 ms, 16-node tree 1.676 -> 1.493 ms; profile_step results).
+    """The step's addressing and tree helpers (block_meta, ancestor_masks, tree_expand, tree_select) run as
+    Triton kernels wherever the Triton backend runs: they replace ~12, ~8-per-level, ~20-per-round and ~25
+    small torch kernels per call (H200, graphed batch-1 steps: plain 1.028 -> 1.006 ms, 16-node tree
+    1.676 -> 1.493 ms with the first two, -> 1.368 ms with the tree kernels; profile_step results).
     SPECDEC_STEP_KERNELS=0 keeps the torch versions (an A/B switch for benchmarks); =1 forces the kernels
     with backend "auto" on the CPU too, under the interpreter (tests of the engine loop)."""
     flag = os.environ.get("SPECDEC_STEP_KERNELS")

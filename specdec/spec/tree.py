@@ -11,7 +11,10 @@ expand the current frontier's ``topk`` nodes, score their ``topk * topk`` childr
 log-probability and keep the best ``topk`` as the next frontier; finally keep the best
 ``num_draft_tokens`` candidates overall. Children score strictly below their parents (a tiny
 depth penalty breaks exact ties), so the kept set is closed under ancestors. ``topk = 1`` gives a
-chain of ``steps`` tokens. Everything here is batched tensor work: no host sync.
+chain of ``steps`` tokens. Everything here is batched tensor work: no host sync. ``grow_tree`` over
+torch ops is the readable form; the EAGLE-3 drafter grows the same trees with one Triton launch per
+round and one for the selection (``kernels_triton/tree_grow.py``, through ``ops.tree_expand`` /
+``ops.tree_select``), and tests check the two agree.
 """
 
 from __future__ import annotations
