@@ -26,7 +26,6 @@ import torch
 from ..models import ops
 
 MAX_TREE_NODES = 64  # one int64 ancestor bitmask per node
-_TIE = 1e-6  # depth penalty: makes a child's score strictly below its parent's
 
 
 @dataclass
@@ -80,27 +79,19 @@ def topk_of(logp: torch.Tensor, k: int):
 def select_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
                 cand_parents: torch.Tensor, cand_depth: torch.Tensor, num_draft_tokens: int,
                 max_depth: int) -> DraftTree:
-    """Keep the best ``num_draft_tokens`` candidates as a tree.
+    """Keep the best ``num_draft_tokens`` candidates as a tree (``ops.tree_select``: score minus a
+    tiny depth penalty, ties to the lower candidate id, kept in candidate order).
 
     cand_*: [B, C] over all grown candidates in round order (a parent's index is lower than its
     child's); cand_parents holds candidate indices, -1 for children of the root; scores are
     cumulative log-probabilities; ``max_depth`` is the static depth bound (the growth steps).
     """
-    B, C = cand_tokens.shape
-    n = min(num_draft_tokens, C)
+    n = min(num_draft_tokens, cand_tokens.shape[1])
     if n + 1 > MAX_TREE_NODES:
         raise ValueError(f"num_draft_tokens={num_draft_tokens}: a tree holds at most {MAX_TREE_NODES - 1}")
-    score = cand_scores.float() - _TIE * cand_depth.float()
-    keep = ops.topk(score, n)[1].sort(dim=1).values  # [B, n] candidate ids, topological
-    node_of = torch.full((B, C), -1, dtype=torch.long, device=root.device)
-    node_of.scatter_(1, keep, torch.arange(1, n + 1, device=root.device).expand(B, n))
-    cpar = cand_parents.long().gather(1, keep)  # [B, n] candidate id of each kept node's parent
-    par = torch.where(cpar >= 0, node_of.gather(1, cpar.clamp(min=0)), torch.zeros_like(cpar))
-    tokens = torch.cat([root[:, None].long(), cand_tokens.gather(1, keep)], dim=1)
-    parents = torch.cat([torch.full((B, 1), -1, device=root.device, dtype=torch.long), par], 1).int()
-    depth = torch.cat([torch.zeros(B, 1, dtype=torch.int32, device=root.device),
-                       cand_depth.gather(1, keep).int()], dim=1)
-    return DraftTree(tokens, parents, depth, ancestor_masks(parents, max_depth))
+    cand = (cand_tokens.long().contiguous(), cand_scores.float().contiguous(), cand_parents.int().contiguous(),
+            cand_depth.int().contiguous())
+    return DraftTree(*ops.tree_select(root, cand, n, max_depth))
 
 
 def grow_tree(root: torch.Tensor, first, expand, *, topk: int, steps: int,
