@@ -18,8 +18,9 @@ Shapes: logits [N, V] (leading dims flattened: [..., V] works), returns logp [..
 registers of one program; a wider row raises, use the reference there).
 
 Kernel layout: grid (N,); one program loads its row once (BLOCK_V = next power of two of V,
-padding = -inf), reduces it for the logsumexp, then K times takes the max, the lowest index
-holding it, stores both and masks that element out. N rides on the grid and is not an argument,
+padding = -inf), packs each (value, index) into one int64 that orders like (value descending, index
+ascending) (``ranked_key``), reduces the row for the logsumexp, then K times takes the max key (one
+reduction: value and lowest index at once), stores both and masks that element out. N rides on the grid and is not an argument,
 so one compile serves every batch size (captured per bucket in a CUDA graph).
 
 ``topk(x, k)`` is the same kernel without the logsumexp: the k largest values themselves (the
@@ -39,20 +40,53 @@ MAX_V = 16384
 MAX_K = 64
 
 
-def topk_logprobs_ref(logits, k: int):
+def _into(v, i, out):
+    if out is None:
+        return v, i
+    out[0].copy_(v)
+    out[1].copy_(i)
+    return out
+
+
+def topk_logprobs_ref(logits, k: int, out=None):
     """Plain torch: the k largest log_softmax values of each row (fp32) and their indices."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     v, i = lp.topk(k, dim=-1)
-    return v.contiguous(), i.contiguous()
+    return _into(v.contiguous(), i.contiguous(), out)
+
+
+@triton.jit
+def ranked_key(key, idx):
+    """Keys that order like (key descending, idx ascending) and are all distinct: the fp32 key's
+    bits made order-preserving as int32 (negatives flipped) in the high word, 2^31 - 1 - idx in the
+    low word. One max (or one bitonic sort) of these finds the best (value, lowest index) pair."""
+    bits = key.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) + (2147483647 - idx).to(tl.int64)
+
+
+@triton.jit
+def ranked_index(packed):
+    """The idx that ``ranked_key`` packed."""
+    return (2147483647 - (packed & 0xFFFFFFFF)).to(tl.int32)
+
+
+@triton.jit
+def ranked_value(packed):
+    """The fp32 key that ``ranked_key`` packed (exact: the bit transform is an involution)."""
+    hi = (packed >> 32).to(tl.int32)
+    return tl.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def topk_logprobs_kernel(
     x_ptr,  # [N, V]
-    v_ptr,  # [N, K] fp32
-    i_ptr,  # [N, K] int64
+    v_ptr,  # [N, K] fp32 (row stride stride_v)
+    i_ptr,  # [N, K] int64 (row stride stride_i)
     V,
     stride_x,
+    stride_v,
+    stride_i,
     K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     LOG_SOFTMAX: tl.constexpr,
@@ -61,24 +95,30 @@ def topk_logprobs_kernel(
     offs = tl.arange(0, BLOCK_V)
     x = tl.load(x_ptr + n * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     x = tl.where(x == x, x, float("-inf"))  # NaN (e.g. a padding row's garbage) ranks last
+    # (value, index) packed into one distinct int64 per element: each of the K picks is ONE max
+    # reduction (the lowest index among equal values wins by construction), not a max and a min.
+    key = ranked_key(x, offs)  # [BLOCK_V]; padding (-inf, index >= V) ranks below every real -inf
+    best = tl.max(key, axis=0)
     if LOG_SOFTMAX:
-        mx = tl.max(x, axis=0)
+        mx = ranked_value(best)
         lse = mx + tl.log(tl.sum(tl.exp(x - mx), axis=0))
     else:
         lse = 0.0
     for j in tl.static_range(K):
-        best = tl.max(x, axis=0)
-        idx = tl.min(tl.where(x == best, offs, BLOCK_V), axis=0)  # lowest index holding the max
-        idx = tl.minimum(idx, V - 1)  # always a valid id, whatever the row holds
-        tl.store(v_ptr + n * K + j, best - lse)
-        tl.store(i_ptr + n * K + j, idx.to(tl.int64))
-        x = tl.where(offs == idx, float("-inf"), x)
+        if j > 0:
+            best = tl.max(key, axis=0)
+        idx = tl.minimum(ranked_index(best), V - 1)  # always a valid id, whatever the row holds
+        tl.store(v_ptr + n * stride_v + j, ranked_value(best) - lse)
+        tl.store(i_ptr + n * stride_i + j, idx.to(tl.int64))
+        key = tl.where(key == best, -9223372036854775807 - 1, key)
 
 
-def topk_logprobs(logits, k: int):
+def topk_logprobs(logits, k: int, out=None):
     """The k largest log-probabilities of each row of ``logits`` [..., V] and their indices, in
-    descending order: (logp [..., k] fp32, ids [..., k] int64). One launch; see the module docstring."""
-    return _launch(logits, k, True, "topk_logprobs")
+    descending order: (logp [..., k] fp32, ids [..., k] int64). One launch; see the module docstring.
+    ``out`` = (logp, ids) writes into those tensors ([..., k] fp32 / int64, last dim contiguous,
+    e.g. rows of a persistent buffer) instead of new ones."""
+    return _launch(logits, k, True, "topk_logprobs", out)
 
 
 def topk_ref(x, k: int):
@@ -93,7 +133,7 @@ def topk(x, k: int):
     return _launch(x, k, False, "topk")
 
 
-def _launch(logits, k: int, log_softmax: bool, name: str):
+def _launch(logits, k: int, log_softmax: bool, name: str, out=None):
     if logits.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{name}: logits must be float32/float16/bfloat16, got {logits.dtype}")
     if logits.dim() < 1:
@@ -107,12 +147,23 @@ def _launch(logits, k: int, log_softmax: bool, name: str):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     N = x2.shape[0]
-    vals = torch.empty((*logits.shape[:-1], k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((*logits.shape[:-1], k), dtype=torch.int64, device=logits.device)
+    shape = (*logits.shape[:-1], k)
+    if out is None:
+        vals = torch.empty(shape, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(shape, dtype=torch.int64, device=logits.device)
+    else:
+        vals, ids = out
+        if (vals.shape != shape or ids.shape != shape or vals.dtype != torch.float32 or ids.dtype != torch.int64
+                or vals.device != logits.device or ids.device != logits.device):
+            raise ValueError(f"{name}: out must be ([..., k] float32, [..., k] int64) = {shape} on "
+                             f"{logits.device}, got {tuple(vals.shape)} {vals.dtype} / {tuple(ids.shape)} {ids.dtype}")
+    v2, i2 = vals.view(N, k), ids.view(N, k)  # raises if out's rows are not one stride apart
+    if v2.stride(-1) != 1 or i2.stride(-1) != 1:
+        raise ValueError(f"{name}: out tensors need a contiguous last dim")
     if N == 0:
         return vals, ids
     block_v = max(16, triton.next_power_of_2(V))
     num_warps = max(1, min(16, block_v // 512))  # ~16 fp32 values per thread
-    topk_logprobs_kernel[(N,)](x2, vals, ids, V, x2.stride(0), K=k, BLOCK_V=block_v,
+    topk_logprobs_kernel[(N,)](x2, v2, i2, V, x2.stride(0), v2.stride(0), i2.stride(0), K=k, BLOCK_V=block_v,
                                LOG_SOFTMAX=log_softmax, num_warps=num_warps)
     return vals, ids

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .topk import ranked_index, ranked_key
+
 MAX_NODES = 64
 MAX_CANDIDATES = 4096
 TIE = 1e-6  # depth penalty: a child's selection key is strictly below its parent's
@@ -124,22 +126,6 @@ def tree_select_ref(root, cand, n: int, max_depth: int):
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _ranked(key, idx):
-    """Sort keys that order like (key descending, idx ascending) and are all distinct: the fp32 key's
-    bits made order-preserving as int32 (negatives flipped) in the high word, 2^31 - 1 - idx in the
-    low word. One bitonic tl.sort of these replaces a top-k loop of 2k reductions."""
-    bits = key.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (ordered.to(tl.int64) << 32) + (2147483647 - idx).to(tl.int64)
-
-
-@triton.jit
-def _rank_index(packed):
-    """The idx that ``_ranked`` packed."""
-    return (2147483647 - (packed & 0xFFFFFFFF)).to(tl.int32)
-
-
 @triton.jit(do_not_specialize=["cand_off", "depth", "n_rows", "C", "H"])
 def _tree_expand_kernel(
     score_ptr,  # [B, F] fp32 frontier scores (not FIRST)
@@ -147,7 +133,7 @@ def _tree_expand_kernel(
     lp_ptr,  # [B, F * K] fp32 child log-probs (row stride stride_lp)
     cid_ptr,  # [B, F * K] int64 child draft ids (row stride stride_cid)
     d2t_ptr,  # [Vd] int64 draft -> target id (HAS_D2T)
-    valid_ptr,  # [B] int8 (ROWS)
+    valid_ptr,  # [B] bool (ROWS)
     seq_ptr,  # [B] int32 (ROWS)
     ctok_ptr,  # [B, C] int64 candidates
     cscore_ptr,  # [B, C] fp32
@@ -231,10 +217,10 @@ def _tree_expand_kernel(
         b_sel = o_k
     else:
         b_key = tl.where(m_j & (b_sc == b_sc), b_sc, float("-inf"))
-        b_sorted = tl.sort(_ranked(b_key, o_j), descending=True)  # [BLOCK_J], best child first
+        b_sorted = tl.sort(ranked_key(b_key, o_j), descending=True)  # [BLOCK_J], best child first
         # the first K entries, as a [BLOCK_K] vector
         b_first = tl.sum(tl.where(o_j[None, :] == o_k[:, None], b_sorted[None, :], 0), axis=1)
-        b_sel = tl.minimum(_rank_index(b_first), F * K - 1)
+        b_sel = tl.minimum(ranked_index(b_first), F * K - 1)
     tl.debug_barrier()  # the candidates stored above are read back by other threads
     p_s = b * C + cand_off + b_sel
     tl.store(nscore_ptr + b * K + o_k, tl.load(cscore_ptr + p_s, mask=m_k), mask=m_k)
@@ -284,7 +270,7 @@ def _tree_select_kernel(
     b_key = b_sc - b_dep.to(tl.float32) * tie
     b_key = tl.where(m_c & (b_key == b_key), b_key, float("-inf"))
     # Kept: the n largest (key, -id) pairs, i.e. those at or above the n-th of one descending sort.
-    b_packed = _ranked(b_key, o_c)
+    b_packed = ranked_key(b_key, o_c)
     b_sorted = tl.sort(b_packed, descending=True)
     thr = tl.max(tl.where(o_c == n - 1, b_sorted, -9223372036854775807), axis=0)
     b_kept = m_c & (b_packed >= thr)
@@ -365,13 +351,14 @@ def tree_expand(cand, cand_off: int, depth: int, lp, cid, d2t, score=None, fcid=
                     torch.empty(B, n + K, dtype=torch.int64, device=dev),
                     torch.empty(B, n + K, H, dtype=r_hid.dtype, device=dev))
         rows = tuple(t.contiguous() for t in rows)
-        valid8 = valid.to(torch.int8)
+        if valid.dtype != torch.bool or valid.shape != (B,):
+            raise ValueError(f"tree_expand: valid must be [B] = [{B}] bool, got {tuple(valid.shape)} {valid.dtype}")
     if B == 0:
         return nscore, ncid, new_rows
     ph = lp2  # placeholder pointer for unused arguments
     _tree_expand_kernel[(B,)](
         score if not first else ph, fcid if not first else ph, lp2, cid2, d2t if d2t is not None else ph,
-        valid8 if rows is not None else ph, seq if rows is not None else ph,
+        valid if rows is not None else ph, seq if rows is not None else ph,
         ctok, cscore, cpar, cdep, nscore, ncid,
         *(rows if rows is not None and not first else (ph,) * 4),
         *(new_rows if new_rows is not None else (ph,) * 4),

@@ -117,6 +117,9 @@ class OracleEagle(OracleTrees, Eagle3Drafter):
     def num_nodes(self, k):
         return k + 1
 
+    def max_path_nodes(self, T):  # oracle trees are chains: every node can be accepted
+        return T
+
 
 def test_trees_with_true_paths_identical_and_accept_deeply(tiny):
     prompts = rand_prompts([5, 17, 9, 30], seed=3)

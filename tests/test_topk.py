@@ -8,7 +8,7 @@ must come out lowest index first (a stable sort is the reference there).
 import pytest
 import torch
 
-from kernels_triton.topk import MAX_V, topk, topk_logprobs, topk_logprobs_ref
+from kernels_triton.topk import MAX_V, _launch, topk, topk_logprobs, topk_logprobs_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -92,3 +92,26 @@ def test_garbage_rows_still_give_valid_ids(poison):
         _, i = fn(x, 4)
         assert bool(((i >= 0) & (i < 100)).all()), i
         assert int(i[2, 0]) == 7
+
+
+def test_out_writes_rows_of_a_persistent_buffer():
+    """``out=`` fills the first rows of wider [R, k] buffers (a drafter's per-row root state) and
+    leaves the other rows alone; negative zero, infinities and equal values keep their exact bits."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 300, generator=g) * 3).to(DEVICE)
+    x[0, :4] = torch.tensor([float("inf"), -0.0, 0.0, float("-inf")])
+    x[1, 10:14] = 20.0  # a 4-way tie at the top
+    vals = torch.full((5, 6), -3.0, device=DEVICE)
+    ids = torch.full((5, 6), -9, dtype=torch.int64, device=DEVICE)
+    rv, ri = topk(x, 6)
+    got = _launch(x, 6, False, "topk", out=(vals[:3], ids[:3]))
+    assert got[0].data_ptr() == vals.data_ptr()
+    assert torch.equal(vals[:3], rv) and torch.equal(ids[:3], ri)
+    assert ids[1, :4].tolist() == [10, 11, 12, 13]
+    assert (vals[3:] == -3.0).all() and (ids[3:] == -9).all()
+    lv, li = torch.empty_like(vals[:3]), torch.empty_like(ids[:3])
+    topk_logprobs(x, 6, out=(lv, li))
+    rlv, rli = topk_logprobs_ref(x[1:], 6)
+    torch.testing.assert_close(lv[1:], rlv, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="out must be"):
+        topk_logprobs(x, 6, out=(vals[:2], ids[:2]))

@@ -173,13 +173,14 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     return q, s
 
 
-def topk_logprobs(logits, k: int, *, backend="auto"):
-    """(log_softmax(logits) top-k values fp32, their ids int64), descending, ties lowest id first."""
+def topk_logprobs(logits, k: int, *, backend="auto", out=None):
+    """(log_softmax(logits) top-k values fp32, their ids int64), descending, ties lowest id first;
+    written into ``out`` = (values, ids) when given."""
     from kernels_triton import topk
 
     if _triton(backend, logits) and logits.shape[-1] <= topk.MAX_V:
-        return topk.topk_logprobs(logits, k)
-    return topk.topk_logprobs_ref(logits, k)
+        return topk.topk_logprobs(logits, k, out=out)
+    return topk.topk_logprobs_ref(logits, k, out=out)
 
 
 def _step_kernel(backend: str, t: torch.Tensor) -> bool:

@@ -153,6 +153,11 @@ class Eagle3Drafter:
     def num_nodes(self, k: int) -> int:
         return 1 + self.shape_for(k)[2]
 
+    def max_path_nodes(self, T: int) -> int:
+        """Nodes on the longest root-to-leaf path of the T-node trees ``propose`` builds (root + one
+        per draft round): the most rows a step can commit, so the rows ``extend_`` runs."""
+        return 1 if T <= 1 else min(T, self.shape_for(T - 1)[1] + 1)
+
     # -- state ---------------------------------------------------------------------------------
     def bind_(self, state, num_pages: int, page_size: int) -> None:
         self.k_cache, self.v_cache = self.head.new_kv_cache(num_pages, page_size)
@@ -262,24 +267,26 @@ class Eagle3Drafter:
         return grow_tree(state.pending[:B], (self.root_top[:B], self.root_ids[:B]), expand, topk=topk,
                          steps=steps, num_draft_tokens=kept, to_target=self.head.to_target_ids)
 
+    @torch.no_grad()  # inference only; the gather below writes straight into the root buffer
     def extend_(self, state, B: int, T: int, valid, seq_old, captured, nodes, out_tokens, accept_len) -> None:
         """Draft rows seq_old + i (i < T) pairing the feature of accepted path node i with the
         committed token after it; rows past accept_len are scratch (overwritten later), so the
         shapes stay static. Leaves root state = output of row seq_old + accept_len."""
+        # Only an accepted path's rows can be committed: a 49-node tree extends over 8 rows, not 49.
+        Te = self.max_path_nodes(T)
         H3 = captured.shape[-1]
-        feat = captured.view(B, T, H3).gather(1, nodes.clamp(min=0).long()[:, :, None].expand(-1, -1, H3))
-        tok = torch.where(out_tokens >= 0, out_tokens, 0)  # [B, T]
-        meta, slot_l = state.block_meta(B, seq_old, T, valid)  # causal rows seq_old .. seq_old + T - 1
-        h = self._run(tok.reshape(-1), self.head.fuse(feat.reshape(B * T, H3).to(self.head.dtype)),
+        path = nodes[:, :Te].clamp(min=0).long()  # [B, Te]
+        feat = captured.view(B, T, H3).gather(1, path[:, :, None].expand(-1, -1, H3))  # [B, Te, H3]
+        tok = out_tokens[:, :Te].clamp(min=0)  # [B, Te]; -1 (past the path) -> 0, a scratch row
+        meta, slot_l = state.block_meta(B, seq_old, Te, valid)  # causal rows seq_old .. seq_old + Te - 1
+        h = self._run(tok.reshape(-1), self.head.fuse(feat.reshape(B * Te, H3).to(self.head.dtype)),
                       slot_l.reshape(-1), meta)
-        last = accept_len.long()[:, None]  # [B, 1]
-        h_last = h.view(B, T, -1).gather(1, last[:, :, None].expand(-1, -1, h.shape[-1]))[:, 0]
-        top, ids = self._children(h_last, self.topk)
+        last = accept_len.long()[:, None, None].expand(-1, 1, h.shape[-1])  # [B, 1, H]
         # Padding rows (>= num_active) take garbage here too: their root state is never read, and a
         # row becomes live only through stage_rows_ (which writes it) or keep_rows_ (a live row's).
-        self.root_hidden[:B].copy_(h_last)
-        self.root_top[:B].copy_(top)
-        self.root_ids[:B].copy_(ids)
+        torch.gather(h.view(B, Te, -1), 1, last, out=self.root_hidden[:B, None])  # root = row accept_len
+        ops.topk_logprobs(self.head.logits(self.root_hidden[:B]), self.topk, backend=self.head.backend,
+                          out=(self.root_top[:B], self.root_ids[:B]))
 
 
 def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
