@@ -10,6 +10,15 @@ slot seq_lens[b] + i (scratch past the committed length). After verify_accept pi
 
 Rejected nodes' KV stays behind in scratch and is overwritten next step; nothing is freed.
 
+With ``valid`` [B] bool and ``into`` = (seq_out [B], pending_out [B], sampled_out [B, T]) the same
+launch commits into the engine's state buffers (the step's whole commit in one kernel): rows with
+valid[b] False are padding (stale state) and count as A = 0 with nothing written but
+
+    seq_out[b] = seq_lens[b];  sampled_out[b, :] = -1           (pending_out[b] kept)
+and valid rows get seq_out[b] = new_seq_lens[b], pending_out[b] = pending[b], sampled_out[b, :] =
+out_tokens[b, :]. With ``valid``, accept_len is also zeroed in place on padding rows. seq_lens itself stays an input (other programs read it while the state row is
+written), so ``into`` must not alias it.
+
 Shapes (named dims):
     B requests, T tree nodes, L layers, P pages, PS slots per page, HKV KV heads, D head dim, MP pages
     per request
@@ -52,9 +61,11 @@ MAX_TREE_TOKENS = 1024
 # ----------------------------------------------------------------------------------------------
 
 
-def kv_sync_ref_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens):
-    """Plain-torch commit (mutates the caches in place); returns (new_seq_lens, pending)."""
+def kv_sync_ref_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens, valid=None, into=None):
+    """Plain-torch commit (mutates the caches, and ``into``, in place); returns (new_seq_lens, pending)."""
     B, T = accepted_nodes.shape
+    if valid is not None:
+        accept_len.masked_fill_(~valid, 0)  # in place, as the kernel does
     n = accept_len.long()
     o_i = torch.arange(T, device=accepted_nodes.device)
     move = (o_i >= 1) & (o_i <= n[:, None])  # [B, T]
@@ -71,7 +82,14 @@ def kv_sync_ref_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_t
             cache[:, p_dst, o_dst] = rows
     new_seq_lens = (seq_lens + accept_len + 1).to(torch.int32)
     pending = out_tokens.gather(1, n[:, None])[:, 0]
-    return new_seq_lens, pending
+    if into is None:
+        return new_seq_lens, pending
+    seq_out, pending_out, sampled_out = into
+    v = valid if valid is not None else torch.ones(B, dtype=torch.bool, device=seq_lens.device)
+    sampled_out.copy_(torch.where(v[:, None], out_tokens, -1))
+    pending_out.copy_(torch.where(v, pending, pending_out))
+    seq_out.copy_(torch.where(v, new_seq_lens, seq_lens))
+    return seq_out, pending_out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,10 +144,13 @@ def _kv_sync_kernel(
     out_tokens,  # [B, T] int64 / int32
     new_seq_lens,  # [B] int32 out (WRITE_STATE)
     pending,  # [B] out (WRITE_STATE)
+    valid,  # [B] bool (HAS_VALID)
+    sampled,  # [B, T] out, row stride stride_sm (WRITE_SAMPLED)
     T,
     stride_pt,
     stride_an,
     stride_ot,
+    stride_sm,
     s_kal, s_kap, s_kas, s_kah, s_val, s_vap, s_vas, s_vah,
     s_kbl, s_kbp, s_kbs, s_kbh, s_vbl, s_vbp, s_vbs, s_vbh,
     N_A,  # L_a * HKV_a programs on axis 1 belong to pool a, the rest to pool b
@@ -140,6 +161,9 @@ def _kv_sync_kernel(
     PS: tl.constexpr,
     NUM_POOLS: tl.constexpr,
     WRITE_STATE: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    WRITE_SAMPLED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_RA: tl.constexpr,  # path rows moved per block, pool a
     BLOCK_RB: tl.constexpr,
     BLOCK_DA: tl.constexpr,
@@ -149,10 +173,26 @@ def _kv_sync_kernel(
     i_s = tl.program_id(1)
     n = tl.load(accept_len + i_b)
     sl = tl.load(seq_lens + i_b)
+    if HAS_VALID:
+        ok = tl.load(valid + i_b).to(tl.int32) != 0
+        n = tl.where(ok, n, 0)  # padding row: stale page table, nothing moves
+    else:
+        ok = True
     if WRITE_STATE:
         if i_s == 0:
-            tl.store(new_seq_lens + i_b, sl + n + 1)
-            tl.store(pending + i_b, tl.load(out_tokens + i_b * stride_ot + n))
+            tl.store(new_seq_lens + i_b, tl.where(ok, sl + n + 1, sl))
+            if HAS_VALID:
+                # Zeroed in place on padding rows for later readers (the drafter's extend). Programs
+                # of this launch that still read the old value mask it with ``valid`` themselves.
+                tl.store(accept_len + i_b, n)
+            if ok:
+                tl.store(pending + i_b, tl.load(out_tokens + i_b * stride_ot + n))
+            if WRITE_SAMPLED:
+                for t0 in range(0, T, BLOCK_T):
+                    o_t = t0 + tl.arange(0, BLOCK_T)
+                    m_t = o_t < T
+                    b_tok = tl.load(out_tokens + i_b * stride_ot + o_t, mask=m_t & ok, other=-1)
+                    tl.store(sampled + i_b * stride_sm + o_t, b_tok.to(sampled.dtype.element_ty), mask=m_t)
     if NUM_POOLS > 0:
         if n > 0:  # A = 0: nothing to move
             p_pt = page_table + i_b * stride_pt
@@ -209,7 +249,7 @@ def _strides(k, v):
     return (k.stride(0), k.stride(1), k.stride(2), k.stride(3), v.stride(0), v.stride(1), v.stride(2), v.stride(3))
 
 
-def kv_sync_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens):
+def kv_sync_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens, valid=None, into=None):
     """Commit one verification step (mutates every cache in ``caches`` in place).
 
     Args:
@@ -219,10 +259,14 @@ def kv_sync_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_token
         accepted_nodes, accept_len, out_tokens: verify_accept's outputs ([B, T] int32, [B] int32,
             [B, T] int64 or int32).
 
+        valid: [B] bool or None: rows with False commit nothing (padding rows of a graph bucket).
+        into: None, or (seq_out [B] int32, pending_out [B], sampled_out [B, T] int64) state buffers to
+            commit into in place (see the module docstring); must not alias seq_lens.
+
     Returns:
-        (new_seq_lens [B] int32 = seq_lens + accept_len + 1, pending [B] = out_tokens[b, accept_len[b]]).
-        One launch per two pools (one for the usual target + draft pair); the first also writes
-        the returned state.
+        (new_seq_lens [B] int32 = seq_lens + accept_len + 1, pending [B] = out_tokens[b, accept_len[b]]),
+        or (seq_out, pending_out) with ``into``. One launch per two pools (one for the usual target +
+        draft pair); the first also writes the state.
     """
     if accepted_nodes.dim() != 2 or accepted_nodes.dtype != torch.int32:
         raise ValueError(
@@ -254,10 +298,25 @@ def kv_sync_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_token
         if pool[0].device != dev:
             raise ValueError(f"kv_sync_: caches[{idx}] is on {pool[0].device}, accepted_nodes on {dev}")
 
-    new_seq_lens = torch.empty(B, dtype=torch.int32, device=dev)
-    pending = torch.empty(B, dtype=out_tokens.dtype, device=dev)
+    if valid is not None and (valid.shape != (B,) or valid.dtype != torch.bool or valid.device != dev):
+        raise ValueError(f"kv_sync_: valid must be [B] = [{B}] bool on {dev}, got {tuple(valid.shape)} {valid.dtype}")
+    if into is not None:
+        new_seq_lens, pending, sampled = into
+        if (new_seq_lens.shape != (B,) or new_seq_lens.dtype != torch.int32 or pending.shape != (B,)
+                or sampled.shape != (B, T) or sampled.stride(1) != 1
+                or any(t.device != dev for t in into)):
+            raise ValueError(f"kv_sync_: into must be (seq [B] int32, pending [B], sampled [B, T] rows contiguous) "
+                             f"with B={B}, T={T}, got {[tuple(t.shape) for t in into]}")
+        if new_seq_lens.data_ptr() == seq_lens.data_ptr():
+            raise ValueError("kv_sync_: into's seq buffer must not alias seq_lens (an input of every program)")
+    else:
+        new_seq_lens = torch.empty(B, dtype=torch.int32, device=dev)
+        pending = torch.empty(B, dtype=out_tokens.dtype, device=dev)
+        sampled = new_seq_lens  # placeholder (WRITE_SAMPLED False)
     if B == 0:
         return new_seq_lens, pending
+    if valid is not None and not accept_len.is_contiguous():
+        raise ValueError("kv_sync_: with valid, accept_len is written in place and must be contiguous")
     seq_lens, accept_len = seq_lens.contiguous(), accept_len.contiguous()
     PS = pools[0][0].shape[2] if pools else 1
     pairs = [pools[i : i + 2] for i in range(0, len(pools), 2)] or [[]]
@@ -276,11 +335,13 @@ def kv_sync_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_token
         tile = max(block_ra * block_da, block_rb * block_db)
         _kv_sync_kernel[(B, max(1, n_a + n_b))](
             a[0], a[1], b[0], b[1], page_table, seq_lens, accepted_nodes, accept_len, out_tokens,
-            new_seq_lens, pending,
+            new_seq_lens, pending, valid if valid is not None else seq_lens, sampled,
             T, page_table.stride(0), accepted_nodes.stride(0), out_tokens.stride(0),
+            sampled.stride(0) if into is not None else 0,
             *s_a, *s_b, n_a,
             HKV_A=hkv_a, HKV_B=hkv_b, D_A=d_a, D_B=d_b, PS=PS,
-            NUM_POOLS=len(pair), WRITE_STATE=idx == 0,
+            NUM_POOLS=len(pair), WRITE_STATE=idx == 0, HAS_VALID=valid is not None,
+            WRITE_SAMPLED=into is not None, BLOCK_T=min(64, triton.next_power_of_2(T)),
             BLOCK_RA=block_ra, BLOCK_RB=block_rb, BLOCK_DA=block_da, BLOCK_DB=block_db,
             num_warps=4 if tile >= 1024 else 2 if tile >= 256 else 1,  # ~8 elements per thread
         )  # fmt: skip

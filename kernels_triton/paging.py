@@ -12,6 +12,12 @@ Inputs, for rows b < B: start[b] (logical slot of the block's first token, int32
 The clamp keeps stale rows (which may point past their page list) in bounds; their slot is -1
 anyway. Returns (slot [B * n] int64, pos [B, n] int64, cu [B + 1] int32, kv_lens [B] int32).
 
+``tree_meta`` is the same addressing for a verify step's tree of n nodes per row (node j still
+sits at slot start + j) plus the target's inputs, so a step builds them in the same launch:
+
+    pos[b, j] = start[b] + depth[b, j]  if valid[b] else 0         # RoPE position: prefix + depth
+    ids[b * n + j] = tokens[b, j]       if valid[b] else 0         # input ids (padding rows: 0)
+
 Kernel layout: grid (B,), one program per row; it sums valid[0 .. b] itself (B <= 4096 rows, one
 block), so no separate scan launch. n and B are runtime arguments: one compile serves every
 bucket and block size.
@@ -41,8 +47,11 @@ def block_meta_kernel(
     start_ptr,  # [B]
     valid_ptr,  # [B] bool
     pt_ptr,  # [B, MP] int32
+    depth_ptr,  # [B, n] int32 (TREE)
+    tok_ptr,  # [B, n] int64 (TREE)
     slot_ptr,  # [B * n] int64
     pos_ptr,  # [B, n] int64
+    ids_ptr,  # [B * n] int64 (TREE)
     cu_ptr,  # [B + 1] int32
     kvl_ptr,  # [B] int32
     n,
@@ -51,6 +60,7 @@ def block_meta_kernel(
     PS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     b = tl.program_id(0)
     s0 = tl.load(start_ptr + b).to(tl.int64)
@@ -69,29 +79,70 @@ def block_meta_kernel(
         page = tl.load(pt_ptr + b * stride_pt + col, mask=mj, other=0).to(tl.int64)
         slot = tl.where(v, page * PS + p % PS, -1)
         tl.store(slot_ptr + b * n + oj, slot, mask=mj)
-        tl.store(pos_ptr + b * n + oj, p, mask=mj)
+        if TREE:
+            dep = tl.load(depth_ptr + b * n + oj, mask=mj, other=0).to(tl.int64)
+            tok = tl.load(tok_ptr + b * n + oj, mask=mj, other=0).to(tl.int64)
+            tl.store(pos_ptr + b * n + oj, tl.where(v, s0 + dep, 0), mask=mj)
+            tl.store(ids_ptr + b * n + oj, tl.where(v, tok, 0), mask=mj)
+        else:
+            tl.store(pos_ptr + b * n + oj, p, mask=mj)
 
 
-def block_meta(start, valid, page_table, n: int, page_size: int):
-    """One launch of the addressing above; see the module docstring."""
+def _check(name, start, valid, page_table, n):
     B, MP = page_table.shape
     if start.shape != (B,) or valid.shape != (B,) or valid.dtype != torch.bool:
-        raise ValueError(f"block_meta: start and valid (bool) must be [B] = [{B}], got "
+        raise ValueError(f"{name}: start and valid (bool) must be [B] = [{B}], got "
                          f"{tuple(start.shape)} and {tuple(valid.shape)} {valid.dtype}")
     if page_table.dtype != torch.int32 or page_table.stride(1) != 1:
-        raise ValueError("block_meta: page_table must be [B, MP] int32 with contiguous rows")
+        raise ValueError(f"{name}: page_table must be [B, MP] int32 with contiguous rows")
     if B > MAX_ROWS or n < 1:
-        raise ValueError(f"block_meta: B must be <= {MAX_ROWS} and n >= 1, got B={B}, n={n}")
+        raise ValueError(f"{name}: B must be <= {MAX_ROWS} and n >= 1, got B={B}, n={n}")
+
+
+def _launch(start, valid, page_table, n, page_size, depth=None, tokens=None):
+    B, MP = page_table.shape
     dev = start.device
+    tree = depth is not None
     slot = torch.empty(B * n, dtype=torch.int64, device=dev)
     pos = torch.empty(B, n, dtype=torch.int64, device=dev)
+    ids = torch.empty(B * n, dtype=torch.int64, device=dev) if tree else slot
     cu = torch.empty(B + 1, dtype=torch.int32, device=dev)
     kv_lens = torch.empty(B, dtype=torch.int32, device=dev)
     if B == 0:
         cu.zero_()
-        return slot, pos, cu, kv_lens
-    block_meta_kernel[(B,)](
-        start, valid, page_table, slot, pos, cu, kv_lens, n, MP, page_table.stride(0),
-        PS=page_size, BLOCK_N=min(64, triton.next_power_of_2(n)), BLOCK_B=max(16, triton.next_power_of_2(B)),
-    )  # fmt: skip
+    else:
+        block_meta_kernel[(B,)](
+            start, valid, page_table, depth if tree else start, tokens if tree else start,
+            slot, pos, ids, cu, kv_lens, n, MP, page_table.stride(0),
+            PS=page_size, BLOCK_N=min(64, triton.next_power_of_2(n)), BLOCK_B=max(16, triton.next_power_of_2(B)),
+            TREE=tree,
+        )  # fmt: skip
+    return slot, pos, ids, cu, kv_lens
+
+
+def block_meta(start, valid, page_table, n: int, page_size: int):
+    """One launch of the addressing above; see the module docstring."""
+    _check("block_meta", start, valid, page_table, n)
+    slot, pos, _, cu, kv_lens = _launch(start, valid, page_table, n, page_size)
     return slot, pos, cu, kv_lens
+
+
+def tree_meta_ref(start, valid, page_table, tokens, depth, page_size: int):
+    B, n = tokens.shape
+    slot, _, cu, kv_lens = block_meta_ref(start, valid, page_table, n, page_size)
+    pos = torch.where(valid[:, None], start[:, None].long() + depth.long(), 0)  # [B, n]
+    ids = torch.where(valid[:, None], tokens.long(), 0).reshape(-1)  # [B * n]
+    return slot, pos, ids, cu, kv_lens
+
+
+def tree_meta(start, valid, page_table, tokens, depth, page_size: int):
+    """Addressing + target inputs of a tree verify in one launch: (slot [B*n] int64, pos [B, n] int64,
+    ids [B*n] int64, cu [B+1] int32, kv_lens [B] int32); see the module docstring."""
+    B = page_table.shape[0]
+    n = tokens.shape[-1] if tokens.dim() == 2 else 0
+    _check("tree_meta", start, valid, page_table, n)
+    if tokens.shape != (B, n) or depth.shape != (B, n) or tokens.stride(1) != 1 or depth.stride(1) != 1 \
+            or tokens.stride(0) != n or depth.stride(0) != n:
+        raise ValueError(f"tree_meta: tokens and depth must be contiguous [B, n] = [{B}, {n}], got "
+                         f"{tuple(tokens.shape)} and {tuple(depth.shape)}")
+    return _launch(start, valid, page_table, n, page_size, depth, tokens)

@@ -223,3 +223,52 @@ def test_kv_sync_bad_inputs():
         kv_sync_([(pool[0][0], pool[1][0])], *state)
     with pytest.raises(ValueError, match="pair"):
         kv_sync_([pool[0]], *state)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_commit_into_state_with_padding_rows(dtype):
+    """valid / into: the step's whole commit. Padding rows (valid False) carry a stale page table that
+    shares pages with live rows and a forced full acceptance: they must move no KV, keep their
+    seq_len and pending, get sampled -1 and accept_len 0; live rows match the plain commit. Kernel
+    and reference write the same state buffers (rows of wider persistent buffers), bit for bit."""
+    gen = torch.Generator().manual_seed(23)
+    B, T, PS, MP, P = 5, 7, 4, 6, 40
+    pools = [make_pool(2, P, PS, 3, 16, dtype, gen)]
+    page_table, seq_lens, nodes, accept_len, out_tokens = make_state(B, T, PS, MP, P, gen)
+    valid = torch.tensor([True, False, True, True, False], device=DEVICE)
+    page_table[1] = page_table[0]  # stale: a finished request's pages, now owned by row 0
+    page_table[4] = page_table[3]
+    for b in (1, 4):
+        accept_len[b] = T - 1
+        nodes[b] = torch.arange(T, dtype=torch.int32)
+    results = []
+    for fn in (kv_sync_, kv_sync_ref_):
+        got_pools = [(k.clone(), v.clone()) for k, v in pools]
+        acc = accept_len.clone()
+        seq_buf = torch.full((B + 3,), -5, dtype=torch.int32, device=DEVICE)
+        pend_buf = torch.arange(B + 3, dtype=torch.int64, device=DEVICE) + 1000
+        samp_buf = torch.full((B + 3, T + 2), -9, dtype=torch.int64, device=DEVICE)
+        out = fn(got_pools, page_table, seq_lens, nodes, acc, out_tokens, valid,
+                 (seq_buf[:B], pend_buf[:B], samp_buf[:B, :T]))
+        assert out[0].data_ptr() == seq_buf.data_ptr()
+        results.append((got_pools, acc, seq_buf, pend_buf, samp_buf))
+    (kp, acc, seq_buf, pend_buf, samp_buf), (kp_r, acc_r, seq_r, pend_r, samp_r) = results
+    for (kg, vg), (kr, vr) in zip(kp, kp_r):
+        assert torch.equal(bits(kg), bits(kr)) and torch.equal(bits(vg), bits(vr))
+    for a, b_ in ((acc, acc_r), (seq_buf, seq_r), (pend_buf, pend_r), (samp_buf, samp_r)):
+        assert torch.equal(a, b_)
+    # What the commit means, row by row (independent of the reference).
+    live = valid.tolist()
+    plain_pools = [(k.clone(), v.clone()) for k, v in pools]
+    keep = torch.where(valid, accept_len, 0)
+    want_lens, want_pending = kv_sync_ref_(plain_pools, page_table, seq_lens, nodes, keep, out_tokens)
+    for (kg, vg), (kw, vw) in zip(kp, plain_pools):
+        assert torch.equal(bits(kg), bits(kw)) and torch.equal(bits(vg), bits(vw))
+    for b in range(B):
+        if live[b]:
+            assert seq_buf[b] == want_lens[b] and pend_buf[b] == want_pending[b] and acc[b] == accept_len[b]
+            assert samp_buf[b, :T].tolist() == out_tokens[b].tolist()
+        else:
+            assert seq_buf[b] == seq_lens[b] and pend_buf[b] == 1000 + b and acc[b] == 0
+            assert (samp_buf[b, :T] == -1).all()
+    assert (seq_buf[B:] == -5).all() and (samp_buf[:, T:] == -9).all() and (samp_buf[B:] == -9).all()

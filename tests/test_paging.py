@@ -6,7 +6,7 @@ anywhere, stale rows pointing past their pages, outputs poisoned so unwritten el
 import pytest
 import torch
 
-from kernels_triton.paging import block_meta, block_meta_ref
+from kernels_triton.paging import block_meta, block_meta_ref, tree_meta, tree_meta_ref
 from kernels_triton.tree_mask import ancestor_masks, ancestor_masks_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,6 +35,30 @@ def test_block_meta_matches_reference(poison, B, n, PS, MP):
     start64 = start.long()
     for x, y in zip(block_meta(start64, valid, table, n, PS), block_meta_ref(start64, valid, table, n, PS)):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("B,n,PS,MP", [(1, 1, 16, 4), (3, 17, 4, 9), (37, 70, 8, 12)])
+def test_tree_meta_matches_reference_and_block_meta(poison, B, n, PS, MP):
+    """Tree addressing: slots / cu / kv_lens exactly block_meta's, positions start + depth, input ids
+    the tokens (both 0 on padding rows)."""
+    g = torch.Generator().manual_seed(B * 7 + n)
+    table = torch.stack([torch.randperm(500, generator=g)[:MP] for _ in range(B)]).int().to(DEVICE)
+    start = torch.randint(0, MP * PS + 5, (B,), generator=g).int().to(DEVICE)
+    valid = (torch.rand(B, generator=g) < 0.7).to(DEVICE)
+    valid[0] = True
+    tokens = torch.randint(1, 49152, (B, n), generator=g).to(DEVICE)
+    depth = torch.randint(0, 8, (B, n), generator=g).int().to(DEVICE)
+    got, want = tree_meta(start, valid, table, tokens, depth, PS), tree_meta_ref(start, valid, table, tokens, depth, PS)
+    for name, x, y in zip(("slot", "pos", "ids", "cu", "kv_lens"), got, want):
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    slot, pos, ids, cu, kv_lens = got
+    bm = block_meta_ref(start, valid, table, n, PS)
+    assert torch.equal(slot, bm[0]) and torch.equal(cu, bm[2]) and torch.equal(kv_lens, bm[3])
+    v = valid[:, None]
+    assert torch.equal(pos, torch.where(v, start[:, None].long() + depth, 0))
+    assert torch.equal(ids.view(B, n), torch.where(v, tokens, 0))
+    with pytest.raises(ValueError, match="tree_meta"):
+        tree_meta(start, valid, table, tokens[:, ::2], depth[:, ::2], PS)
 
 
 def test_block_meta_rejects_bad_arguments():

@@ -357,9 +357,21 @@ def test_padding_rows_never_move_kv(tiny, monkeypatch):
         nodes[n:] = torch.arange(T, dtype=nodes.dtype)
         return acc, nodes, out
 
-    def kv(caches, page_table, seq, nodes, acc, out, **kw):
-        padding_accepts.extend(acc[engine.state.num_rows:].tolist())
-        return real_kv(caches, page_table, seq, nodes, acc, out, **kw)
+    def kv(caches, page_table, seq, nodes, acc, out, valid=None, into=None, **kw):
+        n, T = engine.state.num_rows, nodes.shape[1]
+        padding_accepts.extend(acc[n:].tolist())  # forced above: the commit must ignore them
+        (k, v), PS = caches[0], caches[0][0].shape[2]
+        before = (k.clone(), v.clone())
+        res = real_kv(caches, page_table, seq, nodes, acc, out, valid, into, **kw)
+        changed = ((k != before[0]) | (v != before[1])).flatten(3).any(-1).any(0).flatten()  # [P * PS] slots
+        allowed = torch.zeros_like(changed)
+        for r in range(n):  # the live rows' scratch slots seq .. seq + T - 1: the only ones a commit may write
+            for s_ in range(int(seq[r]), int(seq[r]) + T):
+                allowed[int(page_table[r, s_ // PS]) * PS + s_ % PS] = True
+        assert not (changed & ~allowed).any(), "the commit wrote KV outside the live rows' scratch slots"
+        if into is not None:  # padding rows commit nothing to the state either
+            assert (into[2][n:] == -1).all() and torch.equal(into[0][n:], seq[n:])
+        return res
 
     monkeypatch.setattr(stepmod.ops, "verify_accept", va)
     monkeypatch.setattr(stepmod.ops, "kv_sync_", kv)
@@ -373,4 +385,4 @@ def test_padding_rows_never_move_kv(tiny, monkeypatch):
         engine.step(4)
         engine.check()
     assert [r.output_ids for r in reqs] == want
-    assert padding_accepts and not any(padding_accepts)  # padding rows were there, and committed nothing
+    assert padding_accepts and all(padding_accepts)  # padding rows were there, "accepted", committed nothing

@@ -46,6 +46,10 @@ class DecodeState:
         self.uniform = torch.zeros(max_rows, max_tree_nodes, 2, dtype=torch.float32, device=dev)
         # [R, T] step output: committed tokens of each row (accepted drafts + bonus), then -1
         self.sampled = torch.full((max_rows, max_tree_nodes), -1, dtype=torch.int64, device=dev)
+        # The k = 0 tree's constant parents / depth / mask per row (viewed, never written).
+        self.root_tree_consts = (torch.full((max_rows, 1), -1, dtype=torch.int32, device=dev),
+                                 torch.zeros(max_rows, 1, dtype=torch.int32, device=dev),
+                                 torch.ones(max_rows, 1, dtype=torch.int64, device=dev))
         # Per-row tensors of other modules (a drafter's root state) that follow row compaction.
         self.row_buffers: dict[str, torch.Tensor] = {}
         # One generator per engine: seeded runs are reproducible; draws happen outside CUDA graphs.
@@ -128,6 +132,17 @@ class DecodeState:
         meta = AttentionMeta(cu_q_lens=cu, kv_lens=kv_lens, page_table=self.page_table[:B], slot_mapping=slot,
                              max_q_len=n, tree_mask=tree_mask)
         return meta, pos
+
+    def tree_meta(self, B: int, start, valid, tokens, depth, tree_mask=None):
+        """AttentionMeta plus target inputs for verifying trees of n = tokens.shape[1] nodes per row:
+        node j at logical slot start[b] + j, RoPE position start[b] + depth[b, j]. One launch on the GPU.
+        Returns (meta, input ids [B*n] int64, positions [B*n] int64); padding rows get ids/positions 0."""
+        from ..models.ops import AttentionMeta, tree_meta
+
+        slot, pos, ids, cu, kv_lens = tree_meta(start, valid, self.page_table[:B], tokens, depth, self.page_size)
+        meta = AttentionMeta(cu_q_lens=cu, kv_lens=kv_lens, page_table=self.page_table[:B], slot_mapping=slot,
+                             max_q_len=tokens.shape[1], tree_mask=tree_mask)
+        return meta, ids, pos.reshape(-1)
 
     def block_metas(self, B: int, start, ns, valid) -> list:
         """``block_meta`` (causal, no tree mask) for each block size n in ``ns`` over the same rows

@@ -41,10 +41,9 @@ def tree_inputs(state: DecodeState, kv: KVCache, tree: DraftTree, B: int, valid:
     """
     T = tree.num_nodes
     seq = state.seq_lens[:B]  # [B] int32
-    # T = 1: causal is the single node, no mask needed
-    meta, _ = state.block_meta(B, seq, T, valid, None if T == 1 else tree.mask.reshape(-1))
-    ids = torch.where(valid[:, None], tree.tokens, 0).reshape(-1)  # [B*T]
-    pos = torch.where(valid[:, None], seq[:, None].long() + tree.depth.long(), 0).reshape(-1)  # [B*T]
+    # T = 1: causal is the single node, no mask needed. One launch on the GPU (paging.tree_meta).
+    meta, ids, pos = state.tree_meta(B, seq, valid, tree.tokens.contiguous(), tree.depth.contiguous(),
+                                     None if T == 1 else tree.mask.reshape(-1))
     return ids, pos, meta
 
 
@@ -66,7 +65,7 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     valid = state.row_ids[:B] < state.num_active  # [B] bool
     root = state.pending[:B]
     if T == 1:
-        tree = single_node_tree(root)
+        tree = single_node_tree(root, state.root_tree_consts)
     else:
         if drafter is None:
             raise SpecdecError(f"a step with {T - 1} draft tokens needs a drafter (draft=none)")
@@ -81,17 +80,15 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     uniforms = state.uniform[:B, :T] if temperature > 0 else None
     accept_len, nodes, out_tokens = ops.verify_accept(logits, tree.tokens, tree.parents, temperature,
                                                       uniforms, backend=be)
-    # Padding rows of a bucket hold stale state (a finished request's page table, whose pages live
-    # requests may own now) and garbage logits: whatever verify accepted there, they commit nothing.
-    accept_len = torch.where(valid, accept_len, 0)
     if marks:
         marks("verify")
     seq_old = state.seq_lens[:B].clone()  # [B] the drafter's extend starts here
-    new_seq, pending = ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len,
-                                    out_tokens, backend=be)
-    state.sampled[:B, :T].copy_(torch.where(valid[:, None], out_tokens, -1))
-    state.pending[:B].copy_(torch.where(valid, pending, state.pending[:B]))
-    state.seq_lens[:B].copy_(torch.where(valid, new_seq, seq_old))
+    # One launch: accepted KV moved into place, then seq_lens / pending / sampled written in place.
+    # Padding rows of a bucket hold stale state (a finished request's page table, whose pages live
+    # requests may own now) and garbage logits: whatever verify accepted there, ``valid`` makes them
+    # commit nothing (sampled -1, seq_lens and pending unchanged).
+    ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len, out_tokens, valid,
+                 (state.seq_lens[:B], state.pending[:B], state.sampled[:B, :T]), backend=be)
     if drafter is not None:
         drafter.extend_(state, B, T, valid, seq_old, out.captured, nodes, out_tokens, accept_len)
     if marks:

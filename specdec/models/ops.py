@@ -207,6 +207,16 @@ def block_meta(start, valid, page_table, n: int, page_size: int, *, backend="aut
     return fn(start, valid, page_table, n, page_size)
 
 
+def tree_meta(start, valid, page_table, tokens, depth, page_size: int, *, backend="auto"):
+    """(slot [B*n], pos [B, n], ids [B*n] int64, cu_q_lens [B+1], kv_lens [B] int32) of a verify block:
+    tree node j of row b at logical slot start + j, RoPE position start + depth, input id its token
+    (padding rows: slot -1, position 0, id 0, T_b = 0); kernels_triton/paging.py."""
+    from kernels_triton import paging
+
+    fn = paging.tree_meta if _step_kernel(backend, start) else paging.tree_meta_ref
+    return fn(start, valid, page_table, tokens, depth, page_size)
+
+
 def ancestor_masks(parents, max_depth: int, *, backend="auto"):
     """[B, T] tree parents -> [B, T] int64 ancestor-or-self bitmasks."""
     from kernels_triton import tree_mask
@@ -266,8 +276,9 @@ def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_pro
     return fn(logits, tokens, parents, temperature, uniforms, draft_probs)
 
 
-def kv_sync_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens, *, backend="auto"):
+def kv_sync_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens, valid=None, into=None, *,
+             backend="auto"):
     from kernels_triton import kv_sync
 
     fn = kv_sync.kv_sync_ if _triton(backend, seq_lens) else kv_sync.kv_sync_ref_
-    return fn(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens)
+    return fn(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens, valid, into)

@@ -51,9 +51,14 @@ def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return ops.ancestor_masks(parents, max_depth)
 
 
-def single_node_tree(root: torch.Tensor) -> DraftTree:
-    """The k = 0 tree: the root alone. root: [B] int64."""
+def single_node_tree(root: torch.Tensor, consts=None) -> DraftTree:
+    """The k = 0 tree: the root alone. root: [B] int64. ``consts`` = (parents -1 [R, 1] int32, depth 0
+    [R, 1] int32, mask 1 [R, 1] int64) with R >= B: persistent buffers to view instead of filling new
+    ones (a plain decode step then launches no kernel for its tree)."""
     B = root.shape[0]
+    if consts is not None:
+        par, dep, mask = consts
+        return DraftTree(root[:, None].long(), par[:B], dep[:B], mask[:B])
     z = torch.zeros(B, 1, dtype=torch.int32, device=root.device)
     return DraftTree(root[:, None].long(), z - 1, z, torch.ones(B, 1, dtype=torch.int64, device=root.device))
 
