@@ -141,7 +141,7 @@ def main() -> None:
     head = Eagle3Head(head_cfg, backend=model.backend).init_weights_(0)
     head.set_vocab_(torch.arange(head_cfg.draft_vocab_size))
     head.to_device(dev, dtype)
-    trees = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree32": (8, 6, 32)}
+    trees = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree32": (8, 6, 32), "tree48": (8, 7, 48)}
     lengths = [150, 131, 160, 144, 120, 188] if not args.quick else [20, 24]
     V = shape["vocab_size"]
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
