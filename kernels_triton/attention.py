@@ -14,7 +14,7 @@ Shapes (named dims):
     page_table [B, MP] int32     logical slot s of request b -> page page_table[b, s // PS], offset s % PS
     cu_q_lens  [B + 1] int32     prefix sums of T_b
     kv_lens    [B] int32         valid slots of request b INCLUDING its T_b new tokens
-    tree_mask  [N] int64 | None  ancestor bitmask per query row (T_b <= 64)
+    tree_mask  [N] int64 | None  ancestor bitmask per query row (T_b <= 64, or over a window of W <= 64)
     out        [N, HQ, D]        q.dtype
 
 Math, for request b with prefix length L0 = kv_len - T_b, query i (0-based within the request,
@@ -24,6 +24,10 @@ stored at logical slot L0 + i) and query head h reading KV head h // G:
     vis_ij = j < L0  or  bit (j - L0) of tree_mask[row i]  (tree: whole prefix + marked new tokens)
     out_i = sum_j softmax_j(s_j | vis_ij) v_j              (fp32 accumulation, cast to q.dtype)
 A causal chain is the tree whose mask for node i is (1 << (i + 1)) - 1.
+A tree window W >= T_b (``tree_window``) widens the masked range to the last W slots: L0 = kv_len - W
+and bit j of a mask is slot L0 + j, so queries (the last T_b slots) can see some of the W - T_b
+earlier slots and not others -- a draft round that runs only its new frontier nodes, while the
+nodes of earlier rounds (already in the cache) stay visible to their descendants only.
 
 Kernel layout (FlashAttention-2 style online softmax in the exp2 domain):
 - grid (query block, b * HKV + kv head, KV split). One program owns BLOCK_T consecutive queries of one
@@ -65,7 +69,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ----------------------------------------------------------------------------------------------
 
 
-def paged_attention_ref(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tree_mask=None, sm_scale=None):
+def paged_attention_ref(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tree_mask=None, sm_scale=None,
+                        tree_window=None):
     """Plain-torch paged attention; see the module docstring for shapes and the mask semantics."""
     N, HQ, D = q.shape
     PS, HKV = k_cache.shape[1], k_cache.shape[2]
@@ -79,7 +84,8 @@ def paged_attention_ref(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tre
         T = q1 - q0
         if T == 0:
             continue
-        prefix = kv_len - T
+        W = tree_window if (tree_mask is not None and tree_window) else T  # masked window width
+        prefix = kv_len - W
         pages = page_table[b, : (kv_len + PS - 1) // PS].long()  # logical page i -> physical page
         k = k_cache[pages].flatten(0, 1)[:kv_len].float()  # [L, HKV, D]
         v = v_cache[pages].flatten(0, 1)[:kv_len].float()  # [L, HKV, D]
@@ -88,7 +94,7 @@ def paged_attention_ref(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tre
         if tree_mask is None:
             vis = slots[None, :] <= prefix + i[:, None]  # [T, L]
         else:
-            bits = (tree_mask[q0:q1, None] >> i[None, :]) & 1  # [T, T] bit j of node i
+            bits = (tree_mask[q0:q1, None] >> torch.arange(W, device=q.device)[None, :]) & 1  # [T, W]
             vis = torch.ones(T, kv_len, dtype=torch.bool, device=q.device)
             vis[:, prefix:] = bits.bool()
         qg = q[q0:q1].float().reshape(T, HKV, G, D)  # query head h = kv_head * G + g
@@ -185,7 +191,7 @@ def _attn_tile(
     return m_new_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _paged_attention_fwd_kernel(
     q,  # [N, HQ, D]
     k_cache,  # [P, PS, HKV, D]
@@ -199,6 +205,7 @@ def _paged_attention_fwd_kernel(
     lse_part,  # [N, HQ, num_splits] fp32 log2-sum-exp (SPLIT True)
     qk_scale,  # sm_scale * log2(e)
     num_splits,
+    window,  # tree window W (IS_TREE; 0: T_b)
     stride_qn,
     stride_qh,
     stride_kp,
@@ -230,7 +237,10 @@ def _paged_attention_fwd_kernel(
     if t0 >= T:  # query block past this request's T_b (incl. T_b = 0 padding)
         return
     kv_len = tl.load(kv_lens + i_b)
-    prefix = kv_len - T
+    if IS_TREE:
+        prefix = kv_len - tl.where(window > 0, window, T)  # mask bit j <-> slot prefix + j
+    else:
+        prefix = kv_len - T
 
     o_r = tl.arange(0, BLOCK_M)
     o_i = t0 + o_r // G  # [BLOCK_M] query index within the request
@@ -511,6 +521,7 @@ def paged_attention(
     *,
     max_q_len: int,
     num_splits: int | None = None,
+    tree_window: int | None = None,
 ):
     """Paged attention over one layer's KV pool (prefill chunk, decode or tree verify) in 1-2 launches.
 
@@ -522,11 +533,17 @@ def paged_attention(
         sm_scale: softmax scale, default 1 / sqrt(D).
         max_q_len: host-side upper bound on every T_b (sizes the query-block grid; never synced).
         num_splits: split-KV factor; None picks one from static shapes.
+        tree_window: with a tree mask, the width W >= every T_b of the masked window (the last W
+            slots; bits index them); None: W = T_b.
 
     Returns:
         [N, HQ, D] in q.dtype (a new tensor). Rows not owned by any request are left unwritten.
     """
     _check_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tree_mask, max_q_len)
+    if tree_window is not None and (tree_mask is None or not isinstance(tree_window, int)
+                                    or not max_q_len <= tree_window <= MAX_TREE_TOKENS):
+        raise ValueError(f"paged_attention: tree_window must be a host int in [max_q_len={max_q_len}, "
+                         f"{MAX_TREE_TOKENS}] with a tree mask, got {tree_window!r}")
     N, HQ, D = q.shape
     P, PS, HKV, _ = k_cache.shape
     B, MP = page_table.shape
@@ -552,7 +569,7 @@ def paged_attention(
     grid = (n_qblocks, B * HKV, num_splits)
     _paged_attention_fwd_kernel[grid](
         q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tm, o, o_part, lse_part,
-        scale * 1.4426950408889634, num_splits,
+        scale * 1.4426950408889634, num_splits, tree_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -1,8 +1,9 @@
 """Paged-KV addressing of a block of n new tokens per row, in one launch (every step needs it for
 the verify, each draft round and the draft extend; composed of torch ops it is ~12 kernels).
 
-Inputs, for rows b < B: start[b] (logical slot of the block's first token, int32/int64), valid[b]
-(bool: padding rows get nothing), page_table [B, MP] int32 (logical page -> physical page), n, PS.
+Inputs, for rows b < B: start[b] (logical slot of the block's first token, int32/int64; plus a host
+int ``offset``, default 0), valid[b] (bool: padding rows get nothing), page_table [B, MP] int32
+(logical page -> physical page), n, PS.
 
     pos[b, j]     = start[b] + j                                   # logical slot = RoPE position
     slot[b * n + j] = page_table[b, min(pos // PS, MP - 1)] * PS + pos % PS   if valid[b] else -1
@@ -30,8 +31,9 @@ import triton.language as tl
 MAX_ROWS = 4096
 
 
-def block_meta_ref(start, valid, page_table, n: int, page_size: int):
+def block_meta_ref(start, valid, page_table, n: int, page_size: int, offset: int = 0):
     B, MP = page_table.shape
+    start = start + offset
     pos = start[:, None].long() + torch.arange(n, device=start.device)[None, :]  # [B, n]
     col = torch.clamp(pos // page_size, max=MP - 1)
     page = page_table.gather(1, col).long()
@@ -42,7 +44,7 @@ def block_meta_ref(start, valid, page_table, n: int, page_size: int):
     return slot, pos, cu, kv_lens
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "offset"])
 def block_meta_kernel(
     start_ptr,  # [B]
     valid_ptr,  # [B] bool
@@ -55,6 +57,7 @@ def block_meta_kernel(
     cu_ptr,  # [B + 1] int32
     kvl_ptr,  # [B] int32
     n,
+    offset,
     MP,
     stride_pt,
     PS: tl.constexpr,
@@ -63,7 +66,7 @@ def block_meta_kernel(
     TREE: tl.constexpr,
 ):
     b = tl.program_id(0)
-    s0 = tl.load(start_ptr + b).to(tl.int64)
+    s0 = tl.load(start_ptr + b).to(tl.int64) + offset
     v = tl.load(valid_ptr + b).to(tl.int32) != 0
     ob = tl.arange(0, BLOCK_B)
     before = tl.load(valid_ptr + ob, mask=ob <= b, other=0).to(tl.int32)
@@ -99,7 +102,7 @@ def _check(name, start, valid, page_table, n):
         raise ValueError(f"{name}: B must be <= {MAX_ROWS} and n >= 1, got B={B}, n={n}")
 
 
-def _launch(start, valid, page_table, n, page_size, depth=None, tokens=None):
+def _launch(start, valid, page_table, n, page_size, depth=None, tokens=None, offset=0):
     B, MP = page_table.shape
     dev = start.device
     tree = depth is not None
@@ -113,17 +116,17 @@ def _launch(start, valid, page_table, n, page_size, depth=None, tokens=None):
     else:
         block_meta_kernel[(B,)](
             start, valid, page_table, depth if tree else start, tokens if tree else start,
-            slot, pos, ids, cu, kv_lens, n, MP, page_table.stride(0),
+            slot, pos, ids, cu, kv_lens, n, int(offset), MP, page_table.stride(0),
             PS=page_size, BLOCK_N=min(64, triton.next_power_of_2(n)), BLOCK_B=max(16, triton.next_power_of_2(B)),
             TREE=tree,
         )  # fmt: skip
     return slot, pos, ids, cu, kv_lens
 
 
-def block_meta(start, valid, page_table, n: int, page_size: int):
+def block_meta(start, valid, page_table, n: int, page_size: int, offset: int = 0):
     """One launch of the addressing above; see the module docstring."""
     _check("block_meta", start, valid, page_table, n)
-    slot, pos, _, cu, kv_lens = _launch(start, valid, page_table, n, page_size)
+    slot, pos, _, cu, kv_lens = _launch(start, valid, page_table, n, page_size, offset=offset)
     return slot, pos, cu, kv_lens
 
 

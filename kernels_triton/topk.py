@@ -133,7 +133,7 @@ def topk(x, k: int):
     return _launch(x, k, False, "topk")
 
 
-def _launch(logits, k: int, log_softmax: bool, name: str, out=None):
+def _launch(logits, k: int, log_softmax: bool, name: str, out=None, num_warps=None):
     if logits.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{name}: logits must be float32/float16/bfloat16, got {logits.dtype}")
     if logits.dim() < 1:
@@ -163,7 +163,8 @@ def _launch(logits, k: int, log_softmax: bool, name: str, out=None):
     if N == 0:
         return vals, ids
     block_v = max(16, triton.next_power_of_2(V))
-    num_warps = max(1, min(16, block_v // 512))  # ~16 fp32 values per thread
+    if num_warps is None:  # benchmarks may sweep it
+        num_warps = max(1, min(16, block_v // 512))  # ~16 fp32 values per thread
     topk_logprobs_kernel[(N,)](x2, v2, i2, V, x2.stride(0), v2.stride(0), i2.stride(0), K=k, BLOCK_V=block_v,
                                LOG_SOFTMAX=log_softmax, num_warps=num_warps)
     return vals, ids

@@ -17,15 +17,17 @@ candidate id ``fcid`` [B, F]) and the best K children of each frontier node (log
     next frontier = the K best children by score, descending, ties to the lower j (``first``:
                     the K children in their given order, which is already descending)
 
-and, when the draft runs another round (``rows``), that round's input rows: the current rows
-[B, n] copied, then one row per new frontier node i at row n + i:
+and, when the draft runs another round (``rows`` = (frontier masks [B, F] int64 or None when
+``first``, n_done = scratch rows so far)), that round's K input rows, one per new frontier node i
+(scratch row n_done + i):
 
     token     target id (0 for rows that are not ``valid``: padding rows of a graph bucket)
     position  seq_lens + depth - 1                 (a node of depth d sits d - 1 past the root)
-    mask      mask[parent's row] | 1 << (n + i)    (ancestor bits over draft rows; first: own bit)
+    mask      mask[parent] | 1 << (n_done + i)     (ancestor bits over scratch rows; first: own bit)
     hidden    the parent's draft output hidden     (first: the root hidden)
 
-where the parent's row is among the current frontier rows, the last F of the n current rows.
+The draft runs only these K rows: earlier scratch rows already hold their KV, and the attention's
+tree window (the n_done + K scratch slots) lets the mask reach them.
 
 ``tree_select`` -- keep the n best candidates by ``score - TIE * depth`` (TIE makes a child rank
 strictly below its parent, so the kept set is closed under ancestors; ties to the lower candidate
@@ -34,7 +36,7 @@ candidate; parents as node indices (-1 for the root), depths, and ancestor-or-se
 the root, in every mask).
 
 Invariants: K <= 64, F * K <= 4096 children per round, C <= 4096 candidates, n + 1 <= 64 nodes and
-rows n + K <= 64 (bitmasks are int64); candidates are written in round order, so a parent's id is
+scratch rows n_done + K <= 64 (bitmasks are int64); candidates are written in round order, so a parent's id is
 below its child's.
 """
 
@@ -88,17 +90,14 @@ def tree_expand_ref(cand, cand_off, depth, lp, cid, d2t, score=None, fcid=None, 
     ncid = cand_off + best
     if rows is None:
         return nscore.contiguous(), ncid.contiguous(), None
-    r_tok, r_pos, r_mask, r_hid = rows
-    n = r_tok.shape[1]
+    front_mask, n = rows
     ntok = tok.reshape(B, F * K).gather(1, best)
     pslot = best // K  # [B, K] frontier slot of each new node's parent
     bits = _bit(torch.arange(n, n + K, device=lp.device))[None, :]
-    pmask = torch.zeros_like(pslot) if first else r_mask[:, n - F:].gather(1, pslot)
+    pmask = torch.zeros_like(pslot) if first else front_mask.gather(1, pslot)
     hid = h_front.gather(1, pslot[:, :, None].expand(B, K, h_front.shape[-1]))
-    new_rows = (torch.cat([r_tok, torch.where(valid[:, None], ntok, 0)], 1),
-                torch.cat([r_pos, (seq.long() + depth - 1)[:, None].expand(B, K)], 1),
-                torch.cat([r_mask, pmask | bits], 1),
-                torch.cat([r_hid, hid.to(r_hid.dtype)], 1))
+    new_rows = (torch.where(valid[:, None], ntok, 0), (seq.long() + depth - 1)[:, None].expand(B, K).contiguous(),
+                pmask | bits, hid.contiguous())
     return nscore.contiguous(), ncid.contiguous(), new_rows
 
 
@@ -126,7 +125,7 @@ def tree_select_ref(root, cand, n: int, max_depth: int):
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["cand_off", "depth", "n_rows", "C", "H"])
+@triton.jit(do_not_specialize=["cand_off", "depth", "n_done", "C", "H"])
 def _tree_expand_kernel(
     score_ptr,  # [B, F] fp32 frontier scores (not FIRST)
     fcid_ptr,  # [B, F] int64 frontier candidate ids (not FIRST)
@@ -141,18 +140,15 @@ def _tree_expand_kernel(
     cdep_ptr,  # [B, C] int32
     nscore_ptr,  # [B, K] fp32 next frontier
     ncid_ptr,  # [B, K] int64
-    rtok_ptr,  # [B, n] int64 current rows (ROWS and not FIRST)
-    rpos_ptr,  # [B, n] int64
-    rmask_ptr,  # [B, n] int64
-    rhid_ptr,  # [B, n, H]
-    ntok_ptr,  # [B, n + K] next rows (ROWS)
+    fmask_ptr,  # [B, F] int64 frontier masks (ROWS and not FIRST)
+    ntok_ptr,  # [B, K] next rows (ROWS)
     npos_ptr,
     nmask_ptr,
-    nhid_ptr,  # [B, n + K, H]
+    nhid_ptr,  # [B, K, H]
     hf_ptr,  # frontier output hidden, [B, F, H] with strides (stride_hfb, stride_hff, 1)
     cand_off,
     depth,
-    n_rows,
+    n_done,
     C,
     H,
     stride_lp,
@@ -163,7 +159,6 @@ def _tree_expand_kernel(
     K: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FIRST: tl.constexpr,
     ROWS: tl.constexpr,
@@ -193,21 +188,9 @@ def _tree_expand_kernel(
     tl.store(cdep_ptr + p_c, tl.full([BLOCK_J], 0, tl.int32) + depth, mask=m_j)
 
     if ROWS:
-        n_next = n_rows + K
         b_valid = tl.load(valid_ptr + b) != 0
         b_pos = tl.load(seq_ptr + b).to(tl.int64) + depth - 1
         o_h = tl.arange(0, BLOCK_H)
-        if not FIRST:  # the current rows come first
-            o_r = tl.arange(0, BLOCK_R)
-            m_r = o_r < n_rows
-            tl.store(ntok_ptr + b * n_next + o_r, tl.load(rtok_ptr + b * n_rows + o_r, mask=m_r), mask=m_r)
-            tl.store(npos_ptr + b * n_next + o_r, tl.load(rpos_ptr + b * n_rows + o_r, mask=m_r), mask=m_r)
-            tl.store(nmask_ptr + b * n_next + o_r, tl.load(rmask_ptr + b * n_rows + o_r, mask=m_r), mask=m_r)
-            for h0 in range(0, H, BLOCK_H):
-                m_rh = m_r[:, None] & ((h0 + o_h) < H)[None, :]
-                p_off = o_r[:, None] * H + (h0 + o_h)[None, :]
-                b_h = tl.load(rhid_ptr + b * n_rows * H + p_off, mask=m_rh)
-                tl.store(nhid_ptr + b * n_next * H + p_off, b_h, mask=m_rh)
 
     # The next frontier: the K best children (lowest index on ties; NaN ranks last) from one sort in
     # registers; everything they need is then gathered in parallel.
@@ -226,22 +209,21 @@ def _tree_expand_kernel(
     tl.store(nscore_ptr + b * K + o_k, tl.load(cscore_ptr + p_s, mask=m_k), mask=m_k)
     tl.store(ncid_ptr + b * K + o_k, (cand_off + b_sel).to(tl.int64), mask=m_k)
     if ROWS:
-        o_row = n_rows + o_k  # [BLOCK_K] the new rows
         b_ntok = tl.load(ctok_ptr + p_s, mask=m_k, other=0)
-        tl.store(ntok_ptr + b * n_next + o_row, tl.where(b_valid, b_ntok, 0), mask=m_k)
-        tl.store(npos_ptr + b * n_next + o_row, tl.zeros([BLOCK_K], dtype=tl.int64) + b_pos, mask=m_k)
+        p_n = b * K + o_k  # [BLOCK_K] the new rows
+        tl.store(ntok_ptr + p_n, tl.where(b_valid, b_ntok, 0), mask=m_k)
+        tl.store(npos_ptr + p_n, tl.zeros([BLOCK_K], dtype=tl.int64) + b_pos, mask=m_k)
         b_pslot = b_sel // K  # frontier slot of each new node's parent
-        b_bit = tl.full([BLOCK_K], 1, tl.int64) << o_row.to(tl.int64)
+        b_bit = tl.full([BLOCK_K], 1, tl.int64) << (n_done + o_k).to(tl.int64)
         if FIRST:
             b_pmask = tl.zeros([BLOCK_K], dtype=tl.int64)
         else:
-            b_pmask = tl.load(rmask_ptr + b * n_rows + (n_rows - F) + b_pslot, mask=m_k, other=0)
-        tl.store(nmask_ptr + b * n_next + o_row, b_pmask | b_bit, mask=m_k)
+            b_pmask = tl.load(fmask_ptr + b * F + b_pslot, mask=m_k, other=0)
+        tl.store(nmask_ptr + p_n, b_pmask | b_bit, mask=m_k)
         for h0 in range(0, H, BLOCK_H):
             m_kh = m_k[:, None] & ((h0 + o_h) < H)[None, :]
             b_h = tl.load(hf_ptr + b * stride_hfb + b_pslot[:, None] * stride_hff + (h0 + o_h)[None, :], mask=m_kh)
-            tl.store(nhid_ptr + (b * n_next + o_row)[:, None] * H + (h0 + o_h)[None, :],
-                     b_h.to(nhid_ptr.dtype.element_ty), mask=m_kh)
+            tl.store(nhid_ptr + p_n[:, None] * H + (h0 + o_h)[None, :], b_h.to(nhid_ptr.dtype.element_ty), mask=m_kh)
 
 
 @triton.jit(do_not_specialize=["C", "n", "max_depth"])
@@ -314,10 +296,11 @@ def tree_expand(cand, cand_off: int, depth: int, lp, cid, d2t, score=None, fcid=
     """One growth round (see the module docstring); writes ``cand`` in place.
 
     lp, cid: [B, F, K] (the first round: F = 1, ``score``/``fcid`` None); d2t: [Vd] int64 or None;
-    score [B, F] fp32, fcid [B, F] int64; ``rows`` = (tok, pos, mask [B, n] int64, hidden [B, n, H])
-    or None when no round follows -- with rows, ``h_front`` [B, F, H] (any strides, last dim
-    contiguous), ``valid`` [B] bool and ``seq`` [B] int32 are needed. For the first round pass rows
-    with n = 0. Returns (next frontier scores [B, K] fp32, candidate ids [B, K] int64, next rows or None).
+    score [B, F] fp32, fcid [B, F] int64; ``rows`` = (frontier masks [B, F] int64 (None in the first
+    round), n_done scratch rows so far) or None when no round follows -- with rows, ``h_front``
+    [B, F, H] (any strides, last dim contiguous), ``valid`` [B] bool and ``seq`` [B] int32 are needed.
+    Returns (next frontier scores [B, K] fp32, candidate ids [B, K] int64, next rows or None), the
+    rows as (tokens, positions, masks [B, K] int64, hidden [B, K, H])).
     """
     ctok, cscore, cpar, cdep = cand
     B, F, K = lp.shape
@@ -340,19 +323,20 @@ def tree_expand(cand, cand_off: int, depth: int, lp, cid, d2t, score=None, fcid=
     new_rows = None
     H = 1
     if rows is not None:
-        r_tok, r_pos, r_mask, r_hid = rows
-        n = r_tok.shape[1]
-        H = r_hid.shape[-1]
-        if n + K > MAX_NODES or (not first and n < F) or h_front.shape != (B, F, H) or h_front.stride(-1) != 1:
-            raise ValueError(f"tree_expand: {n} + {K} rows (<= {MAX_NODES}), frontier hidden "
+        front_mask, n_done = rows
+        H = h_front.shape[-1]
+        if n_done + K > MAX_NODES or h_front.shape != (B, F, H) or h_front.stride(-1) != 1:
+            raise ValueError(f"tree_expand: {n_done} + {K} scratch rows (<= {MAX_NODES}), frontier hidden "
                              f"{tuple(h_front.shape)} must be [B, F, H] = [{B}, {F}, {H}] with a contiguous last dim")
-        new_rows = (torch.empty(B, n + K, dtype=torch.int64, device=dev),
-                    torch.empty(B, n + K, dtype=torch.int64, device=dev),
-                    torch.empty(B, n + K, dtype=torch.int64, device=dev),
-                    torch.empty(B, n + K, H, dtype=r_hid.dtype, device=dev))
-        rows = tuple(t.contiguous() for t in rows)
+        if not first and (front_mask is None or front_mask.shape != (B, F) or front_mask.dtype != torch.int64):
+            raise ValueError(f"tree_expand: frontier masks must be [B, F] = [{B}, {F}] int64")
         if valid.dtype != torch.bool or valid.shape != (B,):
             raise ValueError(f"tree_expand: valid must be [B] = [{B}] bool, got {tuple(valid.shape)} {valid.dtype}")
+        new_rows = (torch.empty(B, K, dtype=torch.int64, device=dev),
+                    torch.empty(B, K, dtype=torch.int64, device=dev),
+                    torch.empty(B, K, dtype=torch.int64, device=dev),
+                    torch.empty(B, K, H, dtype=h_front.dtype, device=dev))
+        fmask = front_mask.contiguous() if not first else lp2
     if B == 0:
         return nscore, ncid, new_rows
     ph = lp2  # placeholder pointer for unused arguments
@@ -360,14 +344,13 @@ def tree_expand(cand, cand_off: int, depth: int, lp, cid, d2t, score=None, fcid=
         score if not first else ph, fcid if not first else ph, lp2, cid2, d2t if d2t is not None else ph,
         valid if rows is not None else ph, seq if rows is not None else ph,
         ctok, cscore, cpar, cdep, nscore, ncid,
-        *(rows if rows is not None and not first else (ph,) * 4),
+        fmask if rows is not None else ph,
         *(new_rows if new_rows is not None else (ph,) * 4),
         h_front if rows is not None else ph,
-        cand_off, depth, rows[0].shape[1] if rows is not None else 0, C, H,
+        cand_off, depth, rows[1] if rows is not None else 0, C, H,
         lp2.stride(0), cid2.stride(0),
         h_front.stride(0) if rows is not None else 0, h_front.stride(1) if rows is not None else 0,
         F=F, K=K, BLOCK_J=max(16, triton.next_power_of_2(F * K)), BLOCK_K=max(16, triton.next_power_of_2(K)),
-        BLOCK_R=MAX_NODES,
         BLOCK_H=min(256, max(16, triton.next_power_of_2(H))), FIRST=first, ROWS=rows is not None,
         HAS_D2T=d2t is not None, num_warps=4,
     )  # fmt: skip

@@ -154,6 +154,51 @@ def test_tree_64_nodes():
     check(batch, torch.float16, max_q_len=64, splits=[1, 3], tree_mask=tm)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tree_window_sees_only_marked_earlier_slots(dtype):
+    """tree_window W: the queries are the last T_b of W masked slots (a draft round's new nodes after
+    earlier rounds' nodes, already cached); mask bit j is slot kv_len - W + j. Kernel (several split
+    counts) and reference against a dense softmax over exactly the prefix + the marked slots."""
+    from kernels_triton.attention import paged_attention, paged_attention_ref
+
+    W, Tq, prefix = 12, [4, 1, 0, 12], [10, 70, 3, 0]
+    batch = make_batch(T=[W] * 4, prefix=prefix, heads=(9, 3, 64), PS=8, dtype=dtype, seed=7)
+    g = _seeded(17)
+    rows, masks = [], []
+    for b, t in enumerate(Tq):
+        for i in range(t):
+            w = W - t + i  # window index of this query's own slot
+            bits = int(torch.randint(0, 1 << w, (1,), generator=g)) if w else 0  # any earlier subset
+            rows.append(b * W + w)
+            masks.append((1 << w) | bits)
+    q = batch["q"][rows]
+    cu = torch.tensor([0] + torch.tensor(Tq).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    b2 = dict(batch, q=q, cu_q_lens=cu)
+    tm = torch.tensor(masks, dtype=torch.int64, device=DEVICE)
+    # dense: query n of request b sees prefix slots and the window slots whose bit is set
+    kc, vc, pt = batch["k_cache"].float(), batch["v_cache"].float(), batch["page_table"]
+    want = torch.empty(len(rows), 9, 64)
+    n = 0
+    for b, t in enumerate(Tq):
+        for i in range(t):
+            vis = list(range(prefix[b])) + [prefix[b] + j for j in range(W) if masks[n] >> j & 1]
+            k = torch.stack([kc[pt[b, s // 8], s % 8] for s in vis]).cpu()  # [L, 3, 64]
+            v = torch.stack([vc[pt[b, s // 8], s % 8] for s in vis]).cpu()
+            qq = q[n].float().cpu().view(3, 3, 64)  # [kv head, group, D]
+            att = torch.softmax(torch.einsum("kgd,lkd->kgl", qq, k) / 8.0, -1)
+            want[n] = torch.einsum("kgl,lkd->kgd", att, v).reshape(9, 64)
+            n += 1
+    atol, rtol = TOL[dtype]
+    ref = paged_attention_ref(**b2, tree_mask=tm, tree_window=W)
+    torch.testing.assert_close(ref.float().cpu(), want, atol=atol, rtol=rtol)
+    for ns in (1, 3, None):
+        out = call_poisoned(lambda: paged_attention(**b2, tree_mask=tm, max_q_len=12, num_splits=ns, tree_window=W),
+                            q.shape, dtype)
+        torch.testing.assert_close(out.float().cpu(), want, atol=atol, rtol=rtol, msg=lambda m: f"splits {ns}: {m}")
+    with pytest.raises(ValueError, match="tree_window"):
+        paged_attention(**b2, tree_mask=tm, max_q_len=12, tree_window=8)  # narrower than max_q_len
+
+
 def test_sm_scale_and_default_splits_large_prefix():
     # a long prefix with one short chunk: the default picks split-KV from static shapes
     batch = make_batch(T=[3], prefix=[300], heads=(9, 3, 64), PS=32, dtype=torch.float32, seed=6)

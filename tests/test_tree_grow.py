@@ -32,22 +32,22 @@ def random_round(g, B, F, K, Vd, first):
 
 
 @pytest.mark.parametrize("first,F,K,n,d2t", [(True, 1, 4, 0, True), (False, 4, 4, 4, True), (False, 3, 3, 9, False),
-                                             (False, 2, 2, 6, True), (False, 4, 4, 12, True)])
+                                             (False, 2, 2, 6, True), (False, 4, 4, 12, True), (False, 8, 8, 48, True)])
 def test_tree_expand_matches_reference(first, F, K, n, d2t):
+    """One round: candidates, next frontier and the next round's K rows (tokens, positions, masks =
+    parent's mask | own bit n_done + i, parent hidden) equal the reference; n = scratch rows so far."""
     g = torch.Generator().manual_seed(F * 10 + K + n)
-    B, Vd, H, C = 3, 40, 24, 80
+    B, Vd, H, C = 3, 40, 24, 80 + F * K
     lp, cid, score, fcid = random_round(g, B, F, K, Vd, first)
     table = torch.randperm(1000, generator=g)[:Vd].to(DEV) if d2t else None
-    rows = (torch.randint(0, 99, (B, n), generator=g).to(DEV), torch.randint(0, 99, (B, n), generator=g).to(DEV),
-            torch.randint(-2**62, 2**62, (B, n), generator=g).to(DEV),
-            torch.randn(B, n, H, generator=g).to(DEV))
+    front_mask = None if first else torch.randint(-2**62, 2**62, (B, F), generator=g).to(DEV)
     h_front = torch.randn(B, F + 2, H, generator=g).to(DEV)[:, 1:F + 1]  # a strided view, like the drafter's
     valid = torch.tensor([True, False, True], device=DEV)
     seq = torch.tensor([5, 9, 17], dtype=torch.int32, device=DEV)
     off, depth = 7, 3
     for with_rows in (True, False):
         want_c, got_c = poisoned_candidates(B, C), poisoned_candidates(B, C)
-        args = (lp, cid, table, score, fcid, rows if with_rows else None, h_front, valid, seq)
+        args = (lp, cid, table, score, fcid, (front_mask, n) if with_rows else None, h_front, valid, seq)
         want = tree_grow.tree_expand_ref(want_c, off, depth, *args[:2], *args[2:])
         got = tree_grow.tree_expand(got_c, off, depth, *args[:2], *args[2:])
         sl = slice(off, off + F * K)
@@ -57,7 +57,13 @@ def test_tree_expand_matches_reference(first, F, K, n, d2t):
         if with_rows:
             for w, x in zip(want[2], got[2]):
                 assert w.shape == x.shape and torch.equal(w, x)
-            assert got[2][0][1, n:].eq(0).all()  # the invalid row's draft tokens are 0
+            tok, pos, mask, hid = got[2]
+            assert tok.shape == (B, K) and hid.shape == (B, K, H)
+            assert tok[1].eq(0).all()  # the invalid row's draft tokens are 0
+            own = torch.bitwise_left_shift(torch.ones(K, dtype=torch.int64, device=DEV),
+                                           torch.arange(n, n + K, device=DEV))
+            assert ((mask & own[None, :]) == own[None, :]).all()  # every new row carries its own bit
+            assert torch.equal(pos, (seq.long() + depth - 1)[:, None].expand(B, K))
         else:
             assert got[2] is None
 
@@ -146,3 +152,47 @@ def test_drafter_kernel_trees_equal_reference(monkeypatch):
         for name in ("tokens", "parents", "depth", "mask"):
             w, x = getattr(want, name)[rows], getattr(got, name)[rows]
             assert torch.equal(w, x), (topk, steps, name, w.tolist(), x.tolist())
+
+
+def test_windowed_draft_rounds_equal_recomputing_every_scratch_row(monkeypatch):
+    """A draft round runs only its K new frontier rows; earlier rounds' rows are in the draft cache
+    and the attention's tree window exposes each node's ancestors among them. That must give the
+    frontier outputs of the plain way: re-running ALL scratch rows so far in one forward with their
+    ancestor masks over exactly those rows (no window)."""
+
+    from test_engine import tiny_model
+    from test_spec import tiny_head
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.spec.drafters import Eagle3Drafter
+
+    model = tiny_model(layers=2, device=DEV, backend="torch")
+    topk, steps, ntok = 2, 4, 8
+    drafter = Eagle3Drafter(tiny_head(model), model, topk=topk, steps=steps, num_draft_tokens=ntok)
+    engine = Engine(model, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=512), drafter=drafter,
+                    ks=(ntok,))
+    for p in ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2]):
+        engine.add_request(p, 8)
+    engine.step(ntok)
+    st = engine.state
+    B, T = 2, drafter.num_nodes(ntok)
+    valid = st.row_ids[:B] < st.num_rows
+    rounds = []  # (token ids, hidden in, positions, meta, outputs) of each windowed round
+    real_run = drafter._run
+
+    def run(tok, hid, pos, meta):
+        out = real_run(tok, hid, pos, meta)
+        rounds.append((tok, hid, pos, meta, out))
+        return out
+
+    monkeypatch.setattr(drafter, "_run", run)
+    drafter.propose_reference(st, B, T, valid)
+    assert len(rounds) == steps - 1 and all(r[3].tree_window == (i + 1) * topk for i, r in enumerate(rounds))
+    K, seq = topk, st.seq_lens[:B]
+    for r in range(1, steps - 1):  # round 0 has no earlier rows: windowed == plain trivially
+        n = (r + 1) * K
+        cat = lambda i: torch.cat([rounds[j][i].view(B, K, *rounds[j][i].shape[1:]) for j in range(r + 1)], 1)  # noqa: E731
+        tok, hid, pos = cat(0).reshape(-1), cat(1).reshape(B * n, -1), cat(2).reshape(-1)
+        mask = torch.cat([rounds[j][3].tree_mask.view(B, K) for j in range(r + 1)], 1).reshape(-1)
+        meta, _ = st.block_meta(B, seq, n, valid, mask)  # all n scratch rows, no window
+        full = real_run(tok, hid, pos, meta).view(B, n, -1)[:, -K:]
+        torch.testing.assert_close(full, rounds[r][4].view(B, K, -1), atol=1e-5, rtol=1e-5)

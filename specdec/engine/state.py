@@ -118,19 +118,20 @@ class DecodeState:
         self.row_buffers[name] = buf
         return buf
 
-    def block_meta(self, B: int, start, n: int, valid, tree_mask=None):
-        """AttentionMeta for n new tokens per row at logical slots start[b] .. start[b] + n - 1
-        (rows 0 .. B-1; padding rows get T_b = 0 and slot -1). One launch on the GPU
-        (kernels_triton/paging.py); device ops only (capturable).
+    def block_meta(self, B: int, start, n: int, valid, tree_mask=None, offset: int = 0, tree_window=None):
+        """AttentionMeta for n new tokens per row at logical slots start[b] + offset .. start[b] +
+        offset + n - 1 (rows 0 .. B-1; padding rows get T_b = 0 and slot -1), with an optional tree
+        mask over a window of ``tree_window`` slots. One launch on the GPU (kernels_triton/paging.py);
+        device ops only (capturable).
 
         Returns (meta, logical slots [B, n] int64) -- the logical slot is also the RoPE position of
         a causal block, so callers that need it don't recompute it.
         """
         from ..models.ops import AttentionMeta, block_meta
 
-        slot, pos, cu, kv_lens = block_meta(start, valid, self.page_table[:B], n, self.page_size)
+        slot, pos, cu, kv_lens = block_meta(start, valid, self.page_table[:B], n, self.page_size, offset)
         meta = AttentionMeta(cu_q_lens=cu, kv_lens=kv_lens, page_table=self.page_table[:B], slot_mapping=slot,
-                             max_q_len=n, tree_mask=tree_mask)
+                             max_q_len=n, tree_mask=tree_mask, tree_window=tree_window)
         return meta, pos
 
     def tree_meta(self, B: int, start, valid, tokens, depth, tree_mask=None):
@@ -143,21 +144,3 @@ class DecodeState:
         meta = AttentionMeta(cu_q_lens=cu, kv_lens=kv_lens, page_table=self.page_table[:B], slot_mapping=slot,
                              max_q_len=tokens.shape[1], tree_mask=tree_mask)
         return meta, ids, pos.reshape(-1)
-
-    def block_metas(self, B: int, start, ns, valid) -> list:
-        """``block_meta`` (causal, no tree mask) for each block size n in ``ns`` over the same rows
-        and start, e.g. the growing scratch blocks of draft rounds: one launch per size with the
-        step kernels, else one slot lookup for the largest n and three small ops per size."""
-        from ..models.ops import AttentionMeta, _step_kernel
-
-        if _step_kernel("auto", start):
-            return [self.block_meta(B, start, n, valid)[0] for n in ns]
-        n_max = max(ns)
-        full, _ = self.block_meta(B, start, n_max, valid)
-        slot = full.slot_mapping.view(B, n_max)
-        v32 = valid.to(torch.int32)
-        rows = torch.zeros(B + 1, dtype=torch.int32, device=start.device)
-        rows[1:] = v32.cumsum(0)  # valid rows before each row
-        base = torch.where(valid, start, 0).to(torch.int32)
-        return [AttentionMeta(cu_q_lens=rows * n, kv_lens=base + v32 * n, page_table=self.page_table[:B],
-                              slot_mapping=slot[:, :n].reshape(-1), max_q_len=n) for n in ns]

@@ -25,7 +25,9 @@ class AttentionMeta:
     ``cu_q_lens[b]:cu_q_lens[b+1]`` (T_b of them) and occupy its logical KV slots
     ``kv_lens[b] - T_b .. kv_lens[b] - 1``; their K/V are written to ``slot_mapping`` (flat slot =
     page * page_size + offset, -1 = padding) before attention reads them.
-    ``tree_mask`` None means causal; else int64 [N], bit j = "may see new token j of my request".
+    ``tree_mask`` None means causal; else int64 [N], bit j = "may see new token j of my request",
+    or with ``tree_window`` W, "may see slot kv_lens[b] - W + j" (the last W slots, of which the
+    queries are the last T_b: a draft round's new nodes under the nodes of earlier rounds).
     """
 
     cu_q_lens: torch.Tensor  # [B+1] int32
@@ -34,6 +36,7 @@ class AttentionMeta:
     slot_mapping: torch.Tensor  # [N] int64
     max_q_len: int  # static upper bound on T_b (host int: no sync to read it)
     tree_mask: torch.Tensor | None = None  # [N] int64
+    tree_window: int | None = None  # host int W >= max_q_len: mask bits over the last W slots
 
     @property
     def num_seqs(self) -> int:
@@ -198,13 +201,13 @@ def _step_kernel(backend: str, t: torch.Tensor) -> bool:
     return _triton(backend, t)
 
 
-def block_meta(start, valid, page_table, n: int, page_size: int, *, backend="auto"):
+def block_meta(start, valid, page_table, n: int, page_size: int, offset: int = 0, *, backend="auto"):
     """(slot [B*n] int64, pos [B, n] int64, cu_q_lens [B+1] int32, kv_lens [B] int32) of a block of
-    n new tokens per row at logical slots start .. start + n - 1 (padding rows: slot -1, T_b = 0)."""
+    n new tokens per row at logical slots start + offset .. start + offset + n - 1 (padding rows: slot -1, T_b = 0)."""
     from kernels_triton import paging
 
     fn = paging.block_meta if _step_kernel(backend, start) else paging.block_meta_ref
-    return fn(start, valid, page_table, n, page_size)
+    return fn(start, valid, page_table, n, page_size, offset)
 
 
 def tree_meta(start, valid, page_table, tokens, depth, page_size: int, *, backend="auto"):
@@ -264,9 +267,9 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, 
     if _triton(backend, q):
         return attention.paged_attention(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
                                          meta.kv_lens, meta.tree_mask, sm_scale,
-                                         max_q_len=meta.max_q_len)
+                                         max_q_len=meta.max_q_len, tree_window=meta.tree_window)
     return attention.paged_attention_ref(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
-                                         meta.kv_lens, meta.tree_mask, sm_scale)
+                                         meta.kv_lens, meta.tree_mask, sm_scale, meta.tree_window)
 
 
 def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_probs=None, *, backend="auto"):

@@ -120,10 +120,10 @@ class Eagle3Drafter:
     best children of a node can enter a tree, so no step materialises a full draft distribution:
     the lm_head runs on the frontier rows only and one top-k kernel returns their log-probs.
 
-    Tree growth: round r processes the frontier (topk nodes at depth r + 1) together with every
-    node of earlier rounds, at draft scratch slots seq_len + j with an ancestor mask (earlier nodes
-    are recomputed with identical inputs: the draft layer is cheap and the attention kernel's tree
-    window stays "the new tokens").
+    Tree growth: round r runs only the frontier (topk nodes at depth r + 1) at draft scratch slots
+    seq_len + r * topk + i; the nodes of earlier rounds already hold their draft KV, and the
+    attention's tree window (all scratch slots so far) with an ancestor mask lets each node see its
+    own ancestors and nothing else of the tree.
     """
 
     name = "eagle3"
@@ -197,9 +197,9 @@ class Eagle3Drafter:
 
     # -- per step --------------------------------------------------------------------------------
     def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
-        """Grow the tree: one draft forward per round over the scratch rows so far, each round's
-        bookkeeping (child scores, next frontier, next rows) in one ``ops.tree_expand`` and the final
-        selection in one ``ops.tree_select`` (kernels_triton/tree_grow.py on the Triton backend).
+        """Grow the tree: one draft forward per round over that round's K new frontier nodes, each
+        round's bookkeeping (child scores, next frontier, next rows) in one ``ops.tree_expand`` and the
+        final selection in one ``ops.tree_select`` (kernels_triton/tree_grow.py on the Triton backend).
         Builds the same tree as :meth:`propose_reference` (``grow_tree`` over torch ops)."""
         topk, steps, kept = self.shape_for(T - 1)
         be = self.head.backend
@@ -208,37 +208,29 @@ class Eagle3Drafter:
         K = topk
         cand = ops.new_tree_candidates(B, K + (steps - 1) * K * K, dev)
         d2t = self.head.draft_to_target_table()
-        rows = None
-        if steps > 1:  # round 0's rows start empty
-            empty = torch.empty(B, 0, dtype=torch.int64, device=dev)
-            rows = (empty, empty, empty, torch.empty(B, 0, H, dtype=self.head.dtype, device=dev))
         score, fcid, rows = ops.tree_expand(cand, 0, 1, self.root_top[:B, None, :K], self.root_ids[:B, None, :K], d2t,
-                                            rows=rows, h_front=self.root_hidden[:B, None], valid=valid, seq=seq,
-                                            backend=be)
-        metas = state.block_metas(B, seq, [(r + 1) * K for r in range(steps - 1)], valid) if steps > 1 else []
-        for r in range(steps - 1):  # round r runs the (r + 1) * K scratch rows so far
-            n = (r + 1) * K
+                                            rows=(None, 0) if steps > 1 else None, h_front=self.root_hidden[:B, None],
+                                            valid=valid, seq=seq, backend=be)
+        for r in range(steps - 1):  # round r runs the K frontier nodes of depth r + 1: scratch rows rK .. rK + K - 1
+            n = r * K
             tok, pos, mask, hid = rows
-            meta = dataclasses.replace(metas[r], tree_mask=mask.reshape(-1))
-            h = self._run(tok.reshape(-1), hid.reshape(B * n, H), pos.reshape(-1), meta).view(B, n, H)
-            front = h[:, n - K:]  # the frontier's outputs
-            lp, ids = self._children(front, K)  # [B, K, K] each
+            meta, _ = state.block_meta(B, seq, K, valid, mask.reshape(-1), offset=n, tree_window=n + K)
+            h = self._run(tok.reshape(-1), hid.reshape(B * K, H), pos.reshape(-1), meta).view(B, K, H)
+            lp, ids = self._children(h, K)  # [B, K, K] each
             more = r < steps - 2
             score, fcid, rows = ops.tree_expand(cand, K + r * K * K, r + 2, lp, ids, d2t, score, fcid,
-                                                rows if more else None, front, valid, seq, backend=be)
+                                                (mask, n + K) if more else None, h, valid, seq, backend=be)
         return DraftTree(*ops.tree_select(state.pending[:B], cand, kept, steps, backend=be))
 
     def propose_reference(self, state, B: int, T: int, valid, context=None) -> DraftTree:
         """The same tree through ``grow_tree`` and torch ops (a readable reference for tests).
 
-        Round r processes the frontier (topk nodes at depth r + 1) together with every node of
-        earlier rounds, at draft scratch slots seq_len + j with an ancestor mask."""
+        Round r runs the frontier (topk nodes at depth r + 1) at draft scratch slots seq_len + rK + i;
+        the nodes of earlier rounds are already in the draft cache, and the ancestor mask over the
+        window of the (r + 1) K scratch slots lets each node see only its own ancestors."""
         topk, steps, kept = self.shape_for(T - 1)
-        seq = state.seq_lens[:B].long()
-        rows_tok, rows_hid, rows_pos, rows_mask = [], [], [], []  # scratch rows so far, [B, m] each
+        seq = state.seq_lens[:B]
         outs = {}
-        metas = state.block_metas(B, state.seq_lens[:B], [(r + 1) * topk for r in range(steps - 1)], valid) \
-            if steps > 1 else []
         node_bits = bit(torch.arange(steps * topk, device=seq.device))  # scratch node j -> 1 << j
 
         def expand(r: int, tokens, parent_slot):
@@ -252,15 +244,11 @@ class Eagle3Drafter:
                 hid = prev_h.gather(1, idx[:, :, None].expand(-1, -1, prev_h.shape[-1]))
                 par_mask = prev_mask.gather(1, idx)
             mask = par_mask | node_bits[None, r * topk:(r + 1) * topk]  # the new nodes' own bits
-            rows_tok.append(tokens)
-            rows_hid.append(hid)
-            rows_pos.append((seq + r)[:, None].expand(B, topk))  # depth r+1 node -> position s + r
-            rows_mask.append(mask)
-            n = (r + 1) * topk
-            meta = dataclasses.replace(metas[r], tree_mask=torch.cat(rows_mask, 1).reshape(-1))
-            ids = torch.where(valid[:, None], torch.cat(rows_tok, 1), 0).reshape(-1)
-            h = self._run(ids, torch.cat(rows_hid, 1).reshape(B * n, -1), torch.cat(rows_pos, 1).reshape(-1), meta)
-            h = h.view(B, n, -1)[:, -topk:]  # the frontier's outputs
+            n = r * topk
+            meta, _ = state.block_meta(B, seq, topk, valid, mask.reshape(-1), offset=n, tree_window=n + topk)
+            ids = torch.where(valid[:, None], tokens, 0).reshape(-1)
+            pos = (seq.long() + r)[:, None].expand(B, topk).reshape(-1)  # depth r+1 node -> position s + r
+            h = self._run(ids, hid.reshape(B * topk, -1), pos, meta).view(B, topk, -1)
             outs[r] = (h, mask)
             return self._children(h, topk)  # [B, topk, topk] each
 
