@@ -201,6 +201,7 @@ def _fused_linear_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     HALF: tl.constexpr,  # D / 2 (rope)
+    PARTS: tl.constexpr,  # programs per head (rope): each owns BLOCK_N = HALF / PARTS dims of both halves
     PS: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -221,10 +222,12 @@ def _fused_linear_kernel(
 
     # Weight rows of the two accumulators: A = this block's columns (gate / first rope half), B = the
     # up columns (swiglu) or the second half of the head (rope).
-    if EPI == _EPI_ROPE:
-        o_wa = i_n * (2 * HALF) + o_c
+    if EPI == _EPI_ROPE:  # program i_n: part i_n % PARTS of head i_n // PARTS (BLOCK_N dims of each half)
+        i_head = i_n // PARTS
+        o_hc = (i_n % PARTS) * BLOCK_N + o_c  # [BLOCK_N] dims within a half
+        o_wa = i_head * (2 * HALF) + o_hc
         o_wb = o_wa + HALF
-        m_w = o_c < HALF
+        m_w = o_hc < HALF
     elif EPI == _EPI_SWIGLU:
         o_wa = i_n * BLOCK_N + o_c
         o_wb = o_wa + NOUT
@@ -268,14 +271,15 @@ def _fused_linear_kernel(
         m_o = m_m[:, None] & m_w[None, :]
         tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_act.to(o_ptr.dtype.element_ty), mask=m_o)
     else:
-        # Head i_n of [q heads | k heads | v heads]; halves a = dims [0, D/2), b = [D/2, D).
+        # Head i_head of [q heads | k heads | v heads]; halves a = dims [0, D/2), b = [D/2, D); this
+        # program's dims o_hc of each half.
         b_x1 = b_a.to(tl.float32)
         b_x2 = acc_b.to(dt).to(tl.float32)
         m_o = m_m[:, None] & m_w[None, :]
-        if i_n < HQ + HKV:
+        if i_head < HQ + HKV:
             b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
             m_p = m_m & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
-            p_cs = b_pos[:, None] * stride_cos + o_c[None, :]
+            p_cs = b_pos[:, None] * stride_cos + o_hc[None, :]
             b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
             b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
             b_o1 = b_x1 * b_cos - b_x2 * b_sin
@@ -283,8 +287,8 @@ def _fused_linear_kernel(
         else:
             b_o1 = b_x1
             b_o2 = b_x2
-        if i_n < HQ:
-            p_q = o_ptr + o_m[:, None] * stride_o + i_n * (2 * HALF) + o_c[None, :]
+        if i_head < HQ:
+            p_q = o_ptr + o_m[:, None] * stride_o + i_head * (2 * HALF) + o_hc[None, :]
             tl.store(p_q, b_o1.to(dt), mask=m_o)
             tl.store(p_q + HALF, b_o2.to(dt), mask=m_o)
         else:
@@ -293,15 +297,15 @@ def _fused_linear_kernel(
             b_slot = tl.maximum(b_slot, 0)
             b_page = b_slot // PS
             b_off = b_slot % PS
-            if i_n < HQ + HKV:
+            if i_head < HQ + HKV:
                 p_c = (kc_ptr + b_page[:, None] * stride_kcp + b_off[:, None] * stride_kcs
-                       + (i_n - HQ) * stride_kch + o_c[None, :])
+                       + (i_head - HQ) * stride_kch + o_hc[None, :])
                 kc_dt = kc_ptr.dtype.element_ty
                 tl.store(p_c, b_o1.to(dt).to(kc_dt), mask=m_s)  # rounded to k's dtype, then the cache's
                 tl.store(p_c + HALF, b_o2.to(dt).to(kc_dt), mask=m_s)
             else:
                 p_c = (vc_ptr + b_page[:, None] * stride_vcp + b_off[:, None] * stride_vcs
-                       + (i_n - HQ - HKV) * stride_vch + o_c[None, :])
+                       + (i_head - HQ - HKV) * stride_vch + o_hc[None, :])
                 vc_dt = vc_ptr.dtype.element_ty
                 tl.store(p_c, b_o1.to(dt).to(vc_dt), mask=m_s)
                 tl.store(p_c + HALF, b_o2.to(dt).to(vc_dt), mask=m_s)
@@ -376,9 +380,11 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     if rope_args is None:
         pos = cos = sin = slots = kc = vc = x  # placeholders, never dereferenced
         n_pos, cs_stride, kc_s, vc_s, hq, hkv, ps, half = 1, 0, (0, 0, 0), (0, 0, 0), 1, 1, 1, 1
+        parts = 1
     else:
         pos, cos, sin, slots, kc, vc, hq, hkv = rope_args
         n_pos, cs_stride, ps, half = cos.shape[0], cos.stride(0), kc.shape[1], cos.shape[1]
+        parts = triton.cdiv(half, block_n)
         kc_s, vc_s = kc.stride()[:3], vc.stride()[:3]
     if M == 0:
         return s if norm else None
@@ -396,7 +402,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
         M, K, K2, nout, float(eps), n_pos,
         x.stride(0), r.stride(0), x2.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
-        HQ=hq, HKV=hkv, HALF=half, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, TWO_INPUTS=K2 > 0,
+        HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), **cfg,
     )  # fmt: skip
@@ -496,7 +502,19 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     q = torch.empty((M, HQ, D), dtype=x.dtype, device=x.device)
     rope_args = (positions.contiguous(), cos.contiguous(), sin.contiguous(), slot_mapping.contiguous(), k_cache,
                  v_cache, HQ, HKV)
-    s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=HQ + 2 * HKV, block_n=max(16, triton.next_power_of_2(D // 2)),
+    # Programs per head: split each half into parts of >= 16 dims (the tl.dot minimum) while the heads
+    # x parts still fit the SMs: SmolLM2 (15 heads, D/2 = 32) -> 2 parts, 30 programs streaming 36 KB
+    # of weight each instead of 15 streaming 73 KB (the batch-1 qkv is bound by that per-program stream).
+    half = triton.next_power_of_2(D // 2)
+    config = dict(config or {})
+    parts = config.pop("parts", None)
+    if parts is None:
+        parts = 1
+        while half // (2 * parts) >= 16 and (HQ + 2 * HKV) * 2 * parts <= _sm_count(x.device):
+            parts *= 2
+    block_n = max(16, half // parts)
+    parts = triton.cdiv(D // 2, block_n)
+    s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=(HQ + 2 * HKV) * parts, block_n=block_n,
                 residual=residual, norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, x2=x2,
                 norm_weight2=norm_weight2, config=config)
     return q, (x if s is None else s)

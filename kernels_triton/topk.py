@@ -164,7 +164,9 @@ def _launch(logits, k: int, log_softmax: bool, name: str, out=None, num_warps=No
         return vals, ids
     block_v = max(16, triton.next_power_of_2(V))
     if num_warps is None:  # benchmarks may sweep it
-        num_warps = max(1, min(16, block_v // 512))  # ~16 fp32 values per thread
+        # ~16 fp32 values per thread, at most 8 warps (H200, 8192-wide rows: 4.2 us at 8 warps, 4.7 at
+        # 16; results/kernels/bench_draft_round.csv)
+        num_warps = max(1, min(8, block_v // 512))
     topk_logprobs_kernel[(N,)](x2, v2, i2, V, x2.stride(0), v2.stride(0), i2.stride(0), K=k, BLOCK_V=block_v,
                                LOG_SOFTMAX=log_softmax, num_warps=num_warps)
     return vals, ids

@@ -133,6 +133,29 @@ def test_norm_qkv_rope_write_kv_matches_ref(M, dtype, with_residual, poison):
         _close(flat[written.to(DEVICE)], flat_ref[written.to(DEVICE)], dtype)
 
 
+@pytest.mark.parametrize("D,parts", [(64, 2), (48, 2), (128, 4), (64, 1)])
+def test_qkv_rope_split_heads_match_ref(D, parts, poison):
+    """Several programs per head (each BLOCK_N dims of both halves; D = 48: a masked last part) give
+    the same q and cache writes as the reference."""
+    gen = torch.Generator().manual_seed(D + parts)
+    M, HQ, HKV, K, PS, NP, dtype = 3, 4, 2, 64, 4, 8, torch.float32
+    x, r, nw = _randn(M, K, dtype=dtype, gen=gen), _randn(M, K, dtype=dtype, gen=gen), _randn(K, dtype=dtype, gen=gen)
+    wqkv = _randn((HQ + 2 * HKV) * D, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    positions = torch.tensor([5, 0, 63], device=DEVICE)
+    slots = torch.tensor([7, -1, 30], device=DEVICE)
+    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q, _ = lin.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, wqkv, HQ, HKV, positions, cos, sin, kc, vc, slots,
+                                       config={"parts": parts})
+    q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(x, r, nw, 1e-5, wqkv, HQ, HKV, positions, cos, sin, kc_ref, vc_ref,
+                                               slots)
+    _close(q, q_ref, dtype)
+    for cache, ref in ((kc, kc_ref), (vc, vc_ref)):
+        torch.testing.assert_close(cache, ref, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
 def test_rope_epilogue_rotates_by_position(poison):
     # Same row at two positions: q must differ (rotation applied) and equal the reference for each.
     gen = torch.Generator().manual_seed(5)

@@ -109,10 +109,12 @@ def main():
         for M in rows_m:
             for op, (call, call_cfg, wbytes) in make_ops(s, M, dtype, gen).items():
                 fused_us, unfused_us = timed(lambda: call_cfg(None), True), timed(call, False)
+                # qkv: the default splits each head over several programs; one program per head beside it
+                one_per_head_us = timed(lambda: call_cfg({"parts": 1}), True) if op == "qkv" else float("nan")
                 gbps = wbytes / (fused_us * 1e-6) / 1e9
                 rows.append(dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, fused_us=fused_us,
                                  unfused_us=unfused_us, speedup=unfused_us / fused_us, fused_gbps=gbps,
-                                 pct_copy=100 * gbps / copy_gbps))
+                                 pct_copy=100 * gbps / copy_gbps, qkv_one_program_per_head_us=one_per_head_us))
                 if args.sweep and M == 1:
                     for bk in (64, 128, 256, 512):
                         for stages, warps in ((3, 4), (4, 4), (3, 8)):
