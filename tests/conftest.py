@@ -17,6 +17,20 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
+def poison(monkeypatch):
+    """torch.empty returns garbage-filled tensors (floats NaN, integers -777), so an output element a
+    kernel forgets to write fails the comparison. Tests that need more (empty_like, allocation
+    counts) define their own."""
+    real_empty = torch.empty
+
+    def empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-777)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture
 def device():
     return DEVICE
 
