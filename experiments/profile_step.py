@@ -12,7 +12,7 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --out $OUT
     SPECDEC_STEP_KERNELS=0 python experiments/profile_step.py --out $OUT/no_step_kernels   # torch addressing
     SPECDEC_FUSED_LINEAR=0 python experiments/profile_step.py --out $OUT/unfused   # cuBLAS layer path
-    SPECDEC_PDL=0 python experiments/profile_step.py --out $OUT/no_pdl   # no programmatic dependent launch
+    python experiments/profile_step.py --shape llama8b --out $OUT/llama8b   # (b) plain step only, 8B shapes
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """
@@ -53,8 +53,8 @@ def sync():
         torch.cuda.synchronize()
 
 
-def make_engine(model, drafter, trees):
-    cfg = EngineConfig(max_batch_size=1, graph_buckets=[1], kv_cache_tokens=8192)
+def make_engine(model, drafter, trees, max_seq_len=None):
+    cfg = EngineConfig(max_batch_size=1, graph_buckets=[1], kv_cache_tokens=8192, max_seq_len=max_seq_len)
     return Engine(model, cfg, eos_ids=[], drafter=drafter, ks=(0, *trees) if drafter else (0,))
 
 
@@ -131,8 +131,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--shape", choices=["smollm2", "llama8b"], default="smollm2",
+                    help="llama8b: Llama-3.1-8B shapes (conf/target/llama31_8b_random.yaml), plain step only, "
+                         "engine as in bench_serving part b (max_seq_len 4096)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.shape == "llama8b":
+        return profile_llama8b(args)
     cuda = torch.cuda.is_available() and not args.quick
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shape = TINY if args.quick else SMOLLM2
@@ -177,6 +182,24 @@ def main() -> None:
     print(f"commit {res['commit']}, {res['device']}, {res['date']}, step kernels "
           f"{'on' if res['step_kernels'] else 'off'} (SPECDEC_STEP_KERNELS), fused small-M layers "
           f"{'on' if res['fused_linear'] else 'off'} (SPECDEC_FUSED_LINEAR)")
+
+
+def profile_llama8b(args) -> None:
+    from specdec.bench.targets import load_target_yaml
+
+    shape = dict(load_target_yaml(REPO / "conf" / "target" / "llama31_8b_random.yaml")["config"])
+    cuda = torch.cuda.is_available() and not args.quick
+    if not cuda:  # same structure, tiny sizes
+        shape.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=4096)
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    model = random_target(llama_config_from_dict(shape), device=dev, dtype=dtype)
+    eng = make_engine(model, None, (), max_seq_len=4096)
+    res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"), "shape": "llama8b",
+           "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+           "steps": {"plain": graphed_step(eng, 1)}}
+    (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
+    print(json.dumps(res["steps"]["plain"], indent=1))
 
 
 if __name__ == "__main__":

@@ -133,6 +133,47 @@ def _sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL: tl
 
 
 @triton.jit
+def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_wa, o_wb, m_w, K, b_rstd,
+                     stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_ACC: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """_accumulate for one row (BLOCK_M = 1) on CUDA cores: acc [BLOCK_N, BLOCK_K] += w chunk * x chunk.
+    The next chunk's weight tiles are loaded before this chunk's products (register double buffering),
+    so a program keeps two chunks of weight in flight instead of waiting on one per iteration."""
+    dt = x_ptr.dtype.element_ty
+    o_k = tl.arange(0, BLOCK_K)
+    p_wa = w_ptr + w_col0 + o_wa[:, None] * stride_w + o_k[None, :]  # [BN, BK] chunk 0
+    p_wb = w_ptr + w_col0 + o_wb[:, None] * stride_w + o_k[None, :]
+    m_wk = m_w[:, None] & (o_k < K)[None, :]
+    n_wa = tl.load(p_wa, mask=m_wk, other=0.0)
+    n_wb = n_wa
+    if TWO_ACC:
+        n_wb = tl.load(p_wb, mask=m_wk, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        b_wa = n_wa
+        b_wb = n_wb
+        m_wk = m_w[:, None] & ((k0 + BLOCK_K + o_k) < K)[None, :]  # the next chunk
+        n_wa = tl.load(p_wa + k0 + BLOCK_K, mask=m_wk, other=0.0)
+        if TWO_ACC:
+            n_wb = tl.load(p_wb + k0 + BLOCK_K, mask=m_wk, other=0.0)
+        m_k = (k0 + o_k) < K
+        b_x = tl.load(x_ptr + k0 + o_k, mask=m_k, other=0.0)  # [BLOCK_K]
+        if HAS_RESIDUAL:
+            b_r = tl.load(r_ptr + k0 + o_k, mask=m_k, other=0.0)
+            b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(dt)  # the new residual
+            if i_n == 0:
+                tl.store(s_ptr + k0 + o_k, b_x, mask=m_k)
+        if NORM:
+            b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_y = (b_x.to(tl.float32) * b_rstd).to(dt).to(tl.float32)
+            b_x = (b_y * b_nw).to(dt)  # [BLOCK_K] the normalised row
+        b_xf = b_x.to(tl.float32)[None, :]
+        acc_a += b_wa.to(tl.float32) * b_xf  # [BN, BK]
+        if TWO_ACC:
+            acc_b += b_wb.to(tl.float32) * b_xf
+    return acc_a, acc_b
+
+
+@triton.jit
 def _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m_m, o_wa, o_wb, m_w, K, b_rstd,
                 stride_x, stride_r, stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -163,7 +204,7 @@ def _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m
     return acc_a, acc_b
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "n_blocks"])
 def _fused_linear_kernel(
     x_ptr,  # [M, K] input rows
     r_ptr,  # [M, K] residual (HAS_RESIDUAL)
@@ -184,6 +225,7 @@ def _fused_linear_kernel(
     K,
     K2,
     NOUT,  # output columns of o (none: NOUT, swiglu: F)
+    n_blocks,  # column blocks (rope: heads x PARTS); programs loop over them with stride num_programs(0)
     eps,
     n_positions,
     stride_x,
@@ -212,103 +254,127 @@ def _fused_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    GEMV: tl.constexpr,  # BLOCK_M = 1: CUDA-core products instead of a 16-row tl.dot
+    BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
 ):
-    i_n, i_m = tl.program_id(0), tl.program_id(1)
+    i_p, i_m = tl.program_id(0), tl.program_id(1)
     dt = x_ptr.dtype.element_ty
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
     m_m = o_m < M
     o_c = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
-    # Weight rows of the two accumulators: A = this block's columns (gate / first rope half), B = the
-    # up columns (swiglu) or the second half of the head (rope).
-    if EPI == _EPI_ROPE:  # program i_n: part i_n % PARTS of head i_n // PARTS (BLOCK_N dims of each half)
-        i_head = i_n // PARTS
-        o_hc = (i_n % PARTS) * BLOCK_N + o_c  # [BLOCK_N] dims within a half
-        o_wa = i_head * (2 * HALF) + o_hc
-        o_wb = o_wa + HALF
-        m_w = o_hc < HALF
-    elif EPI == _EPI_SWIGLU:
-        o_wa = i_n * BLOCK_N + o_c
-        o_wb = o_wa + NOUT
-        m_w = o_wa < NOUT
-    else:
-        o_wa = i_n * BLOCK_N + o_c
-        o_wb = o_wa
-        m_w = o_wa < NOUT
-    o_wa = o_wa.to(tl.int64)
-    o_wb = o_wb.to(tl.int64)
-
     # Pass 1 (norms): each row's 1 / rms; pass 2: the normalised chunks streamed against the weight.
     b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
         b_rstd = tl.math.rsqrt(_sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL,
-                                            BLOCK_M, BLOCK_K) / K + eps)
-    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa, o_wb, m_w, K,
-                               b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL, EPI != _EPI_NONE,
-                               BLOCK_K, DOT_PREC)
-    if TWO_INPUTS:  # [norm(x) | norm2(x2)] @ w^T as two K ranges of one accumulation
+                                            BLOCK_M, BLOCK_SS) / K + eps)
+    b_rstd2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if TWO_INPUTS:
         b_rstd2 = tl.math.rsqrt(_sum_squares(x2_ptr, x2_ptr, o_m, m_m, K2, stride_x2, stride_x2, False,
-                                             BLOCK_M, BLOCK_K) / K2 + eps)
-        acc_a, acc_b = _accumulate(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m, m_m, o_wa, o_wb,
-                                   m_w, K2, b_rstd2, stride_x2, stride_x2, stride_w, i_n, True, False,
-                                   EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
+                                             BLOCK_M, BLOCK_SS) / K2 + eps)
 
-    # Projections are rounded to dt first, exactly where the unfused path stores them.
-    b_a = acc_a.to(dt)
-    if EPI == _EPI_NONE:
-        m_o = m_m[:, None] & m_w[None, :]
-        if HAS_ADD:  # out = dt(x @ w^T + add), one rounding (torch.addmm's)
-            b_add = tl.load(add_ptr + o_m[:, None] * stride_o + o_wa[None, :], mask=m_o, other=0.0)
-            b_a = (acc_a + b_add.to(tl.float32)).to(dt)
-        tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_a, mask=m_o)
-    elif EPI == _EPI_SWIGLU:
-        b_g = b_a.to(tl.float32)
-        b_u = acc_b.to(dt).to(tl.float32)
-        b_act = b_g / (1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u in fp32, one rounding
-        m_o = m_m[:, None] & m_w[None, :]
-        tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_act.to(o_ptr.dtype.element_ty), mask=m_o)
-    else:
-        # Head i_head of [q heads | k heads | v heads]; halves a = dims [0, D/2), b = [D/2, D); this
-        # program's dims o_hc of each half.
-        b_x1 = b_a.to(tl.float32)
-        b_x2 = acc_b.to(dt).to(tl.float32)
-        m_o = m_m[:, None] & m_w[None, :]
-        if i_head < HQ + HKV:
-            b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
-            m_p = m_m & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
-            p_cs = b_pos[:, None] * stride_cos + o_hc[None, :]
-            b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
-            b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
-            b_o1 = b_x1 * b_cos - b_x2 * b_sin
-            b_o2 = b_x2 * b_cos + b_x1 * b_sin
+    # Column blocks i_p, i_p + P, ... (P programs along axis 0; P = n_blocks: one block each). A
+    # program with several blocks pays the norm pass above once.
+    for i_n in range(i_p, n_blocks, tl.num_programs(0)):
+        # Weight rows of the two accumulators: A = this block's columns (gate / first rope half), B = the
+        # up columns (swiglu) or the second half of the head (rope).
+        if EPI == _EPI_ROPE:  # program i_n: part i_n % PARTS of head i_n // PARTS (BLOCK_N dims of each half)
+            i_head = i_n // PARTS
+            o_hc = (i_n % PARTS) * BLOCK_N + o_c  # [BLOCK_N] dims within a half
+            o_wa = i_head * (2 * HALF) + o_hc
+            o_wb = o_wa + HALF
+            m_w = o_hc < HALF
+        elif EPI == _EPI_SWIGLU:
+            o_wa = i_n * BLOCK_N + o_c
+            o_wb = o_wa + NOUT
+            m_w = o_wa < NOUT
         else:
-            b_o1 = b_x1
-            b_o2 = b_x2
-        if i_head < HQ:
-            p_q = o_ptr + o_m[:, None] * stride_o + i_head * (2 * HALF) + o_hc[None, :]
-            tl.store(p_q, b_o1.to(dt), mask=m_o)
-            tl.store(p_q + HALF, b_o2.to(dt), mask=m_o)
+            o_wa = i_n * BLOCK_N + o_c
+            o_wb = o_wa
+            m_w = o_wa < NOUT
+        o_wa = o_wa.to(tl.int64)
+        o_wb = o_wb.to(tl.int64)
+
+        if GEMV:
+            acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
-            b_slot = tl.load(slot_ptr + o_m, mask=m_m, other=-1)  # [BLOCK_M] int64
-            m_s = m_o & (b_slot >= 0)[:, None]
-            b_slot = tl.maximum(b_slot, 0)
-            b_page = b_slot // PS
-            b_off = b_slot % PS
+            acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if GEMV:
+            acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_wa, o_wb, m_w, K,
+                                            tl.sum(b_rstd, 0), stride_w, i_n, NORM, HAS_RESIDUAL, EPI != _EPI_NONE,
+                                            BLOCK_K)
+            if TWO_INPUTS:
+                acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb,
+                                                m_w, K2, tl.sum(b_rstd2, 0), stride_w, i_n, True, False,
+                                                EPI != _EPI_NONE, BLOCK_K)
+        else:
+            acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa, o_wb, m_w,
+                                       K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,
+                                       EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
+            if TWO_INPUTS:  # [norm(x) | norm2(x2)] @ w^T as two K ranges of one accumulation
+                acc_a, acc_b = _accumulate(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m, m_m, o_wa,
+                                           o_wb, m_w, K2, b_rstd2, stride_x2, stride_x2, stride_w, i_n, True, False,
+                                           EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
+        if GEMV:
+            acc_a = tl.sum(acc_a, axis=1)[None, :]  # [1, BLOCK_N]
+            acc_b = tl.sum(acc_b, axis=1)[None, :]
+
+        # Projections are rounded to dt first, exactly where the unfused path stores them.
+        b_a = acc_a.to(dt)
+        if EPI == _EPI_NONE:
+            m_o = m_m[:, None] & m_w[None, :]
+            if HAS_ADD:  # out = dt(x @ w^T + add), one rounding (torch.addmm's)
+                b_add = tl.load(add_ptr + o_m[:, None] * stride_o + o_wa[None, :], mask=m_o, other=0.0)
+                b_a = (acc_a + b_add.to(tl.float32)).to(dt)
+            tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_a, mask=m_o)
+        elif EPI == _EPI_SWIGLU:
+            b_g = b_a.to(tl.float32)
+            b_u = acc_b.to(dt).to(tl.float32)
+            b_act = b_g / (1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u in fp32, one rounding
+            m_o = m_m[:, None] & m_w[None, :]
+            tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_act.to(o_ptr.dtype.element_ty), mask=m_o)
+        else:
+            # Head i_head of [q heads | k heads | v heads]; halves a = dims [0, D/2), b = [D/2, D); this
+            # program's dims o_hc of each half.
+            b_x1 = b_a.to(tl.float32)
+            b_x2 = acc_b.to(dt).to(tl.float32)
+            m_o = m_m[:, None] & m_w[None, :]
             if i_head < HQ + HKV:
-                p_c = (kc_ptr + b_page[:, None] * stride_kcp + b_off[:, None] * stride_kcs
-                       + (i_head - HQ) * stride_kch + o_hc[None, :])
-                kc_dt = kc_ptr.dtype.element_ty
-                tl.store(p_c, b_o1.to(dt).to(kc_dt), mask=m_s)  # rounded to k's dtype, then the cache's
-                tl.store(p_c + HALF, b_o2.to(dt).to(kc_dt), mask=m_s)
+                b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
+                m_p = m_m & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
+                p_cs = b_pos[:, None] * stride_cos + o_hc[None, :]
+                b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
+                b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
+                b_o1 = b_x1 * b_cos - b_x2 * b_sin
+                b_o2 = b_x2 * b_cos + b_x1 * b_sin
             else:
-                p_c = (vc_ptr + b_page[:, None] * stride_vcp + b_off[:, None] * stride_vcs
-                       + (i_head - HQ - HKV) * stride_vch + o_hc[None, :])
-                vc_dt = vc_ptr.dtype.element_ty
-                tl.store(p_c, b_o1.to(dt).to(vc_dt), mask=m_s)
-                tl.store(p_c + HALF, b_o2.to(dt).to(vc_dt), mask=m_s)
+                b_o1 = b_x1
+                b_o2 = b_x2
+            if i_head < HQ:
+                p_q = o_ptr + o_m[:, None] * stride_o + i_head * (2 * HALF) + o_hc[None, :]
+                tl.store(p_q, b_o1.to(dt), mask=m_o)
+                tl.store(p_q + HALF, b_o2.to(dt), mask=m_o)
+            else:
+                b_slot = tl.load(slot_ptr + o_m, mask=m_m, other=-1)  # [BLOCK_M] int64
+                m_s = m_o & (b_slot >= 0)[:, None]
+                b_slot = tl.maximum(b_slot, 0)
+                b_page = b_slot // PS
+                b_off = b_slot % PS
+                if i_head < HQ + HKV:
+                    p_c = (kc_ptr + b_page[:, None] * stride_kcp + b_off[:, None] * stride_kcs
+                           + (i_head - HQ) * stride_kch + o_hc[None, :])
+                    kc_dt = kc_ptr.dtype.element_ty
+                    tl.store(p_c, b_o1.to(dt).to(kc_dt), mask=m_s)  # rounded to k's dtype, then the cache's
+                    tl.store(p_c + HALF, b_o2.to(dt).to(kc_dt), mask=m_s)
+                else:
+                    p_c = (vc_ptr + b_page[:, None] * stride_vcp + b_off[:, None] * stride_vcs
+                           + (i_head - HQ - HKV) * stride_vch + o_hc[None, :])
+                    vc_dt = vc_ptr.dtype.element_ty
+                    tl.store(p_c, b_o1.to(dt).to(vc_dt), mask=m_s)
+                    tl.store(p_c + HALF, b_o2.to(dt).to(vc_dt), mask=m_s)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,9 +432,11 @@ def _check(name, x, w, residual=None, norm_weight=None):
 def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=0.0, epi=EPI_NONE, nout=0,
             rope_args=None, add=None, x2=None, norm_weight2=None, config=None):
     """One launch of the fused kernel; returns s (x + residual, or x) when a norm runs, else None.
-    ``config`` overrides BLOCK_K / num_warps / num_stages (benchmark sweeps)."""
+    ``config`` overrides BLOCK_K / num_warps / num_stages (benchmark sweeps; the public launchers also
+    take ``block_n``, and ``parts`` for the qkv kernel)."""
     M, K = x.shape
-    block_m = _block_m(M)
+    cfg = dict(config or {})
+    block_m = 1 if M == 1 and cfg.pop("gemv", False) else _block_m(M)
     norm = norm_weight is not None
     if residual is not None:
         s = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -395,16 +463,17 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         nw2, K2 = norm_weight2.contiguous(), x2.shape[1]
     else:
         x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
-    cfg = dict(BLOCK_K=_block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
-               num_warps=4, num_stages=3)
-    cfg.update(config or {})
-    _fused_linear_kernel[(grid_n, triton.cdiv(M, block_m))](
+    cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
+           "num_warps": 4, "num_stages": 3, **cfg}
+    programs = min(grid_n, cfg.pop("programs", None) or grid_n)
+    _fused_linear_kernel[(programs, triton.cdiv(M, block_m))](
         x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
-        M, K, K2, nout, float(eps), n_pos,
+        M, K, K2, nout, grid_n, float(eps), n_pos,
         x.stride(0), r.stride(0), x2.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
         HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), **cfg,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=block_m == 1,
+        BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if block_m == 1 else cfg["BLOCK_K"], **cfg,
     )  # fmt: skip
     return s if norm else None
 
@@ -420,7 +489,8 @@ def linear(x, w, add=None, config=None):
             raise ValueError(f"linear: add must be [M, NOUT] = [{M}, {NOUT}] {x.dtype} on {x.device}, got "
                              f"{tuple(add.shape)} {add.dtype} on {add.device}")
         add = add.contiguous()
-    bn = _block_n(NOUT, x.device)
+    config = dict(config or {})
+    bn = config.pop("block_n", None) or _block_n(NOUT, x.device)
     _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config)
     return out
 
@@ -430,7 +500,8 @@ def norm_linear(x, residual, norm_weight, eps, w, config=None):
     _check("norm_linear", x, w, residual, norm_weight)
     M, NOUT = x.shape[0], w.shape[0]
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
-    bn = _block_n(NOUT, x.device)
+    config = dict(config or {})
+    bn = config.pop("block_n", None) or _block_n(NOUT, x.device)
     s = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, residual=residual,
                 norm_weight=norm_weight, eps=eps, nout=NOUT, config=config)
     return out, (x if s is None else s)
@@ -446,7 +517,8 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
         raise ValueError(f"norm_swiglu: w13 must have an even number of rows [2F, K], got {tuple(w13.shape)}")
     M, F = x.shape[0], w13.shape[0] // 2
     out = torch.empty((M, F), dtype=x.dtype, device=x.device)
-    bn = _block_n(F, x.device, hi=64)
+    config = dict(config or {})
+    bn = config.pop("block_n", None) or _block_n(F, x.device, hi=64)
     s = _launch(x, w13, out, grid_n=triton.cdiv(F, bn), block_n=bn, residual=residual, norm_weight=norm_weight,
                 eps=eps, epi=EPI_SWIGLU, nout=F, config=config)
     return out, s
@@ -512,7 +584,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
         parts = 1
         while half // (2 * parts) >= 16 and (HQ + 2 * HKV) * 2 * parts <= _sm_count(x.device):
             parts *= 2
-    block_n = max(16, half // parts)
+    block_n = max(1 if M == 1 and config.get("gemv") else 16, half // parts)  # tl.dot needs >= 16 columns
     parts = triton.cdiv(D // 2, block_n)
     s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=(HQ + 2 * HKV) * parts, block_n=block_n,
                 residual=residual, norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, x2=x2,

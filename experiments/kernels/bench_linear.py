@@ -15,8 +15,10 @@ path through specdec.models.ops with SPECDEC_FUSED_LINEAR=0):
   lm_head  hidden @ embed^T
 
 Columns: us per call inside a CUDA graph of 50 back-to-back calls (what a graphed step pays: launch
-latency included, host excluded), weight GB/s and % of the copy bandwidth measured in this run.
-``--sweep`` also times BLOCK_K / stages / warps variants of the fused kernels at M = 1.
+latency included, host excluded; consecutive calls read different copies of the weight, >= 256 MB in
+all, so a weight smaller than the L2 is streamed from HBM as in a real step), weight GB/s and % of the copy bandwidth measured in this run.
+``--sweep`` also times tile / grid / BLOCK_K / stages / warps variants of the fused kernels at M = 1
+(see sweep_variants).
 
 Run:  python experiments/kernels/bench_linear.py --out experiments/results/kernels [--sweep]
       python experiments/kernels/bench_linear.py --quick --out /tmp/bench   (CPU smoke run)
@@ -24,6 +26,7 @@ Run:  python experiments/kernels/bench_linear.py --out experiments/results/kerne
 
 import argparse
 import csv
+import itertools
 import datetime
 import os
 import sys
@@ -70,16 +73,62 @@ def make_ops(s, M, dtype, gen):
     vc = torch.zeros_like(kc)
     slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
     nbytes = lambda *ws: sum(w.numel() * w.element_size() for w in ws)  # noqa: E731
+    nxt = {name: rotating(w) for name, w in dict(wqkv=wqkv, wo=wo, w13=w13, w2=w2, emb=emb).items()}
     return {
-        "qkv": (lambda: ops.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots),
-                lambda cfg: lin.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
-                                                        config=cfg), nbytes(wqkv)),
-        "wo": (lambda: ops.linear(o, wo), lambda cfg: lin.linear(o, wo, config=cfg), nbytes(wo)),
-        "mlp_in": (lambda: ops.norm_swiglu(x, r, nw, 1e-5, w13),
-                   lambda cfg: lin.norm_swiglu(x, r, nw, 1e-5, w13, config=cfg), nbytes(w13)),
-        "w2": (lambda: ops.linear(act, w2), lambda cfg: lin.linear(act, w2, config=cfg), nbytes(w2)),
-        "lm_head": (lambda: ops.linear(x, emb), lambda cfg: lin.linear(x, emb, config=cfg), nbytes(emb)),
+        "qkv": (lambda: ops.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, nxt["wqkv"](), HQ, HKV, pos, cos, sin, kc, vc,
+                                                    slots),
+                lambda cfg: lin.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, nxt["wqkv"](), HQ, HKV, pos, cos, sin, kc, vc,
+                                                        slots, config=cfg), nbytes(wqkv)),
+        "wo": (lambda: ops.linear(o, nxt["wo"]()), lambda cfg: lin.linear(o, nxt["wo"](), config=cfg), nbytes(wo)),
+        "mlp_in": (lambda: ops.norm_swiglu(x, r, nw, 1e-5, nxt["w13"]()),
+                   lambda cfg: lin.norm_swiglu(x, r, nw, 1e-5, nxt["w13"](), config=cfg), nbytes(w13)),
+        "w2": (lambda: ops.linear(act, nxt["w2"]()), lambda cfg: lin.linear(act, nxt["w2"](), config=cfg), nbytes(w2)),
+        "lm_head": (lambda: ops.linear(x, nxt["emb"]()), lambda cfg: lin.linear(x, nxt["emb"](), config=cfg),
+                    nbytes(emb)),
     }
+
+
+ROTATE_BYTES = 256 << 20  # > the H200's 50 MB L2 several times over
+
+
+def rotating(w):
+    """A function returning the next of n copies of w (n * bytes >= ROTATE_BYTES, at most 8) in turn: the
+    calls captured back to back in one graph each stream a weight that is not in L2, as in a real
+    step (where every layer's weights are read once), instead of re-reading one L2-resident copy."""
+    n = min(8, -(-ROTATE_BYTES // (w.numel() * w.element_size()))) if CUDA else 1
+    copies = [w] + [w.clone() for _ in range(n - 1)]
+    it = itertools.cycle(copies)
+    return lambda: next(it)
+
+
+def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
+    """(tile override, BLOCK_K, stages, warps) variants of one op's fused kernel. A tile override sets
+    BLOCK_N (qkv: programs per head ``parts``), optionally ``programs`` (a persistent grid of that
+    many programs looping over the column blocks) and ``gemv`` (M = 1 without tl.dot: CUDA-core
+    products, so BLOCK_N may go below 16)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
+    half = s["D"] // 2
+    out = []
+    if op == "lm_head":
+        return [(dict(), bk, 3, 4) for bk in (64, 128, 256)]
+    if "dot" in kinds:  # tl.dot tiles (16-row x)
+        if op == "qkv":
+            tiles = [dict(parts=p, programs=g) for p in (1, 2, 4) if half // p >= 16 for g in (None, 2 * sms)]
+        else:
+            tiles = [dict(block_n=bn, programs=g) for bn in (16, 32, 64) for g in (None, 2 * sms)]
+        bks = (64, 128) if quick else (256, 512)
+        sw = ((4, 4),) if quick else ((3, 4), (4, 4))
+        out += [(t, bk, st, wp) for t in tiles for bk in bks for st, wp in sw]
+    if "gemv" in kinds:  # GEMV tiles (BLOCK_N x BLOCK_K fp32 products per accumulator)
+        shapes = ((8, 64), (16, 32)) if quick else ((8, 256), (8, 512), (16, 256))
+        grids = (None, 2) if quick else (None, 2 * sms, 4 * sms, 8 * sms)
+        sw = ((1, 4),) if quick else ((1, 4), (1, 8))
+        for bn, bk in shapes:
+            for g in grids:
+                t = dict(gemv=True, programs=g)
+                t.update(parts=max(1, half // bn)) if op == "qkv" else t.update(block_n=bn)
+                out += [(t, bk, st, wp) for st, wp in sw]
+    return out
 
 
 def timed(fn, fused: bool) -> float:
@@ -96,11 +145,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "kernels")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    ap.add_argument("--sweep", action="store_true", help="also time BLOCK_K / stages / warps variants")
+    ap.add_argument("--sweep", action="store_true", help="also time the variants of sweep_variants at M = 1")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None, help="subset of shapes")
+    ap.add_argument("--rows", nargs="+", type=int, default=None, help="subset of row counts M")
+    ap.add_argument("--ops", nargs="+", default=None, help="subset of ops")
+    ap.add_argument("--kinds", nargs="+", choices=["dot", "gemv"], default=["dot", "gemv"],
+                    help="sweep tl.dot tiles, GEMV tiles or both")
     args = ap.parse_args()
     dtype = torch.bfloat16 if CUDA else torch.float32
-    shapes = {"tiny": TINY} if args.quick else SHAPES
-    rows_m = [1, 5] if args.quick else [1, 17, 64]
+    shapes = {"tiny": TINY} if args.quick else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
+    rows_m = [1, 5] if args.quick else (args.rows or [1, 17, 64])
     copy_gbps = copy_bandwidth_gbps() if CUDA else float("nan")
     meta = dict(commit=git_commit(), device=device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"))
     rows, sweep = [], []
@@ -108,6 +162,8 @@ def main():
     for sname, s in shapes.items():
         for M in rows_m:
             for op, (call, call_cfg, wbytes) in make_ops(s, M, dtype, gen).items():
+                if args.ops and op not in args.ops:
+                    continue
                 fused_us, unfused_us = timed(lambda: call_cfg(None), True), timed(call, False)
                 # qkv: the default splits each head over several programs; one program per head beside it
                 one_per_head_us = timed(lambda: call_cfg({"parts": 1}), True) if op == "qkv" else float("nan")
@@ -116,16 +172,18 @@ def main():
                                  unfused_us=unfused_us, speedup=unfused_us / fused_us, fused_gbps=gbps,
                                  pct_copy=100 * gbps / copy_gbps, qkv_one_program_per_head_us=one_per_head_us))
                 if args.sweep and M == 1:
-                    for bk in (64, 128, 256, 512):
-                        for stages, warps in ((3, 4), (4, 4), (3, 8)):
-                            cfg = dict(BLOCK_K=bk, num_stages=stages, num_warps=warps)
-                            try:
-                                us = timed(lambda: call_cfg(cfg), True)
-                            except Exception as exc:  # e.g. out of shared memory for this tile
-                                us = float("nan")
-                                print(f"sweep {sname} M={M} {op} {cfg}: {type(exc).__name__}", flush=True)
-                            sweep.append(dict(meta, shape=sname, M=M, op=op, **cfg, us=us,
-                                              pct_copy=100 * wbytes / (us * 1e-6) / 1e9 / copy_gbps))
+                    for tile, bk, stages, warps in sweep_variants(op, s, args.quick, args.kinds):
+                        cfg = dict(tile, BLOCK_K=bk, num_stages=stages, num_warps=warps)
+                        try:
+                            us = timed(lambda: call_cfg(cfg), True)
+                        except Exception as exc:  # e.g. out of shared memory for this tile
+                            us = float("nan")
+                            print(f"sweep {sname} M={M} {op} {cfg}: {type(exc).__name__}", flush=True)
+                        sweep.append(dict(meta, shape=sname, M=M, op=op, gemv=bool(tile.get("gemv")),
+                                          block_n=tile.get("block_n", ""), parts=tile.get("parts", ""),
+                                          programs=tile.get("programs") or "", BLOCK_K=bk, num_stages=stages,
+                                          num_warps=warps, us=us,
+                                          pct_copy=100 * wbytes / (us * 1e-6) / 1e9 / copy_gbps))
             print(f"done {sname} M={M}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, data in (("bench_linear.csv", rows), ("bench_linear_sweep.csv", sweep)):
@@ -137,11 +195,13 @@ def main():
     if sweep:
         best = {}
         for row in sweep:
-            key = (row["shape"], row["M"], row["op"])
+            key = (row["shape"], row["M"], row["op"], row["gemv"])
             if row["us"] == row["us"] and (key not in best or row["us"] < best[key]["us"]):
                 best[key] = row
-        print_table("best sweep config per op", ["shape", "M", "op", "BLOCK_K", "stages", "warps", "us", "%copy"],
-                    [[r["shape"], str(r["M"]), r["op"], str(r["BLOCK_K"]), str(r["num_stages"]), str(r["num_warps"]),
+        print_table("best sweep config per op", ["shape", "M", "op", "gemv", "BLOCK_N", "parts", "programs",
+                                                 "BLOCK_K", "stages", "warps", "us", "%copy"],
+                    [[r["shape"], str(r["M"]), r["op"], str(r["gemv"]), str(r["block_n"]), str(r["parts"]),
+                      str(r["programs"]), str(r["BLOCK_K"]), str(r["num_stages"]), str(r["num_warps"]),
                       f"{r['us']:.2f}", f"{r['pct_copy']:.0f}"] for r in best.values()])
     print_table(f"fused small-M layer kernels vs unfused ({meta['device']}, {meta['commit']}, copy {copy_gbps:.0f} GB/s)",
                 ["shape", "M", "op", "weight MB", "fused us", "unfused us", "x", "GB/s", "%copy"],
