@@ -133,12 +133,13 @@ def _sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL: tl
 
 
 @triton.jit
-def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_wa, o_wb, m_w, K, b_rstd,
+def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_wa, o_wb, m_w, K, eps,
                      stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_ACC: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BLOCK_SS: tl.constexpr):
     """_accumulate for one row (BLOCK_M = 1) on CUDA cores: acc [BLOCK_N, BLOCK_K] += w chunk * x chunk.
-    The next chunk's weight tiles are loaded before this chunk's products (register double buffering),
-    so a program keeps two chunks of weight in flight instead of waiting on one per iteration."""
+    The first weight chunk is requested before the norm pass (whose row loads then wait alongside it),
+    and each next chunk before the current chunk's products (register double buffering), so a program
+    always has weight bytes in flight instead of waiting on one load per iteration."""
     dt = x_ptr.dtype.element_ty
     o_k = tl.arange(0, BLOCK_K)
     p_wa = w_ptr + w_col0 + o_wa[:, None] * stride_w + o_k[None, :]  # [BN, BK] chunk 0
@@ -148,6 +149,11 @@ def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o
     n_wb = n_wa
     if TWO_ACC:
         n_wb = tl.load(p_wb, mask=m_wk, other=0.0)
+    b_rstd = 0.0
+    if NORM:  # 1 / rms of the row, the whole row per load (BLOCK_SS >= K up to 8192)
+        o_0 = tl.zeros([1], dtype=tl.int64)
+        b_ss = _sum_squares(x_ptr, r_ptr, o_0, o_0 == 0, K, 0, 0, HAS_RESIDUAL, 1, BLOCK_SS)  # [1]
+        b_rstd = tl.math.rsqrt(tl.sum(b_ss, 0) / K + eps)
     for k0 in range(0, K, BLOCK_K):
         b_wa = n_wa
         b_wb = n_wb
@@ -266,11 +272,11 @@ def _fused_linear_kernel(
 
     # Pass 1 (norms): each row's 1 / rms; pass 2: the normalised chunks streamed against the weight.
     b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
+    if NORM and not GEMV:  # (GEMV: per block, inside _accumulate_gemv)
         b_rstd = tl.math.rsqrt(_sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL,
                                             BLOCK_M, BLOCK_SS) / K + eps)
     b_rstd2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if TWO_INPUTS:
+    if TWO_INPUTS and not GEMV:
         b_rstd2 = tl.math.rsqrt(_sum_squares(x2_ptr, x2_ptr, o_m, m_m, K2, stride_x2, stride_x2, False,
                                              BLOCK_M, BLOCK_SS) / K2 + eps)
 
@@ -304,12 +310,12 @@ def _fused_linear_kernel(
             acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GEMV:
             acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_wa, o_wb, m_w, K,
-                                            tl.sum(b_rstd, 0), stride_w, i_n, NORM, HAS_RESIDUAL, EPI != _EPI_NONE,
-                                            BLOCK_K)
+                                            eps, stride_w, i_n, NORM, HAS_RESIDUAL, EPI != _EPI_NONE, BLOCK_K,
+                                            BLOCK_SS)
             if TWO_INPUTS:
                 acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb,
-                                                m_w, K2, tl.sum(b_rstd2, 0), stride_w, i_n, True, False,
-                                                EPI != _EPI_NONE, BLOCK_K)
+                                                m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
+                                                BLOCK_SS)
         else:
             acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa, o_wb, m_w,
                                        K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,

@@ -110,7 +110,10 @@ def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
     half = s["D"] // 2
     out = []
     if op == "lm_head":
-        return [(dict(), bk, 3, 4) for bk in (64, 128, 256)]
+        out = [(dict(), bk, 3, 4) for bk in (64, 128, 256)] if "dot" in kinds else []
+        if "gemv" in kinds:
+            out += [(dict(gemv=True, block_n=bn), bk, 1, wp) for bn, bk in ((8, 512), (16, 256)) for wp in (4, 8)]
+        return out
     if "dot" in kinds:  # tl.dot tiles (16-row x)
         if op == "qkv":
             tiles = [dict(parts=p, programs=g) for p in (1, 2, 4) if half // p >= 16 for g in (None, 2 * sms)]
@@ -120,7 +123,9 @@ def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
         sw = ((4, 4),) if quick else ((3, 4), (4, 4))
         out += [(t, bk, st, wp) for t in tiles for bk in bks for st, wp in sw]
     if "gemv" in kinds:  # GEMV tiles (BLOCK_N x BLOCK_K fp32 products per accumulator)
-        shapes = ((8, 64), (16, 32)) if quick else ((8, 256), (8, 512), (16, 256))
+        shapes = ((8, 64), (16, 32)) if quick else ((4, 256), (8, 128), (8, 256), (8, 512), (16, 128), (16, 256))
+        if not quick and s["H"] < 1024:  # short rows (SmolLM2): narrower chunks, more column blocks
+            shapes = ((2, 256), (4, 128), (4, 256), (8, 64), (8, 128), (8, 256), (16, 64))
         grids = (None, 2) if quick else (None, 2 * sms, 4 * sms, 8 * sms)
         sw = ((1, 4),) if quick else ((1, 4), (1, 8))
         for bn, bk in shapes:
