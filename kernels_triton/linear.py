@@ -58,6 +58,9 @@ from .norm import rms_norm_ref
 from .rope import rope_write_kv_ref_
 
 MAX_M = 64
+# One-row projections up to this many output columns take the GEMV body; wider ones (LM heads) keep the
+# tl.dot body, which streams them faster (H200: SmolLM2 lm_head 15.8 vs 21.1 us).
+GEMV_MAX_COLUMNS = 16384
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
@@ -410,6 +413,38 @@ def _block_k(K, block_m, block_n, n_acc, esize):
     return min(bk, max(32, triton.next_power_of_2(K)))
 
 
+def _default_block_n(x, config, epi, dot_block_n):
+    """Column block when the caller gave none: the GEMV tile's for one row, else the tl.dot one."""
+    if x.shape[0] == 1 and config.get("gemv", True):
+        return _gemv_tiles(x.shape[1], epi)["block_n"]
+    return dot_block_n
+
+
+def _use_gemv(x, config):
+    """One row takes the GEMV path unless config says {"gemv": False} (pops the key)."""
+    return x.shape[0] == 1 and bool(config.pop("gemv", True))
+
+
+def _gemv_default(config, n_cols):
+    """config with "gemv" defaulted by the output width (GEMV_MAX_COLUMNS)."""
+    config = dict(config or {})
+    config.setdefault("gemv", n_cols <= GEMV_MAX_COLUMNS)
+    return config
+
+
+def _gemv_tiles(K, epi):
+    """GEMV tile defaults: block_n (output columns per program and accumulator), BLOCK_K, num_warps.
+    H200 sweeps (bench_linear.py --sweep --kinds gemv, weights streamed from HBM): short rows (SmolLM2,
+    K 576 / 1536) 4 x 128 with 8 warps for a plain projection (wo 2.0 us, w2 2.5 us), 8 x 256 with 4
+    warps with the norm / two accumulators (qkv 3.4, mlp_in 3.3); long rows (Llama-3.1-8B, K 4096 /
+    14336) 8 x 512 with 4 warps (wo 10.5 us, w2 29.8) and 8 x 256 for qkv (17.8)."""
+    if epi != EPI_NONE:
+        return {"block_n": 8, "BLOCK_K": 256, "num_warps": 4}
+    if K <= 2048:
+        return {"block_n": 4, "BLOCK_K": 128, "num_warps": 8}
+    return {"block_n": 8, "BLOCK_K": 512, "num_warps": 4}
+
+
 def _dot_prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -442,7 +477,8 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     take ``block_n``, and ``parts`` for the qkv kernel)."""
     M, K = x.shape
     cfg = dict(config or {})
-    block_m = 1 if M == 1 and cfg.pop("gemv", False) else _block_m(M)
+    gemv = _use_gemv(x, cfg)
+    block_m = 1 if gemv else _block_m(M)
     norm = norm_weight is not None
     if residual is not None:
         s = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -469,8 +505,12 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         nw2, K2 = norm_weight2.contiguous(), x2.shape[1]
     else:
         x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
-    cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
-           "num_warps": 4, "num_stages": 3, **cfg}
+    if gemv:
+        cfg = {**_gemv_tiles(K, epi), "num_stages": 1, **cfg}
+        cfg.pop("block_n")
+    else:
+        cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
+               "num_warps": 4, "num_stages": 3, **cfg}
     programs = min(grid_n, cfg.pop("programs", None) or grid_n)
     _fused_linear_kernel[(programs, triton.cdiv(M, block_m))](
         x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
@@ -495,8 +535,8 @@ def linear(x, w, add=None, config=None):
             raise ValueError(f"linear: add must be [M, NOUT] = [{M}, {NOUT}] {x.dtype} on {x.device}, got "
                              f"{tuple(add.shape)} {add.dtype} on {add.device}")
         add = add.contiguous()
-    config = dict(config or {})
-    bn = config.pop("block_n", None) or _block_n(NOUT, x.device)
+    config = _gemv_default(config, NOUT)
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device))
     _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config)
     return out
 
@@ -506,8 +546,8 @@ def norm_linear(x, residual, norm_weight, eps, w, config=None):
     _check("norm_linear", x, w, residual, norm_weight)
     M, NOUT = x.shape[0], w.shape[0]
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
-    config = dict(config or {})
-    bn = config.pop("block_n", None) or _block_n(NOUT, x.device)
+    config = _gemv_default(config, NOUT)
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device))
     s = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, residual=residual,
                 norm_weight=norm_weight, eps=eps, nout=NOUT, config=config)
     return out, (x if s is None else s)
@@ -524,7 +564,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
     M, F = x.shape[0], w13.shape[0] // 2
     out = torch.empty((M, F), dtype=x.dtype, device=x.device)
     config = dict(config or {})
-    bn = config.pop("block_n", None) or _block_n(F, x.device, hi=64)
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_SWIGLU, _block_n(F, x.device, hi=64))
     s = _launch(x, w13, out, grid_n=triton.cdiv(F, bn), block_n=bn, residual=residual, norm_weight=norm_weight,
                 eps=eps, epi=EPI_SWIGLU, nout=F, config=config)
     return out, s
@@ -586,11 +626,14 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     half = triton.next_power_of_2(D // 2)
     config = dict(config or {})
     parts = config.pop("parts", None)
-    if parts is None:
+    gemv = M == 1 and config.get("gemv", True)
+    if parts is None and gemv:
+        parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE)["block_n"])
+    elif parts is None:
         parts = 1
         while half // (2 * parts) >= 16 and (HQ + 2 * HKV) * 2 * parts <= _sm_count(x.device):
             parts *= 2
-    block_n = max(1 if M == 1 and config.get("gemv") else 16, half // parts)  # tl.dot needs >= 16 columns
+    block_n = max(1 if gemv else 16, half // parts)  # tl.dot needs >= 16 columns
     parts = triton.cdiv(D // 2, block_n)
     s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=(HQ + 2 * HKV) * parts, block_n=block_n,
                 residual=residual, norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, x2=x2,

@@ -239,3 +239,61 @@ def test_two_input_qkv_rejects_bad_shapes():
                                     norm_weight2=torch.ones(64, device=DEVICE))
     with pytest.raises(ValueError, match="both norm weights"):
         lin.norm_qkv_rope_write_kv_(x, None, None, 1e-5, w, *args, x2=x, norm_weight2=torch.ones(64, device=DEVICE))
+
+
+# One row (batch-1 decode) has two paths: the GEMV kernel body (default; CUDA-core products, register
+# double buffering, per-block norm pass) and the 16-row tl.dot body. Each is run with several chunks
+# and a partial last chunk (K = 200, BLOCK_K = 32 / 64), and with a persistent grid smaller than the
+# column blocks, so a program handles several blocks.
+ONE_ROW_PATHS = {
+    "gemv": {},
+    "gemv-chunks": {"BLOCK_K": 32},
+    "gemv-persistent": {"BLOCK_K": 64, "programs": 3},
+    "dot": {"gemv": False, "BLOCK_K": 64},
+    "dot-persistent": {"gemv": False, "BLOCK_K": 32, "programs": 2},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", sorted(ONE_ROW_PATHS))
+def test_one_row_paths_match_ref(path, dtype, poison):
+    cfg = ONE_ROW_PATHS[path]
+    gen = torch.Generator().manual_seed(5)
+    K, NOUT, F = 200, 52, 36
+    x, r = _randn(1, K, dtype=dtype, scale=3.0, gen=gen), _randn(1, K, dtype=dtype, gen=gen)
+    nw = _randn(K, dtype=dtype, gen=gen)
+    w = _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    add = _randn(1, NOUT, dtype=dtype, gen=gen)
+    _close(lin.linear(x, w, config=dict(cfg)), lin.linear_ref(x, w), dtype)
+    _close(lin.linear(x, w, add, config=dict(cfg)), lin.linear_ref(x, w, add), dtype)
+    out, s = lin.norm_linear(x, r, nw, 1e-5, w, config=dict(cfg))
+    out_ref, s_ref = lin.norm_linear_ref(x, r, nw, 1e-5, w)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    _close(out, out_ref, dtype)
+    w13 = _randn(2 * F, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    act, s = lin.norm_swiglu(x, r, nw, 1e-5, w13, config=dict(cfg))
+    act_ref, _ = lin.norm_swiglu_ref(x, r, nw, 1e-5, w13)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    _close(act, act_ref, dtype)
+
+    HQ, HKV, D, PS, NP = 3, 1, 32, 4, 4
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    pos = torch.tensor([37], device=DEVICE)
+    slot = torch.tensor([9], device=DEVICE)
+    x2, nw2 = _randn(1, 40, dtype=dtype, scale=0.3, gen=gen), _randn(40, dtype=dtype, gen=gen)
+    for two_inputs in (False, True):
+        kk = K + 40 if two_inputs else K
+        wqkv = _randn((HQ + 2 * HKV) * D, kk, dtype=dtype, scale=kk ** -0.5, gen=gen)
+        extra = dict(x2=x2, norm_weight2=nw2) if two_inputs else {}
+        res = None if two_inputs else r
+        kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+        vc = torch.full_like(kc, float("nan"))
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q, _ = lin.norm_qkv_rope_write_kv_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slot,
+                                           config=dict(cfg), **extra)
+        q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref,
+                                                   slot, **extra)
+        _close(q, q_ref, dtype)
+        for c, c_ref in ((kc, kc_ref), (vc, vc_ref)):
+            torch.testing.assert_close(c, c_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+            assert not torch.isnan(c.view(-1, HKV, D)[9]).any()

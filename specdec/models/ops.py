@@ -98,27 +98,39 @@ def silu_mul(x, *, backend="auto"):
 
 
 # Rows up to which the fused small-M layer kernels run (kernels_triton/linear.py). H200, bf16, SmolLM2
-# shapes: at M = 1 they match or beat norm + cuBLAS + epilogue kernels (w2 3.8 vs 4.6 us, qkv 6.3 vs
-# 6.8 us); at M = 17 (a 16-node tree verify) they lose (qkv 9.7 vs 6.3 us), so verify stays on cuBLAS.
+# shapes, tl.dot body: at M = 1 they match or beat norm + cuBLAS + epilogue kernels (w2 3.8 vs 4.6 us,
+# qkv 6.3 vs 6.8 us); at M = 17 (a 16-node tree verify) they lose (qkv 9.7 vs 6.3 us), so verify
+# stays on cuBLAS.
 FUSED_MAX_ROWS = 16
-# ... and weights up to this size: Llama-3.1-8B projections (34-235 MB) stream faster through cuBLAS
-# (8B w2 at M = 1: 36.4 vs 31.9 us; the 57 MB SmolLM2 lm_head ties at 16.2 us).
+# ... and weights up to this size: through the tl.dot body Llama-3.1-8B projections (34-235 MB) stream
+# faster through cuBLAS (8B w2 at M = 1: 36.4 vs 31.9 us; the 57 MB SmolLM2 lm_head ties at 16.2 us).
 FUSED_MAX_WEIGHT_BYTES = 16 << 20
+# One row (batch-1 decode) runs the GEMV body at any weight size for the projections where it wins on
+# the H200 (bench_linear.py, weights streamed from HBM, M = 1): 8B qkv with norm + RoPE + KV write
+# 17.8 us vs 20.7 unfused, wo 10.5 vs 13.2, w2 29.8 vs 31.6 (SmolLM2 qkv 3.4 vs 6.6, wo 2.0 vs 3.1,
+# mlp_in 3.3 vs 5.9, w2 2.5 vs 4.7). Not the 8B norm + gate|up + SwiGLU: 62.4 vs 59.1 us through
+# cuBLAS, so it keeps the weight-size limit.
 
 
-def _fused(backend: str, x: torch.Tensor, w: torch.Tensor) -> bool:
+def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: bool = False) -> bool:
     """Small-M fused layers for decode / draft rows on the Triton backend. SPECDEC_FUSED_LINEAR=0 falls
-    back to the unfused kernels + cuBLAS (an A/B switch for benchmarks)."""
-    return (_triton(backend, x) and x.shape[0] <= FUSED_MAX_ROWS
-            and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
-            and os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0")
+    back to the unfused kernels + cuBLAS (an A/B switch for benchmarks). ``one_row_any_size``: a
+    single row goes to the fused GEMV whatever the weight size (output widths up to
+    kernels_triton.linear.GEMV_MAX_COLUMNS; wider ones, LM heads, keep the limits)."""
+    from kernels_triton import linear as lin
+
+    if not _triton(backend, x) or os.environ.get("SPECDEC_FUSED_LINEAR", "1") == "0":
+        return False
+    if one_row_any_size and x.shape[0] == 1 and w.shape[0] <= lin.GEMV_MAX_COLUMNS:
+        return True
+    return x.shape[0] <= FUSED_MAX_ROWS and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
 
 
 def linear(x, w, add=None, *, backend="auto"):
     """x [N, K] @ w [NOUT, K]^T (+ add [N, NOUT], rounded once like torch.addmm)."""
     from kernels_triton import linear as lin
 
-    if _fused(backend, x, w):
+    if _fused(backend, x, w, one_row_any_size=True):
         return lin.linear(x, w, add)
     return x @ w.t() if add is None else torch.addmm(add, x, w.t())
 
@@ -136,7 +148,7 @@ def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto"):
     """(RMSNorm(x + residual) @ w^T, x + residual); residual None: s = x."""
     from kernels_triton import linear as lin
 
-    if _fused(backend, x, w):
+    if _fused(backend, x, w, one_row_any_size=True):
         return lin.norm_linear(x, residual, norm_weight, eps, w)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     return y @ w.t(), s
@@ -162,7 +174,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     from kernels_triton import linear as lin
 
     N, D = x.shape[0], k_cache.shape[-1]
-    if _fused(backend, x, wqkv):
+    if _fused(backend, x, wqkv, one_row_any_size=True):
         return lin.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
                                            cos, sin, k_cache, v_cache, slot_mapping, x2, norm_weight2)
     y, s = _norm(x, residual, norm_weight, eps, backend)
