@@ -416,13 +416,14 @@ def _block_k(K, block_m, block_n, n_acc, esize):
 def _default_block_n(x, config, epi, dot_block_n):
     """Column block when the caller gave none: the GEMV tile's for one row, else the tl.dot one."""
     if x.shape[0] == 1 and config.get("gemv", True):
-        return _gemv_tiles(x.shape[1], epi)["block_n"]
+        return _gemv_tiles(x.shape[1], epi, x.device)["block_n"]
     return dot_block_n
 
 
 def _use_gemv(x, config):
     """One row takes the GEMV path unless config says {"gemv": False} (pops the key)."""
-    return x.shape[0] == 1 and bool(config.pop("gemv", True))
+    gemv = bool(config.pop("gemv", True))
+    return x.shape[0] == 1 and gemv
 
 
 def _gemv_default(config, n_cols):
@@ -432,12 +433,15 @@ def _gemv_default(config, n_cols):
     return config
 
 
-def _gemv_tiles(K, epi):
+def _gemv_tiles(K, epi, device):
     """GEMV tile defaults: block_n (output columns per program and accumulator), BLOCK_K, num_warps.
     H200 sweeps (bench_linear.py --sweep --kinds gemv, weights streamed from HBM): short rows (SmolLM2,
     K 576 / 1536) 4 x 128 with 8 warps for a plain projection (wo 2.0 us, w2 2.5 us), 8 x 256 with 4
     warps with the norm / two accumulators (qkv 3.4, mlp_in 3.3); long rows (Llama-3.1-8B, K 4096 /
-    14336) 8 x 512 with 4 warps (wo 10.5 us, w2 29.8) and 8 x 256 for qkv (17.8)."""
+    14336) 8 x 512 with 4 warps (wo 10.5 us, w2 29.8), 8 x 256 for qkv (17.8), and for gate|up 8 x 512
+    with 8 warps on a persistent grid of 2 programs per SM."""
+    if epi == EPI_SWIGLU and K > 2048:  # 8B gate|up: 62.4 us (4 warps, one block per program: 65.2)
+        return {"block_n": 8, "BLOCK_K": 512, "num_warps": 8, "programs": 2 * _sm_count(device)}
     if epi != EPI_NONE:
         return {"block_n": 8, "BLOCK_K": 256, "num_warps": 4}
     if K <= 2048:
@@ -506,7 +510,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     else:
         x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
     if gemv:
-        cfg = {**_gemv_tiles(K, epi), "num_stages": 1, **cfg}
+        cfg = {**_gemv_tiles(K, epi, x.device), "num_stages": 1, **cfg}
         cfg.pop("block_n")
     else:
         cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
@@ -628,7 +632,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     parts = config.pop("parts", None)
     gemv = M == 1 and config.get("gemv", True)
     if parts is None and gemv:
-        parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE)["block_n"])
+        parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE, x.device)["block_n"])
     elif parts is None:
         parts = 1
         while half // (2 * parts) >= 16 and (HQ + 2 * HKV) * 2 * parts <= _sm_count(x.device):

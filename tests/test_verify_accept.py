@@ -497,3 +497,19 @@ def test_verify_accept_bad_inputs():
         big = MAX_TREE_TOKENS + 1
         verify_accept(torch.randn(1, big, 2, device=DEVICE), torch.zeros(1, big, dtype=torch.long, device=DEVICE),
                       torch.zeros(1, big, dtype=torch.int32, device=DEVICE), 0.0)
+
+
+def test_greedy_argmax_across_unrolled_chunks():
+    # V = 40001: three iterations of four 4096-wide chunks each (the argmax requests four chunks per
+    # iteration); maxima tied across iterations, across chunks of one iteration and in one lane.
+    V = 40001
+    logits = torch.randn(4, 1, V).clamp(max=2.0)
+    logits[0, 0, [36000, 20000, 17000]] = 5.0  # chunks 8, 4 and 4 -> 17000
+    logits[1, 0, [100 + 4096 * 9, 100 + 4096 * 5, 100 + 4096 * 2]] = 5.0  # lane 100 of chunks 9, 5, 2
+    logits[2, 0, [40000]] = 5.0  # the last, partial chunk
+    logits[3, 0, [12287, 12289]] = 5.0  # chunk 2 vs 3 of the first iteration
+    logits = logits.to(DEVICE)
+    tok = torch.zeros(4, 1, dtype=torch.long, device=DEVICE)
+    par = torch.full((4, 1), -1, dtype=torch.int32, device=DEVICE)
+    _, _, out = verify_accept(logits, tok, par, 0.0)
+    assert out[:, 0].tolist() == [17000, 100 + 4096 * 2, 40000, 12287]

@@ -108,11 +108,13 @@ FUSED_MAX_WEIGHT_BYTES = 16 << 20
 # One row (batch-1 decode) runs the GEMV body at any weight size for the projections where it wins on
 # the H200 (bench_linear.py, weights streamed from HBM, M = 1): 8B qkv with norm + RoPE + KV write
 # 17.8 us vs 20.7 unfused, wo 10.5 vs 13.2, w2 29.8 vs 31.6 (SmolLM2 qkv 3.4 vs 6.6, wo 2.0 vs 3.1,
-# mlp_in 3.3 vs 5.9, w2 2.5 vs 4.7). Not the 8B norm + gate|up + SwiGLU: 62.4 vs 59.1 us through
-# cuBLAS, so it keeps the weight-size limit.
+# mlp_in 3.3 vs 5.9, w2 2.5 vs 4.7). The 8B norm + gate|up + SwiGLU is 62.4 vs 59.1 us alone, but
+# inside the graphed 8B step (profile_step.py --shape llama8b) the one-launch GEMV wins: 4.436 vs
+# 4.495 ms per step (cuBLAS's gate|up took 60.7 us there, plus the norm and SwiGLU launches).
 
 
-def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: bool = False) -> bool:
+def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: bool = False,
+           swiglu: bool = False) -> bool:
     """Small-M fused layers for decode / draft rows on the Triton backend. SPECDEC_FUSED_LINEAR=0 falls
     back to the unfused kernels + cuBLAS (an A/B switch for benchmarks). ``one_row_any_size``: a
     single row goes to the fused GEMV whatever the weight size (output widths up to
@@ -121,7 +123,7 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
 
     if not _triton(backend, x) or os.environ.get("SPECDEC_FUSED_LINEAR", "1") == "0":
         return False
-    if one_row_any_size and x.shape[0] == 1 and w.shape[0] <= lin.GEMV_MAX_COLUMNS:
+    if one_row_any_size and x.shape[0] == 1 and w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS:
         return True
     return x.shape[0] <= FUSED_MAX_ROWS and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
 
@@ -158,7 +160,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
     """(silu(gate) * up of RMSNorm(x + residual) @ w13^T [N, F], x + residual); residual None: x."""
     from kernels_triton import linear as lin
 
-    if _fused(backend, x, w13):
+    if _fused(backend, x, w13, one_row_any_size=True, swiglu=True):
         return lin.norm_swiglu(x, residual, norm_weight, eps, w13)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
