@@ -191,6 +191,45 @@ def _attn_tile(
     return m_new_i, l_i, acc
 
 
+@triton.jit
+def _last_split_merges(counters, i_cnt, o_part, lse_part, o, o_n, o_hq, m_r, n_busy, num_splits, stride_on,
+                       stride_oh, HQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                       S_CHUNK: tl.constexpr):
+    """Count this split in; the group's last split to arrive merges the n_busy partials of its rows.
+
+    Every split of a (query block, request, KV head) group has stored its partial before its
+    increment (the barrier orders all threads' stores before the release), so the program that sees
+    num_splits - 1 arrivals before its own reads complete partials (acquire), writes the output and
+    resets the counter to 0 for the next launch. Splits >= n_busy are empty (weight 0) and not read.
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters + i_cnt, 1, sem="acq_rel")
+    if arrived == num_splits - 1:
+        tl.store(counters + i_cnt, 0)
+        row = (o_n * HQ + o_hq) * num_splits  # [BLOCK_M] first partial of each row
+        o_s = tl.arange(0, BLOCK_S)
+        m_s = m_r[:, None] & (o_s < n_busy)[None, :]
+        b_lse = tl.load(lse_part + row[:, None] + o_s[None, :], mask=m_s, other=float("-inf"),
+                        cache_modifier=".cg")  # [BLOCK_M, BLOCK_S]
+        b_max = tl.max(b_lse, 1)  # [BLOCK_M]; every row has a split that saw a slot
+        b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
+        b_den = tl.sum(tl.exp2(b_lse - b_max[:, None]), 1)  # [BLOCK_M]
+        o_c = tl.arange(0, S_CHUNK)
+        o_d = tl.arange(0, D)
+        b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        for s0 in range(0, n_busy, S_CHUNK):
+            m_c = m_r[:, None] & ((s0 + o_c) < n_busy)[None, :]  # [BLOCK_M, S_CHUNK]
+            b_l = tl.load(lse_part + row[:, None] + s0 + o_c[None, :], mask=m_c, other=float("-inf"),
+                          cache_modifier=".cg")
+            b_w = tl.exp2(b_l - b_max[:, None])  # [BLOCK_M, S_CHUNK]
+            p_p = o_part + ((row[:, None] + s0 + o_c[None, :]) * D)[:, :, None] + o_d[None, None, :]
+            b_p = tl.load(p_p, mask=m_c[:, :, None], other=0.0, cache_modifier=".cg")  # [BLOCK_M, S_CHUNK, D]
+            b_acc += tl.sum(b_w[:, :, None] * b_p, 1)
+        b_o = b_acc / tl.where(b_den > 0.0, b_den, 1.0)[:, None]
+        p_o = o + (o_n * stride_on + o_hq * stride_oh)[:, None] + o_d[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
+
+
 @triton.jit(do_not_specialize=["num_splits", "window"])
 def _paged_attention_fwd_kernel(
     q,  # [N, HQ, D]
@@ -203,6 +242,7 @@ def _paged_attention_fwd_kernel(
     o,  # [N, HQ, D] output (SPLIT False)
     o_part,  # [N, HQ, num_splits, D] fp32 (SPLIT True)
     lse_part,  # [N, HQ, num_splits] fp32 log2-sum-exp (SPLIT True)
+    counters,  # [n_qblocks * B * HKV] int32 arrivals, zero between launches (FUSED_MERGE)
     qk_scale,  # sm_scale * log2(e)
     num_splits,
     window,  # tree window W (IS_TREE; 0: T_b)
@@ -225,6 +265,9 @@ def _paged_attention_fwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,  # SPLIT: the last split of each group merges (no second launch)
+    BLOCK_S: tl.constexpr,  # pow2 >= num_splits (FUSED_MERGE)
+    S_CHUNK: tl.constexpr,  # partials merged per step (FUSED_MERGE)
     IS_TREE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -261,16 +304,22 @@ def _paged_attention_fwd_kernel(
     tile_lo = i_sp * per_split
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     n_full = full_hi // BLOCK_N
+    i_cnt = i_t * tl.num_programs(1) + i_bh  # this group's arrival counter (FUSED_MERGE)
     if SPLIT:
         if tile_lo >= tile_hi:
             # Empty split (num_splits comes from the page-table width, so a short request in a wide
-            # table leaves most splits empty): no q, page-table or K/V loads. It still writes the
-            # zeros and the weight 2^-inf = 0 that the merge reads, so the merge loads o_part and lse
-            # together instead of loading o_part only after seeing lse (one more round trip).
-            o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
-            tl.store(o_part + o_part_row[:, None] * D + o_d[None, :], tl.zeros([BLOCK_M, D], dtype=tl.float32),
-                     mask=m_r[:, None])
-            tl.store(lse_part + o_part_row, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_r)
+            # table leaves most splits empty): no q, page-table or K/V loads. For the merge kernel it
+            # still writes the zeros and the weight 2^-inf = 0 that the merge reads, so the merge
+            # loads o_part and lse together instead of loading o_part only after seeing lse (one
+            # more round trip); the fused merge reads only the busy splits, so it just counts in.
+            if FUSED_MERGE:
+                _last_split_merges(counters, i_cnt, o_part, lse_part, o, o_n, o_hq, m_r, tl.cdiv(n_tiles, per_split),
+                                   num_splits, stride_on, stride_oh, HKV * G, D, BLOCK_M, BLOCK_S, S_CHUNK)
+            else:
+                o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
+                tl.store(o_part + o_part_row[:, None] * D + o_d[None, :],
+                         tl.zeros([BLOCK_M, D], dtype=tl.float32), mask=m_r[:, None])
+                tl.store(lse_part + o_part_row, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_r)
             return
 
     p_q = q + (o_n * stride_qn + o_hq * stride_qh)[:, None] + o_d[None, :]
@@ -305,6 +354,9 @@ def _paged_attention_fwd_kernel(
         tl.store(o_part + o_part_row[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None])
         b_lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
         tl.store(lse_part + o_part_row, b_lse, mask=m_r)
+        if FUSED_MERGE:
+            _last_split_merges(counters, i_cnt, o_part, lse_part, o, o_n, o_hq, m_r, tl.cdiv(n_tiles, per_split),
+                               num_splits, stride_on, stride_oh, HKV * G, D, BLOCK_M, BLOCK_S, S_CHUNK)
     else:
         p_o = o + (o_n * stride_on + o_hq * stride_oh)[:, None] + o_d[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
@@ -452,6 +504,24 @@ def _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device):
     return 1 << (splits.bit_length() - 1)  # a power of two: few distinct merge-kernel compiles
 
 
+_COUNTERS = {}
+
+
+def _arrival_counters(device, n):
+    """A zeroed int32 workspace of >= n arrival counters on device, shared by every launch on it.
+    Each fused-merge launch returns the counters it used to 0, and launches on one stream run one
+    after another, so the buffer is allocated (and zeroed) once, outside any CUDA-graph capture the
+    first call size allows: at least 65536 counters (B x HKV x query blocks of one launch)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"paged_attention: {n} split-KV arrival counters needed during CUDA-graph capture; "
+                               "run the same shapes once before capturing")
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def _check_attention_args(q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tree_mask, max_q_len):
     if q.dim() != 3:
         raise ValueError(f"paged_attention: q must be [N, HQ, D], got shape {tuple(q.shape)}")
@@ -522,6 +592,7 @@ def paged_attention(
     max_q_len: int,
     num_splits: int | None = None,
     tree_window: int | None = None,
+    fused_merge: bool = True,
 ):
     """Paged attention over one layer's KV pool (prefill chunk, decode or tree verify) in 1-2 launches.
 
@@ -535,6 +606,9 @@ def paged_attention(
         num_splits: split-KV factor; None picks one from static shapes.
         tree_window: with a tree mask, the width W >= every T_b of the masked window (the last W
             slots; bits index them); None: W = T_b.
+        fused_merge: with num_splits > 1, the last split of each (query block, request, KV head) to
+            finish merges the partials (one launch, an int32 arrival counter per group in a zeroed
+            workspace that each launch leaves zeroed); False: a second merge kernel.
 
     Returns:
         [N, HQ, D] in q.dtype (a new tensor). Rows not owned by any request are left unwritten.
@@ -567,8 +641,11 @@ def paged_attention(
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     tm = tree_mask if tree_mask is not None else kv_lens  # placeholder pointer when causal
     grid = (n_qblocks, B * HKV, num_splits)
+    fused = split and fused_merge
+    counters = _arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
+    block_s = triton.next_power_of_2(num_splits)
     _paged_attention_fwd_kernel[grid](
-        q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tm, o, o_part, lse_part,
+        q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tm, o, o_part, lse_part, counters,
         scale * 1.4426950408889634, num_splits, tree_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -576,12 +653,13 @@ def paged_attention(
         page_table.stride(0), o.stride(0), o.stride(1),
         HKV=HKV, G=G, D=D, PS=PS,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"],
-        SPLIT=split, IS_TREE=tree_mask is not None,
+        SPLIT=split, FUSED_MERGE=fused, BLOCK_S=block_s,
+        S_CHUNK=min(block_s, max(1, 4096 // (cfg["BLOCK_M"] * D))),  # <= 4096 fp32 partial values per step
+        IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if split:
-        block_s = triton.next_power_of_2(num_splits)
+    if split and not fused:
         _paged_attention_merge_kernel[(N * HQ,)](
             o_part, lse_part, o, num_splits, o.stride(0), o.stride(1),
             HQ=HQ, D=D, BLOCK_S=block_s, num_warps=max(1, min(8, block_s * D // 1024)),  # <= 32 fp32 / thread

@@ -96,11 +96,14 @@ def check(batch, dtype, max_q_len, splits, tree_mask=None, sm_scale=None):
     ref = paged_attention_ref(**batch, tree_mask=tree_mask, sm_scale=sm_scale)
     atol, rtol = TOL[dtype]
     for ns in splits:
-        kwargs = dict(tree_mask=tree_mask, sm_scale=sm_scale, max_q_len=max_q_len, num_splits=ns)
-        out = call_poisoned(lambda: paged_attention(**batch, **kwargs), batch["q"].shape, dtype)
-        assert out.shape == ref.shape and out.dtype == dtype
-        msg = lambda m: f"num_splits={ns}: {m}"  # noqa: E731
-        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol, msg=msg)
+        # split-KV partials merged by the last split of each group (default) or by a second kernel
+        for fused in (True, False) if ns != 1 else (True,):
+            kwargs = dict(tree_mask=tree_mask, sm_scale=sm_scale, max_q_len=max_q_len, num_splits=ns,
+                          fused_merge=fused)
+            out = call_poisoned(lambda: paged_attention(**batch, **kwargs), batch["q"].shape, dtype)
+            assert out.shape == ref.shape and out.dtype == dtype
+            msg = lambda m: f"num_splits={ns}, fused_merge={fused}: {m}"  # noqa: E731
+            torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol, msg=msg)
     return ref
 
 
@@ -219,6 +222,23 @@ def test_short_requests_in_a_wide_page_table_leave_splits_empty(monkeypatch):
     batch["page_table"] = torch.cat([batch["page_table"], spare.expand(-1, 60)], dim=1).contiguous()
     check(batch, torch.float32, max_q_len=3, splits=[64, None])
     check(batch, torch.float32, max_q_len=3, splits=[17], tree_mask=batch_tree_mask(T, seed=9))
+
+
+def test_fused_merge_leaves_arrival_counters_zeroed():
+    # The last split of each group resets its counter, so the workspace is all zeros after every
+    # launch and a second launch (a graph replay) merges exactly like the first. Query blocks of a
+    # prefill chunk (50 queries -> several blocks per request) each own a counter.
+    import kernels_triton.attention as attn
+
+    batch = make_batch(T=[7, 0, 50, 1], prefix=[9, 5, 70, 126], heads=(9, 3, 64), PS=16, dtype=torch.float32,
+                       seed=11)
+    ref = attn.paged_attention_ref(**batch)
+    for _ in range(2):
+        out = call_poisoned(lambda: attn.paged_attention(**batch, max_q_len=50, num_splits=5), batch["q"].shape,
+                            torch.float32)
+        torch.testing.assert_close(out, ref, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
+        counters = attn._COUNTERS[batch["q"].device]
+        assert int(counters.count_nonzero()) == 0
 
 
 def test_default_splits_keep_min_tiles_of_capacity(monkeypatch):
