@@ -61,6 +61,12 @@ import triton.language as tl
 MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per tree node
 MAX_SPLITS = 64  # split-KV cap: bounds the merge kernel's tile and the fp32 workspace
 MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table capacity per split
+# Default fused merge only for row tiles of at most this many values (BLOCK_M x D): its last program
+# then folds 4 partials per step. H200, graphed batch-1 steps (profile_step.py): SmolLM2 decode
+# (16 x 64) 0.737 -> 0.726 ms per step with the fused merge; Llama-3.1-8B decode (16 x 128, 2 per
+# step, 16 busy splits at context 256) 4.436 -> 4.452 ms, and tree verify (64 x 64, 1 per step)
+# 1.303 -> 1.434 ms (tree16): there the serial fold costs more than the merge launch it saves.
+FUSED_MERGE_MAX_TILE = 1024
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -592,7 +598,7 @@ def paged_attention(
     max_q_len: int,
     num_splits: int | None = None,
     tree_window: int | None = None,
-    fused_merge: bool = True,
+    fused_merge: bool | None = None,
 ):
     """Paged attention over one layer's KV pool (prefill chunk, decode or tree verify) in 1-2 launches.
 
@@ -606,9 +612,11 @@ def paged_attention(
         num_splits: split-KV factor; None picks one from static shapes.
         tree_window: with a tree mask, the width W >= every T_b of the masked window (the last W
             slots; bits index them); None: W = T_b.
-        fused_merge: with num_splits > 1, the last split of each (query block, request, KV head) to
-            finish merges the partials (one launch, an int32 arrival counter per group in a zeroed
-            workspace that each launch leaves zeroed); False: a second merge kernel.
+        fused_merge: with num_splits > 1, True: the last split of each (query block, request, KV
+            head) to finish merges the partials (one launch; an int32 arrival counter per group in a
+            zeroed workspace that each launch leaves zeroed); False: a second merge kernel; None:
+            fused when that last program folds >= 4 partials per step (BLOCK_M x D <= 1024, e.g.
+            SmolLM2 decode), see FUSED_MERGE_MAX_TILE.
 
     Returns:
         [N, HQ, D] in q.dtype (a new tensor). Rows not owned by any request are left unwritten.
@@ -641,6 +649,8 @@ def paged_attention(
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     tm = tree_mask if tree_mask is not None else kv_lens  # placeholder pointer when causal
     grid = (n_qblocks, B * HKV, num_splits)
+    if fused_merge is None:
+        fused_merge = cfg["BLOCK_M"] * D <= FUSED_MERGE_MAX_TILE
     fused = split and fused_merge
     counters = _arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
     block_s = triton.next_power_of_2(num_splits)

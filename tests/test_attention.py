@@ -234,8 +234,8 @@ def test_fused_merge_leaves_arrival_counters_zeroed():
                        seed=11)
     ref = attn.paged_attention_ref(**batch)
     for _ in range(2):
-        out = call_poisoned(lambda: attn.paged_attention(**batch, max_q_len=50, num_splits=5), batch["q"].shape,
-                            torch.float32)
+        out = call_poisoned(lambda: attn.paged_attention(**batch, max_q_len=50, num_splits=5, fused_merge=True),
+                            batch["q"].shape, torch.float32)
         torch.testing.assert_close(out, ref, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
         counters = attn._COUNTERS[batch["q"].device]
         assert int(counters.count_nonzero()) == 0
