@@ -27,21 +27,34 @@ Math, for M rows x [M, K] in dtype ``dt``, weight w [NOUT, K] (nn.Linear layout)
 So every result equals the unfused composition (``*_ref``: rms_norm_ref, matmul, silu_mul_ref,
 rope_write_kv_ref_) up to the GEMM's summation order.
 
-Kernel layout: grid (column blocks, row blocks of BLOCK_M). A program owns BLOCK_N output columns
-(two accumulators for swiglu: its gate and up columns; for rope one head as two D/2 halves, so the
-rotation pairs stay in one program) and streams them in BLOCK_K chunks: ``[BLOCK_M, BLOCK_K] @
-[BLOCK_K, BLOCK_N]`` tl.dots over the whole K. With the norm prologue each program first sums the
-squares of its rows (a pass over x, which every program re-reads from L2: M x K is a few KB), then
-normalises each x chunk right before its dot; the program of column block 0 also stores s. M is a
-runtime argument: one compile per BLOCK_M bucket (16, 32, 64), no recompile per batch size.
+Kernel layout: grid (programs along the column blocks, row blocks of BLOCK_M). A program owns BLOCK_N
+output columns (two accumulators for swiglu: its gate and up columns; for rope a slice of one head's
+two D/2 halves, so the rotation pairs stay in one program) and streams them in BLOCK_K chunks. With
+fewer programs than column blocks (``programs``) each loops over blocks i, i + P, ... (a persistent
+grid). Two bodies:
+- several rows (BLOCK_M = 16, 32, 64): ``[BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]`` tl.dots over the
+  whole K; with the norm prologue each program first sums the squares of its rows (a pass over x,
+  re-read from L2: M x K is a few KB), then normalises each x chunk right before its dot; the program
+  of column block 0 also stores s.
+- one row (GEMV, BLOCK_M = 1; the default at M = 1): fp32 products on CUDA cores into a
+  [BLOCK_N, BLOCK_K] accumulator, summed over k once at the end, so BLOCK_N may be 4 or 8 (many
+  programs, each streaming a narrow slab of the weight); the next chunk's weight tiles are loaded
+  before the current chunk is used (register double buffering), and the first chunk is requested
+  before the norm pass, which reads the whole row in one load. The Triton software pipeliner did
+  not overlap these loads (num_stages made no difference), so per-iteration memory latency bounded
+  each program; the explicit prefetch is what streams the weights.
+M is a runtime argument: one compile per BLOCK_M bucket (1, 16, 32, 64), no recompile per batch size.
 
-Measured on the H200 (bf16, experiments/kernels/bench_linear.py, results/kernels/bench_linear*.csv):
-at M = 1 the SmolLM2 layer ops take qkv 6.3 us (unfused 6.8), mlp_in 5.8 (5.9), w2 3.8 (4.6), wo 3.1
-(3.1): each launch is bound by dependent memory round trips, not bytes (1-14% of copy bandwidth), so
-folding three launches into one saves less than two launches' worth. At M >= 17 and at Llama-3.1-8B
-sizes cuBLAS is faster (e.g. 8B mlp_in 87 vs 64 us), so ``specdec.models.ops`` routes only up to
-``ops.FUSED_MAX_ROWS`` rows here. A variant that folded the norm into the main loop (row scale on the
-accumulator, no prologue pass) measured slower still (qkv 10.6 us, mlp_in 11.5 us at M = 1).
+Measured on the H200 (bf16, experiments/kernels/bench_linear.py: per call in a graph, consecutive
+calls reading different weight copies so nothing is served from L2; results/kernels/
+bench_linear_2b50ac4.csv and the bench_linear_sweep_gemv_* sweeps): at M = 1 the GEMV body takes
+SmolLM2 qkv 3.2 us (norm + cuBLAS + RoPE: 6.6), wo 2.0 (3.1), mlp_in 3.3 (5.9), w2 2.5 (4.7), and
+Llama-3.1-8B qkv 17.7 (20.3), wo 10.5 (13.0), mlp_in 63.7 (63.4), w2 30.3 (31.9): 67-92% of copy
+bandwidth at 8B sizes. The tl.dot body at M = 1 took 6.3-6.6 us (SmolLM2 qkv) and 45 us (8B qkv).
+At M >= 17 cuBLAS is faster (e.g. SmolLM2 qkv 8.7 vs 6.2 us), so ``specdec.models.ops`` routes only up
+to ``ops.FUSED_MAX_ROWS`` rows here. LM heads (more than GEMV_MAX_COLUMNS outputs) stay on cuBLAS or
+the tl.dot body. A variant that folded the norm into the main loop (row scale on the accumulator, no
+prologue pass) measured slower (qkv 10.6 us, mlp_in 11.5 us at M = 1, tl.dot body).
 
 Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
 x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-path tests), half
