@@ -1,8 +1,9 @@
 """Small-M linear layers with their neighbours fused: a decode / draft layer in five launches.
 
-At batch 1 every projection of a small model reads its whole weight to produce a handful of rows, and a SmolLM2-135M layer is bound by launches, not bytes: RMSNorm,
-a cuBLAS GEMM, RoPE + KV write, attention, a GEMM, RMSNorm, a GEMM, SwiGLU, a GEMM. These kernels
-fold the elementwise neighbours into the GEMM that reads their output, so a layer is
+At batch 1 every projection of a small model reads its whole weight to produce a handful of rows,
+and a SmolLM2-135M layer is bound by launches, not bytes: RMSNorm, a cuBLAS GEMM, RoPE + KV write,
+attention, a GEMM, RMSNorm, a GEMM, SwiGLU, a GEMM. These kernels fold the elementwise neighbours
+into the GEMM that reads their output, so a layer is
 
     norm_qkv_rope_write_kv_   RMSNorm(x + residual) @ wqkv^T -> RoPE -> K/V into the paged cache
     paged_attention           (attention.py)

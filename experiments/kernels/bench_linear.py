@@ -16,7 +16,8 @@ path through specdec.models.ops with SPECDEC_FUSED_LINEAR=0):
 
 Columns: us per call inside a CUDA graph of 50 back-to-back calls (what a graphed step pays: launch
 latency included, host excluded; consecutive calls read different copies of the weight, >= 256 MB in
-all, so a weight smaller than the L2 is streamed from HBM as in a real step), weight GB/s and % of the copy bandwidth measured in this run.
+all, so a weight smaller than the L2 is streamed from HBM as in a real step), weight GB/s and % of the
+copy bandwidth measured in this run.
 ``--sweep`` also times tile / grid / BLOCK_K / stages / warps variants of the fused kernels at M = 1
 (see sweep_variants).
 
