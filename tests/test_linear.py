@@ -297,3 +297,41 @@ def test_one_row_paths_match_ref(path, dtype, poison):
         for c, c_ref in ((kc, kc_ref), (vc, vc_ref)):
             torch.testing.assert_close(c, c_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
             assert not torch.isnan(c.view(-1, HKV, D)[9]).any()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch):
+    # specdec.models.ops sends a single row (batch-1 decode) to the fused kernels whatever the weight
+    # size (here every weight is "too large": FUSED_MAX_WEIGHT_BYTES = 0) and two rows to the unfused
+    # path; both give the torch-reference model's logits. SPECDEC_FUSED_LINEAR=0 turns it off.
+    from specdec.models import ops
+    from specdec.models.llama import LlamaModel
+    from specdec.models.loading import LlamaConfig
+
+    monkeypatch.setattr(ops, "FUSED_MAX_WEIGHT_BYTES", 0)
+    calls = []
+    for name in ("linear", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
+        real = getattr(lin, name)
+        monkeypatch.setattr(lin, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=40, head_dim=16, max_position_embeddings=64)
+    models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=1, backend=be)
+              for be in ("triton", "torch")}
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[3, 1], [0, 2]], **i32)[:rows]
+    meta = ops.AttentionMeta(torch.arange(rows + 1, **i32), torch.ones(rows, **i32), table,
+                             (table[:, 0].long() * 4), 1)
+    ids = torch.tensor([5, 9][:rows], device=DEVICE)
+    logits = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("SPECDEC_FUSED_LINEAR", env)
+        for be, model in models.items():
+            calls.clear()
+            k, v = model.new_kv_cache(4, 4)
+            logits[be, env] = model.logits(model(ids, torch.zeros(rows, **i32), meta, k, v).hidden)
+            if be == "triton":
+                # per layer qkv, wo, gate|up, down; plus the LM head (40 outputs)
+                want = 4 * cfg.num_hidden_layers + 1 if rows == 1 and env == "1" else 0
+                assert len(calls) == want, (rows, env, calls)
+        torch.testing.assert_close(logits["triton", env], logits["torch", env], atol=1e-4, rtol=1e-4)
