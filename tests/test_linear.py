@@ -241,29 +241,30 @@ def test_two_input_qkv_rejects_bad_shapes():
         lin.norm_qkv_rope_write_kv_(x, None, None, 1e-5, w, *args, x2=x, norm_weight2=torch.ones(64, device=DEVICE))
 
 
-# One row (batch-1 decode) has two paths: the GEMV kernel body (default; CUDA-core products, register
-# double buffering, per-block norm pass) and the 16-row tl.dot body. Each is run with several chunks
-# and a partial last chunk (K = 200, BLOCK_K = 32 / 64), and with a persistent grid smaller than the
-# column blocks, so a program handles several blocks.
-ONE_ROW_PATHS = {
-    "gemv": {},
-    "gemv-chunks": {"BLOCK_K": 32},
-    "gemv-persistent": {"BLOCK_K": 64, "programs": 3},
+# Few rows have two kernel bodies: GEMV (the default for one row, batch-1 decode; on request for up to
+# GEMV_MAX_ROWS rows: CUDA-core products, register double buffering, per-block norm pass) and the
+# 16-row tl.dot body. Each runs with several chunks and a partial last chunk (K = 200, BLOCK_K = 32 /
+# 64), and with a persistent grid smaller than the column blocks (a program handles several blocks).
+FEW_ROW_PATHS = {
+    "gemv": {"gemv": True},
+    "gemv-chunks": {"gemv": True, "BLOCK_K": 32},
+    "gemv-persistent": {"gemv": True, "BLOCK_K": 64, "programs": 3},
     "dot": {"gemv": False, "BLOCK_K": 64},
     "dot-persistent": {"gemv": False, "BLOCK_K": 32, "programs": 2},
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path", sorted(ONE_ROW_PATHS))
-def test_one_row_paths_match_ref(path, dtype, poison):
-    cfg = ONE_ROW_PATHS[path]
-    gen = torch.Generator().manual_seed(5)
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("path", sorted(FEW_ROW_PATHS))
+def test_few_row_paths_match_ref(path, M, dtype, poison):
+    cfg = FEW_ROW_PATHS[path]
+    gen = torch.Generator().manual_seed(5 + M)
     K, NOUT, F = 200, 52, 36
-    x, r = _randn(1, K, dtype=dtype, scale=3.0, gen=gen), _randn(1, K, dtype=dtype, gen=gen)
+    x, r = _randn(M, K, dtype=dtype, scale=3.0, gen=gen), _randn(M, K, dtype=dtype, gen=gen)
     nw = _randn(K, dtype=dtype, gen=gen)
     w = _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
-    add = _randn(1, NOUT, dtype=dtype, gen=gen)
+    add = _randn(M, NOUT, dtype=dtype, gen=gen)
     _close(lin.linear(x, w, config=dict(cfg)), lin.linear_ref(x, w), dtype)
     _close(lin.linear(x, w, add, config=dict(cfg)), lin.linear_ref(x, w, add), dtype)
     out, s = lin.norm_linear(x, r, nw, 1e-5, w, config=dict(cfg))
@@ -278,9 +279,9 @@ def test_one_row_paths_match_ref(path, dtype, poison):
 
     HQ, HKV, D, PS, NP = 3, 1, 32, 4, 4
     cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
-    pos = torch.tensor([37], device=DEVICE)
-    slot = torch.tensor([9], device=DEVICE)
-    x2, nw2 = _randn(1, 40, dtype=dtype, scale=0.3, gen=gen), _randn(40, dtype=dtype, gen=gen)
+    pos = torch.tensor([37, 5, 60][:M], device=DEVICE)
+    slots = torch.tensor([9, 2, 14][:M], device=DEVICE)
+    x2, nw2 = _randn(M, 40, dtype=dtype, scale=0.3, gen=gen), _randn(40, dtype=dtype, gen=gen)
     for two_inputs in (False, True):
         kk = K + 40 if two_inputs else K
         wqkv = _randn((HQ + 2 * HKV) * D, kk, dtype=dtype, scale=kk ** -0.5, gen=gen)
@@ -289,14 +290,24 @@ def test_one_row_paths_match_ref(path, dtype, poison):
         kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
         vc = torch.full_like(kc, float("nan"))
         kc_ref, vc_ref = kc.clone(), vc.clone()
-        q, _ = lin.norm_qkv_rope_write_kv_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slot,
+        q, _ = lin.norm_qkv_rope_write_kv_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
                                            config=dict(cfg), **extra)
         q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref,
-                                                   slot, **extra)
+                                                   slots, **extra)
         _close(q, q_ref, dtype)
         for c, c_ref in ((kc, kc_ref), (vc, vc_ref)):
             torch.testing.assert_close(c, c_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
-            assert not torch.isnan(c.view(-1, HKV, D)[9]).any()
+            assert not torch.isnan(c.view(-1, HKV, D)[slots]).any()
+
+
+def test_gemv_only_up_to_max_rows():
+    # More than GEMV_MAX_ROWS rows run the tl.dot body even when the GEMV body is requested.
+    x = torch.randn(lin.GEMV_MAX_ROWS + 1, 64, device=DEVICE)
+    w = torch.randn(40, 64, device=DEVICE)
+    assert lin._gemv_requested(x[:1], {}) and not lin._gemv_requested(x[:2], {})
+    assert lin._gemv_requested(x[:lin.GEMV_MAX_ROWS], {"gemv": True})
+    assert not lin._gemv_requested(x, {"gemv": True})
+    _close(lin.linear(x, w, config={"gemv": True}), lin.linear_ref(x, w), torch.float32)
 
 
 @pytest.mark.parametrize("rows", [1, 2])
@@ -335,3 +346,21 @@ def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch):
                 want = 4 * cfg.num_hidden_layers + 1 if rows == 1 and env == "1" else 0
                 assert len(calls) == want, (rows, env, calls)
         torch.testing.assert_close(logits["triton", env], logits["torch", env], atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_rows_switch(monkeypatch):
+    # SPECDEC_GEMV_ROWS=N asks the fused kernels for the GEMV body at 2..N rows (draft rounds); the
+    # result is the same projection.
+    from specdec.models import ops
+
+    monkeypatch.setenv("SPECDEC_GEMV_ROWS", "4")
+    seen = []
+    real = lin.linear
+    monkeypatch.setattr(lin, "linear", lambda *a, config=None, **kw: seen.append(config) or real(*a, config=config,
+                                                                                                  **kw))
+    gen = torch.Generator().manual_seed(2)
+    w = _randn(40, 64, dtype=torch.float32, gen=gen)
+    for rows in (3, 5):
+        x = _randn(rows, 64, dtype=torch.float32, gen=gen)
+        _close(ops.linear(x, w, backend="triton"), lin.linear_ref(x, w), torch.float32)
+    assert seen == [{"gemv": True}, None]
