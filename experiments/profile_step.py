@@ -13,6 +13,8 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     SPECDEC_STEP_KERNELS=0 python experiments/profile_step.py --out $OUT/no_step_kernels   # torch addressing
     SPECDEC_FUSED_LINEAR=0 python experiments/profile_step.py --out $OUT/unfused   # cuBLAS layer path
     python experiments/profile_step.py --shape llama8b --out $OUT/llama8b   # (b) plain step only, 8B shapes
+    SPECDEC_PDL=1 python experiments/profile_step.py --out $OUT/pdl   # programmatic dependent launch
+    SPECDEC_GEMV_ROWS=8 python experiments/profile_step.py --out $OUT/gemv8   # draft rows on the GEMV body
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """
@@ -152,8 +154,8 @@ def main() -> None:
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
            "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS", "1") != "0",
            "fused_linear": os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0",
-           "pdl": os.environ.get("SPECDEC_PDL", "1") != "0",
-           "pdl_prefetch": os.environ.get("SPECDEC_PDL_PREFETCH", "1") != "0"}
+           "pdl": os.environ.get("SPECDEC_PDL", "0") == "1",
+           "gemv_rows": int(os.environ.get("SPECDEC_GEMV_ROWS", "1"))}
 
     plain = make_engine(model, None, ())
     prefill_ms(plain, lengths[:2], V)  # compiles
@@ -196,6 +198,7 @@ def profile_llama8b(args) -> None:
     model = random_target(llama_config_from_dict(shape), device=dev, dtype=dtype)
     eng = make_engine(model, None, (), max_seq_len=4096)
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"), "shape": "llama8b",
+           "pdl": os.environ.get("SPECDEC_PDL", "0") == "1",
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
            "steps": {"plain": graphed_step(eng, 1)}}
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))

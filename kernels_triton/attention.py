@@ -54,9 +54,12 @@ query must see at least one slot (true for causal, and for trees that set the no
 
 import math
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tlc
 
 MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per tree node
 MAX_SPLITS = 64  # split-KV cap: bounds the merge kernel's tile and the fp32 workspace
@@ -68,6 +71,19 @@ MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table c
 # 1.303 -> 1.434 ms (tree16): there the serial fold costs more than the merge launch it saves.
 FUSED_MERGE_MAX_TILE = 1024
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def pdl_enabled(device) -> bool:
+    """Programmatic dependent launch for the step kernels (attention, merge, fused linear): on with
+    SPECDEC_PDL=1 on a CUDA device of compute capability >= 9.0. Each such kernel lets its successor
+    launch at once (griddepcontrol.launch_dependents) and waits for its predecessor
+    (griddepcontrol.wait) before reading anything the predecessor wrote; the fused linear requests
+    its first weight chunk before the wait, so a kernel's weight stream starts during the previous
+    kernel's tail. Off by default: not yet measured to pay (an earlier attempt on the SmolLM2 step
+    gave no gain there; the 8B-shape step, bound by weight streaming, is what it targets)."""
+    if os.environ.get("SPECDEC_PDL", "0") != "1" or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,7 +292,11 @@ def _paged_attention_fwd_kernel(
     S_CHUNK: tl.constexpr,  # partials merged per step (FUSED_MERGE)
     IS_TREE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (see pdl_enabled)
 ):
+    if USE_PDL:
+        tlc.gdc_launch_dependents()
+        tlc.gdc_wait()
     i_t, i_bh, i_sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b = i_bh // HKV
     i_hkv = i_bh % HKV
@@ -379,7 +399,11 @@ def _paged_attention_merge_kernel(
     HQ: tl.constexpr,
     D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tlc.gdc_launch_dependents()
+        tlc.gdc_wait()
     i_nh = tl.program_id(0).to(tl.int64)  # one (row, query head) per program
     i_n = i_nh // HQ
     i_h = i_nh % HQ
@@ -652,6 +676,7 @@ def paged_attention(
     if fused_merge is None:
         fused_merge = cfg["BLOCK_M"] * D <= FUSED_MERGE_MAX_TILE
     fused = split and fused_merge
+    pdl = pdl_enabled(q.device)
     counters = _arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
     block_s = triton.next_power_of_2(num_splits)
     _paged_attention_fwd_kernel[grid](
@@ -667,12 +692,14 @@ def paged_attention(
         S_CHUNK=min(block_s, max(1, 4096 // (cfg["BLOCK_M"] * D))),  # <= 4096 fp32 partial values per step
         IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split and not fused:
         _paged_attention_merge_kernel[(N * HQ,)](
             o_part, lse_part, o, num_splits, o.stride(0), o.stride(1),
-            HQ=HQ, D=D, BLOCK_S=block_s, num_warps=max(1, min(8, block_s * D // 1024)),  # <= 32 fp32 / thread
+            HQ=HQ, D=D, BLOCK_S=block_s, USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+            num_warps=max(1, min(8, block_s * D // 1024)),  # <= 32 fp32 / thread
         )  # fmt: skip
     return o
 

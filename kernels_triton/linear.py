@@ -65,9 +65,10 @@ precision ones tensor-core dots with fp32 accumulation.
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tlc
 
 from .activation import silu_mul_ref
-from .attention import _sm_count
+from .attention import _sm_count, pdl_enabled
 from .norm import rms_norm_ref
 from .rope import rope_write_kv_ref_
 
@@ -155,7 +156,7 @@ def _sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL: tl
 @triton.jit
 def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_wa, o_wb, m_w, K, eps,
                      stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_ACC: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_SS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BLOCK_SS: tl.constexpr, USE_PDL: tl.constexpr):
     """_accumulate for one row (BLOCK_M = 1) on CUDA cores: acc [BLOCK_N, BLOCK_K] += w chunk * x chunk.
     The first weight chunk is requested before the norm pass (whose row loads then wait alongside it),
     and each next chunk before the current chunk's products (register double buffering), so a program
@@ -169,6 +170,8 @@ def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o
     n_wb = n_wa
     if TWO_ACC:
         n_wb = tl.load(p_wb, mask=m_wk, other=0.0)
+    if USE_PDL:  # the weights never change: only x waits for the previous kernel
+        tlc.gdc_wait()
     b_rstd = 0.0
     if NORM:  # 1 / rms of the row, the whole row per load (BLOCK_SS >= K up to 8192)
         o_0 = tl.zeros([1], dtype=tl.int64)
@@ -203,7 +206,7 @@ def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o
 def _accumulate_gemv_rows(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m_m, o_wa, o_wb, m_w, K,
                           eps, stride_x, stride_r, stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                           TWO_ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_SS: tl.constexpr):
+                          BLOCK_SS: tl.constexpr, USE_PDL: tl.constexpr):
     """_accumulate_gemv for 2..8 rows: acc [BLOCK_M, BLOCK_N, BLOCK_K] += x chunk (per row) * w chunk,
     each weight chunk read once for all rows, the next one requested before the current one is used."""
     dt = x_ptr.dtype.element_ty
@@ -215,6 +218,8 @@ def _accumulate_gemv_rows(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_co
     n_wb = n_wa
     if TWO_ACC:
         n_wb = tl.load(p_wb, mask=m_wk, other=0.0)
+    if USE_PDL:
+        tlc.gdc_wait()
     b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # [BLOCK_M] 1 / rms per row
         b_ss = _sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL, BLOCK_M, BLOCK_SS)
@@ -328,8 +333,13 @@ def _fused_linear_kernel(
     DOT_PREC: tl.constexpr,
     GEMV: tl.constexpr,  # CUDA-core products (BLOCK_M = 1, or 2..8 rows on request) instead of a 16-row tl.dot
     BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch: let the next kernel start, wait before reading x
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
+    if USE_PDL:
+        tlc.gdc_launch_dependents()
+        if not GEMV:  # (GEMV: after requesting its first weight chunk)
+            tlc.gdc_wait()
     dt = x_ptr.dtype.element_ty
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
     m_m = o_m < M
@@ -380,19 +390,20 @@ def _fused_linear_kernel(
         if GEMV and BLOCK_M == 1:
             acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_wa, o_wb, m_w, K,
                                             eps, stride_w, i_n, NORM, HAS_RESIDUAL, EPI != _EPI_NONE, BLOCK_K,
-                                            BLOCK_SS)
+                                            BLOCK_SS, USE_PDL)
             if TWO_INPUTS:
                 acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb,
                                                 m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
-                                                BLOCK_SS)
+                                                BLOCK_SS, USE_PDL)
         elif GEMV:
             acc_a, acc_b = _accumulate_gemv_rows(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa,
                                                  o_wb, m_w, K, eps, stride_x, stride_r, stride_w, i_n, NORM,
-                                                 HAS_RESIDUAL, EPI != _EPI_NONE, BLOCK_M, BLOCK_K, BLOCK_SS)
+                                                 HAS_RESIDUAL, EPI != _EPI_NONE, BLOCK_M, BLOCK_K, BLOCK_SS, USE_PDL)
             if TWO_INPUTS:
                 acc_a, acc_b = _accumulate_gemv_rows(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m, m_m,
                                                      o_wa, o_wb, m_w, K2, eps, stride_x2, stride_x2, stride_w, i_n,
-                                                     True, False, EPI != _EPI_NONE, BLOCK_M, BLOCK_K, BLOCK_SS)
+                                                     True, False, EPI != _EPI_NONE, BLOCK_M, BLOCK_K, BLOCK_SS,
+                                                     USE_PDL)
         else:
             acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa, o_wb, m_w,
                                        K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,
@@ -572,6 +583,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     M, K = x.shape
     cfg = dict(config or {})
     gemv = _use_gemv(x, cfg)
+    pdl = bool(cfg.pop("pdl", pdl_enabled(x.device)))
     block_m = triton.next_power_of_2(M) if gemv else _block_m(M)
     norm = norm_weight is not None
     if residual is not None:
@@ -613,7 +625,8 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
-        BLOCK_SS=min(8192 // block_m, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"], **cfg,
+        BLOCK_SS=min(8192 // block_m, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
+        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
     return s if norm else None
 

@@ -336,3 +336,16 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="slot_mapping"):
         k = torch.zeros(2, 3, 64, device=DEVICE)
         write_kv_(batch["k_cache"], batch["v_cache"], k, k, torch.zeros(2, dtype=torch.int32, device=DEVICE))
+
+
+def test_pdl_is_opt_in_and_cuda_only(monkeypatch):
+    # Programmatic dependent launch (griddepcontrol) only with SPECDEC_PDL=1 on a CUDA device of
+    # compute capability >= 9; never under the CPU interpreter, which has no such instruction.
+    from kernels_triton.attention import pdl_enabled
+
+    monkeypatch.delenv("SPECDEC_PDL", raising=False)
+    assert not pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("SPECDEC_PDL", "1")
+    assert not pdl_enabled(torch.device("cpu"))
+    if torch.cuda.is_available():
+        assert pdl_enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
