@@ -65,10 +65,13 @@ MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per tree node
 MAX_SPLITS = 64  # split-KV cap: bounds the merge kernel's tile and the fp32 workspace
 MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table capacity per split
 # Default fused merge only for row tiles of at most this many values (BLOCK_M x D): its last program
-# then folds 4 partials per step. H200, graphed batch-1 steps (profile_step.py): SmolLM2 decode
-# (16 x 64) 0.737 -> 0.726 ms per step with the fused merge; Llama-3.1-8B decode (16 x 128, 2 per
-# step, 16 busy splits at context 256) 4.436 -> 4.452 ms, and tree verify (64 x 64, 1 per step)
-# 1.303 -> 1.434 ms (tree16): there the serial fold costs more than the merge launch it saves.
+# then folds 4 partials per step. H200, graphed batch-1 steps (profile_step.py), merge kernel at
+# 6d5d346 vs fused merge everywhere at eddb3e5 (which also unrolled the greedy argmax and retuned the
+# 8B gate|up GEMV): SmolLM2 decode (16 x 64) 0.737 -> 0.726 ms per step (attention kernels 193 -> 203
+# us, 30 fewer launches); tree16 verify + draft (64 x 64 tiles, 1 partial per step) 1.303 -> 1.434 ms
+# (attention kernels 268 -> 414 us); Llama-3.1-8B decode (16 x 128, 2 per step, 16 busy splits at
+# context 256) 4.436 -> 4.452 ms (attention 244 -> 275 us): there the serial fold costs more than the
+# merge launch it saves.
 FUSED_MERGE_MAX_TILE = 1024
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
