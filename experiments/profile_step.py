@@ -14,7 +14,6 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     SPECDEC_FUSED_LINEAR=0 python experiments/profile_step.py --out $OUT/unfused   # cuBLAS layer path
     python experiments/profile_step.py --shape llama8b --out $OUT/llama8b   # (b) plain step only, 8B shapes
     SPECDEC_PDL=1 python experiments/profile_step.py --out $OUT/pdl   # programmatic dependent launch
-    SPECDEC_GEMV_ROWS=8 python experiments/profile_step.py --out $OUT/gemv8   # draft rows on the GEMV body
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """
@@ -154,8 +153,7 @@ def main() -> None:
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
            "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS", "1") != "0",
            "fused_linear": os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0",
-           "pdl": os.environ.get("SPECDEC_PDL", "0") == "1",
-           "gemv_rows": int(os.environ.get("SPECDEC_GEMV_ROWS", "1"))}
+           "pdl": os.environ.get("SPECDEC_PDL", "0") == "1"}
 
     plain = make_engine(model, None, ())
     prefill_ms(plain, lengths[:2], V)  # compiles

@@ -76,9 +76,6 @@ MAX_M = 64
 # One-row projections up to this many output columns take the GEMV body; wider ones (LM heads) keep the
 # tl.dot body, which streams them faster (H200: SmolLM2 lm_head 15.8 vs 21.1 us).
 GEMV_MAX_COLUMNS = 16384
-# The GEMV body also takes 2..GEMV_MAX_ROWS rows when a caller asks (config {"gemv": True}; draft rounds
-# of a few frontier nodes); by default more than one row runs the tl.dot body.
-GEMV_MAX_ROWS = 8
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
@@ -203,54 +200,6 @@ def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o
 
 
 @triton.jit
-def _accumulate_gemv_rows(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m_m, o_wa, o_wb, m_w, K,
-                          eps, stride_x, stride_r, stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                          TWO_ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_SS: tl.constexpr, USE_PDL: tl.constexpr):
-    """_accumulate_gemv for 2..8 rows: acc [BLOCK_M, BLOCK_N, BLOCK_K] += x chunk (per row) * w chunk,
-    each weight chunk read once for all rows, the next one requested before the current one is used."""
-    dt = x_ptr.dtype.element_ty
-    o_k = tl.arange(0, BLOCK_K)
-    p_wa = w_ptr + w_col0 + o_wa[:, None] * stride_w + o_k[None, :]  # [BN, BK] chunk 0
-    p_wb = w_ptr + w_col0 + o_wb[:, None] * stride_w + o_k[None, :]
-    m_wk = m_w[:, None] & (o_k < K)[None, :]
-    n_wa = tl.load(p_wa, mask=m_wk, other=0.0)
-    n_wb = n_wa
-    if TWO_ACC:
-        n_wb = tl.load(p_wb, mask=m_wk, other=0.0)
-    if USE_PDL:
-        tlc.gdc_wait()
-    b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:  # [BLOCK_M] 1 / rms per row
-        b_ss = _sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL, BLOCK_M, BLOCK_SS)
-        b_rstd = tl.math.rsqrt(b_ss / K + eps)
-    for k0 in range(0, K, BLOCK_K):
-        b_wa = n_wa
-        b_wb = n_wb
-        m_wk = m_w[:, None] & ((k0 + BLOCK_K + o_k) < K)[None, :]  # the next chunk
-        n_wa = tl.load(p_wa + k0 + BLOCK_K, mask=m_wk, other=0.0)
-        if TWO_ACC:
-            n_wb = tl.load(p_wb + k0 + BLOCK_K, mask=m_wk, other=0.0)
-        m_k = (k0 + o_k) < K
-        m_mk = m_m[:, None] & m_k[None, :]
-        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_mk, other=0.0)  # [BM, BK]
-        if HAS_RESIDUAL:
-            b_r = tl.load(r_ptr + o_m[:, None] * stride_r + (k0 + o_k)[None, :], mask=m_mk, other=0.0)
-            b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(dt)  # the new residual
-            if i_n == 0:
-                tl.store(s_ptr + o_m[:, None] * stride_x + (k0 + o_k)[None, :], b_x, mask=m_mk)
-        if NORM:
-            b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_y = (b_x.to(tl.float32) * b_rstd[:, None]).to(dt).to(tl.float32)
-            b_x = (b_y * b_nw[None, :]).to(dt)  # [BLOCK_M, BLOCK_K] normalised rows
-        b_xf = b_x.to(tl.float32)[:, None, :]  # [BM, 1, BK]
-        acc_a += b_wa.to(tl.float32)[None, :, :] * b_xf  # [BM, BN, BK]
-        if TWO_ACC:
-            acc_b += b_wb.to(tl.float32)[None, :, :] * b_xf
-    return acc_a, acc_b
-
-
-@triton.jit
 def _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m_m, o_wa, o_wb, m_w, K, b_rstd,
                 stride_x, stride_r, stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -331,7 +280,7 @@ def _fused_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    GEMV: tl.constexpr,  # CUDA-core products (BLOCK_M = 1, or 2..8 rows on request) instead of a 16-row tl.dot
+    GEMV: tl.constexpr,  # BLOCK_M = 1: CUDA-core products instead of a 16-row tl.dot
     BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
     USE_PDL: tl.constexpr,  # programmatic dependent launch: let the next kernel start, wait before reading x
 ):
@@ -378,16 +327,13 @@ def _fused_linear_kernel(
         o_wa = o_wa.to(tl.int64)
         o_wb = o_wb.to(tl.int64)
 
-        if GEMV and BLOCK_M == 1:
+        if GEMV:
             acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        elif GEMV:
-            acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-            acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
             acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if GEMV and BLOCK_M == 1:
+        if GEMV:
             acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_wa, o_wb, m_w, K,
                                             eps, stride_w, i_n, NORM, HAS_RESIDUAL, EPI != _EPI_NONE, BLOCK_K,
                                             BLOCK_SS, USE_PDL)
@@ -395,15 +341,6 @@ def _fused_linear_kernel(
                 acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb,
                                                 m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
                                                 BLOCK_SS, USE_PDL)
-        elif GEMV:
-            acc_a, acc_b = _accumulate_gemv_rows(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa,
-                                                 o_wb, m_w, K, eps, stride_x, stride_r, stride_w, i_n, NORM,
-                                                 HAS_RESIDUAL, EPI != _EPI_NONE, BLOCK_M, BLOCK_K, BLOCK_SS, USE_PDL)
-            if TWO_INPUTS:
-                acc_a, acc_b = _accumulate_gemv_rows(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m, m_m,
-                                                     o_wa, o_wb, m_w, K2, eps, stride_x2, stride_x2, stride_w, i_n,
-                                                     True, False, EPI != _EPI_NONE, BLOCK_M, BLOCK_K, BLOCK_SS,
-                                                     USE_PDL)
         else:
             acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa, o_wb, m_w,
                                        K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,
@@ -412,12 +349,9 @@ def _fused_linear_kernel(
                 acc_a, acc_b = _accumulate(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m, m_m, o_wa,
                                            o_wb, m_w, K2, b_rstd2, stride_x2, stride_x2, stride_w, i_n, True, False,
                                            EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
-        if GEMV and BLOCK_M == 1:
+        if GEMV:
             acc_a = tl.sum(acc_a, axis=1)[None, :]  # [1, BLOCK_N]
             acc_b = tl.sum(acc_b, axis=1)[None, :]
-        elif GEMV:
-            acc_a = tl.sum(acc_a, axis=2)  # [BLOCK_M, BLOCK_N]
-            acc_b = tl.sum(acc_b, axis=2)
 
         # Projections are rounded to dt first, exactly where the unfused path stores them.
         b_a = acc_a.to(dt)
@@ -502,15 +436,14 @@ def _block_k(K, block_m, block_n, n_acc, esize):
 
 
 def _gemv_requested(x, config):
-    """Whether the GEMV body runs: config "gemv" (default: one row only), at most GEMV_MAX_ROWS rows."""
-    M = x.shape[0]
-    return M <= GEMV_MAX_ROWS and bool(config.get("gemv", M == 1))
+    """Whether the GEMV body runs: one row, unless config says {"gemv": False}."""
+    return x.shape[0] == 1 and bool(config.get("gemv", True))
 
 
 def _default_block_n(x, config, epi, dot_block_n):
     """Column block when the caller gave none: the GEMV tile's, else the tl.dot one."""
     if _gemv_requested(x, config):
-        return _gemv_tiles(x.shape[1], epi, x.device, x.shape[0])["block_n"]
+        return _gemv_tiles(x.shape[1], epi, x.device)["block_n"]
     return dot_block_n
 
 
@@ -521,26 +454,20 @@ def _use_gemv(x, config):
     return gemv
 
 
-def _gemv_default(config, x, n_cols):
-    """config with "gemv" defaulted: one row and at most GEMV_MAX_COLUMNS outputs."""
+def _gemv_default(config, n_cols):
+    """config with "gemv" defaulted by the output width (GEMV_MAX_COLUMNS)."""
     config = dict(config or {})
-    config.setdefault("gemv", x.shape[0] == 1 and n_cols <= GEMV_MAX_COLUMNS)
+    config.setdefault("gemv", n_cols <= GEMV_MAX_COLUMNS)
     return config
 
 
-def _gemv_tiles(K, epi, device, rows=1):
+def _gemv_tiles(K, epi, device):
     """GEMV tile defaults: block_n (output columns per program and accumulator), BLOCK_K, num_warps.
     H200 sweeps (bench_linear.py --sweep --kinds gemv, weights streamed from HBM): short rows (SmolLM2,
     K 576 / 1536) 4 x 128 with 8 warps for a plain projection (wo 2.0 us, w2 2.5 us), 8 x 256 with 4
     warps with the norm / two accumulators (qkv 3.4, mlp_in 3.3); long rows (Llama-3.1-8B, K 4096 /
     14336) 8 x 512 with 4 warps (wo 10.5 us, w2 29.8), 8 x 256 for qkv (17.8), and for gate|up 8 x 512
-    with 8 warps on a persistent grid of 2 programs per SM. 2..8 rows (opt-in, not measured yet) keep the
-    one-row tile with BLOCK_K cut so BLOCK_M x BLOCK_N x BLOCK_K <= 8192 fp32 products per accumulator."""
-    if rows > 1:
-        t = _gemv_tiles(K, epi, device)
-        t.pop("programs", None)
-        t["BLOCK_K"] = max(32, min(t["BLOCK_K"], 8192 // (triton.next_power_of_2(rows) * t["block_n"])))
-        return t
+    with 8 warps on a persistent grid of 2 programs per SM."""
     if epi == EPI_SWIGLU and K > 2048:  # 8B gate|up: 62.4 us (4 warps, one block per program: 65.2)
         return {"block_n": 8, "BLOCK_K": 512, "num_warps": 8, "programs": 2 * _sm_count(device)}
     if epi != EPI_NONE:
@@ -584,7 +511,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     cfg = dict(config or {})
     gemv = _use_gemv(x, cfg)
     pdl = bool(cfg.pop("pdl", pdl_enabled(x.device)))
-    block_m = triton.next_power_of_2(M) if gemv else _block_m(M)
+    block_m = 1 if gemv else _block_m(M)
     norm = norm_weight is not None
     if residual is not None:
         s = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -612,7 +539,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     else:
         x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
     if gemv:
-        cfg = {**_gemv_tiles(K, epi, x.device, M), "num_stages": 1, **cfg}
+        cfg = {**_gemv_tiles(K, epi, x.device), "num_stages": 1, **cfg}
         cfg.pop("block_n")
     else:
         cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
@@ -625,7 +552,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
-        BLOCK_SS=min(8192 // block_m, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
+        BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
         USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
     return s if norm else None
@@ -642,7 +569,7 @@ def linear(x, w, add=None, config=None):
             raise ValueError(f"linear: add must be [M, NOUT] = [{M}, {NOUT}] {x.dtype} on {x.device}, got "
                              f"{tuple(add.shape)} {add.dtype} on {add.device}")
         add = add.contiguous()
-    config = _gemv_default(config, x, NOUT)
+    config = _gemv_default(config, NOUT)
     bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device))
     _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config)
     return out
@@ -653,7 +580,7 @@ def norm_linear(x, residual, norm_weight, eps, w, config=None):
     _check("norm_linear", x, w, residual, norm_weight)
     M, NOUT = x.shape[0], w.shape[0]
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
-    config = _gemv_default(config, x, NOUT)
+    config = _gemv_default(config, NOUT)
     bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device))
     s = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, residual=residual,
                 norm_weight=norm_weight, eps=eps, nout=NOUT, config=config)
@@ -735,7 +662,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     parts = config.pop("parts", None)
     gemv = _gemv_requested(x, config)
     if parts is None and gemv:
-        parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE, x.device, M)["block_n"])
+        parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE, x.device)["block_n"])
     elif parts is None:
         parts = 1
         while half // (2 * parts) >= 16 and (HQ + 2 * HKV) * 2 * parts <= _sm_count(x.device):

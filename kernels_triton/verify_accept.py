@@ -149,29 +149,15 @@ def verify_accept_ref(logits, tokens, parents, temperature, uniforms=None, draft
 
 @triton.jit
 def _row_argmax(p_row, V, BLOCK_V: tl.constexpr):
-    """First index of the maximum of one row [V]; per-lane running max, one reduction at the end. Four
-    chunks are requested per iteration (then folded in index order, so a lane still keeps its
-    earliest maximum): a 128K vocabulary is 8 round trips to memory, not 32."""
+    """First index of the maximum of one row [V]; per-lane running max, one reduction at the end."""
     o_v = tl.arange(0, BLOCK_V)
     b_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     b_idx = o_v
-    for v0 in range(0, V, 4 * BLOCK_V):
-        b_l0 = tl.load(p_row + v0 + o_v, mask=v0 + o_v < V, other=float("-inf"))  # [BLOCK_V]
-        b_l1 = tl.load(p_row + v0 + BLOCK_V + o_v, mask=v0 + BLOCK_V + o_v < V, other=float("-inf"))
-        b_l2 = tl.load(p_row + v0 + 2 * BLOCK_V + o_v, mask=v0 + 2 * BLOCK_V + o_v < V, other=float("-inf"))
-        b_l3 = tl.load(p_row + v0 + 3 * BLOCK_V + o_v, mask=v0 + 3 * BLOCK_V + o_v < V, other=float("-inf"))
-        m_up = b_l0.to(tl.float32) > b_best  # strict: a lane keeps its earliest maximum
+    for v0 in range(0, V, BLOCK_V):
+        b_l = tl.load(p_row + v0 + o_v, mask=v0 + o_v < V, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+        m_up = b_l > b_best  # strict: a lane keeps its earliest maximum
         b_idx = tl.where(m_up, v0 + o_v, b_idx)
-        b_best = tl.where(m_up, b_l0.to(tl.float32), b_best)
-        m_up = b_l1.to(tl.float32) > b_best
-        b_idx = tl.where(m_up, v0 + BLOCK_V + o_v, b_idx)
-        b_best = tl.where(m_up, b_l1.to(tl.float32), b_best)
-        m_up = b_l2.to(tl.float32) > b_best
-        b_idx = tl.where(m_up, v0 + 2 * BLOCK_V + o_v, b_idx)
-        b_best = tl.where(m_up, b_l2.to(tl.float32), b_best)
-        m_up = b_l3.to(tl.float32) > b_best
-        b_idx = tl.where(m_up, v0 + 3 * BLOCK_V + o_v, b_idx)
-        b_best = tl.where(m_up, b_l3.to(tl.float32), b_best)
+        b_best = tl.where(m_up, b_l, b_best)
     b_max = tl.max(b_best, 0)
     return tl.min(tl.where(b_best == b_max, b_idx, 2147483647), 0)
 

@@ -241,10 +241,10 @@ def test_two_input_qkv_rejects_bad_shapes():
         lin.norm_qkv_rope_write_kv_(x, None, None, 1e-5, w, *args, x2=x, norm_weight2=torch.ones(64, device=DEVICE))
 
 
-# Few rows have two kernel bodies: GEMV (the default for one row, batch-1 decode; on request for up to
-# GEMV_MAX_ROWS rows: CUDA-core products, register double buffering, per-block norm pass) and the
-# 16-row tl.dot body. Each runs with several chunks and a partial last chunk (K = 200, BLOCK_K = 32 /
-# 64), and with a persistent grid smaller than the column blocks (a program handles several blocks).
+# One row (batch-1 decode) has two kernel bodies: GEMV (the default: CUDA-core products, register
+# double buffering, per-block norm pass) and the 16-row tl.dot body. Each runs with several chunks and
+# a partial last chunk (K = 200, BLOCK_K = 32 / 64), and with a persistent grid smaller than the
+# column blocks (a program handles several blocks). With more rows "gemv" is ignored (tl.dot body).
 FEW_ROW_PATHS = {
     "gemv": {"gemv": True},
     "gemv-chunks": {"gemv": True, "BLOCK_K": 32},
@@ -300,12 +300,11 @@ def test_few_row_paths_match_ref(path, M, dtype, poison):
             assert not torch.isnan(c.view(-1, HKV, D)[slots]).any()
 
 
-def test_gemv_only_up_to_max_rows():
-    # More than GEMV_MAX_ROWS rows run the tl.dot body even when the GEMV body is requested.
-    x = torch.randn(lin.GEMV_MAX_ROWS + 1, 64, device=DEVICE)
+def test_gemv_only_for_one_row():
+    # The GEMV body serves one row; more rows run the tl.dot body even when GEMV is asked for.
+    x = torch.randn(3, 64, device=DEVICE)
     w = torch.randn(40, 64, device=DEVICE)
-    assert lin._gemv_requested(x[:1], {}) and not lin._gemv_requested(x[:2], {})
-    assert lin._gemv_requested(x[:lin.GEMV_MAX_ROWS], {"gemv": True})
+    assert lin._gemv_requested(x[:1], {}) and not lin._gemv_requested(x[:1], {"gemv": False})
     assert not lin._gemv_requested(x, {"gemv": True})
     _close(lin.linear(x, w, config={"gemv": True}), lin.linear_ref(x, w), torch.float32)
 
@@ -347,20 +346,3 @@ def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch):
                 assert len(calls) == want, (rows, env, calls)
         torch.testing.assert_close(logits["triton", env], logits["torch", env], atol=1e-4, rtol=1e-4)
 
-
-def test_gemv_rows_switch(monkeypatch):
-    # SPECDEC_GEMV_ROWS=N asks the fused kernels for the GEMV body at 2..N rows (draft rounds); the
-    # result is the same projection.
-    from specdec.models import ops
-
-    monkeypatch.setenv("SPECDEC_GEMV_ROWS", "4")
-    seen = []
-    real = lin.linear
-    monkeypatch.setattr(lin, "linear", lambda *a, config=None, **kw: seen.append(config) or real(*a, config=config,
-                                                                                                  **kw))
-    gen = torch.Generator().manual_seed(2)
-    w = _randn(40, 64, dtype=torch.float32, gen=gen)
-    for rows in (3, 5):
-        x = _randn(rows, 64, dtype=torch.float32, gen=gen)
-        _close(ops.linear(x, w, backend="triton"), lin.linear_ref(x, w), torch.float32)
-    assert seen == [{"gemv": True}, None]

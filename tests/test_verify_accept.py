@@ -499,9 +499,9 @@ def test_verify_accept_bad_inputs():
                       torch.zeros(1, big, dtype=torch.int32, device=DEVICE), 0.0)
 
 
-def test_greedy_argmax_across_unrolled_chunks():
-    # V = 40001: three iterations of four 4096-wide chunks each (the argmax requests four chunks per
-    # iteration); maxima tied across iterations, across chunks of one iteration and in one lane.
+def test_greedy_argmax_across_many_chunks():
+    # V = 40001: ten 4096-wide chunks; maxima tied across chunks far apart, in one lane of several
+    # chunks, in the last (partial) chunk and in neighbouring chunks.
     V = 40001
     logits = torch.randn(4, 1, V).clamp(max=2.0)
     logits[0, 0, [36000, 20000, 17000]] = 5.0  # chunks 8, 4 and 4 -> 17000

@@ -18,9 +18,8 @@ Columns: us per call inside a CUDA graph of 50 back-to-back calls (what a graphe
 latency included, host excluded; consecutive calls read different copies of the weight, >= 256 MB in
 all, so a weight smaller than the L2 is streamed from HBM as in a real step), weight GB/s and % of the
 copy bandwidth measured in this run.
-``--sweep`` also times tile / grid / BLOCK_K / stages / warps variants of the fused kernels at
-M <= 8 (see sweep_variants; the GEMV body at 2..8 rows runs only on request, e.g.
-``--rows 4 8 --sweep --kinds gemv`` measures it for EAGLE-3 draft rounds).
+``--sweep`` also times tile / grid / BLOCK_K / stages / warps variants of the fused kernels at M = 1
+(see sweep_variants).
 
 Run:  python experiments/kernels/bench_linear.py --out experiments/results/kernels [--sweep]
       python experiments/kernels/bench_linear.py --quick --out /tmp/bench   (CPU smoke run)
@@ -103,12 +102,11 @@ def rotating(w):
     return lambda: next(it)
 
 
-def sweep_variants(op, s, quick, kinds=("dot", "gemv"), M=1):
+def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
     """(tile override, BLOCK_K, stages, warps) variants of one op's fused kernel. A tile override sets
     BLOCK_N (qkv: programs per head ``parts``), optionally ``programs`` (a persistent grid of that
     many programs looping over the column blocks) and ``gemv`` (M = 1 without tl.dot: CUDA-core
-    products, so BLOCK_N may go below 16; with M > 1 rows only tiles of <= 16384 products per
-    accumulator)."""
+    products, so BLOCK_N may go below 16)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
     half = s["D"] // 2
     out = []
@@ -131,8 +129,7 @@ def sweep_variants(op, s, quick, kinds=("dot", "gemv"), M=1):
             shapes = ((2, 256), (4, 128), (4, 256), (8, 64), (8, 128), (8, 256), (16, 64))
         grids = (None, 2) if quick else (None, 2 * sms, 4 * sms, 8 * sms)
         sw = ((1, 4),) if quick else ((1, 4), (1, 8))
-        rows = 1 << (M - 1).bit_length()
-        for bn, bk in [(bn, bk) for bn, bk in shapes if rows * bn * bk <= 16384]:
+        for bn, bk in shapes:
             for g in grids:
                 t = dict(gemv=True, programs=g)
                 t.update(parts=max(1, half // bn)) if op == "qkv" else t.update(block_n=bn)
@@ -154,7 +151,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "kernels")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    ap.add_argument("--sweep", action="store_true", help="also time the variants of sweep_variants at M <= 8")
+    ap.add_argument("--sweep", action="store_true", help="also time the variants of sweep_variants at M = 1")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None, help="subset of shapes")
     ap.add_argument("--rows", nargs="+", type=int, default=None, help="subset of row counts M")
     ap.add_argument("--ops", nargs="+", default=None, help="subset of ops")
@@ -180,8 +177,8 @@ def main():
                 rows.append(dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, fused_us=fused_us,
                                  unfused_us=unfused_us, speedup=unfused_us / fused_us, fused_gbps=gbps,
                                  pct_copy=100 * gbps / copy_gbps, qkv_one_program_per_head_us=one_per_head_us))
-                if args.sweep and M <= lin.GEMV_MAX_ROWS:
-                    for tile, bk, stages, warps in sweep_variants(op, s, args.quick, args.kinds, M):
+                if args.sweep and M == 1:
+                    for tile, bk, stages, warps in sweep_variants(op, s, args.quick, args.kinds):
                         cfg = dict(tile, BLOCK_K=bk, num_stages=stages, num_warps=warps)
                         try:
                             us = timed(lambda: call_cfg(cfg), True)

@@ -128,19 +128,12 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     return x.shape[0] <= FUSED_MAX_ROWS and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
 
 
-def _gemv_config(x) -> dict | None:
-    """Kernel config asking for the GEMV body at 2..SPECDEC_GEMV_ROWS rows (default 1: one row only,
-    which takes it anyway). An A/B switch for draft rounds of a few frontier rows; not measured yet."""
-    rows = int(os.environ.get("SPECDEC_GEMV_ROWS", "1"))
-    return {"gemv": True} if 1 < x.shape[0] <= rows else None
-
-
 def linear(x, w, add=None, *, backend="auto"):
     """x [N, K] @ w [NOUT, K]^T (+ add [N, NOUT], rounded once like torch.addmm)."""
     from kernels_triton import linear as lin
 
     if _fused(backend, x, w, one_row_any_size=True):
-        return lin.linear(x, w, add, config=_gemv_config(x))
+        return lin.linear(x, w, add)
     return x @ w.t() if add is None else torch.addmm(add, x, w.t())
 
 
@@ -158,7 +151,7 @@ def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto"):
     from kernels_triton import linear as lin
 
     if _fused(backend, x, w, one_row_any_size=True):
-        return lin.norm_linear(x, residual, norm_weight, eps, w, config=_gemv_config(x))
+        return lin.norm_linear(x, residual, norm_weight, eps, w)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     return y @ w.t(), s
 
@@ -168,7 +161,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
     from kernels_triton import linear as lin
 
     if _fused(backend, x, w13, one_row_any_size=True, swiglu=True):
-        return lin.norm_swiglu(x, residual, norm_weight, eps, w13, config=_gemv_config(x))
+        return lin.norm_swiglu(x, residual, norm_weight, eps, w13)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
     return silu_mul(y @ w13.t(), backend=backend), s
@@ -185,8 +178,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     N, D = x.shape[0], k_cache.shape[-1]
     if _fused(backend, x, wqkv, one_row_any_size=True):
         return lin.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
-                                           cos, sin, k_cache, v_cache, slot_mapping, x2, norm_weight2,
-                                           config=_gemv_config(x))
+                                           cos, sin, k_cache, v_cache, slot_mapping, x2, norm_weight2)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     if x2 is not None:
         y = torch.cat([y, rms_norm(x2, norm_weight2, eps, backend=backend)], dim=-1)  # [N, K + K2]
