@@ -74,19 +74,27 @@ MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table c
 # merge launch it saves.
 FUSED_MERGE_MAX_TILE = 1024
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PDL_LATE, PDL_EARLY = 1, 2  # USE_PDL values: where a kernel lets its successor launch (see pdl_mode)
+
+
+def pdl_mode(device) -> int:
+    """Programmatic dependent launch for the step kernels (attention, merge, fused linear), on a CUDA
+    device of compute capability >= 9.0: 0 off (default), PDL_LATE with SPECDEC_PDL=1, PDL_EARLY with
+    SPECDEC_PDL=early. Each such kernel waits for its predecessor (griddepcontrol.wait) before reading
+    anything the predecessor wrote (the fused linear requests its first weight chunk before the
+    wait, so its weight stream can start during the previous kernel's tail) and lets its successor
+    launch (griddepcontrol.launch_dependents): PDL_EARLY at its start, PDL_LATE once its main loop
+    is done (only the epilogue left), so waiting successors never hold SM slots that the kernel's
+    own programs still need, and successors of successors do not pile up."""
+    mode = os.environ.get("SPECDEC_PDL", "0")
+    if mode not in ("1", "early") or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return 0
+    return PDL_EARLY if mode == "early" else PDL_LATE
 
 
 def pdl_enabled(device) -> bool:
-    """Programmatic dependent launch for the step kernels (attention, merge, fused linear): on with
-    SPECDEC_PDL=1 on a CUDA device of compute capability >= 9.0. Each such kernel lets its successor
-    launch at once (griddepcontrol.launch_dependents) and waits for its predecessor
-    (griddepcontrol.wait) before reading anything the predecessor wrote; the fused linear requests
-    its first weight chunk before the wait, so a kernel's weight stream starts during the previous
-    kernel's tail. Off by default: not yet measured to pay (an earlier attempt on the SmolLM2 step
-    gave no gain there; the 8B-shape step, bound by weight streaming, is what it targets)."""
-    if os.environ.get("SPECDEC_PDL", "0") != "1" or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """True when pdl_mode(device) is on (either trigger point)."""
+    return pdl_mode(device) != 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,10 +303,11 @@ def _paged_attention_fwd_kernel(
     S_CHUNK: tl.constexpr,  # partials merged per step (FUSED_MERGE)
     IS_TREE: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    USE_PDL: tl.constexpr,  # programmatic dependent launch (see pdl_enabled)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (see pdl_mode)
 ):
-    if USE_PDL:
+    if USE_PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
+    if USE_PDL:
         tlc.gdc_wait()
     i_t, i_bh, i_sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b = i_bh // HKV
@@ -374,6 +383,8 @@ def _paged_attention_fwd_kernel(
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             D, PS, BLOCK_N, True, IS_TREE, DOT_PREC,
         )  # fmt: skip
+    if USE_PDL == 1:  # PDL_LATE: only the epilogue is left
+        tlc.gdc_launch_dependents()
 
     # An empty split (or a row that saw nothing in it) has l = 0: write 0 with weight 2^-inf = 0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -404,8 +415,9 @@ def _paged_attention_merge_kernel(
     BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
+    if USE_PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
+    if USE_PDL:
         tlc.gdc_wait()
     i_nh = tl.program_id(0).to(tl.int64)  # one (row, query head) per program
     i_n = i_nh // HQ
@@ -417,6 +429,8 @@ def _paged_attention_merge_kernel(
     b_w = tl.exp2(b_lse - tl.max(b_lse, 0))  # [BLOCK_S], empty splits weigh 0
     p_op = o_part + (i_nh * num_splits + o_s)[:, None] * D + o_d[None, :]
     b_op = tl.load(p_op, mask=m_s[:, None], other=0.0)  # [BLOCK_S, D]
+    if USE_PDL == 1:  # PDL_LATE
+        tlc.gdc_launch_dependents()
     b_o = tl.sum(b_w[:, None] * b_op, 0) / tl.sum(b_w, 0)  # [D]
     tl.store(o + i_n * stride_on + i_h * stride_oh + o_d, b_o.to(o.dtype.element_ty))
 
@@ -679,7 +693,7 @@ def paged_attention(
     if fused_merge is None:
         fused_merge = cfg["BLOCK_M"] * D <= FUSED_MERGE_MAX_TILE
     fused = split and fused_merge
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_mode(q.device)
     counters = _arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
     block_s = triton.next_power_of_2(num_splits)
     _paged_attention_fwd_kernel[grid](

@@ -68,7 +68,7 @@ import triton.language as tl
 from triton.language.extra import cuda as tlc
 
 from .activation import silu_mul_ref
-from .attention import _sm_count, pdl_enabled
+from .attention import _sm_count, pdl_mode
 from .norm import rms_norm_ref
 from .rope import rope_write_kv_ref_
 
@@ -282,11 +282,12 @@ def _fused_linear_kernel(
     DOT_PREC: tl.constexpr,
     GEMV: tl.constexpr,  # BLOCK_M = 1: CUDA-core products instead of a 16-row tl.dot
     BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
-    USE_PDL: tl.constexpr,  # programmatic dependent launch: let the next kernel start, wait before reading x
+    USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, 1 late or 2 early trigger (attention.pdl_mode)
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
-    if USE_PDL:
+    if USE_PDL == 2:  # early: let the next kernel launch at once
         tlc.gdc_launch_dependents()
+    if USE_PDL:
         if not GEMV:  # (GEMV: after requesting its first weight chunk)
             tlc.gdc_wait()
     dt = x_ptr.dtype.element_ty
@@ -349,6 +350,8 @@ def _fused_linear_kernel(
                 acc_a, acc_b = _accumulate(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m, m_m, o_wa,
                                            o_wb, m_w, K2, b_rstd2, stride_x2, stride_x2, stride_w, i_n, True, False,
                                            EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
+        if USE_PDL == 1:  # late: this block's weights are read, only its epilogue is left
+            tlc.gdc_launch_dependents()
         if GEMV:
             acc_a = tl.sum(acc_a, axis=1)[None, :]  # [1, BLOCK_N]
             acc_b = tl.sum(acc_b, axis=1)[None, :]
@@ -510,7 +513,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     M, K = x.shape
     cfg = dict(config or {})
     gemv = _use_gemv(x, cfg)
-    pdl = bool(cfg.pop("pdl", pdl_enabled(x.device)))
+    pdl = int(cfg.pop("pdl", pdl_mode(x.device)))  # 0 off, 1 late, 2 early trigger
     block_m = 1 if gemv else _block_m(M)
     norm = norm_weight is not None
     if residual is not None:

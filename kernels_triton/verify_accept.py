@@ -53,6 +53,15 @@ unnormalised exp), and the final pass zeroes the children's tokens on the fly (o
 child token pay for it). With draft_probs the residual is materialised, unnormalised, in an fp32
 workspace [B, V] allocated by the launcher (one read of q_c and of r, one write, per rejection).
 
+Greedy split-vocabulary variant (small batches, see SPLIT_GREEDY_MAX_BYTES): grid (chunk, node,
+request); every program takes the argmax of one BLOCK_V chunk of one node's row and stores (max,
+first index) to a workspace; the last program of a request to arrive (an int32 arrival counter per
+request, left at 0 for the next launch) walks the tree reading only those partials. All T rows are
+read once, in parallel, instead of the visited rows one after another: the single-program walk
+streams V / BLOCK_V chunks per visited node in sequence (17 us for one 128K-vocabulary row on an
+H200), which is latency, not bandwidth. Same decisions as the single-program kernel (first index of
+the maximum, ties across chunks included).
+
 Invariants: parents[b, i] < i for real nodes (entries >= i are never accepted); logits contain no
 NaN and no row is all -inf; the launcher never reads tensor values on the host (capture-safe).
 Kernel and reference agree exactly on the decisions except when a uniform falls within a few fp32
@@ -68,6 +77,11 @@ import triton
 import triton.language as tl
 
 MAX_TREE_TOKENS = 1024  # tokens/parents of one request are held as one [BLOCK_T] register vector
+# Greedy verification splits the vocabulary across programs when the logits of the whole batch are at
+# most this many bytes (batch-1 decode and tree steps): every row is then read, in parallel, so at
+# large B * T the single-program walk, which reads only the visited rows, moves fewer bytes.
+SPLIT_GREEDY_MAX_BYTES = 16 << 20
+SPLIT_MAX_CHUNKS = 64  # vocabulary chunks per row in the split variant (bounds the walk's partial loads)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -384,6 +398,80 @@ def _verify_accept_kernel(
     tl.store(out_tokens + i_b * T + o_t, b_out, mask=m_t)
 
 
+@triton.jit
+def _best_of_chunks(p_max, p_idx, n_chunks, BLOCK_C: tl.constexpr):
+    """First index of the maximum of a row from its per-chunk (max, first index) partials."""
+    o_c = tl.arange(0, BLOCK_C)
+    m_c = o_c < n_chunks
+    b_m = tl.load(p_max + o_c, mask=m_c, other=float("-inf"), cache_modifier=".cg")  # [BLOCK_C]
+    b_i = tl.load(p_idx + o_c, mask=m_c, other=2147483647, cache_modifier=".cg")  # [BLOCK_C]
+    b_best = tl.max(b_m, 0)
+    return tl.min(tl.where((b_m == b_best) & m_c, b_i, 2147483647), 0)
+
+
+@triton.jit
+def _greedy_split_kernel(
+    logits,  # [B, T, V]
+    tokens,  # [B, T] int32/int64, contiguous
+    parents,  # [B, T] int32/int64, contiguous
+    part_max,  # [B, T, n_chunks] fp32 workspace
+    part_idx,  # [B, T, n_chunks] int32 workspace
+    counters,  # [>= B] int32 arrivals, zero between launches
+    accept_len,  # [B] int32 out
+    accepted_nodes,  # [B, T] int32 out
+    out_tokens,  # [B, T] int64 out
+    T,
+    V,
+    n_chunks,
+    stride_lb,
+    stride_lt,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    i_c, i_t, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    o_v = i_c * BLOCK_V + tl.arange(0, BLOCK_V)
+    b_l = tl.load(logits + i_b * stride_lb + i_t * stride_lt + o_v, mask=o_v < V,
+                  other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+    b_max = tl.max(b_l, 0)
+    p_part = (i_b * T + i_t) * n_chunks + i_c
+    tl.store(part_max + p_part, b_max)
+    tl.store(part_idx + p_part, tl.min(tl.where(b_l == b_max, o_v, 2147483647), 0))
+    # Every program stored its partial before its increment (barrier, then release); the last one
+    # to arrive reads complete partials (acquire) and walks the tree.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters + i_b, 1, sem="acq_rel")
+    if arrived == T * n_chunks - 1:
+        tl.store(counters + i_b, 0)
+        o_t = tl.arange(0, BLOCK_T)
+        m_t = o_t < T
+        b_tok = tl.load(tokens + i_b * T + o_t, mask=m_t, other=-1).to(tl.int64)  # [BLOCK_T]
+        b_par = tl.load(parents + i_b * T + o_t, mask=m_t, other=-1).to(tl.int32)  # [BLOCK_T]
+        p_rows = i_b * T * n_chunks
+        cur = tl.full([], 0, tl.int32)
+        n_acc = tl.full([], 0, tl.int32)
+        go = tl.full([], 1, tl.int32)
+        b_path = tl.where(o_t == 0, 0, -1).to(tl.int32)  # [BLOCK_T]
+        b_out = tl.full([BLOCK_T], -1, tl.int64)
+        tgt = _best_of_chunks(part_max + p_rows, part_idx + p_rows, n_chunks, BLOCK_C)
+        while go != 0:
+            b_match = (b_par == cur) & (o_t > cur) & m_t & (b_tok == tgt)
+            c = tl.min(tl.where(b_match, o_t, BLOCK_T), 0)  # lowest-index child with the target token
+            if c < BLOCK_T:
+                n_acc += 1
+                b_path = tl.where(o_t == n_acc, c, b_path)
+                b_out = tl.where(o_t == n_acc - 1, tgt.to(tl.int64), b_out)
+                cur = c
+                p_c = p_rows + c.to(tl.int64) * n_chunks
+                tgt = _best_of_chunks(part_max + p_c, part_idx + p_c, n_chunks, BLOCK_C)
+            else:
+                go = 0
+        b_out = tl.where(o_t == n_acc, tgt.to(tl.int64), b_out)
+        tl.store(accept_len + i_b, n_acc)
+        tl.store(accepted_nodes + i_b * T + o_t, b_path, mask=m_t)
+        tl.store(out_tokens + i_b * T + o_t, b_out, mask=m_t)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
@@ -397,7 +485,31 @@ def _launch_config(V):
     return block_v, num_warps
 
 
-def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_probs=None):
+def _split_config(V):
+    """BLOCK_V and num_warps of the split greedy variant: 2048-wide chunks (more for vocabularies
+    past 2048 * SPLIT_MAX_CHUNKS), 16 fp32 lanes per thread."""
+    block_v = max(2048, triton.next_power_of_2(triton.cdiv(V, SPLIT_MAX_CHUNKS)))
+    return min(block_v, triton.next_power_of_2(V)), max(1, min(16, block_v // 512))
+
+
+_COUNTERS = {}
+
+
+def _arrival_counters(device, n):
+    """A zeroed int32 workspace of >= n per-request arrival counters on device; every split launch
+    returns the counters it used to 0, and launches on one stream run one after another, so it is
+    allocated once (at least 4096 counters) outside CUDA-graph capture when the first call allows."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"verify_accept: {n} arrival counters needed during CUDA-graph capture; "
+                               "run the same batch size once before capturing")
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_probs=None, *, split_vocab=None):
     """Accepted path and bonus token for every request of a batch of draft trees, in one launch.
 
     Args:
@@ -409,6 +521,9 @@ def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_pro
             coin of the node as a child, [..., 1] bonus draw at the node.
         draft_probs: None (deterministic drafts, q = one-hot) or [B, T, V] float, last dim contiguous:
             row i = distribution node i's token was drawn from. Ignored when greedy.
+        split_vocab: greedy only: True splits each row's vocabulary across programs (see the module
+            docstring), False keeps one program per request; None: split when the logits are at
+            most SPLIT_GREEDY_MAX_BYTES (from shapes only, capture-safe).
 
     Returns:
         (accept_len [B] int32, accepted_nodes [B, T] int32, out_tokens [B, T] int64); see the
@@ -473,6 +588,19 @@ def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_pro
         workspace = torch.empty(B, V, dtype=torch.float32, device=dev)
     else:
         q, workspace = logits, logits  # placeholders, never dereferenced
+    if greedy and (split_vocab if split_vocab is not None
+                   else B * T * V * logits.element_size() <= SPLIT_GREEDY_MAX_BYTES):
+        block_v, num_warps = _split_config(V)
+        n_chunks = triton.cdiv(V, block_v)
+        part_max = torch.empty(B, T, n_chunks, dtype=torch.float32, device=dev)
+        part_idx = torch.empty(B, T, n_chunks, dtype=torch.int32, device=dev)
+        _greedy_split_kernel[(n_chunks, T, B)](
+            logits, tokens, parents, part_max, part_idx, _arrival_counters(dev, B), accept_len, accepted_nodes,
+            out_tokens, T, V, n_chunks, logits.stride(0), logits.stride(1),
+            BLOCK_T=triton.next_power_of_2(T), BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(n_chunks),
+            num_warps=num_warps,
+        )  # fmt: skip
+        return accept_len, accepted_nodes, out_tokens
     block_v, num_warps = _launch_config(V)
     _verify_accept_kernel[(B,)](
         logits, tokens, parents, unif, q, workspace, accept_len, accepted_nodes, out_tokens,

@@ -168,6 +168,10 @@ def assert_matches_ref_up_to_ties(res, logits, tokens, parents, temperature, uni
 # ------------------------------------------------------------------------------------- greedy
 
 
+SPLITS = pytest.mark.parametrize("split", [False, True], ids=["one_program", "split_vocab"])
+
+
+@SPLITS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "B,T,V,kinds",
@@ -177,10 +181,10 @@ def assert_matches_ref_up_to_ties(res, logits, tokens, parents, temperature, uni
         (7, 16, 4099, ["wide", "chain", "padded", "random"]),
     ],
 )
-def test_greedy_matches_ref(B, T, V, kinds, dtype, poison):
+def test_greedy_matches_ref(B, T, V, kinds, dtype, poison, split):
     gen = torch.Generator().manual_seed(B * 1000 + T * 10 + V)
     logits, tokens, parents = make_greedy_case(B, T, V, dtype, kinds, gen)
-    res = verify_accept(logits, tokens, parents, 0.0)
+    res = verify_accept(logits, tokens, parents, 0.0, split_vocab=split)
     assert poison["n"] >= 3
     ref = verify_accept_ref(logits, tokens, parents, 0.0)
     assert_same(res, ref)
@@ -189,7 +193,8 @@ def test_greedy_matches_ref(B, T, V, kinds, dtype, poison):
         assert len(set(res[0].tolist())) >= 3, f"accept lengths do not vary: {res[0].tolist()}"
 
 
-def test_greedy_is_argmax_walk():
+@SPLITS
+def test_greedy_is_argmax_walk(split):
     # Independent of the reference: a chain whose first 3 drafts are the target argmaxes and whose
     # 4th is not; bonus = argmax at node 3. T = 1 is plain greedy decoding.
     gen = torch.Generator().manual_seed(1)
@@ -202,17 +207,18 @@ def test_greedy_is_argmax_walk():
         tokens[:, i] = am[:, i - 1]
     tokens[:, 4] = (am[:, 3] + 7) % V
     tokens = tokens.to(DEVICE)
-    accept_len, nodes, out = verify_accept(logits, tokens, parents, 0.0)
+    accept_len, nodes, out = verify_accept(logits, tokens, parents, 0.0, split_vocab=split)
     assert accept_len.tolist() == [3, 3]
     assert nodes[0].tolist() == [0, 1, 2, 3, -1, -1]
     assert out[0].tolist() == [am[0, 0], am[0, 1], am[0, 2], am[0, 3], -1, -1]
 
-    accept_len, nodes, out = verify_accept(logits[:, :1], tokens[:, :1], parents[:, :1], 0.0)
+    accept_len, nodes, out = verify_accept(logits[:, :1], tokens[:, :1], parents[:, :1], 0.0, split_vocab=split)
     assert accept_len.tolist() == [0, 0] and nodes.tolist() == [[0], [0]]
     assert out[:, 0].tolist() == am[:, 0].tolist()
 
 
-def test_greedy_ties_pick_lowest_index():
+@SPLITS
+def test_greedy_ties_pick_lowest_index(split):
     # Equal maxima in different BLOCK_V chunks (V = 9001 spans three 4096-wide chunks): torch.argmax
     # and the kernel both return the first one.
     V = 9001
@@ -224,7 +230,7 @@ def test_greedy_ties_pick_lowest_index():
     logits = logits.to(DEVICE)
     tok = torch.zeros(4, 1, dtype=torch.long, device=DEVICE)
     par = torch.full((4, 1), -1, dtype=torch.int32, device=DEVICE)
-    _, _, out = verify_accept(logits, tok, par, 0.0)
+    _, _, out = verify_accept(logits, tok, par, 0.0, split_vocab=split)
     assert out[:, 0].tolist() == [4100, 100, 9000, 100]
 
 
@@ -499,7 +505,8 @@ def test_verify_accept_bad_inputs():
                       torch.zeros(1, big, dtype=torch.int32, device=DEVICE), 0.0)
 
 
-def test_greedy_argmax_across_many_chunks():
+@SPLITS
+def test_greedy_argmax_across_many_chunks(split):
     # V = 40001: ten 4096-wide chunks; maxima tied across chunks far apart, in one lane of several
     # chunks, in the last (partial) chunk and in neighbouring chunks.
     V = 40001
@@ -511,5 +518,33 @@ def test_greedy_argmax_across_many_chunks():
     logits = logits.to(DEVICE)
     tok = torch.zeros(4, 1, dtype=torch.long, device=DEVICE)
     par = torch.full((4, 1), -1, dtype=torch.int32, device=DEVICE)
-    _, _, out = verify_accept(logits, tok, par, 0.0)
+    _, _, out = verify_accept(logits, tok, par, 0.0, split_vocab=split)
     assert out[:, 0].tolist() == [17000, 100 + 4096 * 2, 40000, 12287]
+
+
+def test_split_greedy_counters_reset_and_default_rule(monkeypatch):
+    # The split variant leaves its per-request arrival counters at 0 (the next launch, e.g. the next
+    # replay of a captured step, counts from 0 again), and it is the default only for small logits.
+    import kernels_triton.verify_accept as va
+
+    gen = torch.Generator().manual_seed(5)
+    logits, tokens, parents = make_greedy_case(6, 8, 3000, torch.float32, ["random", "chain"], gen)
+    want = verify_accept_ref(logits, tokens, parents, 0.0)
+    for _ in range(3):
+        assert_same(verify_accept(logits, tokens, parents, 0.0, split_vocab=True), want)
+    assert not va._COUNTERS[logits.device][:6].any()
+
+    launched = []
+    real = va._greedy_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(va, "_greedy_split_kernel", Spy())
+    assert_same(verify_accept(logits, tokens, parents, 0.0), want)  # 6 * 8 * 3000 * 4 bytes: split
+    assert launched == [(2, 8, 6)]  # 2048-wide chunks
+    monkeypatch.setattr(va, "SPLIT_GREEDY_MAX_BYTES", 6 * 8 * 3000 * 4 - 1)
+    assert_same(verify_accept(logits, tokens, parents, 0.0), want)
+    assert len(launched) == 1
