@@ -153,7 +153,7 @@ def main() -> None:
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
            "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS", "1") != "0",
            "fused_linear": os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0",
-           "pdl": os.environ.get("SPECDEC_PDL", "0")}
+           "pdl": os.environ.get("SPECDEC_PDL", "1")}
 
     plain = make_engine(model, None, ())
     prefill_ms(plain, lengths[:2], V)  # compiles
@@ -196,7 +196,7 @@ def profile_llama8b(args) -> None:
     model = random_target(llama_config_from_dict(shape), device=dev, dtype=dtype)
     eng = make_engine(model, None, (), max_seq_len=4096)
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"), "shape": "llama8b",
-           "pdl": os.environ.get("SPECDEC_PDL", "0"),
+           "pdl": os.environ.get("SPECDEC_PDL", "1"),
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
            "steps": {"plain": graphed_step(eng, 1)}}
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))

@@ -338,14 +338,18 @@ def test_argument_errors():
         write_kv_(batch["k_cache"], batch["v_cache"], k, k, torch.zeros(2, dtype=torch.int32, device=DEVICE))
 
 
-def test_pdl_is_opt_in_and_cuda_only(monkeypatch):
-    # Programmatic dependent launch (griddepcontrol) only with SPECDEC_PDL=1 on a CUDA device of
-    # compute capability >= 9; never under the CPU interpreter, which has no such instruction.
-    from kernels_triton.attention import pdl_enabled
+def test_pdl_modes_and_cuda_only(monkeypatch):
+    # Programmatic dependent launch (griddepcontrol): late trigger by default, early or off by
+    # SPECDEC_PDL, only on a CUDA device of compute capability >= 9; never under the CPU
+    # interpreter, which has no such instruction.
+    from kernels_triton.attention import PDL_EARLY, PDL_LATE, pdl_enabled, pdl_mode
 
-    monkeypatch.delenv("SPECDEC_PDL", raising=False)
-    assert not pdl_enabled(torch.device("cpu"))
-    monkeypatch.setenv("SPECDEC_PDL", "1")
-    assert not pdl_enabled(torch.device("cpu"))
-    if torch.cuda.is_available():
-        assert pdl_enabled(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    cc9 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    for env, want in ((None, PDL_LATE), ("1", PDL_LATE), ("early", PDL_EARLY), ("0", 0), ("yes", 0)):
+        if env is None:
+            monkeypatch.delenv("SPECDEC_PDL", raising=False)
+        else:
+            monkeypatch.setenv("SPECDEC_PDL", env)
+        assert pdl_mode(torch.device("cpu")) == 0 and not pdl_enabled(torch.device("cpu"))
+        if torch.cuda.is_available():
+            assert pdl_mode(torch.device("cuda")) == (want if cc9 else 0)
