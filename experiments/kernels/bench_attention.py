@@ -6,14 +6,24 @@ Sweep: configs 9q/3kv d64 (SmolLM2) and 32q/8kv d128 (Llama-3.1-8B), B in {1, 8,
 prefix in {512, 1024, 4096, 16384}, T in {1, 8, 16, 64} new tokens per request (T = 1: decode,
 causal; T > 1: a random tree with an ancestor bitmask per node), bf16, page size 16, pages shuffled.
 
+Timing: "rotating" = one CUDA graph of back-to-back calls over R copies of the inputs (R KV pools of
+one shape, R * KV bytes >= 256 MB, so no call finds its KV in the 50 MB L2), time per call; the
+steady state of a step that runs the kernel among others. "flush" = one call replayed from a graph
+after do_bench's L2 flush, a memset that leaves the L2 full of dirty lines whose write-back the
+timed call then pays (H200, headline shape: 30.9 us flush vs 24.1 rotating, and a same-size copy
+17.7 vs 14.1 us).
+
 Columns (per shape):
-  us            paged_attention, one call replayed from a CUDA graph (no launch overhead), median of
-                triton.testing.do_bench (L2 flushed before each replay); includes the split merge.
+  us            paged_attention, rotating timing (includes the split merge).
+  us flush      the same, flush timing (the table's method before 3f76e82).
   GB/s, %copy   KV bytes read (B * kv_len * HKV * D * 2 bytes * 2 for K and V) / time, and that as a
                 fraction of the device copy bandwidth measured in this run (1 GiB copy_, read + write).
-  sdpa us       torch SDPA, boolean mask [B, 1, T, L] (none for T = 1), K/V already gathered from the
+  copy us, x copy   a device copy moving the same bytes (KV bytes / 2 read + written), rotating
+                timing; x copy = copy us / us (1.0: as fast as a copy of the same size, which pays
+                the same launch, ramp and tail; at 50 MB the copy itself reaches ~86% of the 1 GiB rate).
+  sdpa us       torch SDPA (rotating timing), boolean mask [B, 1, T, L] (none for T = 1), K/V already gathered from the
                 pages into contiguous [B, HQ, L, D] with GQA expanded OUTSIDE the timed region.
-  flex us       torch.compile(flex_attention), K/V gathered into [B, HKV, L, D] (enable_gqa) and the
+  flex us       torch.compile(flex_attention) (rotating timing), K/V gathered into [B, HKV, L, D] (enable_gqa) and the
                 tree block mask built outside the timed region. Compiles are slow, so flex runs only
                 at prefix 1024 and 16384, in sweep order (headline shape first), until it has used
                 --flex-budget-s; other shapes show "skip (subset)" / "skip (budget)".
@@ -46,7 +56,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
 from specdec.bench.console import print_table as console_table  # noqa: E402
 from specdec.bench.provenance import git_commit  # noqa: E402
-from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
+from specdec.bench.timing import copy_bandwidth_gbps, time_graph  # noqa: E402
 
 import triton  # noqa: E402
 
@@ -59,6 +69,8 @@ DEVICE_OBJ = torch.device(DEVICE)
 PS = 16
 CONFIGS = {"9q/3kv d64": (9, 3, 64), "32q/8kv d128": (32, 8, 128)}
 HEADLINE = ("9q/3kv d64", 64, 1024, 16)  # the tree-verify target: >= 70% copy BW, >= 5x SDPA
+ROTATE_BYTES = 256 << 20  # rotating timing: distinct KV bytes cycled through (the H200 L2 is 50 MB)
+MAX_POOLS = 64  # at most this many input copies; tiny shapes then stay partly L2-resident (noted)
 FLEX_PREFIXES = (1024, 16384)  # flex compiles per shape (~5-20 s each): a subset, within --flex-budget-s
 
 
@@ -92,6 +104,21 @@ def time_us(fn):
     except Exception:  # e.g. a compiled baseline that refuses capture: time it eagerly
         torch.cuda.synchronize()
     return triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median") * 1e3, how
+
+
+def time_rotating(fns):
+    """Device us per call of a CUDA graph running fns (one per input copy) back to back, twice; the
+    mean over 20 replays. CPU: one eager pass (timings meaningless)."""
+    if not CUDA:
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / len(fns)
+    return time_graph(lambda: [fn() for fn in fns], calls=2) / len(fns)
+
+
+def n_pools(kv_bytes):
+    return min(MAX_POOLS, max(1, math.ceil(ROTATE_BYTES / kv_bytes))) if CUDA else 1
 
 
 
@@ -213,39 +240,54 @@ def check_correctness(dtype):
     print(f"correctness vs paged_attention_ref: ok ({str(dtype).replace('torch.', '')}, tol {tol})", file=sys.stderr)
 
 
-def measure(name, heads, pool, T, copy_gbps, flex_state, dtype):
+def measure(name, heads, pools, T, copy_gbps, flex_state, dtype):
     HQ, HKV, D = heads
+    pool = pools[0]
     B, prefix = pool.B, pool.prefix
     L = prefix + T
-    args = pool.batch(T, seed=B + prefix + T)
+    all_args = [p.batch(T, seed=B + prefix + T) for p in pools]
+    args = all_args[0]
     cfg = attn._launch_config(T, HQ // HKV, D, dtype)
     n_qblocks = triton.cdiv(T, cfg["BLOCK_T"])
     splits = attn._default_num_splits(B, HKV, D, n_qblocks, pool.page_table.shape[1] * PS, cfg, DEVICE_OBJ)
     kv_bytes = B * L * HKV * D * 2 * pool.k_cache.element_size()
     row = dict(config=name, B=B, prefix=prefix, T=T, mode="decode" if T == 1 else "tree", splits=splits,
-               block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"], kv_bytes=kv_bytes)  # fmt: skip
+               block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"], kv_bytes=kv_bytes, copies=len(pools))  # fmt: skip
+    notes = []
+    if CUDA and len(pools) * kv_bytes < ROTATE_BYTES:
+        notes.append(f"L2-warm ({len(pools) * kv_bytes / 2**20:.0f} MB rotated)")
 
-    ours = lambda: paged_attention(**args, max_q_len=T)  # noqa: E731
-    out = ours()
-    us, how = time_us(ours)
-    row.update(us=us, timing=how, gbps=kv_bytes / (us * 1e-6) / 1e9)
+    ours = [lambda a=a: paged_attention(**a, max_q_len=T) for a in all_args]
+    out = ours[0]()
+    us = time_rotating(ours)
+    row.update(us=us, timing="rotating" if CUDA else "cpu", gbps=kv_bytes / (us * 1e-6) / 1e9)
     row["pct_copy"] = 100 * row["gbps"] / copy_gbps
+    row["us_flush"], _ = time_us(ours[0])
+    half = kv_bytes // 2 // 2  # bf16 / fp16 elements read (and written) by the same-size copy
+    srcs = [torch.randn(half, device=DEVICE).to(pool.k_cache.dtype) for _ in pools]
+    dsts = [torch.empty_like(x) for x in srcs]
+    row["copy_us"] = time_rotating([lambda x=x, y=y: y.copy_(x) for x, y in zip(srcs, dsts)])
+    row["x_copy"] = row["copy_us"] / us
+    del srcs, dsts
 
     # Baselines on gathered, contiguous K/V (gather and mask building not timed).
-    k, v = pool.gathered(T)  # [B, HKV, L, D]
-    q4 = args["q"].view(B, T, HQ, D).transpose(1, 2)  # [B, HQ, T, D]
+    q4s = [a["q"].view(B, T, HQ, D).transpose(1, 2) for a in all_args]  # [B, HQ, T, D]
     want = out.view(B, T, HQ, D).transpose(1, 2).float()
-    notes = []
     G = HQ // HKV
-    ke, ve = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, HQ, L, D]
-    mask = dense_mask(args["tree_mask"], B, T, prefix) if T > 1 else None
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q4, ke, ve, attn_mask=mask)  # noqa: E731
-    err = (sdpa().float() - want).abs().max().item()
+    sdpa_in = []
+    for p, a in zip(pools, all_args):
+        k, v = p.gathered(T)  # [B, HKV, L, D]
+        mask = dense_mask(a["tree_mask"], B, T, prefix) if T > 1 else None
+        sdpa_in.append((k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), mask))  # [B, HQ, L, D]
+        del k, v
+    sdpa = [lambda q4=q4, x=x: torch.nn.functional.scaled_dot_product_attention(q4, x[0], x[1], attn_mask=x[2])
+            for q4, x in zip(q4s, sdpa_in)]  # fmt: skip
+    err = (sdpa[0]().float() - want).abs().max().item()
     if err > 3e-2:
         notes.append(f"sdpa mismatch {err:.1e}")
-    row["sdpa_us"], _ = time_us(sdpa)
+    row["sdpa_us"] = time_rotating(sdpa)
     row["x_sdpa"] = row["sdpa_us"] / us
-    del ke, ve, mask
+    del sdpa, sdpa_in
 
     row["flex_us"] = row["x_flex"] = float("nan")
     t_flex = time.perf_counter()
@@ -257,19 +299,22 @@ def measure(name, heads, pool, T, copy_gbps, flex_state, dtype):
         row["flex"] = "skip (budget)"
     else:
         try:
-            flex = flex_case(args["tree_mask"], q4, k, v, B, T, prefix)
-            err = (flex().float() - want).abs().max().item()
+            flex = []
+            for p, a, q4 in zip(pools, all_args, q4s):
+                k, v = p.gathered(T)
+                flex.append(flex_case(a["tree_mask"], q4, k, v, B, T, prefix))
+            err = (flex[0]().float() - want).abs().max().item()
             if err > 3e-2:
                 notes.append(f"flex mismatch {err:.1e}")
-            row["flex_us"], how = time_us(flex)
+            row["flex_us"] = time_rotating(flex)
             row["x_flex"] = row["flex_us"] / us
-            row["flex"] = how
+            row["flex"] = "rotating"
+            del flex
         except Exception as e:  # report, keep sweeping
             row["flex"] = "error"
             notes.append(f"flex {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
         flex_state["spent_s"] += time.perf_counter() - t_flex
     row["notes"] = "; ".join(notes)
-    del k, v
     return row
 
 
@@ -294,7 +339,10 @@ def run_sweep(args, copy_gbps, dtype):
             pools.clear()  # one pool alive at a time (up to 4.3 GB of KV at B=64, 16k, d128)
             if CUDA:
                 torch.cuda.empty_cache()
-            pools[key] = Pool(B, prefix, heads, dtype, max_T=max(t for n, b, p, t in shapes if (n, b, p) == key))
+            max_T = max(t for n, b, p, t in shapes if (n, b, p) == key)
+            HQ, HKV, D = heads
+            kv_max = B * (prefix + max_T) * HKV * D * 4
+            pools[key] = [Pool(B, prefix, heads, dtype, max_T=max_T, seed=i) for i in range(n_pools(kv_max))]
         rows.append(measure(name, heads, pools[key], T, copy_gbps, flex_state, dtype))
         r = rows[-1]
         print(f"  {name} B={B} prefix={prefix} T={T}: {r['us']:.1f} us ({r['pct_copy']:.0f}% copy), "
@@ -367,6 +415,7 @@ def run_tune(copy_gbps, dtype, quick):
 TABLE_COLS = [  # (csv key, header, format)
     ("config", "config", "{}"), ("B", "B", "{}"), ("prefix", "prefix", "{}"), ("T", "T", "{}"),
     ("splits", "splits", "{}"), ("us", "us", "{:.1f}"), ("gbps", "GB/s", "{:.0f}"), ("pct_copy", "%copy", "{:.0f}"),
+    ("us_flush", "us flush", "{:.1f}"), ("copy_us", "copy us", "{:.1f}"), ("x_copy", "x copy", "{:.2f}"),
     ("sdpa_us", "sdpa us", "{:.1f}"), ("x_sdpa", "x sdpa", "{:.1f}"),
     ("flex_us", "flex us", "{:.1f}"), ("x_flex", "x flex", "{:.1f}"), ("flex", "flex", "{}"), ("notes", "notes", "{}"),
 ]  # fmt: skip
