@@ -433,6 +433,9 @@ def _greedy_split_kernel(
     o_v = i_c * BLOCK_V + tl.arange(0, BLOCK_V)
     b_l = tl.load(logits + i_b * stride_lb + i_t * stride_lt + o_v, mask=o_v < V,
                   other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+    # NaN counts as -inf, as in _row_argmax (whose strict > never takes a NaN): rows of padding
+    # requests may hold garbage, and their token must still be a valid index.
+    b_l = tl.where(b_l == b_l, b_l, float("-inf"))
     b_max = tl.max(b_l, 0)
     p_part = (i_b * T + i_t) * n_chunks + i_c
     tl.store(part_max + p_part, b_max)

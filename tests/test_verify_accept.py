@@ -522,6 +522,24 @@ def test_greedy_argmax_across_many_chunks(split):
     assert out[:, 0].tolist() == [17000, 100 + 4096 * 2, 40000, 12287]
 
 
+def test_greedy_nan_rows_give_valid_tokens():
+    # Padding requests of a captured batch can carry garbage logits: NaN counts as -inf in both
+    # variants, so every token is a valid index, and the two agree (an all-NaN row gives token 0).
+    V = 5000
+    logits = torch.randn(3, 4, V)
+    logits[0] = float("nan")
+    logits[1, :, ::3] = float("nan")
+    logits[1, :, 4097] = 9.0
+    logits = logits.to(DEVICE)
+    tokens = torch.zeros(3, 4, dtype=torch.long, device=DEVICE)
+    parents = torch.tensor([[-1, 0, 1, 2]] * 3, dtype=torch.int32, device=DEVICE)
+    one = verify_accept(logits, tokens, parents, 0.0, split_vocab=False)
+    split = verify_accept(logits, tokens, parents, 0.0, split_vocab=True)
+    assert_same(split, one)
+    assert split[2][0, 0].item() == 0 and split[2][1, 0].item() == 4097
+    assert ((split[2] >= -1) & (split[2] < V)).all()
+
+
 def test_split_greedy_counters_reset_and_default_rule(monkeypatch):
     # The split variant leaves its per-request arrival counters at 0 (the next launch, e.g. the next
     # replay of a captured step, counts from 0 again), and it is the default only for small logits.
