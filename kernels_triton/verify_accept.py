@@ -305,19 +305,8 @@ def _verify_accept_kernel(
     b_out = tl.full([BLOCK_T], -1, tl.int64)
 
     if GREEDY:
-        tgt = _row_argmax(p_lb, V, BLOCK_V)
-        while go != 0:
-            b_match = (b_par == cur) & (o_t > cur) & m_t & (b_tok == tgt)
-            c = tl.min(tl.where(b_match, o_t, BLOCK_T), 0)  # lowest-index child with the target token
-            if c < BLOCK_T:
-                n_acc += 1
-                b_path = tl.where(o_t == n_acc, c, b_path)
-                b_out = tl.where(o_t == n_acc - 1, tgt.to(tl.int64), b_out)
-                cur = c
-                tgt = _row_argmax(p_lb + c.to(tl.int64) * stride_lt, V, BLOCK_V)
-            else:
-                go = 0
-        bonus = tgt
+        n_acc, b_path, b_out, bonus = _greedy_walk(p_lb, stride_lt, logits, logits, 0, b_tok, b_par, o_t, m_t, V,
+                                                   False, BLOCK_T, BLOCK_V, 1)
     else:
         b_child = (b_par == cur) & (o_t > cur) & m_t
         m, s, s_keep = _row_stats(p_lb, V, temperature, cur, b_child, b_tok, p_tok, p_par, T, EXCLUDE, BLOCK_V)
@@ -410,6 +399,39 @@ def _best_of_chunks(p_max, p_idx, n_chunks, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _greedy_walk(p_lb, stride_lt, p_max, p_idx, n_chunks, b_tok, b_par, o_t, m_t, V, SPLIT: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Greedy walk from the root: (accepted count, path nodes, path tokens, bonus token). A node's
+    target token is the argmax of its logits row (p_lb + node * stride_lt), or with SPLIT of its
+    per-chunk partials (p_max / p_idx + node * n_chunks)."""
+    cur = tl.full([], 0, tl.int32)
+    n_acc = tl.full([], 0, tl.int32)
+    go = tl.full([], 1, tl.int32)
+    b_path = tl.where(o_t == 0, 0, -1).to(tl.int32)  # [BLOCK_T]
+    b_out = tl.full([BLOCK_T], -1, tl.int64)
+    if SPLIT:
+        tgt = _best_of_chunks(p_max, p_idx, n_chunks, BLOCK_C)
+    else:
+        tgt = _row_argmax(p_lb, V, BLOCK_V)
+    while go != 0:
+        b_match = (b_par == cur) & (o_t > cur) & m_t & (b_tok == tgt)
+        c = tl.min(tl.where(b_match, o_t, BLOCK_T), 0)  # lowest-index child with the target token
+        if c < BLOCK_T:
+            n_acc += 1
+            b_path = tl.where(o_t == n_acc, c, b_path)
+            b_out = tl.where(o_t == n_acc - 1, tgt.to(tl.int64), b_out)
+            cur = c
+            if SPLIT:
+                tgt = _best_of_chunks(p_max + c.to(tl.int64) * n_chunks, p_idx + c.to(tl.int64) * n_chunks,
+                                      n_chunks, BLOCK_C)
+            else:
+                tgt = _row_argmax(p_lb + c.to(tl.int64) * stride_lt, V, BLOCK_V)
+        else:
+            go = 0
+    return n_acc, b_path, b_out, tgt
+
+
+@triton.jit
 def _greedy_split_kernel(
     logits,  # [B, T, V]
     tokens,  # [B, T] int32/int64, contiguous
@@ -451,25 +473,9 @@ def _greedy_split_kernel(
         b_tok = tl.load(tokens + i_b * T + o_t, mask=m_t, other=-1).to(tl.int64)  # [BLOCK_T]
         b_par = tl.load(parents + i_b * T + o_t, mask=m_t, other=-1).to(tl.int32)  # [BLOCK_T]
         p_rows = i_b * T * n_chunks
-        cur = tl.full([], 0, tl.int32)
-        n_acc = tl.full([], 0, tl.int32)
-        go = tl.full([], 1, tl.int32)
-        b_path = tl.where(o_t == 0, 0, -1).to(tl.int32)  # [BLOCK_T]
-        b_out = tl.full([BLOCK_T], -1, tl.int64)
-        tgt = _best_of_chunks(part_max + p_rows, part_idx + p_rows, n_chunks, BLOCK_C)
-        while go != 0:
-            b_match = (b_par == cur) & (o_t > cur) & m_t & (b_tok == tgt)
-            c = tl.min(tl.where(b_match, o_t, BLOCK_T), 0)  # lowest-index child with the target token
-            if c < BLOCK_T:
-                n_acc += 1
-                b_path = tl.where(o_t == n_acc, c, b_path)
-                b_out = tl.where(o_t == n_acc - 1, tgt.to(tl.int64), b_out)
-                cur = c
-                p_c = p_rows + c.to(tl.int64) * n_chunks
-                tgt = _best_of_chunks(part_max + p_c, part_idx + p_c, n_chunks, BLOCK_C)
-            else:
-                go = 0
-        b_out = tl.where(o_t == n_acc, tgt.to(tl.int64), b_out)
+        n_acc, b_path, b_out, bonus = _greedy_walk(logits, 0, part_max + p_rows, part_idx + p_rows, n_chunks, b_tok,
+                                                   b_par, o_t, m_t, V, True, BLOCK_T, BLOCK_V, BLOCK_C)
+        b_out = tl.where(o_t == n_acc, bonus.to(tl.int64), b_out)
         tl.store(accept_len + i_b, n_acc)
         tl.store(accepted_nodes + i_b * T + o_t, b_path, mask=m_t)
         tl.store(out_tokens + i_b * T + o_t, b_out, mask=m_t)
