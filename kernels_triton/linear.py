@@ -350,8 +350,8 @@ def _fused_linear_kernel(
                 acc_a, acc_b = _accumulate(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m, m_m, o_wa,
                                            o_wb, m_w, K2, b_rstd2, stride_x2, stride_x2, stride_w, i_n, True, False,
                                            EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
-        if USE_PDL == 1:  # late: this block's weights are read, only its epilogue is left
-            tlc.gdc_launch_dependents()
+        if USE_PDL == 1:  # late: this block's weights are read (a one-block program has only its epilogue
+            tlc.gdc_launch_dependents()  # left; a persistent program signals after its first block)
         if GEMV:
             acc_a = tl.sum(acc_a, axis=1)[None, :]  # [1, BLOCK_N]
             acc_b = tl.sum(acc_b, axis=1)[None, :]
