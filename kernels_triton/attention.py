@@ -95,11 +95,6 @@ def pdl_mode(device) -> int:
     return PDL_EARLY if mode == "early" else PDL_LATE
 
 
-def pdl_enabled(device) -> bool:
-    """True when pdl_mode(device) is on (either trigger point)."""
-    return pdl_mode(device) != 0
-
-
 # ----------------------------------------------------------------------------------------------
 # References (plain torch; also what the model runs on CPU)
 # ----------------------------------------------------------------------------------------------
@@ -557,18 +552,18 @@ def _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device):
 _COUNTERS = {}
 
 
-def _arrival_counters(device, n):
-    """A zeroed int32 workspace of >= n arrival counters on device, shared by every launch on it.
-    Each fused-merge launch returns the counters it used to 0, and launches on one stream run one
-    after another, so the buffer is allocated (and zeroed) once, outside any CUDA-graph capture the
-    first call size allows: at least 65536 counters (B x HKV x query blocks of one launch)."""
-    buf = _COUNTERS.get(device)
+def arrival_counters(device, n, owner="paged_attention"):
+    """A zeroed int32 workspace of >= n arrival counters on device for one kind of kernel (owner):
+    the last program of a group to arrive does the group's final work and returns its counter to 0,
+    and launches on one stream run one after another, so each buffer is allocated (and zeroed)
+    once, outside any CUDA-graph capture the first call size allows: at least 65536 counters."""
+    buf = _COUNTERS.get((device, owner))
     if buf is None or buf.numel() < n:
         if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"paged_attention: {n} split-KV arrival counters needed during CUDA-graph capture; "
+            raise RuntimeError(f"{owner}: {n} arrival counters needed during CUDA-graph capture; "
                                "run the same shapes once before capturing")
         buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
+        _COUNTERS[(device, owner)] = buf
     return buf
 
 
@@ -697,7 +692,7 @@ def paged_attention(
         fused_merge = cfg["BLOCK_M"] * D <= FUSED_MERGE_MAX_TILE
     fused = split and fused_merge
     pdl = pdl_mode(q.device)
-    counters = _arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
+    counters = arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
     block_s = triton.next_power_of_2(num_splits)
     _paged_attention_fwd_kernel[grid](
         q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tm, o, o_part, lse_part, counters,

@@ -76,6 +76,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import arrival_counters
+
 MAX_TREE_TOKENS = 1024  # tokens/parents of one request are held as one [BLOCK_T] register vector
 # Greedy verification splits the vocabulary across programs when the logits of the whole batch are at
 # most this many bytes (batch-1 decode and tree steps): every row is then read, in parallel, so at
@@ -395,7 +397,7 @@ def _best_of_chunks(p_max, p_idx, n_chunks, BLOCK_C: tl.constexpr):
     b_m = tl.load(p_max + o_c, mask=m_c, other=float("-inf"), cache_modifier=".cg")  # [BLOCK_C]
     b_i = tl.load(p_idx + o_c, mask=m_c, other=2147483647, cache_modifier=".cg")  # [BLOCK_C]
     b_best = tl.max(b_m, 0)
-    return tl.min(tl.where((b_m == b_best) & m_c, b_i, 2147483647), 0)
+    return tl.min(tl.where(b_m == b_best, b_i, 2147483647), 0)
 
 
 @triton.jit
@@ -501,23 +503,6 @@ def _split_config(V):
     return min(block_v, triton.next_power_of_2(V)), max(1, min(16, block_v // 512))
 
 
-_COUNTERS = {}
-
-
-def _arrival_counters(device, n):
-    """A zeroed int32 workspace of >= n per-request arrival counters on device; every split launch
-    returns the counters it used to 0, and launches on one stream run one after another, so it is
-    allocated once (at least 4096 counters) outside CUDA-graph capture when the first call allows."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"verify_accept: {n} arrival counters needed during CUDA-graph capture; "
-                               "run the same batch size once before capturing")
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_probs=None, *, split_vocab=None):
     """Accepted path and bonus token for every request of a batch of draft trees, in one launch.
 
@@ -604,7 +589,7 @@ def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_pro
         part_max = torch.empty(B, T, n_chunks, dtype=torch.float32, device=dev)
         part_idx = torch.empty(B, T, n_chunks, dtype=torch.int32, device=dev)
         _greedy_split_kernel[(n_chunks, T, B)](
-            logits, tokens, parents, part_max, part_idx, _arrival_counters(dev, B), accept_len, accepted_nodes,
+            logits, tokens, parents, part_max, part_idx, arrival_counters(dev, B, "verify_accept"), accept_len, accepted_nodes,
             out_tokens, T, V, n_chunks, logits.stride(0), logits.stride(1),
             BLOCK_T=triton.next_power_of_2(T), BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(n_chunks),
             num_warps=num_warps,

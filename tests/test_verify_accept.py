@@ -543,6 +543,7 @@ def test_greedy_nan_rows_give_valid_tokens():
 def test_split_greedy_counters_reset_and_default_rule(monkeypatch):
     # The split variant leaves its per-request arrival counters at 0 (the next launch, e.g. the next
     # replay of a captured step, counts from 0 again), and it is the default only for small logits.
+    import kernels_triton.attention as attn
     import kernels_triton.verify_accept as va
 
     gen = torch.Generator().manual_seed(5)
@@ -550,7 +551,7 @@ def test_split_greedy_counters_reset_and_default_rule(monkeypatch):
     want = verify_accept_ref(logits, tokens, parents, 0.0)
     for _ in range(3):
         assert_same(verify_accept(logits, tokens, parents, 0.0, split_vocab=True), want)
-    assert not va._COUNTERS[logits.device][:6].any()
+    assert not attn._COUNTERS[(logits.device, "verify_accept")][:6].any()
 
     launched = []
     real = va._greedy_split_kernel
