@@ -151,50 +151,36 @@ def _sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL: tl
 
 
 @triton.jit
-def _gemv_rstd(x_ptr, r_ptr, K, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_SS: tl.constexpr):
-    """1 / rms of the one row s = x (+ residual), the whole row per load (BLOCK_SS >= K up to 8192)."""
-    o_0 = tl.zeros([1], dtype=tl.int64)
-    b_ss = _sum_squares(x_ptr, r_ptr, o_0, o_0 == 0, K, 0, 0, HAS_RESIDUAL, 1, BLOCK_SS)  # [1]
-    return tl.math.rsqrt(tl.sum(b_ss, 0) / K + eps)
-
-
-@triton.jit
-def _weight_chunk(w_ptr, col, rows_a, rows_b, m_rows, n_cols, stride_w, TWO_ACC: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tiles at columns col .. col + BLOCK_K of rows_a (and rows_b),
-    zero past n_cols valid columns or outside m_rows."""
-    o_k = tl.arange(0, BLOCK_K)
-    m_wk = m_rows[:, None] & (o_k < n_cols)[None, :]
-    p_w = w_ptr + col + o_k[None, :]
-    n_wa = tl.load(p_w + rows_a[:, None] * stride_w, mask=m_wk, other=0.0)
-    n_wb = n_wa
-    if TWO_ACC:
-        n_wb = tl.load(p_w + rows_b[:, None] * stride_w, mask=m_wk, other=0.0)
-    return n_wa, n_wb
-
-
-@triton.jit
-def _accumulate_gemv(acc_a, acc_b, n_wa, n_wb, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_wa, o_wb, m_w, K,
-                     b_rstd, stride_w, i_n, nx_col0, nx_wa, nx_wb, nx_m, nx_k, NORM: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_accumulate for one row (BLOCK_M = 1) on CUDA cores: acc [BLOCK_N, BLOCK_K] += w chunk * x chunk
-    over weight columns w_col0 .. w_col0 + K of rows o_wa (o_wb), normalised with b_rstd when NORM.
-
-    n_wa / n_wb hold this range's first chunk, already requested; each iteration requests the next
-    chunk before it uses the current one (register double buffering), and the last iteration requests
-    the first chunk of the NEXT range (nx_k columns from nx_col0 of rows nx_wa / nx_wb, masked by nx_m:
-    the second input's columns, or the program's next column block), which is returned. So a
-    persistent program's weight stream never stops at a block boundary."""
+def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_wa, o_wb, m_w, K, eps,
+                     stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_ACC: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_SS: tl.constexpr, USE_PDL: tl.constexpr):
+    """_accumulate for one row (BLOCK_M = 1) on CUDA cores: acc [BLOCK_N, BLOCK_K] += w chunk * x chunk.
+    The first weight chunk is requested before the norm pass (whose row loads then wait alongside it),
+    and each next chunk before the current chunk's products (register double buffering), so a program
+    always has weight bytes in flight instead of waiting on one load per iteration."""
     dt = x_ptr.dtype.element_ty
     o_k = tl.arange(0, BLOCK_K)
+    p_wa = w_ptr + w_col0 + o_wa[:, None] * stride_w + o_k[None, :]  # [BN, BK] chunk 0
+    p_wb = w_ptr + w_col0 + o_wb[:, None] * stride_w + o_k[None, :]
+    m_wk = m_w[:, None] & (o_k < K)[None, :]
+    n_wa = tl.load(p_wa, mask=m_wk, other=0.0)
+    n_wb = n_wa
+    if TWO_ACC:
+        n_wb = tl.load(p_wb, mask=m_wk, other=0.0)
+    if USE_PDL:  # the weights never change: only x waits for the previous kernel
+        tlc.gdc_wait()
+    b_rstd = 0.0
+    if NORM:  # 1 / rms of the row, the whole row per load (BLOCK_SS >= K up to 8192)
+        o_0 = tl.zeros([1], dtype=tl.int64)
+        b_ss = _sum_squares(x_ptr, r_ptr, o_0, o_0 == 0, K, 0, 0, HAS_RESIDUAL, 1, BLOCK_SS)  # [1]
+        b_rstd = tl.math.rsqrt(tl.sum(b_ss, 0) / K + eps)
     for k0 in range(0, K, BLOCK_K):
         b_wa = n_wa
         b_wb = n_wb
-        if k0 + BLOCK_K < K:  # the next chunk of this range
-            n_wa, n_wb = _weight_chunk(w_ptr, w_col0 + k0 + BLOCK_K, o_wa, o_wb, m_w, K - k0 - BLOCK_K, stride_w,
-                                       TWO_ACC, BLOCK_K)
-        else:  # the first chunk of the next range
-            n_wa, n_wb = _weight_chunk(w_ptr, nx_col0, nx_wa, nx_wb, nx_m, nx_k, stride_w, TWO_ACC, BLOCK_K)
+        m_wk = m_w[:, None] & ((k0 + BLOCK_K + o_k) < K)[None, :]  # the next chunk
+        n_wa = tl.load(p_wa + k0 + BLOCK_K, mask=m_wk, other=0.0)
+        if TWO_ACC:
+            n_wb = tl.load(p_wb + k0 + BLOCK_K, mask=m_wk, other=0.0)
         m_k = (k0 + o_k) < K
         b_x = tl.load(x_ptr + k0 + o_k, mask=m_k, other=0.0)  # [BLOCK_K]
         if HAS_RESIDUAL:
@@ -210,32 +196,7 @@ def _accumulate_gemv(acc_a, acc_b, n_wa, n_wb, x_ptr, r_ptr, nw_ptr, s_ptr, w_pt
         acc_a += b_wa.to(tl.float32) * b_xf  # [BN, BK]
         if TWO_ACC:
             acc_b += b_wb.to(tl.float32) * b_xf
-    return acc_a, acc_b, n_wa, n_wb
-
-
-@triton.jit
-def _block_rows(i_n, NOUT, HALF: tl.constexpr, PARTS: tl.constexpr, EPI: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Weight rows of column block i_n's two accumulators: A = the block's columns (gate / first rope
-    half), B = the up columns (swiglu) or the head's second half (rope), else A again; their mask; for
-    rope also the block's dims within a half (o_hc) and its head."""
-    o_c = tl.arange(0, BLOCK_N)
-    i_head = i_n * 0
-    o_hc = o_c
-    if EPI == _EPI_ROPE:  # block i_n: part i_n % PARTS of head i_n // PARTS (BLOCK_N dims of each half)
-        i_head = i_n // PARTS
-        o_hc = (i_n % PARTS) * BLOCK_N + o_c  # [BLOCK_N] dims within a half
-        o_wa = i_head * (2 * HALF) + o_hc
-        o_wb = o_wa + HALF
-        m_w = o_hc < HALF
-    elif EPI == _EPI_SWIGLU:
-        o_wa = i_n * BLOCK_N + o_c
-        o_wb = o_wa + NOUT
-        m_w = o_wa < NOUT
-    else:
-        o_wa = i_n * BLOCK_N + o_c
-        o_wb = o_wa
-        m_w = o_wa < NOUT
-    return o_wa.to(tl.int64), o_wb.to(tl.int64), m_w, o_hc, i_head
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -326,42 +287,46 @@ def _fused_linear_kernel(
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
         tlc.gdc_launch_dependents()
-    TWO_ACC: tl.constexpr = EPI != _EPI_NONE
-    n_wa = tl.zeros([BLOCK_N, BLOCK_K], dtype=w_ptr.dtype.element_ty)  # GEMV: the weight chunk in flight
-    n_wb = n_wa
-    if GEMV:  # request the first weight chunk; the weights never change, so it need not wait
-        o_wa, o_wb, m_w, o_hc, i_head = _block_rows(i_p, NOUT, HALF, PARTS, EPI, BLOCK_N)
-        n_wa, n_wb = _weight_chunk(w_ptr, 0, o_wa, o_wb, m_w, K, stride_w, TWO_ACC, BLOCK_K)
     if USE_PDL:
-        tlc.gdc_wait()
+        if not GEMV:  # (GEMV: after requesting its first weight chunk)
+            tlc.gdc_wait()
     dt = x_ptr.dtype.element_ty
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
     m_m = o_m < M
+    o_c = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
     # Pass 1 (norms): each row's 1 / rms; pass 2: the normalised chunks streamed against the weight.
-    if GEMV:  # one row: scalar 1 / rms (the weight chunk above is in flight meanwhile)
-        b_rstd = 0.0
-        b_rstd2 = 0.0
-        if NORM:
-            b_rstd = _gemv_rstd(x_ptr, r_ptr, K, eps, HAS_RESIDUAL, BLOCK_SS)
-        if TWO_INPUTS:
-            b_rstd2 = _gemv_rstd(x2_ptr, x2_ptr, K2, eps, False, BLOCK_SS)
-    else:
-        b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if NORM:
-            b_rstd = tl.math.rsqrt(_sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL,
-                                                BLOCK_M, BLOCK_SS) / K + eps)
-        b_rstd2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if TWO_INPUTS:
-            b_rstd2 = tl.math.rsqrt(_sum_squares(x2_ptr, x2_ptr, o_m, m_m, K2, stride_x2, stride_x2, False,
-                                                 BLOCK_M, BLOCK_SS) / K2 + eps)
+    b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM and not GEMV:  # (GEMV: per block, inside _accumulate_gemv)
+        b_rstd = tl.math.rsqrt(_sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL,
+                                            BLOCK_M, BLOCK_SS) / K + eps)
+    b_rstd2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if TWO_INPUTS and not GEMV:
+        b_rstd2 = tl.math.rsqrt(_sum_squares(x2_ptr, x2_ptr, o_m, m_m, K2, stride_x2, stride_x2, False,
+                                             BLOCK_M, BLOCK_SS) / K2 + eps)
 
     # Column blocks i_p, i_p + P, ... (P programs along axis 0; P = n_blocks: one block each). A
     # program with several blocks pays the norm pass above once.
-    n_prog = tl.num_programs(0)
-    for i_n in range(i_p, n_blocks, n_prog):
-        o_wa, o_wb, m_w, o_hc, i_head = _block_rows(i_n, NOUT, HALF, PARTS, EPI, BLOCK_N)
+    for i_n in range(i_p, n_blocks, tl.num_programs(0)):
+        # Weight rows of the two accumulators: A = this block's columns (gate / first rope half), B = the
+        # up columns (swiglu) or the second half of the head (rope).
+        if EPI == _EPI_ROPE:  # program i_n: part i_n % PARTS of head i_n // PARTS (BLOCK_N dims of each half)
+            i_head = i_n // PARTS
+            o_hc = (i_n % PARTS) * BLOCK_N + o_c  # [BLOCK_N] dims within a half
+            o_wa = i_head * (2 * HALF) + o_hc
+            o_wb = o_wa + HALF
+            m_w = o_hc < HALF
+        elif EPI == _EPI_SWIGLU:
+            o_wa = i_n * BLOCK_N + o_c
+            o_wb = o_wa + NOUT
+            m_w = o_wa < NOUT
+        else:
+            o_wa = i_n * BLOCK_N + o_c
+            o_wb = o_wa
+            m_w = o_wa < NOUT
+        o_wa = o_wa.to(tl.int64)
+        o_wb = o_wb.to(tl.int64)
 
         if GEMV:
             acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -370,20 +335,13 @@ def _fused_linear_kernel(
             acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GEMV:
-            # The block after this one (its first chunk is requested during this block's last one).
-            nx_wa, nx_wb, nx_m, _, _ = _block_rows(i_n + n_prog, NOUT, HALF, PARTS, EPI, BLOCK_N)
-            nx_m = nx_m & (i_n + n_prog < n_blocks)
-            if TWO_INPUTS:  # columns [0, K) for x, then [K, K + K2) for x2
-                acc_a, acc_b, n_wa, n_wb = _accumulate_gemv(
-                    acc_a, acc_b, n_wa, n_wb, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_wa, o_wb, m_w, K, b_rstd,
-                    stride_w, i_n, K, o_wa, o_wb, m_w, K2, NORM, HAS_RESIDUAL, TWO_ACC, BLOCK_K)
-                acc_a, acc_b, n_wa, n_wb = _accumulate_gemv(
-                    acc_a, acc_b, n_wa, n_wb, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb, m_w, K2,
-                    b_rstd2, stride_w, i_n, 0, nx_wa, nx_wb, nx_m, K, True, False, TWO_ACC, BLOCK_K)
-            else:
-                acc_a, acc_b, n_wa, n_wb = _accumulate_gemv(
-                    acc_a, acc_b, n_wa, n_wb, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_wa, o_wb, m_w, K, b_rstd,
-                    stride_w, i_n, 0, nx_wa, nx_wb, nx_m, K, NORM, HAS_RESIDUAL, TWO_ACC, BLOCK_K)
+            acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_wa, o_wb, m_w, K,
+                                            eps, stride_w, i_n, NORM, HAS_RESIDUAL, EPI != _EPI_NONE, BLOCK_K,
+                                            BLOCK_SS, USE_PDL)
+            if TWO_INPUTS:
+                acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb,
+                                                m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
+                                                BLOCK_SS, USE_PDL)
         else:
             acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa, o_wb, m_w,
                                        K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,
