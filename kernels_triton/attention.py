@@ -64,15 +64,16 @@ from triton.language.extra import cuda as tlc
 MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per tree node
 MAX_SPLITS = 64  # split-KV cap: bounds the merge kernel's tile and the fp32 workspace
 MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table capacity per split
-# Default fused merge only for row tiles of at most this many values (BLOCK_M x D): its last program
-# then folds 4 partials per step. H200, graphed batch-1 steps (profile_step.py), merge kernel at
-# 6d5d346 vs fused merge everywhere at eddb3e5 (which also unrolled the greedy argmax and retuned the
-# 8B gate|up GEMV): SmolLM2 decode (16 x 64) 0.737 -> 0.726 ms per step (attention kernels 193 -> 203
-# us, 30 fewer launches); tree16 verify + draft (64 x 64 tiles, 1 partial per step) 1.303 -> 1.434 ms
-# (attention kernels 268 -> 414 us); Llama-3.1-8B decode (16 x 128, 2 per step, 16 busy splits at
-# context 256) 4.436 -> 4.452 ms (attention 244 -> 275 us): there the serial fold costs more than the
-# merge launch it saves.
+# Default fused merge only where the merged rows x D (rows: what a query block can use, e.g. G for
+# decode; see _last_split_merges) are at most this many values: its last program then folds >= 8
+# partials per step (8192 values). History, H200, graphed batch-1 steps (profile_step.py): with the
+# row tile = the attention tile and 4096 values per step, merge kernel at 6d5d346 vs fused merge
+# everywhere at eddb3e5: SmolLM2 decode (16 x 64, 4 partials per step) 0.737 -> 0.726 ms; tree16
+# verify + draft (64 x 64, 1 per step) 1.303 -> 1.434 ms; Llama-3.1-8B decode (16 x 128, 2 per
+# step, 16 busy splits at context 256) 4.436 -> 4.452 ms: a serial fold costs more than the merge
+# launch it saves. SPECDEC_FUSED_MERGE=1 / 0 forces it on / off (experiments).
 FUSED_MERGE_MAX_TILE = 1024
+FUSED_MERGE = {"1": True, "0": False, None: None}[os.environ.get("SPECDEC_FUSED_MERGE")]
 # With PDL each attention program prefetches the first PREFETCH_TILES tiles of its cached prefix into
 # L2 before it waits for its predecessor (see _prefetch_prefix). SPECDEC_ATTN_PREFETCH sets it (a
 # power of two; 0: no prefetch).
@@ -258,20 +259,28 @@ def _prefetch_prefix(k_cache, v_cache, p_pt, i_hkv, slot_lo, slot_hi, stride_kp,
 
 
 @triton.jit
-def _last_split_merges(counters, i_cnt, o_part, lse_part, o, o_n, o_hq, m_r, n_busy, num_splits, stride_on,
-                       stride_oh, HQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
-                       S_CHUNK: tl.constexpr):
+def _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, n_busy, num_splits, stride_on,
+                       stride_oh, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr):
     """Count this split in; the group's last split to arrive merges the n_busy partials of its rows.
 
     Every split of a (query block, request, KV head) group has stored its partial before its
     increment (the barrier orders all threads' stores before the release), so the program that sees
     num_splits - 1 arrivals before its own reads complete partials (acquire), writes the output and
     resets the counter to 0 for the next launch. Splits >= n_busy are empty (weight 0) and not read.
+    The merge tiles its rows by BLOCK_M here (the rows the launch can use, e.g. G for decode, not the
+    attention tile's padded rows), so S_CHUNK partials of every row are folded per step.
     """
     tl.debug_barrier()
     arrived = tl.atomic_add(counters + i_cnt, 1, sem="acq_rel")
     if arrived == num_splits - 1:
         tl.store(counters + i_cnt, 0)
+        HQ: tl.constexpr = HKV * G
+        o_r = tl.arange(0, BLOCK_M)
+        o_i = t0 + o_r // G  # [BLOCK_M] query index within the request (same packing as the attention tile)
+        o_hq = i_hkv * G + o_r % G
+        m_r = (o_r < BLOCK_T * G) & (o_i < T)
+        o_n = (bos + o_i).to(tl.int64)
         row = (o_n * HQ + o_hq) * num_splits  # [BLOCK_M] first partial of each row
         o_s = tl.arange(0, BLOCK_S)
         m_s = m_r[:, None] & (o_s < n_busy)[None, :]
@@ -334,6 +343,7 @@ def _paged_attention_fwd_kernel(
     FUSED_MERGE: tl.constexpr,  # SPLIT: the last split of each group merges (no second launch)
     BLOCK_S: tl.constexpr,  # pow2 >= num_splits (FUSED_MERGE)
     S_CHUNK: tl.constexpr,  # partials merged per step (FUSED_MERGE)
+    MERGE_ROWS: tl.constexpr,  # pow2 >= the rows a query block can use (FUSED_MERGE's row tile)
     IS_TREE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (see pdl_mode)
@@ -393,8 +403,8 @@ def _paged_attention_fwd_kernel(
             # loads o_part and lse together instead of loading o_part only after seeing lse (one
             # more round trip); the fused merge reads only the busy splits, so it just counts in.
             if FUSED_MERGE:
-                _last_split_merges(counters, i_cnt, o_part, lse_part, o, o_n, o_hq, m_r, tl.cdiv(n_tiles, per_split),
-                                   num_splits, stride_on, stride_oh, HKV * G, D, BLOCK_M, BLOCK_S, S_CHUNK)
+                _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, tl.cdiv(n_tiles, per_split),
+                                   num_splits, stride_on, stride_oh, HKV, G, D, BLOCK_T, MERGE_ROWS, BLOCK_S, S_CHUNK)
             else:
                 o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
                 tl.store(o_part + o_part_row[:, None] * D + o_d[None, :],
@@ -436,8 +446,8 @@ def _paged_attention_fwd_kernel(
         b_lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
         tl.store(lse_part + o_part_row, b_lse, mask=m_r)
         if FUSED_MERGE:
-            _last_split_merges(counters, i_cnt, o_part, lse_part, o, o_n, o_hq, m_r, tl.cdiv(n_tiles, per_split),
-                               num_splits, stride_on, stride_oh, HKV * G, D, BLOCK_M, BLOCK_S, S_CHUNK)
+            _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, tl.cdiv(n_tiles, per_split),
+                               num_splits, stride_on, stride_oh, HKV, G, D, BLOCK_T, MERGE_ROWS, BLOCK_S, S_CHUNK)
     else:
         p_o = o + (o_n * stride_on + o_hq * stride_oh)[:, None] + o_d[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
@@ -697,8 +707,8 @@ def paged_attention(
         fused_merge: with num_splits > 1, True: the last split of each (query block, request, KV
             head) to finish merges the partials (one launch; an int32 arrival counter per group in a
             zeroed workspace that each launch leaves zeroed); False: a second merge kernel; None:
-            fused when that last program folds >= 4 partials per step (BLOCK_M x D <= 1024, e.g.
-            SmolLM2 decode), see FUSED_MERGE_MAX_TILE.
+            fused when that last program folds >= 8 partials per step (merged rows x D <= 1024,
+            e.g. decode), see FUSED_MERGE_MAX_TILE (SPECDEC_FUSED_MERGE overrides the default).
 
     Returns:
         [N, HQ, D] in q.dtype (a new tensor). Rows not owned by any request are left unwritten.
@@ -731,8 +741,9 @@ def paged_attention(
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     tm = tree_mask if tree_mask is not None else kv_lens  # placeholder pointer when causal
     grid = (n_qblocks, B * HKV, num_splits)
+    merge_rows = triton.next_power_of_2(min(cfg["BLOCK_T"], max_q_len) * G)  # <= BLOCK_M
     if fused_merge is None:
-        fused_merge = cfg["BLOCK_M"] * D <= FUSED_MERGE_MAX_TILE
+        fused_merge = FUSED_MERGE if FUSED_MERGE is not None else merge_rows * D <= FUSED_MERGE_MAX_TILE
     fused = split and fused_merge
     pdl = pdl_mode(q.device)
     counters = arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
@@ -747,7 +758,7 @@ def paged_attention(
         HKV=HKV, G=G, D=D, PS=PS,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"],
         SPLIT=split, FUSED_MERGE=fused, BLOCK_S=block_s,
-        S_CHUNK=min(block_s, max(1, 4096 // (cfg["BLOCK_M"] * D))),  # <= 4096 fp32 partial values per step
+        S_CHUNK=min(block_s, max(1, 8192 // (merge_rows * D))), MERGE_ROWS=merge_rows,  # <= 8192 fp32 values per step
         IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, PREFETCH_TILES=PREFETCH_TILES if pdl else 0, **({"launch_pdl": True} if pdl else {}),
