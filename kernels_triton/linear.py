@@ -55,7 +55,11 @@ bandwidth at 8B sizes. The tl.dot body at M = 1 took 6.3-6.6 us (SmolLM2 qkv) an
 At M >= 17 cuBLAS is faster (e.g. SmolLM2 qkv 8.7 vs 6.2 us), so ``specdec.models.ops`` routes only up
 to ``ops.FUSED_MAX_ROWS`` rows here. LM heads (more than GEMV_MAX_COLUMNS outputs) stay on cuBLAS or
 the tl.dot body. A variant that folded the norm into the main loop (row scale on the accumulator, no
-prologue pass) measured slower (qkv 10.6 us, mlp_in 11.5 us at M = 1, tl.dot body).
+prologue pass) measured slower (qkv 10.6 us, mlp_in 11.5 us at M = 1, tl.dot body). So did a GEMV whose
+program streams its blocks as one sequence (the last chunk of a block requesting the next block's
+first, the norm pass once per program; b6534db, and a variant loading that chunk unconditionally
+from selected addresses): H200, same run against this body, 8B qkv 18.0 vs 16.8 us, mlp_in 63.6 vs
+62.7, SmolLM2 w2 2.8 vs 1.9; 8B step 4.47 vs 4.36 ms.
 
 Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
 x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-path tests), half
