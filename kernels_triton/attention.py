@@ -80,13 +80,6 @@ FUSED_MERGE = {"1": True, "0": False, None: None}[os.environ.get("SPECDEC_FUSED_
 PREFETCH_TILES = int(os.environ.get("SPECDEC_ATTN_PREFETCH", "4"))
 if PREFETCH_TILES < 0 or PREFETCH_TILES & (PREFETCH_TILES - 1):
     raise ValueError(f"SPECDEC_ATTN_PREFETCH must be 0 or a power of two, got {PREFETCH_TILES}")
-# With PDL, attention (and the merge kernel) let their successor launch when they start
-# (SPECDEC_ATTN_TRIGGER=early) or after the KV loop (late, like every other kernel): attention is
-# bound by latency, so an early-launched GEMV can stream its weights into L2 meanwhile
-# (linear.GEMV_L2_PREFETCH_BYTES).
-ATTN_TRIGGER = os.environ.get("SPECDEC_ATTN_TRIGGER", "late")
-if ATTN_TRIGGER not in ("early", "late"):
-    raise ValueError(f"SPECDEC_ATTN_TRIGGER must be early or late, got {ATTN_TRIGGER!r}")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PDL_LATE, PDL_EARLY = 1, 2  # USE_PDL values: where a kernel lets its successor launch (see pdl_mode)
 
@@ -753,8 +746,6 @@ def paged_attention(
         fused_merge = FUSED_MERGE if FUSED_MERGE is not None else merge_rows * D <= FUSED_MERGE_MAX_TILE
     fused = split and fused_merge
     pdl = pdl_mode(q.device)
-    if pdl and ATTN_TRIGGER == "early":
-        pdl = PDL_EARLY
     counters = arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
     block_s = triton.next_power_of_2(num_splits)
     _paged_attention_fwd_kernel[grid](

@@ -66,15 +66,13 @@ x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-pat
 precision ones tensor-core dots with fp32 accumulation.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import cuda as tlc
 
 from .activation import silu_mul_ref
-from .attention import _prefetch_l2, _sm_count, pdl_mode
+from .attention import _sm_count, pdl_mode
 from .norm import rms_norm_ref
 from .rope import rope_write_kv_ref_
 
@@ -82,11 +80,6 @@ MAX_M = 64
 # One-row projections up to this many output columns take the GEMV body; wider ones (LM heads) keep the
 # tl.dot body, which streams them faster (H200: SmolLM2 lm_head 15.8 vs 21.1 us).
 GEMV_MAX_COLUMNS = 16384
-# With PDL a GEMV program, before it waits for its predecessor, requests its first weight chunk and
-# prefetches the next chunks of its first block into L2, all programs together up to this many bytes
-# (SPECDEC_GEMV_L2_PREFETCH_MB; 0: none): a predecessor that is latency-bound (attention) leaves HBM
-# idle meanwhile.
-GEMV_L2_PREFETCH_BYTES = int(float(os.environ.get("SPECDEC_GEMV_L2_PREFETCH_MB", "32")) * (1 << 20))
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
@@ -162,22 +155,9 @@ def _sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL: tl
 
 
 @triton.jit
-def _prefetch_weight_l2(w_ptr, col0, rows, m_rows, K, stride_w, N_CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Ask L2 for weight rows ``rows`` (masked rows: skipped) at columns col0 .. col0 + N_CHUNKS *
-    BLOCK_K (clipped to K), one prefetch per 128-byte line; nothing waits for them."""
-    LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per line
-    o_l = tl.arange(0, BLOCK_K // LINE) * LINE
-    for c in tl.static_range(N_CHUNKS):
-        o_col = tl.minimum(col0 + c * BLOCK_K + o_l, K - 1)  # lanes past K repeat the last line
-        p = w_ptr + rows[:, None] * stride_w + o_col[None, :]
-        _prefetch_l2(tl.where(m_rows[:, None], p, w_ptr))
-
-
-@triton.jit
 def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_wa, o_wb, m_w, K, eps,
                      stride_w, i_n, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_ACC: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_SS: tl.constexpr, USE_PDL: tl.constexpr,
-                     L2_CHUNKS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, BLOCK_SS: tl.constexpr, USE_PDL: tl.constexpr):
     """_accumulate for one row (BLOCK_M = 1) on CUDA cores: acc [BLOCK_N, BLOCK_K] += w chunk * x chunk.
     The first weight chunk is requested before the norm pass (whose row loads then wait alongside it),
     and each next chunk before the current chunk's products (register double buffering), so a program
@@ -192,11 +172,6 @@ def _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o
     if TWO_ACC:
         n_wb = tl.load(p_wb, mask=m_wk, other=0.0)
     if USE_PDL:  # the weights never change: only x waits for the previous kernel
-        if L2_CHUNKS > 0:
-            if i_n < tl.num_programs(0):  # the program's first block: the next chunks into L2 meanwhile
-                _prefetch_weight_l2(w_ptr + w_col0, BLOCK_K, o_wa, m_w, K, stride_w, L2_CHUNKS, BLOCK_K)
-                if TWO_ACC:
-                    _prefetch_weight_l2(w_ptr + w_col0, BLOCK_K, o_wb, m_w, K, stride_w, L2_CHUNKS, BLOCK_K)
         tlc.gdc_wait()
     b_rstd = 0.0
     if NORM:  # 1 / rms of the row, the whole row per load (BLOCK_SS >= K up to 8192)
@@ -312,7 +287,6 @@ def _fused_linear_kernel(
     GEMV: tl.constexpr,  # BLOCK_M = 1: CUDA-core products instead of a 16-row tl.dot
     BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, 1 late or 2 early trigger (attention.pdl_mode)
-    L2_CHUNKS: tl.constexpr,  # GEMV with PDL: weight chunks after the first prefetched into L2 before the wait
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
@@ -367,11 +341,11 @@ def _fused_linear_kernel(
         if GEMV:
             acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_wa, o_wb, m_w, K,
                                             eps, stride_w, i_n, NORM, HAS_RESIDUAL, EPI != _EPI_NONE, BLOCK_K,
-                                            BLOCK_SS, USE_PDL, L2_CHUNKS)
+                                            BLOCK_SS, USE_PDL)
             if TWO_INPUTS:
                 acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb,
                                                 m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
-                                                BLOCK_SS, USE_PDL, 0)
+                                                BLOCK_SS, USE_PDL)
         else:
             acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa, o_wb, m_w,
                                        K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,
@@ -578,10 +552,6 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
                "num_warps": 4, "num_stages": 3, **cfg}
     programs = min(grid_n, cfg.pop("programs", None) or grid_n)
-    l2_chunks = 0
-    if gemv and pdl:  # the first block's next chunks, within the L2 budget over all programs
-        chunk_bytes = (1 if epi == EPI_NONE else 2) * block_n * cfg["BLOCK_K"] * w.element_size()
-        l2_chunks = min(triton.cdiv(K, cfg["BLOCK_K"]) - 1, GEMV_L2_PREFETCH_BYTES // (programs * chunk_bytes))
     _fused_linear_kernel[(programs, triton.cdiv(M, block_m))](
         x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
         M, K, K2, nout, grid_n, float(eps), n_pos,
@@ -590,7 +560,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
         BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
-        USE_PDL=pdl, L2_CHUNKS=max(0, l2_chunks), **({"launch_pdl": True} if pdl else {}), **cfg,
+        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
     return s if norm else None
 
