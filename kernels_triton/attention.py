@@ -262,18 +262,19 @@ def _prefetch_prefix(k_cache, v_cache, p_pt, i_hkv, slot_lo, slot_hi, stride_kp,
 def _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, n_busy, num_splits, stride_on,
                        stride_oh, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr):
-    """Count this split in; the group's last split to arrive merges the n_busy partials of its rows.
+    """Count this split in; the group's last busy split to arrive merges the n_busy partials of its rows.
 
-    Every split of a (query block, request, KV head) group has stored its partial before its
+    Splits >= n_busy are empty: they return without counting in (every split of the group computes
+    the same n_busy from the request's length). Every busy split has stored its partial before its
     increment (the barrier orders all threads' stores before the release), so the program that sees
-    num_splits - 1 arrivals before its own reads complete partials (acquire), writes the output and
-    resets the counter to 0 for the next launch. Splits >= n_busy are empty (weight 0) and not read.
+    n_busy - 1 arrivals before its own reads complete partials (acquire), writes the output and
+    resets the counter to 0 for the next launch.
     The merge tiles its rows by BLOCK_M here (the rows the launch can use, e.g. G for decode, not the
     attention tile's padded rows), so S_CHUNK partials of every row are folded per step.
     """
     tl.debug_barrier()
     arrived = tl.atomic_add(counters + i_cnt, 1, sem="acq_rel")
-    if arrived == num_splits - 1:
+    if arrived == n_busy - 1:
         tl.store(counters + i_cnt, 0)
         HQ: tl.constexpr = HKV * G
         o_r = tl.arange(0, BLOCK_M)
@@ -388,6 +389,9 @@ def _paged_attention_fwd_kernel(
     n_full = full_hi // BLOCK_N
     i_cnt = i_t * tl.num_programs(1) + i_bh  # this group's arrival counter (FUSED_MERGE)
     p_pt = page_table + i_b.to(tl.int64) * stride_ptb
+    if FUSED_MERGE:
+        if tile_lo >= tile_hi:  # an empty split: the group's merge waits only for its busy splits
+            return
     if USE_PDL:
         if PREFETCH_TILES > 0:
             _prefetch_prefix(k_cache, v_cache, p_pt, i_hkv, tile_lo * BLOCK_N,
@@ -401,15 +405,11 @@ def _paged_attention_fwd_kernel(
             # table leaves most splits empty): no q, page-table or K/V loads. For the merge kernel it
             # still writes the zeros and the weight 2^-inf = 0 that the merge reads, so the merge
             # loads o_part and lse together instead of loading o_part only after seeing lse (one
-            # more round trip); the fused merge reads only the busy splits, so it just counts in.
-            if FUSED_MERGE:
-                _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, tl.cdiv(n_tiles, per_split),
-                                   num_splits, stride_on, stride_oh, HKV, G, D, BLOCK_T, MERGE_ROWS, BLOCK_S, S_CHUNK)
-            else:
-                o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
-                tl.store(o_part + o_part_row[:, None] * D + o_d[None, :],
-                         tl.zeros([BLOCK_M, D], dtype=tl.float32), mask=m_r[:, None])
-                tl.store(lse_part + o_part_row, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_r)
+            # more round trip). (With the fused merge it has returned above, before any wait.)
+            o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
+            tl.store(o_part + o_part_row[:, None] * D + o_d[None, :],
+                     tl.zeros([BLOCK_M, D], dtype=tl.float32), mask=m_r[:, None])
+            tl.store(lse_part + o_part_row, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_r)
             return
 
     p_q = q + (o_n * stride_qn + o_hq * stride_qh)[:, None] + o_d[None, :]
