@@ -286,8 +286,7 @@ def part_b(res: Results, args, copy_gbps: float) -> None:
     floor_read = read_bytes / (copy_gbps * 1e9) * 1e3
     res.add("b", f"{label} batch-1 decode step (device)", step_ms, "ms",
             note=(f"context {ctx}, {param_bytes / 1e9:.2f} GB of bf16 params"
-                  + f", SPECDEC_PDL={os.environ.get('SPECDEC_PDL', '1')}"
-                  + f", SPECDEC_ATTN_PREFETCH={os.environ.get('SPECDEC_ATTN_PREFETCH', '4')}") if CUDA else "quick shapes")
+                  + f", SPECDEC_PDL={os.environ.get('SPECDEC_PDL', '1')}") if CUDA else "quick shapes")
     res.add("b", "  weight-bandwidth floor (all params)", floor_all, "ms",
             note=f"{param_bytes / 1e9:.2f} GB / {copy_gbps:.0f} GB/s copy")
     res.add("b", "  fraction of floor (all params; gpt-fast 72%)", floor_all / step_ms, "fraction")

@@ -14,7 +14,6 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     SPECDEC_FUSED_LINEAR=0 python experiments/profile_step.py --out $OUT/unfused   # cuBLAS layer path
     python experiments/profile_step.py --shape llama8b --out $OUT/llama8b   # (b) plain step only, 8B shapes
     SPECDEC_PDL=0 python experiments/profile_step.py --out $OUT/pdl0   # no programmatic dependent launch
-    SPECDEC_ATTN_PREFETCH=0 python experiments/profile_step.py --out $OUT/pf0   # no pre-wait KV prefetch
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """
@@ -37,7 +36,6 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from kernels_triton.attention import PREFETCH_TILES  # noqa: E402
 from specdec.bench.provenance import device_name, git_commit  # noqa: E402
 from specdec.bench.targets import llama_config_from_dict, random_target  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -155,7 +153,7 @@ def main() -> None:
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
            "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS", "1") != "0",
            "fused_linear": os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0",
-           "pdl": os.environ.get("SPECDEC_PDL", "1"), "attn_prefetch": PREFETCH_TILES}
+           "pdl": os.environ.get("SPECDEC_PDL", "1")}
 
     plain = make_engine(model, None, ())
     prefill_ms(plain, lengths[:2], V)  # compiles
@@ -198,7 +196,7 @@ def profile_llama8b(args) -> None:
     model = random_target(llama_config_from_dict(shape), device=dev, dtype=dtype)
     eng = make_engine(model, None, (), max_seq_len=4096)
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"), "shape": "llama8b",
-           "pdl": os.environ.get("SPECDEC_PDL", "1"), "attn_prefetch": PREFETCH_TILES,
+           "pdl": os.environ.get("SPECDEC_PDL", "1"),
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
            "steps": {"plain": graphed_step(eng, 1)}}
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))

@@ -74,12 +74,6 @@ MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table c
 # launch it saves. SPECDEC_FUSED_MERGE=1 / 0 forces it on / off (experiments).
 FUSED_MERGE_MAX_TILE = 1024
 FUSED_MERGE = {"1": True, "0": False, None: None}[os.environ.get("SPECDEC_FUSED_MERGE")]
-# With PDL each attention program prefetches the first PREFETCH_TILES tiles of its cached prefix into
-# L2 before it waits for its predecessor (see _prefetch_prefix). SPECDEC_ATTN_PREFETCH sets it (a
-# power of two; 0: no prefetch).
-PREFETCH_TILES = int(os.environ.get("SPECDEC_ATTN_PREFETCH", "4"))
-if PREFETCH_TILES < 0 or PREFETCH_TILES & (PREFETCH_TILES - 1):
-    raise ValueError(f"SPECDEC_ATTN_PREFETCH must be 0 or a power of two, got {PREFETCH_TILES}")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PDL_LATE, PDL_EARLY = 1, 2  # USE_PDL values: where a kernel lets its successor launch (see pdl_mode)
 
@@ -95,7 +89,11 @@ def pdl_mode(device) -> int:
     H200, graphed batch-1 plain steps at d9676c6 (profile_step.py, same run): SmolLM2 0.717 ms off ->
     0.612 ms late; Llama-3.1-8B shapes 4.467 -> 4.368 ms late, while early (at 6aecb84 + the trigger
     switch) was slower than off, 4.564 vs 4.484 ms: successors launched at the start pile up
-    (successors of successors too) holding SM slots while they wait."""
+    (successors of successors too) holding SM slots while they wait. Also measured and dropped (H200,
+    same runs): attention reading its lengths and page table and prefetching its cached prefix into
+    L2 (PTX prefetch.global.L2) before the wait, 92b24ea: 8B step 4.351 / 4.348 vs 4.354 / 4.355 ms,
+    SmolLM2 0.604 vs 0.596 ms; GEMVs prefetching their first block's weights into L2 before the wait,
+    c27786c: 8B 5.79 vs 4.40 ms; attention alone triggering early: 4.394 vs 4.397 ms."""
     mode = os.environ.get("SPECDEC_PDL", "1")
     if mode not in ("1", "early") or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return 0
@@ -230,35 +228,6 @@ def _attn_tile(
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the lines at ptrs (PTX prefetch.global.L2: no register result, nothing waits)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_prefix(k_cache, v_cache, p_pt, i_hkv, slot_lo, slot_hi, stride_kp, stride_ks, stride_kh, stride_vp,
-                     stride_vs, stride_vh, D: tl.constexpr, PS: tl.constexpr, N_SLOTS: tl.constexpr):
-    """Prefetch the K/V lines of slots [slot_lo, slot_hi) (at most N_SLOTS) into L2: one page-table
-    load, then one PTX prefetch.global.L2 per 128-byte line; nothing waits for the data.
-
-    Run before griddepcontrol.wait, while the predecessor kernel is finishing, so the tile loop
-    after the wait starts from L2 instead of DRAM. The caller passes only slots below the prefix
-    (kv_len - T_b, or the window start): they, the page table and the lengths were written before
-    the predecessor started, and the predecessor writes only the new tokens' slots (and q). Nothing
-    is stored, so no input of the predecessor can be overwritten early either.
-    """
-    LINE: tl.constexpr = 1024 // k_cache.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
-    N_LINES: tl.constexpr = D // LINE if D > LINE else 1
-    if slot_hi > slot_lo:
-        o_s = tl.minimum(slot_lo + tl.arange(0, N_SLOTS), slot_hi - 1)  # lanes past the range repeat the last slot
-        b_page = tl.load(p_pt + o_s // PS).to(tl.int64)  # [N_SLOTS]
-        o_off = o_s % PS
-        o_l = tl.arange(0, N_LINES) * LINE
-        _prefetch_l2(k_cache + (b_page * stride_kp + o_off * stride_ks + i_hkv * stride_kh)[:, None] + o_l[None, :])
-        _prefetch_l2(v_cache + (b_page * stride_vp + o_off * stride_vs + i_hkv * stride_vh)[:, None] + o_l[None, :])
-
-
-@triton.jit
 def _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, n_busy, num_splits, stride_on,
                        stride_oh, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr):
@@ -348,12 +317,11 @@ def _paged_attention_fwd_kernel(
     IS_TREE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (see pdl_mode)
-    PREFETCH_TILES: tl.constexpr,  # USE_PDL: prefix tiles prefetched into L2 before the wait
 ):
     if USE_PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
-    # With PDL everything up to gdc_wait runs while the predecessor (the qkv kernel) may still be
-    # running: it only reads what that kernel does not write (see _prefetch_prefix).
+    if USE_PDL:
+        tlc.gdc_wait()
     i_t, i_bh, i_sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b = i_bh // HKV
     i_hkv = i_bh % HKV
@@ -388,17 +356,9 @@ def _paged_attention_fwd_kernel(
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     n_full = full_hi // BLOCK_N
     i_cnt = i_t * tl.num_programs(1) + i_bh  # this group's arrival counter (FUSED_MERGE)
-    p_pt = page_table + i_b.to(tl.int64) * stride_ptb
     if FUSED_MERGE:
         if tile_lo >= tile_hi:  # an empty split: the group's merge waits only for its busy splits
             return
-    if USE_PDL:
-        if PREFETCH_TILES > 0:
-            _prefetch_prefix(k_cache, v_cache, p_pt, i_hkv, tile_lo * BLOCK_N,
-                             tl.minimum(tl.minimum(tile_hi, tile_lo + PREFETCH_TILES) * BLOCK_N, prefix),
-                             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, D, PS,
-                             PREFETCH_TILES * BLOCK_N)
-        tlc.gdc_wait()
     if SPLIT:
         if tile_lo >= tile_hi:
             # Empty split (num_splits comes from the page-table width, so a short request in a wide
@@ -422,6 +382,7 @@ def _paged_attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    p_pt = page_table + i_b.to(tl.int64) * stride_ptb
     for tile in range(tile_lo, tl.minimum(tile_hi, n_full)):
         m_i, l_i, acc = _attn_tile(
             b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, m_i, l_i, acc, qk_scale,
@@ -761,7 +722,7 @@ def paged_attention(
         S_CHUNK=min(block_s, max(1, 8192 // (merge_rows * D))), MERGE_ROWS=merge_rows,  # <= 8192 fp32 values per step
         IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, PREFETCH_TILES=PREFETCH_TILES if pdl else 0, **({"launch_pdl": True} if pdl else {}),
+        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split and not fused:
