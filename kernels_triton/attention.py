@@ -40,9 +40,10 @@ Kernel layout (FlashAttention-2 style online softmax in the exp2 domain):
   any mask; only the tail tiles covering the new tokens apply the causal / tree mask and kv_len bound.
 - Split-KV: the block's KV range is cut into num_splits contiguous tile ranges; with num_splits > 1
   each split writes (out / l, log2-sum-exp) to an fp32 workspace and a second small kernel merges
-  the splits. num_splits defaults from static shapes (B, HKV, MP * PS, SM count) only; the tiles
-  are divided by the request's real length, so splits past a short request's last tile are empty:
-  they skip every load and only write a zero partial with weight 0.
+  the splits, or (fused merge) the last of a group's busy splits to finish merges them. num_splits
+  defaults from static shapes (B, HKV, MP * PS, SM count) only; the tiles are divided by the
+  request's real length, so splits past a short request's last tile are empty: they skip every load
+  and write a zero partial with weight 0 for the merge kernel, or just return (fused merge).
 - Launch is capture-safe: the launcher never reads tensor values on the host (B, N, num_splits are
   runtime values, max_q_len a host int bound); the grid covers ceil(max_q_len / BLOCK_T) query blocks
   and programs past T_b return at once.
