@@ -564,6 +564,19 @@ def _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device):
     return 1 << (splits.bit_length() - 1)  # a power of two: few distinct merge-kernel compiles
 
 
+def _merge_rows(cfg, max_q_len, G):
+    """Rows of the fused merge's tile: pow2 >= the rows a query block can use (<= BLOCK_M)."""
+    return triton.next_power_of_2(min(cfg["BLOCK_T"], max_q_len) * G)
+
+
+def _default_fused_merge(cfg, max_q_len, G, D):
+    """Whether split-KV merges in the attention kernel by default (SPECDEC_FUSED_MERGE, else the
+    FUSED_MERGE_MAX_TILE rule)."""
+    if FUSED_MERGE is not None:
+        return FUSED_MERGE
+    return _merge_rows(cfg, max_q_len, G) * D <= FUSED_MERGE_MAX_TILE
+
+
 _COUNTERS = {}
 
 
@@ -703,9 +716,9 @@ def paged_attention(
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     tm = tree_mask if tree_mask is not None else kv_lens  # placeholder pointer when causal
     grid = (n_qblocks, B * HKV, num_splits)
-    merge_rows = triton.next_power_of_2(min(cfg["BLOCK_T"], max_q_len) * G)  # <= BLOCK_M
+    merge_rows = _merge_rows(cfg, max_q_len, G)
     if fused_merge is None:
-        fused_merge = FUSED_MERGE if FUSED_MERGE is not None else merge_rows * D <= FUSED_MERGE_MAX_TILE
+        fused_merge = _default_fused_merge(cfg, max_q_len, G, D)
     fused = split and fused_merge
     pdl = pdl_mode(q.device)
     counters = arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder

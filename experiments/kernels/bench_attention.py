@@ -32,6 +32,7 @@ Columns (per shape):
 
 Run:  python experiments/kernels/bench_attention.py --out experiments/results/kernels   (~3-4 min)
       python experiments/kernels/bench_attention.py --tune --out DIR   (launch-config sweep on key shapes)
+      python experiments/kernels/bench_attention.py --tune --tune-shapes 64,1024,16 --out DIR   (one of them)
       python experiments/kernels/bench_attention.py --quick --out /tmp/bench   (two tiny shapes; CPU
       smoke run under TRITON_INTERPRET=1 when there is no GPU, timings meaningless)
 """
@@ -355,13 +356,13 @@ def run_sweep(args, copy_gbps, dtype):
 # ------------------------------------------------------------------------------------- tuning
 
 
-def run_tune(copy_gbps, dtype, quick):
+def run_tune(copy_gbps, dtype, quick, only=None):
     """Time candidate launch configs (BLOCK_N, num_warps, num_stages) and split counts on key shapes
     by swapping attn._launch_config; prints the best per shape. Uses no baseline."""
     rows = []
     default_cfg_fn = attn._launch_config
     key_shapes = ((1, 16384, 1), (8, 4096, 1), (64, 4096, 1), (64, 1024, 16))  # (B, prefix, T)
-    shapes = [(n, B, p, T) for n in CONFIGS for (B, p, T) in key_shapes]
+    shapes = [(n, B, p, T) for n in CONFIGS for (B, p, T) in key_shapes if not only or (B, p, T) in only]
     grid = dict(block_n=(32, 64, 128), warps=(4, 8), stages=(3, 5))  # ~100 compiles, ~3 min on an H200 host
     if quick:
         shapes, grid = [("9q/3kv d64", 2, 64, 8)], dict(block_n=(32, 64), warps=(4,), stages=(2,))
@@ -378,10 +379,12 @@ def run_tune(copy_gbps, dtype, quick):
         candidates = [base] + [dict(base, BLOCK_N=bn, num_warps=w, num_stages=st)
                                for bn in grid["block_n"] for w in grid["warps"] for st in grid["stages"]]  # fmt: skip
         candidates = [c for i, c in enumerate(candidates) if c not in candidates[:i]]
+        d_fused = attn._default_fused_merge(base, T, HQ // HKV, D)
         for cfg in candidates:
             d_splits = attn._default_num_splits(B, HKV, D, n_qblocks, pool.page_table.shape[1] * PS, cfg, DEVICE_OBJ)
-            for splits in sorted({max(1, d_splits // 2), d_splits, min(attn.MAX_SPLITS, d_splits * 2)}):
-                fn = lambda: paged_attention(**args, max_q_len=T, num_splits=splits)  # noqa: E731
+            split_counts = sorted({max(1, d_splits // 2), d_splits, min(attn.MAX_SPLITS, d_splits * 2)})
+            for splits, fused in [(s, f) for s in split_counts for f in ((False, True) if s > 1 else (d_fused,))]:
+                fn = lambda: paged_attention(**args, max_q_len=T, num_splits=splits, fused_merge=fused)  # noqa: E731
                 attn._launch_config = lambda *a, cfg=cfg: cfg  # noqa: E731
                 try:
                     err = (fn().float() - ref).abs().max().item()
@@ -391,10 +394,11 @@ def run_tune(copy_gbps, dtype, quick):
                     continue
                 finally:
                     attn._launch_config = default_cfg_fn
-                is_default = (cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], splits) == (
-                    base["BLOCK_N"], base["num_warps"], base["num_stages"], d_splits)  # fmt: skip
+                is_default = (cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], splits, fused) == (
+                    base["BLOCK_N"], base["num_warps"], base["num_stages"], d_splits, d_fused)  # fmt: skip
                 row = dict(config=name, B=B, prefix=prefix, T=T, block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"],
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], splits=splits, us=us,
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], splits=splits,
+                           fused_merge=fused and splits > 1, us=us,
                            pct_copy=100 * kv_bytes / (us * 1e-6) / 1e9 / copy_gbps, max_err=err,
                            default=is_default)  # fmt: skip
                 rows.append(row)
@@ -403,7 +407,8 @@ def run_tune(copy_gbps, dtype, quick):
         dflt = [r for r in rows if r["default"] and (r["config"], r["B"], r["prefix"], r["T"]) == (name, B, prefix, T)]
         print(f"  {name} B={B} prefix={prefix} T={T}: default {dflt[0]['us'] if dflt else float('nan'):.1f} us, "
               f"best {best['us']:.1f} us ({best['pct_copy']:.0f}% copy) with BLOCK_N={best['block_n']} "
-              f"warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']}",
+              f"warps={best['num_warps']} stages={best['num_stages']} splits={best['splits']} "
+              f"fused merge={best['fused_merge']}",
               file=sys.stderr)  # fmt: skip
         del pool, args
         if CUDA:
@@ -424,7 +429,8 @@ TABLE_COLS = [  # (csv key, header, format)
 TUNE_COLS = [
     ("config", "config", "{}"), ("B", "B", "{}"), ("prefix", "prefix", "{}"), ("T", "T", "{}"),
     ("block_m", "BM", "{}"), ("block_n", "BN", "{}"), ("num_warps", "warps", "{}"), ("num_stages", "stages", "{}"),
-    ("splits", "splits", "{}"), ("us", "us", "{:.1f}"), ("pct_copy", "%copy", "{:.0f}"), ("default", "default", "{}"),
+    ("splits", "splits", "{}"), ("fused_merge", "fused", "{}"), ("us", "us", "{:.1f}"), ("pct_copy", "%copy", "{:.0f}"),
+    ("default", "default", "{}"),
 ]  # fmt: skip
 
 
@@ -456,6 +462,8 @@ def main():
                         help="directory for the CSV")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="two tiny shapes (CPU smoke run); with --tune one")
     parser.add_argument("--tune", action="store_true", help="sweep launch configs on key shapes instead")
+    parser.add_argument("--tune-shapes", nargs="+", default=None, metavar="B,PREFIX,T",
+                        help="with --tune: only these of the key shapes, e.g. 64,1024,16 (the tree headline)")
     parser.add_argument("--flex-budget-s", type=float, default=90.0,
                         help="wall seconds flex_attention (compiles included) may use before it is skipped",
                         )  # fmt: skip
@@ -466,7 +474,15 @@ def main():
     t_start = time.perf_counter()
     check_correctness(dtype)
     copy_gbps = copy_bandwidth_gbps()
-    rows = run_tune(copy_gbps, dtype, args.quick) if args.tune else run_sweep(args, copy_gbps, dtype)
+    only = None
+    if args.tune_shapes:
+        try:
+            only = {tuple(int(v) for v in spec.split(",")) for spec in args.tune_shapes}
+        except ValueError:
+            parser.error(f"--tune-shapes takes B,PREFIX,T triples of ints, got {args.tune_shapes}")
+        if any(len(t) != 3 for t in only):
+            parser.error(f"--tune-shapes takes B,PREFIX,T triples, got {args.tune_shapes}")
+    rows = run_tune(copy_gbps, dtype, args.quick, only) if args.tune else run_sweep(args, copy_gbps, dtype)
 
     commit = git_commit()
     date = datetime.datetime.now().isoformat(timespec="seconds")
