@@ -74,7 +74,10 @@ MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table c
 # step, 16 busy splits at context 256) 4.436 -> 4.452 ms: a serial fold costs more than the merge
 # launch it saves. SPECDEC_FUSED_MERGE=1 / 0 forces it on / off (experiments).
 FUSED_MERGE_MAX_TILE = 1024
-FUSED_MERGE = {"1": True, "0": False, None: None}[os.environ.get("SPECDEC_FUSED_MERGE")]
+_FUSED_ENV = os.environ.get("SPECDEC_FUSED_MERGE")
+if _FUSED_ENV not in (None, "0", "1"):
+    raise ValueError(f"SPECDEC_FUSED_MERGE must be 0 or 1, got {_FUSED_ENV!r}")
+FUSED_MERGE = None if _FUSED_ENV is None else _FUSED_ENV == "1"
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PDL_LATE, PDL_EARLY = 1, 2  # USE_PDL values: where a kernel lets its successor launch (see pdl_mode)
 
@@ -357,20 +360,18 @@ def _paged_attention_fwd_kernel(
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     n_full = full_hi // BLOCK_N
     i_cnt = i_t * tl.num_programs(1) + i_bh  # this group's arrival counter (FUSED_MERGE)
-    if FUSED_MERGE:
-        if tile_lo >= tile_hi:  # an empty split: the group's merge waits only for its busy splits
-            return
     if SPLIT:
         if tile_lo >= tile_hi:
             # Empty split (num_splits comes from the page-table width, so a short request in a wide
             # table leaves most splits empty): no q, page-table or K/V loads. For the merge kernel it
             # still writes the zeros and the weight 2^-inf = 0 that the merge reads, so the merge
             # loads o_part and lse together instead of loading o_part only after seeing lse (one
-            # more round trip). (With the fused merge it has returned above, before any wait.)
-            o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
-            tl.store(o_part + o_part_row[:, None] * D + o_d[None, :],
-                     tl.zeros([BLOCK_M, D], dtype=tl.float32), mask=m_r[:, None])
-            tl.store(lse_part + o_part_row, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_r)
+            # more round trip). The fused merge waits only for the busy splits: nothing to do.
+            if not FUSED_MERGE:
+                o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
+                tl.store(o_part + o_part_row[:, None] * D + o_d[None, :],
+                         tl.zeros([BLOCK_M, D], dtype=tl.float32), mask=m_r[:, None])
+                tl.store(lse_part + o_part_row, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=m_r)
             return
 
     p_q = q + (o_n * stride_qn + o_hq * stride_qh)[:, None] + o_d[None, :]
