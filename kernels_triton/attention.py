@@ -36,8 +36,10 @@ Kernel layout (FlashAttention-2 style online softmax in the exp2 domain):
   and feeds a [BLOCK_M, D] x [D, BLOCK_N] tl.dot.
 - KV is walked in BLOCK_N-slot tiles; each slot's page comes from the int32 page table, so pages may
   be in any order and PS need not divide BLOCK_N (or vice versa). Tiles that every row of the block
-  fully sees (the prefix, and for causal prefill the part before the block's first query) run without
-  any mask; only the tail tiles covering the new tokens apply the causal / tree mask and kv_len bound.
+  fully sees (the prefix, and for causal prefill the part before the block's first query) skip the
+  mask; only the tail tiles covering the new tokens apply the causal / tree mask and kv_len bound.
+  By default one pipelined loop walks all tiles and decides per tile (ONE_LOOP, _default_one_loop);
+  otherwise an unmasked loop is followed by a masked one.
 - Split-KV: the block's KV range is cut into num_splits contiguous tile ranges; with num_splits > 1
   each split writes (out / l, log2-sum-exp) to an fp32 workspace and a second small kernel merges
   the splits, or (fused merge) the last of a group's busy splits to finish merges them. num_splits
@@ -160,35 +162,9 @@ def write_kv_ref_(k_cache, v_cache, k, v, slot_mapping):
 
 
 @triton.jit
-def _attn_tile(
-    b_q,
-    k_cache,
-    v_cache,
-    p_pt,
-    i_hkv,
-    tile,
-    kv_len,
-    prefix,
-    o_i,
-    b_tm,
-    m_i,
-    l_i,
-    acc,
-    qk_scale,
-    stride_kp,
-    stride_ks,
-    stride_kh,
-    stride_vp,
-    stride_vs,
-    stride_vh,
-    D: tl.constexpr,
-    PS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    IS_TREE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """One BLOCK_N-slot KV tile of the online softmax; MASKED applies kv_len and causal/tree masks."""
+def _load_kv_tile(k_cache, v_cache, p_pt, i_hkv, tile, kv_len, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                  stride_vh, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """K and V [BLOCK_N, D] of one tile, through the page table (MASKED: slots >= kv_len read as 0)."""
     o_d = tl.arange(0, D)
     o_s = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical slots
     if MASKED:
@@ -205,17 +181,28 @@ def _attn_tile(
     else:
         b_k = tl.load(p_k)  # [BLOCK_N, D]
         b_v = tl.load(p_v)  # [BLOCK_N, D]
+    return b_k, b_v
 
+
+@triton.jit
+def _attn_update(b_q, b_k, b_v, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_TREE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The online-softmax update of (m_i, l_i, acc) with one K/V tile. MASKED: 0 no mask (a tile
+    every row fully sees), 1 the kv_len bound and the causal / tree mask, 2 the same decided at run
+    time (applied when tile >= n_full), so that one pipelined loop covers every tile."""
+    o_s = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical slots
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, D] @ [D, BLOCK_N]
-    if MASKED:
-        if IS_TREE:
-            o_j = o_s - prefix  # index among the new tokens (negative inside the prefix)
-            m_new = (o_j >= 0) & m_s
-            b_bit = (b_tm[:, None] >> tl.where(m_new, o_j, 0).to(tl.int64)[None, :]) & 1  # [BLOCK_M, BLOCK_N]
-            m_vis = (o_s < prefix)[None, :] | ((b_bit != 0) & m_new[None, :])
-        else:
-            m_vis = (o_s[None, :] <= (prefix + o_i)[:, None]) & m_s[None, :]
-        b_s = tl.where(m_vis, b_s, float("-inf"))
+    if MASKED != 0:
+        if MASKED == 1 or tile >= n_full:
+            m_s = o_s < kv_len
+            if IS_TREE:
+                o_j = o_s - prefix  # index among the new tokens (negative inside the prefix)
+                m_new = (o_j >= 0) & m_s
+                b_bit = (b_tm[:, None] >> tl.where(m_new, o_j, 0).to(tl.int64)[None, :]) & 1  # [BLOCK_M, BLOCK_N]
+                m_vis = (o_s < prefix)[None, :] | ((b_bit != 0) & m_new[None, :])
+            else:
+                m_vis = (o_s[None, :] <= (prefix + o_i)[:, None]) & m_s[None, :]
+            b_s = tl.where(m_vis, b_s, float("-inf"))
         m_new_i = tl.maximum(m_i, tl.max(b_s, 1))  # [BLOCK_M]
         # A row may see nothing yet (all -inf so far): shift by 0 instead of -inf to avoid inf - inf.
         m_safe = tl.where(m_new_i == float("-inf"), 0.0, m_new_i)
@@ -229,6 +216,17 @@ def _attn_tile(
         b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC
     )  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
     return m_new_i, l_i, acc
+
+
+@triton.jit
+def _attn_tile(b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
+               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, D: tl.constexpr, PS: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_TREE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One BLOCK_N-slot KV tile: load it and update the online softmax (MASKED as in _attn_update)."""
+    b_k, b_v = _load_kv_tile(k_cache, v_cache, p_pt, i_hkv, tile, kv_len, stride_kp, stride_ks, stride_kh,
+                             stride_vp, stride_vs, stride_vh, D, PS, BLOCK_N, MASKED != 0)
+    return _attn_update(b_q, b_k, b_v, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
+                        BLOCK_N, MASKED, IS_TREE, DOT_PREC)
 
 
 @triton.jit
@@ -321,6 +319,7 @@ def _paged_attention_fwd_kernel(
     IS_TREE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (see pdl_mode)
+    ONE_LOOP: tl.constexpr,  # one loop over all tiles, or unmasked then masked tiles (see _default_one_loop)
 ):
     if USE_PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
@@ -385,18 +384,26 @@ def _paged_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     p_pt = page_table + i_b.to(tl.int64) * stride_ptb
-    for tile in range(tile_lo, tl.minimum(tile_hi, n_full)):
-        m_i, l_i, acc = _attn_tile(
-            b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, m_i, l_i, acc, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            D, PS, BLOCK_N, False, IS_TREE, DOT_PREC,
-        )  # fmt: skip
-    for tile in range(tl.maximum(tile_lo, n_full), tile_hi):
-        m_i, l_i, acc = _attn_tile(
-            b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, m_i, l_i, acc, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            D, PS, BLOCK_N, True, IS_TREE, DOT_PREC,
-        )  # fmt: skip
+    if ONE_LOOP:  # one pipelined loop; a tile applies the masks when it needs them (tile >= n_full)
+        for tile in range(tile_lo, tile_hi):
+            m_i, l_i, acc = _attn_tile(
+                b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                D, PS, BLOCK_N, 2, IS_TREE, DOT_PREC,
+            )  # fmt: skip
+    else:  # the tiles every row fully sees without any mask, then the masked ones
+        for tile in range(tile_lo, tl.minimum(tile_hi, n_full)):
+            m_i, l_i, acc = _attn_tile(
+                b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                D, PS, BLOCK_N, 0, IS_TREE, DOT_PREC,
+            )  # fmt: skip
+        for tile in range(tl.maximum(tile_lo, n_full), tile_hi):
+            m_i, l_i, acc = _attn_tile(
+                b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                D, PS, BLOCK_N, 1, IS_TREE, DOT_PREC,
+            )  # fmt: skip
     if USE_PDL == 1:  # PDL_LATE: only the epilogue is left
         tlc.gdc_launch_dependents()
 
@@ -570,6 +577,26 @@ def _merge_rows(cfg, max_q_len, G):
     return triton.next_power_of_2(min(cfg["BLOCK_T"], max_q_len) * G)
 
 
+def _default_one_loop(tree, D, n_programs, device):
+    """Whether the kernel walks its tiles in one loop (ONE_LOOP) by default: everywhere except tree
+    verification at D <= 64 with at least one program per SM.
+
+    One loop streams every tile, the masked ones included, through one software pipeline; two loops
+    (unmasked tiles, then masked) restart the pipeline for the masked tiles, i.e. two more dependent
+    memory round trips (page table, then K/V) at the end of each program. H200, bf16, 2026-11-30
+    (rotating timing, bench_attention inputs): decode 8B shapes B=1 prefix 512 9.18 vs 10.06 us,
+    9q/3kv B=8 prefix 4096 14.5 vs 15.8 us, tree 32q/8kv d128 B=64 prefix 1024 T=16 83.0 vs 86.6 us;
+    graphed steps (random weights): Llama-3.1-8B batch 1 4.349 vs 4.386 ms, SmolLM2 plain 0.577 vs
+    0.585-0.600 ms, chain5 / tree16 / tree48 1.116 / 1.258 / 1.388 vs 1.140 / 1.271 / 1.432 ms.
+    The exception: the tree tile (BLOCK_M = 64) at d64 is instruction-bound once the grid fills the
+    GPU, and its masked branch inside the loop costs more than the round trips it saves: 9q/3kv
+    prefix 1024 T=16, B=64 25.8 vs 23.6 us, B=88 26.6 vs 25.9 us (prefix 1000: 24.7 vs 22.9 us).
+    Applying the tree mask to every tile instead of branching: 35.5 us. Loading the first masked
+    tile before the unmasked loop (its registers then go to shared memory before the loop, so the
+    loads are waited for there): 23.8 us."""
+    return not (tree and D <= 64 and n_programs >= _sm_count(device))
+
+
 def _default_fused_merge(cfg, max_q_len, G, D):
     """Whether split-KV merges in the attention kernel by default (SPECDEC_FUSED_MERGE, else the
     FUSED_MERGE_MAX_TILE rule)."""
@@ -667,6 +694,7 @@ def paged_attention(
     num_splits: int | None = None,
     tree_window: int | None = None,
     fused_merge: bool | None = None,
+    one_loop: bool | None = None,
 ):
     """Paged attention over one layer's KV pool (prefill chunk, decode or tree verify) in 1-2 launches.
 
@@ -685,6 +713,9 @@ def paged_attention(
             zeroed workspace that each launch leaves zeroed); False: a second merge kernel; None:
             fused when that last program folds >= 8 partials per step (merged rows x D <= 1024,
             e.g. decode), see FUSED_MERGE_MAX_TILE (SPECDEC_FUSED_MERGE overrides the default).
+        one_loop: True: each program walks its KV tiles in one loop, masking a tile at run time
+            when it needs it; False: the unmasked tiles, then the masked ones; None: the measured
+            default, see _default_one_loop. Both compute the same values.
 
     Returns:
         [N, HQ, D] in q.dtype (a new tensor). Rows not owned by any request are left unwritten.
@@ -722,6 +753,8 @@ def paged_attention(
         fused_merge = _default_fused_merge(cfg, max_q_len, G, D)
     fused = split and fused_merge
     pdl = pdl_mode(q.device)
+    if one_loop is None:
+        one_loop = _default_one_loop(tree_mask is not None, D, n_qblocks * B * HKV * num_splits, q.device)
     counters = arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
     block_s = triton.next_power_of_2(num_splits)
     _paged_attention_fwd_kernel[grid](
@@ -737,7 +770,7 @@ def paged_attention(
         S_CHUNK=min(block_s, max(1, 8192 // (merge_rows * D))), MERGE_ROWS=merge_rows,  # <= 8192 fp32 values per step
         IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), ONE_LOOP=one_loop,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split and not fused:

@@ -96,13 +96,15 @@ def check(batch, dtype, max_q_len, splits, tree_mask=None, sm_scale=None):
     ref = paged_attention_ref(**batch, tree_mask=tree_mask, sm_scale=sm_scale)
     atol, rtol = TOL[dtype]
     for ns in splits:
-        # split-KV partials merged by the last split of each group (default) or by a second kernel
-        for fused in (True, False) if ns != 1 else (True,):
+        # split-KV partials merged by the last split of each group (default) or by a second kernel;
+        # every tile in one loop, or the unmasked tiles and then the masked ones
+        combos = [(True, True), (True, False)] + ([(False, True)] if ns != 1 else [])
+        for fused, one_loop in combos:
             kwargs = dict(tree_mask=tree_mask, sm_scale=sm_scale, max_q_len=max_q_len, num_splits=ns,
-                          fused_merge=fused)
+                          fused_merge=fused, one_loop=one_loop)
             out = call_poisoned(lambda: paged_attention(**batch, **kwargs), batch["q"].shape, dtype)
             assert out.shape == ref.shape and out.dtype == dtype
-            msg = lambda m: f"num_splits={ns}, fused_merge={fused}: {m}"  # noqa: E731
+            msg = lambda m: f"num_splits={ns}, fused_merge={fused}, one_loop={one_loop}: {m}"  # noqa: E731
             torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol, msg=msg)
     return ref
 
