@@ -577,24 +577,36 @@ def _merge_rows(cfg, max_q_len, G):
     return triton.next_power_of_2(min(cfg["BLOCK_T"], max_q_len) * G)
 
 
-def _default_one_loop(tree, D, n_programs, device):
-    """Whether the kernel walks its tiles in one loop (ONE_LOOP) by default: everywhere except tree
-    verification at D <= 64 with at least one program per SM.
+ONE_LOOP_MAX_TILES = 8  # default one loop for BLOCK_M >= 64 up to this many tiles of capacity per split
 
-    One loop streams every tile, the masked ones included, through one software pipeline; two loops
-    (unmasked tiles, then masked) restart the pipeline for the masked tiles, i.e. two more dependent
-    memory round trips (page table, then K/V) at the end of each program. H200, bf16, 2026-11-30
-    (rotating timing, bench_attention inputs): decode 8B shapes B=1 prefix 512 9.18 vs 10.06 us,
-    9q/3kv B=8 prefix 4096 14.5 vs 15.8 us, tree 32q/8kv d128 B=64 prefix 1024 T=16 83.0 vs 86.6 us;
-    graphed steps (random weights): Llama-3.1-8B batch 1 4.349 vs 4.386 ms, SmolLM2 plain 0.577 vs
-    0.585-0.600 ms, chain5 / tree16 / tree48 1.116 / 1.258 / 1.388 vs 1.140 / 1.271 / 1.432 ms.
-    The exception: the tree tile (BLOCK_M = 64) at d64 is instruction-bound once the grid fills the
-    GPU, and its masked branch inside the loop costs more than the round trips it saves: 9q/3kv
-    prefix 1024 T=16, B=64 25.8 vs 23.6 us, B=88 26.6 vs 25.9 us (prefix 1000: 24.7 vs 22.9 us).
-    Applying the tree mask to every tile instead of branching: 35.5 us. Loading the first masked
-    tile before the unmasked loop (its registers then go to shared memory before the loop, so the
-    loads are waited for there): 23.8 us."""
-    return not (tree and D <= 64 and n_programs >= _sm_count(device))
+
+def _default_one_loop(cfg, kv_capacity, num_splits):
+    """Whether the kernel walks its tiles in one loop (ONE_LOOP) by default: at BLOCK_M <= 32
+    (decode, short chains and trees: mma.sync tiles), and at larger tiles when a split holds at
+    most ONE_LOOP_MAX_TILES tiles of page-table capacity (static shapes only, like the split count).
+
+    One loop streams every tile, the masked ones included, through one software pipeline and
+    branches per tile on whether it needs the mask; two loops (unmasked tiles, then masked) restart
+    the pipeline for the masked tiles: two more dependent memory round trips (page table, then K/V)
+    at the end of each program, which short programs feel most. On the wgmma tiles (BLOCK_M >= 64)
+    the branch inside a long loop costs more than those round trips. Same-run A/B, H200, bf16,
+    eb3d046 (rotating timing; experiments/results/kernels/ab_attention_loops_eb3d046.txt), two-loop
+    time / one-loop time:
+    - BLOCK_M <= 32: 1.006-1.364 at 35 of 36 shapes (e.g. 32q/8kv T=8 B=64 prefix 4096 481 vs
+      376 us; decode B=1 prefix 512 10.1 vs 9.2 us), 0.997 at the other.
+    - BLOCK_M >= 64, <= 5 tiles per split: 1.005-1.078 at 9 of 10 shapes, 0.991 at the other.
+    - 9 tiles: 0.960-1.076, 4 of 7 shapes for one loop; 17-257 tiles: 0.824-0.997 at 16 of 17
+      shapes (9q/3kv T=16 prefix 16384 B=8: 55.0 vs 65.0 us), 1.003 at the other. The tree headline
+      (9q/3kv T=16 B=64 prefix 1024, 17 tiles) in another run: 23.6 vs 25.8 us.
+    Graphed steps, random weights, same run: Llama-3.1-8B batch 1 4.349 vs 4.386 ms with one loop
+    everywhere; SmolLM2 plain 0.580 vs 0.600 ms, chain5 / tree16 / tree48 1.116 / 1.258 /
+    1.388 vs 1.140 / 1.271 / 1.432 ms. Also measured and dropped: applying the tree mask to every
+    tile instead of branching (T=16 B=64 prefix 1024: 35.5 us), and loading the first masked tile
+    before the unmasked loop (23.8 us: its registers go to shared memory before the loop, so the
+    loads are waited for there)."""
+    if cfg["BLOCK_M"] <= 32:
+        return True
+    return triton.cdiv(triton.cdiv(kv_capacity, cfg["BLOCK_N"]), num_splits) <= ONE_LOOP_MAX_TILES
 
 
 def _default_fused_merge(cfg, max_q_len, G, D):
@@ -754,7 +766,7 @@ def paged_attention(
     fused = split and fused_merge
     pdl = pdl_mode(q.device)
     if one_loop is None:
-        one_loop = _default_one_loop(tree_mask is not None, D, n_qblocks * B * HKV * num_splits, q.device)
+        one_loop = _default_one_loop(cfg, MP * PS, num_splits)
     counters = arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
     block_s = triton.next_power_of_2(num_splits)
     _paged_attention_fwd_kernel[grid](

@@ -355,3 +355,17 @@ def test_pdl_modes_and_cuda_only(monkeypatch):
         assert pdl_mode(torch.device("cpu")) == 0
         if torch.cuda.is_available():
             assert pdl_mode(torch.device("cuda")) == (want if cc9 else 0)
+
+def test_default_one_loop_rule():
+    # one loop for mma.sync tiles (BLOCK_M <= 32) whatever the length; for wgmma tiles only while a
+    # split holds at most ONE_LOOP_MAX_TILES tiles of capacity (the tree headline's 17 tiles: two loops)
+    from kernels_triton import attention as attn
+
+    decode = attn._launch_config(1, 3, 64)
+    tree = attn._launch_config(16, 3, 64)
+    assert decode["BLOCK_M"] <= 32 and tree["BLOCK_M"] == 64
+    assert attn._default_one_loop(decode, 16384 + 1, 1)
+    assert not attn._default_one_loop(tree, 1024 + 16, 1)
+    assert attn._default_one_loop(tree, 1024 + 16, 4)  # 5 tiles per split
+    cap = attn.ONE_LOOP_MAX_TILES * tree["BLOCK_N"]
+    assert attn._default_one_loop(tree, cap, 1) and not attn._default_one_loop(tree, cap + 1, 1)
