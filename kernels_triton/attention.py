@@ -99,7 +99,11 @@ def pdl_mode(device) -> int:
     same runs): attention reading its lengths and page table and prefetching its cached prefix into
     L2 (PTX prefetch.global.L2) before the wait, 92b24ea: 8B step 4.351 / 4.348 vs 4.354 / 4.355 ms,
     SmolLM2 0.604 vs 0.596 ms; GEMVs prefetching their first block's weights into L2 before the wait,
-    c27786c: 8B 5.79 vs 4.40 ms; attention alone triggering early: 4.394 vs 4.397 ms."""
+    c27786c: 8B 5.79 vs 4.40 ms; attention alone triggering early: 4.394 vs 4.397 ms; the o-projection
+    alone prefetching its weights (33.5 MB at 8B, which fits the L2) into L2 while attention runs,
+    with attention triggering early so it is resident, 43c36b5 (branch exp/wo-l2-prefetch): 8B
+    4.385 / 4.429 ms (16 / 40 MB budget) vs 4.336 ms with the early trigger alone and 4.339 / 4.338
+    ms with neither; SmolLM2 0.621 vs 0.607 ms."""
     mode = os.environ.get("SPECDEC_PDL", "1")
     if mode not in ("1", "early") or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return 0
