@@ -711,6 +711,8 @@ def paged_attention(
     tree_window: int | None = None,
     fused_merge: bool | None = None,
     one_loop: bool | None = None,
+    maxnreg: int | None = None,
+    merge_chunk: int | None = None,
 ):
     """Paged attention over one layer's KV pool (prefill chunk, decode or tree verify) in 1-2 launches.
 
@@ -732,6 +734,14 @@ def paged_attention(
         one_loop: True: each program walks its KV tiles in one loop, masking a tile at run time
             when it needs it; False: the unmasked tiles, then the masked ones; None: the measured
             default, see _default_one_loop. Both compute the same values.
+        maxnreg: launch tuning (experiments; None: ptxas decides): a register cap per thread for
+            the attention kernel. Split-KV raises the tree tile's count (BLOCK_M = 64, d64, sm_90:
+            168 registers without splits, 203 with the merge kernel, 230-244 with the fused merge),
+            which drops it from 3 to 2 programs per SM; a cap of 168 fits them without spills
+            (24 bytes with the fused merge folding 1 partial per step). Not measured yet:
+            experiments/kernels/exp_tree_occupancy.py.
+        merge_chunk: launch tuning (experiments): partials the fused merge folds per step (default
+            as many as fit 8192 fp32 values, at most num_splits).
 
     Returns:
         [N, HQ, D] in q.dtype (a new tensor). Rows not owned by any request are left unwritten.
@@ -751,6 +761,9 @@ def paged_attention(
         num_splits = _default_num_splits(B, HKV, D, n_qblocks, MP * PS, cfg, q.device)
     if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"paged_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    if merge_chunk is not None and (not isinstance(merge_chunk, int) or merge_chunk < 1
+                                    or merge_chunk & (merge_chunk - 1)):
+        raise ValueError(f"paged_attention: merge_chunk must be a power of two >= 1, got {merge_chunk!r}")
 
     o = torch.empty((N, HQ, D), dtype=q.dtype, device=q.device)
     if N == 0 or B == 0:
@@ -783,10 +796,12 @@ def paged_attention(
         HKV=HKV, G=G, D=D, PS=PS,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"],
         SPLIT=split, FUSED_MERGE=fused, BLOCK_S=block_s,
-        S_CHUNK=min(block_s, max(1, 8192 // (merge_rows * D))), MERGE_ROWS=merge_rows,  # <= 8192 fp32 values per step
+        S_CHUNK=merge_chunk or min(block_s, max(1, 8192 // (merge_rows * D))),  # <= 8192 fp32 values per step
+        MERGE_ROWS=merge_rows,
         IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), ONE_LOOP=one_loop,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split and not fused:

@@ -243,6 +243,24 @@ def test_fused_merge_leaves_arrival_counters_zeroed():
         assert int(counters.count_nonzero()) == 0
 
 
+def test_launch_tuning_options_keep_results():
+    # merge_chunk (partials folded per fused-merge step) and maxnreg (a register cap, ignored by the
+    # interpreter) change how the kernel runs, not what it computes; bad merge_chunk values fail.
+    import kernels_triton.attention as attn
+
+    batch = make_batch(T=[16, 3, 16], prefix=[70, 5, 140], heads=(9, 3, 64), PS=16, dtype=torch.float32, seed=12)
+    tm = batch_tree_mask([16, 3, 16], seed=12)
+    ref = attn.paged_attention_ref(**batch, tree_mask=tm)
+    for chunk in (1, 2, 8):
+        out = call_poisoned(lambda: attn.paged_attention(**batch, tree_mask=tm, max_q_len=16, num_splits=3,
+                                                         fused_merge=True, merge_chunk=chunk, maxnreg=168),
+                            batch["q"].shape, torch.float32)
+        torch.testing.assert_close(out, ref, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
+    for bad in (0, 3, 2.0):
+        with pytest.raises(ValueError, match="merge_chunk"):
+            attn.paged_attention(**batch, tree_mask=tm, max_q_len=16, num_splits=3, merge_chunk=bad)
+
+
 def test_default_splits_keep_min_tiles_of_capacity(monkeypatch):
     import kernels_triton.attention as attn
 
