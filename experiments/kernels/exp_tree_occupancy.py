@@ -6,7 +6,10 @@ SM), so a second split (384 programs at B=64) runs in 1.5 waves: 33.6 us vs 23.6
 the tree headline (B=64, prefix 1024, T=16; H200 at 9aa95c6). With a register cap of 168
 (`paged_attention(maxnreg=168)`, the fused merge folding one partial per step: `merge_chunk=1`)
 ptxas fits them without spills (24 bytes with the fused merge), so 2 splits would be one wave of
-~3 programs per SM with ~8 tiles each. This times split counts x merge kind x register cap x loop
+~3 programs per SM with ~8 tiles each. Why more programs per SM should help: one program's tile loop
+is a dependent chain (QK wgmma, wait, softmax, PV wgmma, wait), ~440 SASS instructions per tile per
+warp (34 MUFU.EX2, 64 FMUL, 50 IMAD; sm_90 ptxas at 40d85ed), and measured at ~1.2 us per tile with
+one program per SM (B=44) vs ~0.75 us with two (B=88) and ~0.67 us with three (B=132). This times split counts x merge kind x register cap x loop
 structure at the headline and nearby shapes, beside the default launch, in one run.
 
 Timing: bench_attention's rotating timing (a CUDA graph of back-to-back calls over >= 256 MB of
