@@ -539,7 +539,10 @@ def _launch_config(max_q_len, G, D, dtype=torch.bfloat16):
         cfg = dict(BLOCK_N=64 if D <= 64 else 32, num_warps=4, num_stages=5)
     elif block_m == 64:
         # 5 stages, measured on H200 (bf16, B=64, prefix 1024, T=16): 30.9 us vs 49.3 us with 3
-        # stages and 2 splits (9q/3kv d64); 96 us vs 105 us at 32q/8kv d128.
+        # stages and 2 splits (9q/3kv d64); 96 us vs 105 us at 32q/8kv d128. Rotating timing at
+        # 9aa95c6, same run (9q/3kv): 5 stages 23.6 us; 6-10 stages 23.6-25.2; 3 / 4 stages 31.9;
+        # BLOCK_N 32 (7-11 stages) 25.3-26.0, 128 (4-6 stages) 25.7-28.6; 8 warps 32.9; the softmax
+        # scale folded into the exp2 FMA 23.55 vs 23.42 us.
         cfg = dict(BLOCK_N=64, num_warps=4, num_stages=5)
     else:
         cfg = dict(BLOCK_N=64, num_warps=8, num_stages=3 if D <= 128 else 2)
