@@ -166,12 +166,15 @@ def write_kv_ref_(k_cache, v_cache, k, v, slot_mapping):
 
 
 @triton.jit
-def _load_kv_tile(k_cache, v_cache, p_pt, i_hkv, tile, kv_len, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                  stride_vh, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """K and V [BLOCK_N, D] of one tile, through the page table (MASKED: slots >= kv_len read as 0)."""
+def _attn_tile(b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
+               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, D: tl.constexpr, PS: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_TREE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One BLOCK_N-slot KV tile of the online softmax. MASKED: 0 no mask (a tile every row fully
+    sees), 1 the kv_len bound and the causal / tree mask, 2 the kv_len bound on the loads and the
+    masks decided at run time (applied when tile >= n_full), so that one loop covers every tile."""
     o_d = tl.arange(0, D)
     o_s = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical slots
-    if MASKED:
+    if MASKED != 0:
         m_s = o_s < kv_len
         b_page = tl.load(p_pt + o_s // PS, mask=m_s, other=0).to(tl.int64)  # [BLOCK_N]
     else:
@@ -179,26 +182,16 @@ def _load_kv_tile(k_cache, v_cache, p_pt, i_hkv, tile, kv_len, stride_kp, stride
     o_off = o_s % PS
     p_k = k_cache + (b_page * stride_kp + o_off * stride_ks + i_hkv * stride_kh)[:, None] + o_d[None, :]
     p_v = v_cache + (b_page * stride_vp + o_off * stride_vs + i_hkv * stride_vh)[:, None] + o_d[None, :]
-    if MASKED:
+    if MASKED != 0:
         b_k = tl.load(p_k, mask=m_s[:, None], other=0.0)  # [BLOCK_N, D]
         b_v = tl.load(p_v, mask=m_s[:, None], other=0.0)  # [BLOCK_N, D]
     else:
         b_k = tl.load(p_k)  # [BLOCK_N, D]
         b_v = tl.load(p_v)  # [BLOCK_N, D]
-    return b_k, b_v
 
-
-@triton.jit
-def _attn_update(b_q, b_k, b_v, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_TREE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The online-softmax update of (m_i, l_i, acc) with one K/V tile. MASKED: 0 no mask (a tile
-    every row fully sees), 1 the kv_len bound and the causal / tree mask, 2 the same decided at run
-    time (applied when tile >= n_full), so that one pipelined loop covers every tile."""
-    o_s = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical slots
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, D] @ [D, BLOCK_N]
     if MASKED != 0:
         if MASKED == 1 or tile >= n_full:
-            m_s = o_s < kv_len
             if IS_TREE:
                 o_j = o_s - prefix  # index among the new tokens (negative inside the prefix)
                 m_new = (o_j >= 0) & m_s
@@ -220,17 +213,6 @@ def _attn_update(b_q, b_k, b_v, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_
         b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC
     )  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
     return m_new_i, l_i, acc
-
-
-@triton.jit
-def _attn_tile(b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
-               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, D: tl.constexpr, PS: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_TREE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One BLOCK_N-slot KV tile: load it and update the online softmax (MASKED as in _attn_update)."""
-    b_k, b_v = _load_kv_tile(k_cache, v_cache, p_pt, i_hkv, tile, kv_len, stride_kp, stride_ks, stride_kh,
-                             stride_vp, stride_vs, stride_vh, D, PS, BLOCK_N, MASKED != 0)
-    return _attn_update(b_q, b_k, b_v, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
-                        BLOCK_N, MASKED, IS_TREE, DOT_PREC)
 
 
 @triton.jit
@@ -388,26 +370,23 @@ def _paged_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     p_pt = page_table + i_b.to(tl.int64) * stride_ptb
-    if ONE_LOOP:  # one pipelined loop; a tile applies the masks when it needs them (tile >= n_full)
-        for tile in range(tile_lo, tile_hi):
-            m_i, l_i, acc = _attn_tile(
-                b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                D, PS, BLOCK_N, 2, IS_TREE, DOT_PREC,
-            )  # fmt: skip
-    else:  # the tiles every row fully sees without any mask, then the masked ones
+    # ONE_LOOP: one pipelined loop over all tiles, each applying the masks when it needs them
+    # (tile >= n_full); otherwise the tiles every row fully sees run first, without any mask.
+    t_mask = tile_lo
+    if not ONE_LOOP:
         for tile in range(tile_lo, tl.minimum(tile_hi, n_full)):
             m_i, l_i, acc = _attn_tile(
                 b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 D, PS, BLOCK_N, 0, IS_TREE, DOT_PREC,
             )  # fmt: skip
-        for tile in range(tl.maximum(tile_lo, n_full), tile_hi):
-            m_i, l_i, acc = _attn_tile(
-                b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                D, PS, BLOCK_N, 1, IS_TREE, DOT_PREC,
-            )  # fmt: skip
+        t_mask = tl.maximum(tile_lo, n_full)
+    for tile in range(t_mask, tile_hi):
+        m_i, l_i, acc = _attn_tile(
+            b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            D, PS, BLOCK_N, 2 if ONE_LOOP else 1, IS_TREE, DOT_PREC,
+        )  # fmt: skip
     if USE_PDL == 1:  # PDL_LATE: only the epilogue is left
         tlc.gdc_launch_dependents()
 
