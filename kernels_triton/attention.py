@@ -263,7 +263,7 @@ def _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, 
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits", "window"])
+@triton.jit(do_not_specialize=["num_splits", "min_busy_tiles", "window"])
 def _paged_attention_fwd_kernel(
     q,  # [N, HQ, D]
     k_cache,  # [P, PS, HKV, D]
@@ -278,6 +278,7 @@ def _paged_attention_fwd_kernel(
     counters,  # [n_qblocks * B * HKV] int32 arrivals, zero between launches (FUSED_MERGE)
     qk_scale,  # sm_scale * log2(e)
     num_splits,
+    min_busy_tiles,  # a split gets >= this many of the request's tiles (fewer busy splits if short)
     window,  # tree window W (IS_TREE; 0: T_b)
     stride_qn,
     stride_qh,
@@ -340,7 +341,8 @@ def _paged_attention_fwd_kernel(
 
     # This split's tile range; tiles below n_full are seen by every row and need no mask.
     n_tiles = tl.cdiv(kv_hi, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
+    n_busy = tl.maximum(tl.minimum(num_splits, n_tiles // min_busy_tiles), 1)
+    per_split = tl.cdiv(n_tiles, n_busy)
     tile_lo = i_sp * per_split
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     n_full = full_hi // BLOCK_N
@@ -550,12 +552,47 @@ def _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device):
     """
     base = max(1, B * HKV * n_qblocks)
     block_m = cfg["BLOCK_M"]
-    # Tree tiles (BLOCK_M = 64) split only to reach one program per SM: at B=64, T=16 a second
-    # split cost 60% (H200 tuning sweep, experiments/results/kernels).
+    # Tree tiles (BLOCK_M = 64) split here only to reach one program per SM (at B=64, T=16 a second
+    # split with the merge kernel cost 60%); long prefixes split further under _occupancy_splits.
     per_sm = 4 if block_m <= 32 else 1
     splits = max(1, (per_sm * _sm_count(device)) // base)
     splits = min(splits, max(1, kv_capacity // (MIN_SPLIT_TILES * cfg["BLOCK_N"])), MAX_SPLITS)
     return 1 << (splits.bit_length() - 1)  # a power of two: few distinct merge-kernel compiles
+
+
+TREE_MIN_SPLIT_TILES = 16  # the tree-tile occupancy plan keeps >= 16 tiles per split (capacity and run time)
+TREE_PROGRAMS_PER_SM = {64: 3, 128: 2}  # by head dim, see _occupancy_splits
+TREE_MAXNREG = 168  # register cap of the d64 tree tile when split (its unsplit count on sm_90)
+
+
+def _occupancy_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype):
+    """Split count of the tree-tile occupancy plan (BLOCK_M = 64, 16-bit inputs, D <= 128), or 1.
+
+    One tree program walks its tiles as a dependent chain (QK wgmma, wait, softmax, PV wgmma): at
+    the tree headline (9q/3kv d64, B=64, prefix 1024, T=16) it takes 21.2 us with every K/V read
+    hitting L2 (the page table folded onto 8 pages) vs 23.0 us from DRAM, so a program is bound by
+    its chain, not by bandwidth, and more programs per SM is what lifts throughput. The plan splits
+    the KV range until about TREE_PROGRAMS_PER_SM programs per SM exist (3 at d64: 168 registers
+    and 58 KB of shared memory each with the cap below; 2 at d128, measured), each split keeping
+    >= TREE_MIN_SPLIT_TILES tiles of page-table capacity, and (in paged_attention) launches them
+    with the fused merge folding one partial per step and, at d64, a 168-register cap (split-KV
+    otherwise takes 203-244 registers: 2 programs per SM). At run time a split also gets >= 16 of
+    its request's tiles (min_busy_tiles), so a short request in a wide table runs fewer, longer
+    splits. It only applies where it gives more splits than _default_num_splits (which fills the
+    SMs once).
+    H200, bf16, T=16, same run, rotating timing (experiments/kernels/exp_tree_splits.py; us,
+    default before -> this plan): 9q/3kv B=16 prefix 4096 33.9 -> 28.9 (4 splits), 16384 102.6 ->
+    79.1; B=32 4096 52.5 -> 37.8, 16384 189.3 -> 108.4 (88.5% of copy); B=64 4096 70.7 -> 61.2
+    (2 splits), 16384 256.1 -> 202.9; 32q/8kv B=8 16384 150.9 -> 139.7; B=16 4096 90.7 -> 79.8,
+    16384 322.9 -> 257.5. Shapes it leaves alone were slower split: B=64 prefix 1024 23.6 us vs
+    25.1 (2 splits), B=128 1024 33.8 vs 47.4.
+    """
+    per_sm = TREE_PROGRAMS_PER_SM.get(D)
+    if cfg["BLOCK_M"] != 64 or dtype == torch.float32 or per_sm is None:
+        return 1
+    splits = max(1, (per_sm * _sm_count(device)) // max(1, B * HKV * n_qblocks))
+    splits = min(splits, max(1, kv_capacity // (TREE_MIN_SPLIT_TILES * cfg["BLOCK_N"])), MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)
 
 
 def _merge_rows(cfg, max_q_len, G):
@@ -716,14 +753,15 @@ def paged_attention(
         one_loop: True: each program walks its KV tiles in one loop, masking a tile at run time
             when it needs it; False: the unmasked tiles, then the masked ones; None: the measured
             default, see _default_one_loop. Both compute the same values.
-        maxnreg: launch tuning (experiments; None: ptxas decides): a register cap per thread for
-            the attention kernel. Split-KV raises the tree tile's count (BLOCK_M = 64, d64, sm_90:
-            168 registers without splits, 203 with the merge kernel, 230-244 with the fused merge),
-            which drops it from 3 to 2 programs per SM; a cap of 168 fits them without spills
-            (24 bytes with the fused merge folding 1 partial per step). Not measured yet:
-            experiments/kernels/exp_tree_occupancy.py.
-        merge_chunk: launch tuning (experiments): partials the fused merge folds per step (default
-            as many as fit 8192 fp32 values, at most num_splits).
+        maxnreg: launch tuning (None: ptxas decides, or 168 under the tree occupancy plan): a
+            register cap per thread for the attention kernel. Split-KV raises the tree tile's
+            count (BLOCK_M = 64, d64, sm_90: 168 registers without splits, 203 with the merge
+            kernel, 230-244 with the fused merge), which drops it from 3 to 2 programs per SM; a
+            cap of 168 fits them with <= 24 bytes of spills. See _occupancy_splits for when it pays.
+        merge_chunk: launch tuning: partials the fused merge folds per step (default as many as fit
+            8192 fp32 values, at most num_splits; 1 under the tree occupancy plan).
+        When num_splits is None and the tree occupancy plan applies (_occupancy_splits), the
+        defaults of fused_merge, merge_chunk and maxnreg are the plan's; explicit values win.
 
     Returns:
         [N, HQ, D] in q.dtype (a new tensor). Rows not owned by any request are left unwritten.
@@ -739,8 +777,16 @@ def paged_attention(
     G = HQ // HKV
     cfg = _launch_config(max_q_len, G, D, q.dtype)
     n_qblocks = triton.cdiv(max_q_len, cfg["BLOCK_T"])
+    min_busy_tiles = 1
     if num_splits is None:
         num_splits = _default_num_splits(B, HKV, D, n_qblocks, MP * PS, cfg, q.device)
+        occupancy = _occupancy_splits(B, HKV, D, n_qblocks, MP * PS, cfg, q.device, q.dtype)
+        if occupancy > num_splits:  # the tree-tile occupancy plan (see _occupancy_splits)
+            num_splits, min_busy_tiles = occupancy, TREE_MIN_SPLIT_TILES
+            fused_merge = True if fused_merge is None and FUSED_MERGE is None else fused_merge
+            merge_chunk = 1 if merge_chunk is None else merge_chunk
+            if maxnreg is None and D <= 64:
+                maxnreg = TREE_MAXNREG
     if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"paged_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     if merge_chunk is not None and (not isinstance(merge_chunk, int) or merge_chunk < 1
@@ -770,7 +816,7 @@ def paged_attention(
     block_s = triton.next_power_of_2(num_splits)
     _paged_attention_fwd_kernel[grid](
         q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tm, o, o_part, lse_part, counters,
-        scale * 1.4426950408889634, num_splits, tree_window or 0,
+        scale * 1.4426950408889634, num_splits, min_busy_tiles, tree_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -261,6 +261,51 @@ def test_launch_tuning_options_keep_results():
             attn.paged_attention(**batch, tree_mask=tm, max_q_len=16, num_splits=3, merge_chunk=bad)
 
 
+def test_tree_occupancy_plan(monkeypatch):
+    # Tree tiles (BLOCK_M = 64) split past one program per SM when each split keeps enough tiles
+    # (_occupancy_splits), launched with the fused merge, merge_chunk 1 and a register cap; at run
+    # time a short request runs fewer busy splits (min_busy_tiles). The plan's launch must give the
+    # reference result with ragged lengths (one request below two splits' worth of tiles), pages
+    # out of order and NaN-poisoned workspaces. Scaled down: 6 SMs, 4 tiles per split.
+    import kernels_triton.attention as attn
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    monkeypatch.setattr(attn, "_sm_count", lambda device: 6)
+    monkeypatch.setattr(attn, "TREE_MIN_SPLIT_TILES", 4)
+    T = [16, 5, 16]
+    batch = make_batch(T=T, prefix=[300, 40, 500], heads=(9, 3, 64), PS=16, dtype=torch.float16, seed=13)
+    tm = batch_tree_mask(T, seed=13)
+    cfg = attn._launch_config(16, 3, 64, torch.float16)
+    cap = batch["page_table"].shape[1] * 16
+    dev = batch["q"].device
+    assert attn._default_num_splits(3, 3, 64, 1, cap, cfg, dev) == 1
+    assert attn._occupancy_splits(3, 3, 64, 1, cap, cfg, dev, torch.float16) == 2
+    assert attn._occupancy_splits(3, 3, 64, 1, cap, cfg, dev, torch.float32) == 1  # fp32: other tiles
+    ref = attn.paged_attention_ref(**batch, tree_mask=tm)
+    for _ in range(2):  # the fused merge's counters are left zeroed for the next launch
+        out = call_poisoned(lambda: attn.paged_attention(**batch, tree_mask=tm, max_q_len=16),
+                            batch["q"].shape, torch.float16)
+        torch.testing.assert_close(out, ref, atol=TOL[torch.float16][0], rtol=TOL[torch.float16][1])
+
+
+def test_tree_occupancy_rule_h200_shapes(monkeypatch):
+    # The measured cases (experiments/kernels/exp_tree_splits.py): 132 SMs, T = 16, capacity
+    # prefix + 16 slots. 3 programs per SM at d64, 2 at d128, >= 16 tiles of 64 per split.
+    import kernels_triton.attention as attn
+
+    monkeypatch.setattr(attn, "_sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    want = {(3, 64, 16, 4096): 4, (3, 64, 32, 16384): 4, (3, 64, 64, 4096): 2, (3, 64, 64, 1024): 1,
+            (3, 64, 128, 16384): 1, (8, 128, 16, 4096): 2, (8, 128, 8, 16384): 4, (8, 128, 32, 4096): 1}
+    for (HKV, D, B, prefix), n in want.items():
+        cfg = attn._launch_config(16, 12 // HKV if D == 64 else 4, D, torch.bfloat16)
+        assert cfg["BLOCK_M"] == 64
+        assert attn._occupancy_splits(B, HKV, D, 1, prefix + 16, cfg, dev, torch.bfloat16) == n, (HKV, D, B, prefix)
+    cfg = attn._launch_config(8, 3, 64, torch.bfloat16)  # T = 8: 32-row tiles, not planned
+    assert attn._occupancy_splits(16, 3, 64, 1, 16384, cfg, dev, torch.bfloat16) == 1
+
+
 def test_default_splits_keep_min_tiles_of_capacity(monkeypatch):
     import kernels_triton.attention as attn
 
