@@ -595,6 +595,15 @@ def _occupancy_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype):
     return 1 << (splits.bit_length() - 1)
 
 
+def default_split_count(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype):
+    """(num_splits, plan) that paged_attention launches with num_splits=None: the larger of
+    _default_num_splits and _occupancy_splits; plan is True when the occupancy plan's count wins
+    (and with it its launch options)."""
+    fill = _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device)
+    occupancy = _occupancy_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype)
+    return (occupancy, True) if occupancy > fill else (fill, False)
+
+
 def _merge_rows(cfg, max_q_len, G):
     """Rows of the fused merge's tile: pow2 >= the rows a query block can use (<= BLOCK_M)."""
     return triton.next_power_of_2(min(cfg["BLOCK_T"], max_q_len) * G)
@@ -779,10 +788,9 @@ def paged_attention(
     n_qblocks = triton.cdiv(max_q_len, cfg["BLOCK_T"])
     min_busy_tiles = 1
     if num_splits is None:
-        num_splits = _default_num_splits(B, HKV, D, n_qblocks, MP * PS, cfg, q.device)
-        occupancy = _occupancy_splits(B, HKV, D, n_qblocks, MP * PS, cfg, q.device, q.dtype)
-        if occupancy > num_splits:  # the tree-tile occupancy plan (see _occupancy_splits)
-            num_splits, min_busy_tiles = occupancy, TREE_MIN_SPLIT_TILES
+        num_splits, plan = default_split_count(B, HKV, D, n_qblocks, MP * PS, cfg, q.device, q.dtype)
+        if plan:  # the tree-tile occupancy plan (see _occupancy_splits)
+            min_busy_tiles = TREE_MIN_SPLIT_TILES
             fused_merge = True if fused_merge is None and FUSED_MERGE is None else fused_merge
             merge_chunk = 1 if merge_chunk is None else merge_chunk
             if maxnreg is None and D <= 64:

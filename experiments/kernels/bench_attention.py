@@ -251,7 +251,8 @@ def measure(name, heads, pools, T, copy_gbps, flex_state, dtype):
     args = all_args[0]
     cfg = attn._launch_config(T, HQ // HKV, D, dtype)
     n_qblocks = triton.cdiv(T, cfg["BLOCK_T"])
-    splits = attn._default_num_splits(B, HKV, D, n_qblocks, pool.page_table.shape[1] * PS, cfg, DEVICE_OBJ)
+    splits, _ = attn.default_split_count(B, HKV, D, n_qblocks, pool.page_table.shape[1] * PS, cfg, DEVICE_OBJ,
+                                         pool.dtype)
     kv_bytes = B * L * HKV * D * 2 * pool.k_cache.element_size()
     row = dict(config=name, B=B, prefix=prefix, T=T, mode="decode" if T == 1 else "tree", splits=splits,
                block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"], kv_bytes=kv_bytes, copies=len(pools))  # fmt: skip
