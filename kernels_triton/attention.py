@@ -585,7 +585,12 @@ def _occupancy_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype):
     79.1; B=32 4096 52.5 -> 37.8, 16384 189.3 -> 108.4 (88.5% of copy); B=64 4096 70.7 -> 61.2
     (2 splits), 16384 256.1 -> 202.9; 32q/8kv B=8 16384 150.9 -> 139.7; B=16 4096 90.7 -> 79.8,
     16384 322.9 -> 257.5. Shapes it leaves alone were slower split: B=64 prefix 1024 23.6 us vs
-    25.1 (2 splits), B=128 1024 33.8 vs 47.4.
+    25.1 (2 splits), B=128 1024 33.8 vs 47.4. Held out of that first sweep and checked at 048c1ed
+    (results/kernels/exp_tree_splits_048c1ed.txt): 9q/3kv B=16 prefix 16384, 8 splits, 63.6 vs
+    102.6 us. Also measured at the tree headline and dropped: issuing tile j+1's QK^T before tile
+    j's softmax (branch exp/overlap-qk): Triton waits for that wgmma at once, since its result
+    feeds non-dot ops, so nothing overlaps and the extra masking costs (31.0 vs 23.6 us); smaller
+    query blocks of mma.sync tiles (exp_tree_qblocks.py): 36.7-37.9 us.
     """
     per_sm = TREE_PROGRAMS_PER_SM.get(D)
     if cfg["BLOCK_M"] != 64 or dtype == torch.float32 or per_sm is None:
