@@ -45,7 +45,9 @@ Kernel layout (FlashAttention-2 style online softmax in the exp2 domain):
   the splits, or (fused merge) the last of a group's busy splits to finish merges them. num_splits
   defaults from static shapes (B, HKV, MP * PS, SM count) only; the tiles are divided by the
   request's real length, so splits past a short request's last tile are empty: they skip every load
-  and write a zero partial with weight 0 for the merge kernel, or just return (fused merge).
+  and write a zero partial with weight 0 for the merge kernel, or just return (fused merge). Tree
+  tiles with long programs split further, to ~3 programs per SM, under a register cap and with a
+  run-time minimum of tiles per busy split (the occupancy plan, _occupancy_splits).
 - Launch is capture-safe: the launcher never reads tensor values on the host (B, N, num_splits are
   runtime values, max_q_len a host int bound); the grid covers ceil(max_q_len / BLOCK_T) query blocks
   and programs past T_b return at once.
