@@ -93,16 +93,18 @@ def test_smollm2_concurrent_requests_match_reference(smollm2, smollm2_tokenizer)
         assert r.output_ids == reference(smollm2, p, max_new, eos=[2]), r.id
 
 
-@pytest.mark.parametrize("page_size,prefill_chunk,max_batch,pad", [
-    (1, 5, 3, False), (4, 64, 8, True), (16, 7, 2, False), (8, 1000, 5, True)])
-def test_tiny_batched_matches_reference(tiny, page_size, prefill_chunk, max_batch, pad):
+@pytest.mark.parametrize("page_size,prefill_chunk,max_batch,pad,overlap", [
+    (1, 5, 3, False, False), (4, 64, 8, True, False), (16, 7, 2, False, False), (8, 1000, 5, True, False),
+    (4, 64, 8, True, True), (16, 7, 2, False, True)])
+def test_tiny_batched_matches_reference(tiny, page_size, prefill_chunk, max_batch, pad, overlap):
     lengths = [1, 2, 9, 17, 33, 5, 60]
     prompts = rand_prompts(lengths, seed=page_size)
     max_new = [12, 5, 20, 8, 3, 16, 10]
     arrivals = [(s, p) for s, p in zip([0, 0, 1, 2, 2, 5, 9], prompts)]
     engine = Engine(tiny, EngineConfig(max_batch_size=max_batch, page_size=page_size, kv_cache_tokens=2048,
                                        prefill_chunk=prefill_chunk, pad_eager=pad,
-                                       graph_buckets=(1, 2, 4)))
+                                       graph_buckets=(1, 2, 4), overlap=overlap))
+    assert engine.overlap == overlap
     reqs = drive(engine, arrivals, max_new)
     for p, n, r in zip(prompts, max_new, reqs):
         assert r.finish_reason == "length"
@@ -121,15 +123,16 @@ def test_chunked_prefill_gives_same_tokens(tiny):
     assert outs[-1] == reference(tiny, prompt, 10)
 
 
-def test_page_accounting_exact_with_aborts_and_preemptions(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_page_accounting_exact_with_aborts_and_preemptions(tiny, overlap):
     lengths = [3, 14, 7, 22, 1, 9, 30, 5, 12, 18, 2, 26, 8, 11, 4, 16]
     prompts = rand_prompts(lengths, seed=7)
     max_new = [6 + (i * 5) % 17 for i in range(len(prompts))]
     arrivals = [(i // 3, p) for i, p in enumerate(prompts)]
     # 24 pages of 4 slots = 96 slots: far less than the ~500 the requests need together.
     trace = []
-    engine = Engine(tiny, EngineConfig(max_batch_size=6, page_size=4, kv_cache_tokens=96, prefill_chunk=16),
-                    trace=trace.append)
+    engine = Engine(tiny, EngineConfig(max_batch_size=6, page_size=4, kv_cache_tokens=96, prefill_chunk=16,
+                                       overlap=overlap), trace=trace.append)
     # step -> request index; request i arrives at step i // 3, so 15 is aborted while still queued
     aborts = {3: 2, 6: 6, 8: 12, 5: 15}
     reqs, aborted = drive(engine, arrivals, max_new, aborts=aborts)
@@ -178,17 +181,47 @@ def test_unconfigured_k_is_rejected_before_any_change(tiny):
     assert engine.num_waiting == 1  # nothing was admitted or changed
 
 
-def test_eos_and_ignore_eos(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eos_and_ignore_eos(tiny, overlap):
     prompt = rand_prompts([12], seed=5)[0]
     ref = reference(tiny, prompt, 16)
     eos = ref[4]
     first = ref.index(eos)
-    engine = Engine(tiny, EngineConfig(kv_cache_tokens=256), eos_ids=[eos])
+    engine = Engine(tiny, EngineConfig(kv_cache_tokens=256, overlap=overlap), eos_ids=[eos])
     a = engine.add_request(prompt, 16)
     b = engine.add_request(prompt, 16, ignore_eos=True)
     engine.run_until_done()
     assert a.finish_reason == "eos" and a.output_ids == ref[: first + 1]
     assert b.finish_reason == "length" and b.output_ids == ref
+
+
+def test_overlapped_decoding_commits_one_iteration_later(tiny):
+    """engine.overlap: each iteration queues its decode step and then commits the previous one, so
+    a request's tokens arrive one iteration late, the finished request's extra step is dropped,
+    and the engine drains to the same tokens with every page back."""
+    from specdec.engine.engine import _use_overlap
+
+    prompt = rand_prompts([10], seed=8)[0]
+    engine = Engine(tiny, EngineConfig(kv_cache_tokens=256, overlap=True))
+    r = engine.add_request(prompt, 4)
+    engine.step()  # prefill + launch of step 1; nothing to commit yet
+    assert r.output_ids == [] and engine._inflight is not None
+    engine.step()  # launch of step 2, commit of step 1
+    assert len(r.output_ids) == 1
+    steps = 2
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        engine.check()
+    assert r.output_ids == reference(tiny, prompt, 4) and r.finish_reason == "length"
+    assert steps == 4 + 2  # 4 launches that count, one wasted launch, one iteration to drain it
+    assert engine.kv.num_free == engine.kv.num_pages and engine._inflight is None
+    # auto: CUDA graphs, greedy, and no host-context drafter; bad values are named
+    assert not Engine(tiny, EngineConfig(kv_cache_tokens=256)).overlap  # CPU: no graphs
+    assert _use_overlap("auto", True, 0.0, None) and not _use_overlap("auto", True, 0.7, None)
+    assert not _use_overlap("auto", True, 0.0, type("D", (), {"needs_context": True})())
+    with pytest.raises(ConfigError, match="engine.overlap"):
+        Engine(tiny, EngineConfig(kv_cache_tokens=256, overlap="sometimes"))
 
 
 def test_stop_strings(tiny):

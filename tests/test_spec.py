@@ -39,9 +39,10 @@ def tiny_head(model, draft_vocab=None, seed=0, layers=(0, 1, 1)):
 
 
 def run_engine(model, prompts, max_new, *, drafter=None, ks=(0,), k_of_step=lambda i: 0, max_batch=8,
-               page_size=4, policy=None):
+               page_size=4, policy=None, overlap=False):
     trace = []
-    engine = Engine(model, EngineConfig(max_batch_size=max_batch, page_size=page_size, kv_cache_tokens=2048),
+    engine = Engine(model, EngineConfig(max_batch_size=max_batch, page_size=page_size, kv_cache_tokens=2048,
+                                        overlap=overlap),
                     drafter=drafter, ks=ks, policy=policy, trace=trace.append)
     engine.accepted = [a for rec in trace for a in rec["accepted"]]  # filled in below
     reqs = [engine.add_request(p, max_new) for p in prompts]
@@ -53,6 +54,28 @@ def run_engine(model, prompts, max_new, *, drafter=None, ks=(0,), k_of_step=lamb
     engine.flush_trace()
     engine.accepted = [a for rec in trace for a in rec["accepted"]]
     return [r.output_ids for r in reqs], engine
+
+
+def test_overlapped_speculative_decoding_identical(tiny):
+    """engine.overlap with EAGLE-3 trees and k switching every few steps (a step in flight while the
+    next k is chosen and the previous step's accepted paths are committed): greedy output equals
+    plain greedy (the tiny random head accepts little); n-gram drafts (forced on: their host context
+    is then one step old, which costs acceptance, never correctness) still commit multi-token
+    paths, also with a policy choosing k."""
+    prompts = repetitive_prompts(5, seed=6)
+    want = [reference(tiny, p, 16) for p in prompts]
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=3, num_draft_tokens=6)
+    got, engine = run_engine(tiny, prompts, 16, drafter=drafter, ks=(6,), k_of_step=lambda i: 6 if i % 3 else 0,
+                             overlap=True)
+    assert engine.overlap and got == want
+    prompts = repetitive_prompts(5)
+    want = [reference(tiny, p, 20) for p in prompts]
+    got, engine = run_engine(tiny, prompts, 20, drafter=NgramDrafter(), ks=(4,), k_of_step=lambda i: 4,
+                             overlap=True)
+    assert got == want and max(engine.accepted) >= 2  # multi-token commits while a step is in flight
+    got, engine = run_engine(tiny, prompts, 20, drafter=NgramDrafter(), overlap=True,
+                             policy=BatchThreshold(k=3, off_above=3, on_at_or_below=2))
+    assert got == want
 
 
 def test_ngram_greedy_identical_and_accepts(tiny):

@@ -46,6 +46,10 @@ class EngineConfig:
     # engine raises it to the drafter's largest tree
     pad_eager: bool = False  # eager decode and prefill padded to the buckets (tests the graphed shapes on CPU)
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # one-chunk prefill lengths graphed
+    # Overlapped decoding: launch step i + 1 before reading step i's tokens, so the host's work
+    # (commit, finishes, scheduling) runs while the GPU computes. auto: on with CUDA graphs, greedy
+    # sampling and a drafter that needs no host context; true forces it (also on the CPU, for tests).
+    overlap: bool | str = "auto"
 
     @classmethod
     def from_cfg(cls, engine_cfg, *, temperature: float = 0.0, seed: int = 0) -> "EngineConfig":
@@ -62,6 +66,7 @@ class EngineConfig:
             graph_buckets=None if buckets is None else tuple(int(b) for b in buckets),
             max_seq_len=None if get("max_seq_len") is None else int(get("max_seq_len")),
             prefill_buckets=tuple(int(b) for b in get("prefill_graph_tokens", (16, 32, 64, 128, 256, 512)) or ()),
+            overlap=get("overlap", "auto"),
             temperature=float(temperature),
             seed=int(seed),
         )
@@ -79,6 +84,19 @@ def _use_graphs(setting, model) -> bool:
     if setting and not capturable:
         raise ConfigError("engine.cuda_graphs=true needs a CUDA device and Triton kernels "
                           f"(device {model.device}, engine.kernels={model.backend}); use auto or false")
+    return bool(setting)
+
+
+def _use_overlap(setting, graphed: bool, temperature: float, drafter) -> bool:
+    """engine.overlap: auto -> on where it is measured to pay and keeps runs reproducible: CUDA
+    graphs, greedy (a wasted step would shift the sampling generator's draws), and a drafter that
+    drafts on the device (a host-context drafter would draft from tokens one step old)."""
+    if isinstance(setting, str):
+        if setting.lower() not in ("auto", "true", "false"):
+            raise ConfigError(f"engine.overlap={setting!r}; valid: auto, true, false")
+        setting = None if setting.lower() == "auto" else setting.lower() == "true"
+    if setting is None:
+        return graphed and temperature == 0 and not getattr(drafter, "needs_context", False)
     return bool(setting)
 
 
@@ -117,22 +135,27 @@ class Engine:
         num_pages = size_pool(model, page_size=cfg.page_size, kv_cache_tokens=cfg.kv_cache_tokens,
                               kv_memory_fraction=cfg.kv_memory_fraction)
         self.kv = KVCache(model, num_pages, cfg.page_size)
+        use_graphs = _use_graphs(cfg.cuda_graphs, model)
+        self.overlap = _use_overlap(cfg.overlap, use_graphs, cfg.temperature, drafter)
+        # Slots each decode row holds beyond its committed tokens: one step's tree, or two when
+        # overlapped (a step in flight, not yet read back, plus the one being launched).
+        ahead = cfg.max_tree_tokens * (2 if self.overlap else 1)
         # Page-table width: enough for the longest request the scheduler admits.
-        max_pages = min(pages_for(self.max_seq_len + cfg.max_tree_tokens, cfg.page_size), num_pages)
+        max_pages = min(pages_for(self.max_seq_len + ahead, cfg.page_size), num_pages)
         self.state = DecodeState(cfg.max_batch_size, max_pages, cfg.page_size, model.device, cfg.seed,
                                  max_tree_nodes=cfg.max_tree_tokens)
         if drafter is not None:  # its KV pool mirrors the target's pages; its row state follows rows
             drafter.bind_(self.state, num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.kv, self.state, max_batch_size=cfg.max_batch_size,
                                    prefill_chunk=cfg.prefill_chunk, max_seq_len=self.max_seq_len,
-                                   max_tree_tokens=cfg.max_tree_tokens, detokenize=detokenize)
+                                   max_tree_tokens=ahead, detokenize=detokenize)
         buckets = make_buckets(cfg.max_batch_size, cfg.graph_buckets)
 
         def body(B: int, T: int, context) -> None:
             step_body_(model, self.state, self.kv, B, T, cfg.temperature, drafter, context)
 
         t0 = time.perf_counter()
-        if _use_graphs(cfg.cuda_graphs, model):
+        if use_graphs:
             eager_T = [t for t in tree_sizes if t > 1 and not getattr(drafter, "capturable", True)]
             runner = GraphedDecode(body, self.state, buckets, tree_sizes, eager_T)
         else:
@@ -151,6 +174,7 @@ class Engine:
         self._timer = PhaseTimer(model.device)
         self._pending_trace: dict[int, dict] = {}
         self._step_no = 0
+        self._inflight = None  # overlapped decoding: the launched step not yet read back
         self._ids = itertools.count()
         self.t0 = time.perf_counter()
 
@@ -176,7 +200,7 @@ class Engine:
         return self.scheduler.abort_(str(request_id), time.perf_counter())
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.finished)
+        return self.scheduler.has_work() or bool(self.scheduler.finished) or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -221,17 +245,34 @@ class Engine:
                                      [row for _, row in ready])
         n = self.state.num_rows
         tokens: list[list[int]] = []
-        if n:
-            if timed:
-                self._timer.start(no, "decode")
-            context = ([r.tokens for r in sched.rows]
-                       if k > 0 and getattr(self.drafter, "needs_context", False) else None)
-            tokens = self.stepper.decode_step_(k, (lambda: self._timer.stop(no, "decode")) if timed else None,
-                                               context)
-        now = time.perf_counter()
-        if self.policy is not None and n:
-            self.policy.update(StepStats(k=k, num_decode=n, committed=[len(t) for t in tokens]))
-        sched.commit_tokens_(tokens, now)
+        k_done = k  # the k of the step whose tokens this iteration commits
+        context = ([r.tokens for r in sched.rows]
+                   if n and k > 0 and getattr(self.drafter, "needs_context", False) else None)
+        launched = (lambda: self._timer.stop(no, "decode")) if timed else None
+        if self.overlap:
+            # Queue this step, then read and commit the previous one while the GPU runs this one.
+            prev, self._inflight = self._inflight, None
+            if n:
+                if timed:
+                    self._timer.start(no, "decode")
+                self._inflight = self.stepper.launch_(k, launched, context)
+                self._inflight.rows = [(r, r.row_epoch) for r in sched.rows]
+            if prev is not None:
+                tokens, k_done = self.stepper.collect_(prev), prev.k
+            now = time.perf_counter()
+            if prev is not None:
+                if self.policy is not None:
+                    self.policy.update(StepStats(k=prev.k, num_decode=prev.n, committed=[len(t) for t in tokens]))
+                tokens = sched.commit_launched_(prev.rows, tokens, now)
+        else:
+            if n:
+                if timed:
+                    self._timer.start(no, "decode")
+                tokens = self.stepper.decode_step_(k, launched, context)
+            now = time.perf_counter()
+            if self.policy is not None and n:
+                self.policy.update(StepStats(k=k, num_decode=n, committed=[len(t) for t in tokens]))
+            sched.commit_tokens_(tokens, now)
         finished = sched.pop_finished()
         if timed:
             self._pending_trace[no] = dict(
@@ -239,7 +280,7 @@ class Engine:
                 decode_bs=n, bucket=self._bucket(n), k=k,
                 prefill_tokens=sum(c for _, c in plan), prefill_reqs=len(plan),
                 committed=sum(len(t) for t in tokens), finished=len(finished), preempted=preempted,
-                accepted=[len(t) - 1 for t in tokens] if k > 0 else [],
+                accepted=[len(t) - 1 for t in tokens] if k_done > 0 else [],
                 running=len(sched.admitted), waiting=len(sched.waiting), free_pages=self.kv.num_free,
                 prefill_ms=0.0, decode_ms=0.0)
             self._emit_trace(wait=False)

@@ -63,6 +63,7 @@ class Request:
     finish_s: float | None = None
     token_times: list[float] = field(default_factory=list)  # perf_counter of each output token
     num_preemptions: int = 0
+    row_epoch: int = 0  # bumped each time the request gets a decode row (overlapped decoding)
 
     @property
     def tokens(self) -> list[int]:
@@ -87,7 +88,8 @@ class Scheduler:
         max_batch_size: most admitted requests (prefilling + decoding) at once.
         prefill_chunk: prompt tokens per prefill forward.
         max_seq_len: longest prompt + output a request may have (position bound).
-        max_tree_tokens: slots one step writes per request (k = 0: 1, the pending token).
+        max_tree_tokens: slots a decode row holds past its committed tokens: what one step writes
+            (k = 0: 1, the pending token), twice that with overlapped decoding (a step in flight).
         detokenize: ids -> text, needed only for stop strings.
     """
 
@@ -244,24 +246,51 @@ class Scheduler:
                                            [list(self.kv.pages(r)) for r in ready])
             for r in ready:
                 r.status = Status.DECODE
+                r.row_epoch += 1
             self.rows.extend(ready)
         return list(zip(ready, rows))
 
     def commit_tokens_(self, tokens: list[list[int]], now: float) -> list[Request]:
         """Append each row's committed tokens; finish and evict done requests; returns them."""
-        done = []
-        for req, toks in zip(self.rows, tokens):
-            req.seq_len += len(toks)
-            for t in toks:
-                req.output_ids.append(t)
-                req.token_times.append(now)
-                if req.first_token_s is None:
-                    req.first_token_s = now
-                reason = self._finish_reason(req, t)
-                if reason is not None:
-                    req.finish_reason = reason
-                    done.append(req)
-                    break  # tokens committed after EOS / a stop in the same step are dropped
+        done = [req for req, toks in zip(self.rows, tokens) if self._commit_(req, toks, now)]
+        return self._evict_done_(done, now)
+
+    def commit_launched_(self, launched_rows: list[tuple[Request, int]], tokens: list[list[int]],
+                         now: float) -> list[list[int]]:
+        """Overlapped decoding: commit the tokens of a step launched over ``launched_rows``
+        ((request, row_epoch) per row at launch), which the batch may have changed since. Tokens of
+        a request that finished, was aborted or preempted (or re-admitted: a new epoch) since the
+        launch are dropped: that step's work for it was wasted, and stayed within its pages (the
+        scheduler reserves two steps ahead). Updates the host mirror of seq_lens by current row.
+        Returns the token lists it committed (the rows still in the batch)."""
+        row_of = {id(r): i for i, r in enumerate(self.rows)}
+        done, kept = [], []
+        for (req, epoch), toks in zip(launched_rows, tokens):
+            i = row_of.get(id(req))
+            if i is None or req.row_epoch != epoch:
+                continue
+            self.state.seq_lens_host[i] += len(toks)
+            kept.append(toks)
+            if self._commit_(req, toks, now):
+                done.append(req)
+        self._evict_done_(done, now)
+        return kept
+
+    def _commit_(self, req: Request, toks: list[int], now: float) -> bool:
+        """Append one row's committed tokens to its request; True if it finished."""
+        req.seq_len += len(toks)
+        for t in toks:
+            req.output_ids.append(t)
+            req.token_times.append(now)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            reason = self._finish_reason(req, t)
+            if reason is not None:
+                req.finish_reason = reason
+                return True  # tokens committed after EOS / a stop in the same step are dropped
+        return False
+
+    def _evict_done_(self, done: list[Request], now: float) -> list[Request]:
         if done:
             self._leave_batch_(done)
             for req in done:

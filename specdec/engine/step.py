@@ -208,6 +208,59 @@ class Stepper:
         st.commit_host_([len(t) for t in tokens])
         return tokens
 
+    def launch_(self, k: int = 0, launched=None, context=None) -> LaunchedStep | None:
+        """Queue one step over all state rows and its token copy to the host, without waiting.
+
+        Overlapped decoding: the caller reads the tokens with :meth:`collect_` after queueing the
+        next step, and commits them itself (the host mirror included). The copy lands in one of two
+        pinned buffers, so the next launch's copy never overwrites tokens not yet read.
+        """
+        T = self.num_nodes(k)
+        st = self.state
+        n = st.num_rows
+        if n == 0:
+            return None
+        st.num_active.fill_(n)
+        if self.temperature > 0:
+            st.uniform[:n, :T].uniform_(generator=st.generator)
+        prepare = getattr(self.drafter, "prepare_", None)
+        if T > 1 and prepare is not None:
+            prepare(st, n, T, context)
+        self.runner.run_(n, T, context)
+        if launched is not None:
+            launched()
+        src = st.sampled[:n, :T]
+        if st.device.type != "cuda":
+            return LaunchedStep(n, k, src.clone(), None)
+        if not hasattr(self, "_readback"):
+            self._readback = [torch.empty(st.sampled.numel(), dtype=st.sampled.dtype, pin_memory=True)
+                              for _ in range(2)]
+            self._flip = 0
+        self._flip ^= 1
+        host = self._readback[self._flip][: n * T].view(n, T)
+        host.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(n, k, host, done)
+
+    @staticmethod
+    def collect_(step: LaunchedStep) -> list[list[int]]:
+        """Wait for a launched step's tokens; the committed tokens of each row at its launch."""
+        if step.done is not None:
+            step.done.synchronize()
+        return [[t for t in row if t >= 0] for row in step.host.tolist()]
+
+
+@dataclass
+class LaunchedStep:
+    """A decode step queued on the GPU whose tokens are not read yet (overlapped decoding)."""
+
+    n: int  # rows
+    k: int  # draft tokens
+    host: torch.Tensor  # [n, T] committed tokens then -1, valid once ``done`` has completed
+    done: object | None  # CUDA event after the device -> host copy (None: already complete)
+    rows: list = None  # (request, row_epoch) per row at launch, filled in by the engine
+
 
 class PhaseTimer:
     """Times prefill / decode phases without adding syncs: CUDA events read once they completed.
