@@ -228,8 +228,11 @@ class Scheduler:
         chunks = []
         for req, c in plan:
             toks = req.tokens[req.seq_len : req.seq_len + c]
-            chunks.append(PrefillChunk(toks, req.seq_len, list(self.kv.pages(req)),
-                                       next_token=req.tokens[req.seq_len + c]))
+            # Only the pages the chunk's attention reads (slots < seq_len + c): the page-table width
+            # sets attention's split count, so the prefill's arithmetic must not depend on how far
+            # ahead the request holds pages (e.g. two steps with overlapped decoding).
+            pages = self.kv.pages(req)[: pages_for(req.seq_len + c, self.kv.page_size)]
+            chunks.append(PrefillChunk(toks, req.seq_len, list(pages), next_token=req.tokens[req.seq_len + c]))
         return chunks
 
     def finish_prefill_(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
