@@ -16,7 +16,8 @@ iteration (see :meth:`specdec.engine.engine.Engine.step`):
    all committed tokens but the last into decode rows of the DecodeState.
 5. The engine runs the decode step, then ``commit_tokens_`` appends the committed tokens and
    finishes requests on EOS, max_new_tokens or a stop string; their rows leave the batch and their
-   pages return to the pool.
+   pages return to the pool. With overlapped decoding the engine queues the step and commits the
+   previous one (``commit_launched_``), and max_tree_tokens covers two steps.
 
 Prefill and decode run as two forwards per iteration (prefill eager over the packed chunks, decode
 through the CUDA graph of its batch bucket) rather than one mixed forward: the decode stays a fixed
