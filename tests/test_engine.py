@@ -216,9 +216,9 @@ def test_overlapped_decoding_commits_one_iteration_later(tiny):
     assert r.output_ids == reference(tiny, prompt, 4) and r.finish_reason == "length"
     assert steps == 4 + 2  # 4 launches that count, one wasted launch, one iteration to drain it
     assert engine.kv.num_free == engine.kv.num_pages and engine._inflight is None
-    # auto: CUDA graphs, greedy, and no host-context drafter; bad values are named
+    # auto: CUDA graphs and no host-context drafter; bad values are named
     assert not Engine(tiny, EngineConfig(kv_cache_tokens=256)).overlap  # CPU: no graphs
-    assert _use_overlap("auto", True, 0.0, None) and not _use_overlap("auto", True, 0.7, None)
+    assert _use_overlap("auto", True, 0.7, None) and not _use_overlap("auto", False, 0.0, None)
     assert not _use_overlap("auto", True, 0.0, type("D", (), {"needs_context": True})())
     with pytest.raises(ConfigError, match="engine.overlap"):
         Engine(tiny, EngineConfig(kv_cache_tokens=256, overlap="sometimes"))
@@ -243,13 +243,16 @@ def test_stop_strings(tiny):
     assert "tokenizer" in no_tok.error
 
 
-def test_sampling_is_seeded(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sampling_is_seeded(tiny, overlap):
     prompts = rand_prompts([5, 8, 13], seed=4)
 
     def run(seed):
-        engine = Engine(tiny, EngineConfig(kv_cache_tokens=512, temperature=1.0, seed=seed))
+        engine = Engine(tiny, EngineConfig(kv_cache_tokens=512, temperature=1.0, seed=seed, overlap=overlap))
         reqs = [engine.add_request(p, 12) for p in prompts]
         engine.run_until_done()
+        engine.check()
+        assert all(len(r.output_ids) == 12 for r in reqs)
         return [r.output_ids for r in reqs]
 
     a, b, c = run(0), run(0), run(1)

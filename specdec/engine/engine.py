@@ -10,8 +10,8 @@ prefill forward over this iteration's chunks, run the decode step (k = 0) over e
 commit the tokens. It returns the requests that finished in it. Each iteration appends a record
 to the step trace (batch size, bucket, k, prefill tokens, phase milliseconds, queue lengths).
 
-Overlapped decoding (``EngineConfig.overlap``; auto: on with CUDA graphs, greedy sampling and a
-drafter that drafts on the device): an iteration queues its decode step, then reads back and
+Overlapped decoding (``EngineConfig.overlap``; auto: on with CUDA graphs and a drafter that
+drafts on the device): an iteration queues its decode step, then reads back and
 commits the previous iteration's step while the GPU runs, so the host's commit, finish and
 scheduling work no longer leaves the GPU idle between steps. Everything the step needs lives on the
 device (pending token, seq_lens, page table); the host only lags one step in what it knows: a row
@@ -59,8 +59,8 @@ class EngineConfig:
     pad_eager: bool = False  # eager decode and prefill padded to the buckets (tests the graphed shapes on CPU)
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # one-chunk prefill lengths graphed
     # Overlapped decoding: launch step i + 1 before reading step i's tokens, so the host's work
-    # (commit, finishes, scheduling) runs while the GPU computes. auto: on with CUDA graphs, greedy
-    # sampling and a drafter that needs no host context; true forces it (also on the CPU, for tests).
+    # (commit, finishes, scheduling) runs while the GPU computes. auto: on with CUDA graphs and a
+    # drafter that needs no host context; true forces it (also on the CPU, for tests).
     overlap: bool | str = "auto"
 
     @classmethod
@@ -100,15 +100,17 @@ def _use_graphs(setting, model) -> bool:
 
 
 def _use_overlap(setting, graphed: bool, temperature: float, drafter) -> bool:
-    """engine.overlap: auto -> on where it is measured to pay and keeps runs reproducible: CUDA
-    graphs, greedy (a wasted step would shift the sampling generator's draws), and a drafter that
-    drafts on the device (a host-context drafter would draft from tokens one step old)."""
+    """engine.overlap: auto -> on with CUDA graphs (where host time per step matters; measured) and
+    a drafter that drafts on the device (a host-context drafter would draft from tokens one step
+    old, which costs its acceptance). Sampling stays exact and seeded runs reproduce themselves,
+    but which draws a row gets depends on the mode (a dropped step also draws), as it already
+    depends on the batch's composition."""
     if isinstance(setting, str):
         if setting.lower() not in ("auto", "true", "false"):
             raise ConfigError(f"engine.overlap={setting!r}; valid: auto, true, false")
         setting = None if setting.lower() == "auto" else setting.lower() == "true"
     if setting is None:
-        return graphed and temperature == 0 and not getattr(drafter, "needs_context", False)
+        return graphed and not getattr(drafter, "needs_context", False)
     return bool(setting)
 
 
