@@ -218,8 +218,8 @@ def test_overlapped_decoding_commits_one_iteration_later(tiny):
     assert engine.kv.num_free == engine.kv.num_pages and engine._inflight is None
     # auto: CUDA graphs and no host-context drafter; bad values are named
     assert not Engine(tiny, EngineConfig(kv_cache_tokens=256)).overlap  # CPU: no graphs
-    assert _use_overlap("auto", True, 0.7, None) and not _use_overlap("auto", False, 0.0, None)
-    assert not _use_overlap("auto", True, 0.0, type("D", (), {"needs_context": True})())
+    assert _use_overlap("auto", True, None) and not _use_overlap("auto", False, None)
+    assert not _use_overlap("auto", True, type("D", (), {"needs_context": True})())
     with pytest.raises(ConfigError, match="engine.overlap"):
         Engine(tiny, EngineConfig(kv_cache_tokens=256, overlap="sometimes"))
 

@@ -99,7 +99,7 @@ def _use_graphs(setting, model) -> bool:
     return bool(setting)
 
 
-def _use_overlap(setting, graphed: bool, temperature: float, drafter) -> bool:
+def _use_overlap(setting, graphed: bool, drafter) -> bool:
     """engine.overlap: auto -> on with CUDA graphs (where host time per step matters; measured) and
     a drafter that drafts on the device (a host-context drafter would draft from tokens one step
     old, which costs its acceptance). Sampling stays exact and seeded runs reproduce themselves,
@@ -150,7 +150,7 @@ class Engine:
                               kv_memory_fraction=cfg.kv_memory_fraction)
         self.kv = KVCache(model, num_pages, cfg.page_size)
         use_graphs = _use_graphs(cfg.cuda_graphs, model)
-        self.overlap = _use_overlap(cfg.overlap, use_graphs, cfg.temperature, drafter)
+        self.overlap = _use_overlap(cfg.overlap, use_graphs, drafter)
         # Slots each decode row holds beyond its committed tokens: one step's tree, or two when
         # overlapped (a step in flight, not yet read back, plus the one being launched).
         ahead = cfg.max_tree_tokens * (2 if self.overlap else 1)
@@ -263,30 +263,26 @@ class Engine:
         context = ([r.tokens for r in sched.rows]
                    if n and k > 0 and getattr(self.drafter, "needs_context", False) else None)
         launched = (lambda: self._timer.stop(no, "decode")) if timed else None
-        if self.overlap:
-            # Queue this step, then read and commit the previous one while the GPU runs this one.
-            prev, self._inflight = self._inflight, None
-            if n:
-                if timed:
-                    self._timer.start(no, "decode")
-                self._inflight = self.stepper.launch_(k, launched, context)
-                self._inflight.rows = [(r, r.row_epoch) for r in sched.rows]
-            if prev is not None:
-                tokens, k_done = self.stepper.collect_(prev), prev.k
-            now = time.perf_counter()
-            if prev is not None:
-                if self.policy is not None:
-                    self.policy.update(StepStats(k=prev.k, num_decode=prev.n, committed=[len(t) for t in tokens]))
-                tokens = sched.commit_launched_(prev.rows, tokens, now)
-        else:
-            if n:
-                if timed:
-                    self._timer.start(no, "decode")
-                tokens = self.stepper.decode_step_(k, launched, context)
-            now = time.perf_counter()
-            if self.policy is not None and n:
-                self.policy.update(StepStats(k=k, num_decode=n, committed=[len(t) for t in tokens]))
-            sched.commit_tokens_(tokens, now)
+        # The step whose tokens this iteration commits: this one, or with overlapped decoding the
+        # previous one, read while the GPU runs this one.
+        done_step, self._inflight = self._inflight, None
+        if n:
+            if timed:
+                self._timer.start(no, "decode")
+            step = self.stepper.launch_(k, launched, context)
+            step.rows = [(r, r.row_epoch) for r in sched.rows]
+            if self.overlap:
+                self._inflight = step
+            else:
+                done_step = step
+        if done_step is not None:
+            tokens, k_done = self.stepper.collect_(done_step), done_step.k
+        now = time.perf_counter()
+        if done_step is not None:
+            if self.policy is not None:
+                self.policy.update(StepStats(k=done_step.k, num_decode=done_step.n,
+                                             committed=[len(t) for t in tokens]))
+            tokens = sched.commit_tokens_(done_step.rows, tokens, now)
         finished = sched.pop_finished()
         if timed:
             self._pending_trace[no] = dict(

@@ -17,7 +17,7 @@ iteration (see :meth:`specdec.engine.engine.Engine.step`):
 5. The engine runs the decode step, then ``commit_tokens_`` appends the committed tokens and
    finishes requests on EOS, max_new_tokens or a stop string; their rows leave the batch and their
    pages return to the pool. With overlapped decoding the engine queues the step and commits the
-   previous one (``commit_launched_``), and max_tree_tokens covers two steps.
+   previous one, and max_tree_tokens covers two steps.
 
 Prefill and decode run as two forwards per iteration (prefill eager over the packed chunks, decode
 through the CUDA graph of its batch bucket) rather than one mixed forward: the decode stays a fixed
@@ -254,19 +254,14 @@ class Scheduler:
             self.rows.extend(ready)
         return list(zip(ready, rows))
 
-    def commit_tokens_(self, tokens: list[list[int]], now: float) -> list[Request]:
-        """Append each row's committed tokens; finish and evict done requests; returns them."""
-        done = [req for req, toks in zip(self.rows, tokens) if self._commit_(req, toks, now)]
-        return self._evict_done_(done, now)
-
-    def commit_launched_(self, launched_rows: list[tuple[Request, int]], tokens: list[list[int]],
-                         now: float) -> list[list[int]]:
-        """Overlapped decoding: commit the tokens of a step launched over ``launched_rows``
-        ((request, row_epoch) per row at launch), which the batch may have changed since. Tokens of
-        a request that finished, was aborted or preempted (or re-admitted: a new epoch) since the
-        launch are dropped: that step's work for it was wasted, and stayed within its pages (the
-        scheduler reserves two steps ahead). Updates the host mirror of seq_lens by current row.
-        Returns the token lists it committed (the rows still in the batch)."""
+    def commit_tokens_(self, launched_rows: list[tuple[Request, int]], tokens: list[list[int]],
+                       now: float) -> list[list[int]]:
+        """Commit the tokens of a step launched over ``launched_rows`` ((request, row_epoch) per
+        row at launch): append them, finish and evict done requests, advance the host mirror of
+        seq_lens. With overlapped decoding the batch may have changed since the launch: tokens of
+        a request that finished, was aborted or preempted (or re-admitted: a new epoch) since are
+        dropped; that step's work for it was wasted, and stayed within its pages (the scheduler
+        reserves two steps ahead). Returns the token lists it committed (rows still in the batch)."""
         row_of = {id(r): i for i, r in enumerate(self.rows)}
         done, kept = [], []
         for (req, epoch), toks in zip(launched_rows, tokens):

@@ -107,11 +107,6 @@ class DecodeState:
         c = _upload(cols, torch.int64, self.device)
         self.page_table.index_put_((r, c), _upload(pages, torch.int32, self.device))
 
-    def commit_host_(self, counts: list[int]) -> None:
-        """Advance the host mirror by the committed count of each row (device side: the step)."""
-        for r, n in enumerate(counts):
-            self.seq_lens_host[r] += n
-
     def add_row_buffer(self, name: str, shape: tuple[int, ...], dtype) -> torch.Tensor:
         """A [max_rows, *shape] device tensor that keep_rows_ compacts along with the rows."""
         buf = torch.zeros(self.max_rows, *shape, dtype=dtype, device=self.device)

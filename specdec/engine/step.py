@@ -1,6 +1,6 @@
 """The step: draft, verify, accept and commit for every k; plus the KV extend (prefill).
 
-``Stepper.decode_step_(k)`` is the only place tokens are sampled and ``seq_lens`` advance; it runs
+``Stepper.launch_(k)`` is the only place tokens are sampled and ``seq_lens`` advance; it runs
 :func:`step_body_`. The pending token (committed, KV not yet written) is the root of a tree of T
 nodes in scratch slots seq_lens[r] .. seq_lens[r] + T - 1; the target verifies every node in one
 forward, and commit advances seq_lens by the accepted length + 1. At k = 0 the tree is the root
@@ -143,6 +143,10 @@ class Stepper:
         self.temperature = float(temperature)
         self.drafter = drafter
         self.prefill_runner = None  # PaddedPrefill, set by the engine when it pads / graphs prefill
+        # Two pinned buffers for the steps' tokens: a launch never overwrites tokens not yet read.
+        self._readback = ([torch.empty(state.sampled.numel(), dtype=state.sampled.dtype, pin_memory=True)
+                           for _ in range(2)] if state.device.type == "cuda" else None)
+        self._flip = 0
 
     def prefill_(self, chunks: list[PrefillChunk]):
         """Write target (and draft) KV for every chunk in one forward each (no target logits).
@@ -180,20 +184,22 @@ class Stepper:
             raise SpecdecError(f"k={k} draft tokens need a drafter; this engine has draft=none")
         return self.drafter.num_nodes(k)
 
-    def decode_step_(self, k: int = 0, launched=None, context=None) -> list[list[int]]:
-        """One step over all state rows; returns the committed tokens of each row.
+    def launch_(self, k: int = 0, launched=None, context=None) -> LaunchedStep | None:
+        """Queue one step over all state rows and its token copy to the host, without waiting.
 
         k = 0 is plain decoding (one token per row); k > 0 drafts a tree of num_nodes(k) nodes and
-        commits the accepted path plus a bonus token. Mutates KV, state.pending, state.seq_lens, the
-        drafter's KV and the host mirror. The only GPU -> CPU transfer is the [num_rows, T] tensor of
-        committed tokens. ``launched()``, if given, is called once the step's GPU work is queued.
-        ``context``: per-row committed token lists, for drafters that need them (n-gram).
+        commits the accepted path plus a bonus token. Mutates KV, state.pending, state.seq_lens and
+        the drafter's KV on the device. The only GPU -> CPU transfer is the [num_rows, T] tensor of
+        committed tokens, read by :meth:`collect_` (at once, or after the next launch with
+        overlapped decoding); the caller commits them (host mirror included). ``launched()``, if
+        given, is called once the step's GPU work is queued. ``context``: per-row committed token
+        lists, for drafters that need them (n-gram).
         """
         T = self.num_nodes(k)
         st = self.state
         n = st.num_rows
         if n == 0:
-            return []
+            return None
         st.num_active.fill_(n)  # a kernel, not a sync
         if self.temperature > 0:
             st.uniform[:n, :T].uniform_(generator=st.generator)
@@ -203,39 +209,9 @@ class Stepper:
         self.runner.run_(n, T, context)
         if launched is not None:
             launched()
-        rows = st.sampled[:n, :T].tolist()  # the one GPU -> CPU copy of the step
-        tokens = [[t for t in row if t >= 0] for row in rows]
-        st.commit_host_([len(t) for t in tokens])
-        return tokens
-
-    def launch_(self, k: int = 0, launched=None, context=None) -> LaunchedStep | None:
-        """Queue one step over all state rows and its token copy to the host, without waiting.
-
-        Overlapped decoding: the caller reads the tokens with :meth:`collect_` after queueing the
-        next step, and commits them itself (the host mirror included). The copy lands in one of two
-        pinned buffers, so the next launch's copy never overwrites tokens not yet read.
-        """
-        T = self.num_nodes(k)
-        st = self.state
-        n = st.num_rows
-        if n == 0:
-            return None
-        st.num_active.fill_(n)
-        if self.temperature > 0:
-            st.uniform[:n, :T].uniform_(generator=st.generator)
-        prepare = getattr(self.drafter, "prepare_", None)
-        if T > 1 and prepare is not None:
-            prepare(st, n, T, context)
-        self.runner.run_(n, T, context)
-        if launched is not None:
-            launched()
         src = st.sampled[:n, :T]
-        if st.device.type != "cuda":
+        if self._readback is None:  # CPU: the step has already run
             return LaunchedStep(n, k, src.clone(), None)
-        if not hasattr(self, "_readback"):
-            self._readback = [torch.empty(st.sampled.numel(), dtype=st.sampled.dtype, pin_memory=True)
-                              for _ in range(2)]
-            self._flip = 0
         self._flip ^= 1
         host = self._readback[self._flip][: n * T].view(n, T)
         host.copy_(src, non_blocking=True)
@@ -253,7 +229,7 @@ class Stepper:
 
 @dataclass
 class LaunchedStep:
-    """A decode step queued on the GPU whose tokens are not read yet (overlapped decoding)."""
+    """A decode step queued on the GPU whose tokens may not be read yet."""
 
     n: int  # rows
     k: int  # draft tokens
