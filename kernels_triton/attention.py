@@ -170,7 +170,8 @@ def write_kv_ref_(k_cache, v_cache, k, v, slot_mapping):
 @triton.jit
 def _attn_tile(b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, D: tl.constexpr, PS: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_TREE: tl.constexpr, DOT_PREC: tl.constexpr):
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_TREE: tl.constexpr, DOT_PREC: tl.constexpr,
+               L2D: tl.constexpr = False):
     """One BLOCK_N-slot KV tile of the online softmax. MASKED: 0 no mask (a tile every row fully
     sees), 1 the kv_len bound and the causal / tree mask, 2 the kv_len bound on the loads and the
     masks decided at run time (applied when tile >= n_full), so that one loop covers every tile."""
@@ -210,7 +211,10 @@ def _attn_tile(b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_
         m_safe = m_new_i
     b_alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
     b_p = tl.exp2(b_s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    l_i = l_i * b_alpha + tl.sum(b_p, 1)
+    if L2D:  # l_i [BLOCK_M, BLOCK_N]: elementwise running sums, reduced once after the loop
+        l_i = l_i * b_alpha[:, None] + b_p
+    else:
+        l_i = l_i * b_alpha + tl.sum(b_p, 1)
     acc = acc * b_alpha[:, None] + tl.dot(
         b_p.to(b_v.dtype), b_v, input_precision=DOT_PREC
     )  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, D] -> [BLOCK_M, D]
@@ -309,6 +313,7 @@ def _paged_attention_fwd_kernel(
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (see pdl_mode)
     ONE_LOOP: tl.constexpr,  # one loop over all tiles, or unmasked then masked tiles (see _default_one_loop)
+    L2D: tl.constexpr = False,  # running softmax sums kept per element, reduced after the loop
 ):
     if USE_PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
@@ -371,7 +376,10 @@ def _paged_attention_fwd_kernel(
         b_tm = tl.zeros([BLOCK_M], dtype=tl.int64)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if L2D:
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     p_pt = page_table + i_b.to(tl.int64) * stride_ptb
     # ONE_LOOP: one pipelined loop over all tiles, each applying the masks when it needs them
@@ -382,18 +390,20 @@ def _paged_attention_fwd_kernel(
             m_i, l_i, acc = _attn_tile(
                 b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                D, PS, BLOCK_N, 0, IS_TREE, DOT_PREC,
+                D, PS, BLOCK_N, 0, IS_TREE, DOT_PREC, L2D,
             )  # fmt: skip
         t_mask = tl.maximum(tile_lo, n_full)
     for tile in range(t_mask, tile_hi):
         m_i, l_i, acc = _attn_tile(
             b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            D, PS, BLOCK_N, 2 if ONE_LOOP else 1, IS_TREE, DOT_PREC,
+            D, PS, BLOCK_N, 2 if ONE_LOOP else 1, IS_TREE, DOT_PREC, L2D,
         )  # fmt: skip
     if USE_PDL == 1:  # PDL_LATE: only the epilogue is left
         tlc.gdc_launch_dependents()
 
+    if L2D:
+        l_i = tl.sum(l_i, 1)  # [BLOCK_M]
     # An empty split (or a row that saw nothing in it) has l = 0: write 0 with weight 2^-inf = 0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     b_o = acc / l_safe[:, None]  # [BLOCK_M, D]
@@ -619,6 +629,25 @@ def _merge_rows(cfg, max_q_len, G):
 ONE_LOOP_MAX_TILES = 8  # default one loop for BLOCK_M >= 64 up to this many tiles of capacity per split
 
 
+def _default_l2d(cfg):
+    """Whether the running softmax sums are kept per element ([BLOCK_M, BLOCK_N], one FMA per score)
+    and reduced once after the loop (L2D), instead of a row sum per tile: at BLOCK_M <= 32.
+
+    The mma.sync tiles (decode, short chains and trees) spread a score tile's columns over the 4
+    warps, so each row sum is a cross-warp reduction through shared memory, with a barrier, on every
+    tile's dependent chain; the per-element sums take 8-16 more registers there. On the wgmma tiles
+    (BLOCK_M = 64: one warpgroup, each row within one warp) they take 32 more (168 -> 224 at d64, 3
+    -> 2 programs per SM) and the row sum is not on the critical path. Same-run A/B, H200, bf16,
+    rotating timing (experiments/results/kernels/exp_attention_l2d.txt), row sums vs L2D:
+    - BLOCK_M <= 32: decode 9q/3kv B=8 prefix 4096 14.14 vs 13.62 us, B=64 60.3 / 59.0 vs 58.0;
+      32q/8kv B=1 prefix 512 9.12 vs 8.64, B=8 prefix 4096 40.6 vs 40.1; a T=8 chain at B=1
+      prefix 1024 10.5 vs 9.7.
+    - BLOCK_M = 64 (T=16 trees): headline 24.1 / 24.0 vs 24.0 / 24.1 us (no change), 32q/8kv
+      B=64 prefix 1024 87.8 vs 87.8; B=128 prefix 1024 34.5 vs 46.6 (the occupancy loss), 9q/3kv B=64
+      prefix 4096 62.8 vs 64.9."""
+    return cfg["BLOCK_M"] <= 32
+
+
 def _default_one_loop(cfg, kv_capacity, num_splits):
     """Whether the kernel walks its tiles in one loop (ONE_LOOP) by default: at BLOCK_M <= 32
     (decode, short chains and trees: mma.sync tiles), and at larger tiles when a split holds at
@@ -748,6 +777,7 @@ def paged_attention(
     one_loop: bool | None = None,
     maxnreg: int | None = None,
     merge_chunk: int | None = None,
+    l2d: bool | None = None,
 ):
     """Paged attention over one layer's KV pool (prefill chunk, decode or tree verify) in 1-2 launches.
 
@@ -776,6 +806,9 @@ def paged_attention(
             cap of 168 fits them with <= 24 bytes of spills. See _occupancy_splits for when it pays.
         merge_chunk: launch tuning: partials the fused merge folds per step (default as many as fit
             8192 fp32 values, at most num_splits; 1 under the tree occupancy plan).
+        l2d: True: each program keeps its running softmax sums per element of the score tile and
+            reduces them once after its loop; False: a row sum per tile; None: the measured default,
+            see _default_l2d. Both compute the same values up to summation order.
         When num_splits is None and the tree occupancy plan applies (_occupancy_splits), the
         defaults of fused_merge, merge_chunk and maxnreg are the plan's; explicit values win.
 
@@ -844,6 +877,7 @@ def paged_attention(
         IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), ONE_LOOP=one_loop,
+        L2D=_default_l2d(cfg) if l2d is None else bool(l2d),
         **({"maxnreg": maxnreg} if maxnreg else {}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

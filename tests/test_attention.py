@@ -97,14 +97,18 @@ def check(batch, dtype, max_q_len, splits, tree_mask=None, sm_scale=None):
     atol, rtol = TOL[dtype]
     for ns in splits:
         # split-KV partials merged by the last split of each group (default) or by a second kernel;
-        # every tile in one loop, or the unmasked tiles and then the masked ones
-        combos = [(True, True), (True, False)] + ([(False, True)] if ns != 1 else [])
-        for fused, one_loop in combos:
+        # every tile in one loop, or the unmasked tiles and then the masked ones; softmax sums per
+        # element (l2d) or per row, each with both loop structures
+        if ns == 1:
+            combos = [(True, True, False), (True, False, True)]
+        else:
+            combos = [(True, True, True), (True, False, False), (False, True, False)]
+        for fused, one_loop, l2d in combos:
             kwargs = dict(tree_mask=tree_mask, sm_scale=sm_scale, max_q_len=max_q_len, num_splits=ns,
-                          fused_merge=fused, one_loop=one_loop)
+                          fused_merge=fused, one_loop=one_loop, l2d=l2d)
             out = call_poisoned(lambda: paged_attention(**batch, **kwargs), batch["q"].shape, dtype)
             assert out.shape == ref.shape and out.dtype == dtype
-            msg = lambda m: f"num_splits={ns}, fused_merge={fused}, one_loop={one_loop}: {m}"  # noqa: E731
+            msg = lambda m: f"num_splits={ns}, fused_merge={fused}, one_loop={one_loop}, l2d={l2d}: {m}"  # noqa: E731
             torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol, msg=msg)
     return ref
 
@@ -418,6 +422,15 @@ def test_pdl_modes_and_cuda_only(monkeypatch):
         assert pdl_mode(torch.device("cpu")) == 0
         if torch.cuda.is_available():
             assert pdl_mode(torch.device("cuda")) == (want if cc9 else 0)
+
+def test_default_l2d_rule():
+    import kernels_triton.attention as attn
+
+    assert attn._default_l2d(attn._launch_config(1, 4, 128))  # decode: mma.sync tile
+    assert attn._default_l2d(attn._launch_config(8, 3, 64))  # short chain: BLOCK_M 32
+    assert not attn._default_l2d(attn._launch_config(16, 3, 64))  # T=16 tree: wgmma tile
+    assert not attn._default_l2d(attn._launch_config(64, 3, 64))  # prefill chunk
+
 
 def test_default_one_loop_rule():
     # one loop for mma.sync tiles (BLOCK_M <= 32) whatever the length; for wgmma tiles only while a
