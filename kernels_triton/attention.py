@@ -516,7 +516,11 @@ def _launch_config(max_q_len, G, D, dtype=torch.bfloat16):
     BLOCK_M packs BLOCK_T queries x G heads: decode (max_q_len * G <= 16) 16 rows, tree verify and
     short chunks 32-64 rows, prefill 128 rows (e.g. 42 queries x 3 heads).
     - BLOCK_M <= 32 (mma.sync path, bandwidth-bound): 5 stages give two K/V buffers in flight
-      (~37 KB smem, ~95 regs at d64 / N=64; d128 takes N=32 for the same footprint).
+      (~37 KB smem, ~95 regs at d64 / N=64; d128 takes N=32 for the same footprint). 4 warps:
+      H200 at c3ae0bd (results/kernels/exp_decode_warps_c3ae0bd.txt), decode 9q/3kv B=8 prefix
+      16384 31.4 us vs 32.5 (2 warps), 51.3 (1 warp), 46.4 (8 warps), 34.6 (N=128); 32q/8kv B=1
+      prefix 512 8.7 us vs 11.6 / 16.0 / 9.2; 2 warps with N halved was within 0.5 us at B=1 and
+      up to 14% slower elsewhere.
     - BLOCK_M = 64 (one wgmma warpgroup): N=64; N=128 needs 255 regs at d64 (2 programs/SM -> 1).
     - BLOCK_M = 128 (prefill): 8 warps, N=64; 4 warps spill at d64.
     fp32 inputs (tests, debugging) run an ieee FMA dot, which needs registers for both operands:
@@ -638,7 +642,7 @@ def _default_l2d(cfg):
     tile's dependent chain; the per-element sums take 8-16 more registers there. On the wgmma tiles
     (BLOCK_M = 64: one warpgroup, each row within one warp) they take 32 more (168 -> 224 at d64, 3
     -> 2 programs per SM) and the row sum is not on the critical path. Same-run A/B, H200, bf16,
-    rotating timing (experiments/results/kernels/exp_attention_l2d.txt), row sums vs L2D:
+    rotating timing (experiments/results/kernels/exp_attention_l2d_c3ae0bd.txt), row sums vs L2D:
     - BLOCK_M <= 32: decode 9q/3kv B=8 prefix 4096 14.14 vs 13.62 us, B=64 60.3 / 59.0 vs 58.0;
       32q/8kv B=1 prefix 512 9.12 vs 8.64, B=8 prefix 4096 40.6 vs 40.1; a T=8 chain at B=1
       prefix 1024 10.5 vs 9.7.
