@@ -171,7 +171,7 @@ def write_kv_ref_(k_cache, v_cache, k, v, slot_mapping):
 def _attn_tile(b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_tm, n_full, m_i, l_i, acc, qk_scale,
                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, D: tl.constexpr, PS: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_TREE: tl.constexpr, DOT_PREC: tl.constexpr,
-               L2D: tl.constexpr = False):
+               L2D: tl.constexpr):
     """One BLOCK_N-slot KV tile of the online softmax. MASKED: 0 no mask (a tile every row fully
     sees), 1 the kv_len bound and the causal / tree mask, 2 the kv_len bound on the loads and the
     masks decided at run time (applied when tile >= n_full), so that one loop covers every tile."""
@@ -313,7 +313,7 @@ def _paged_attention_fwd_kernel(
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (see pdl_mode)
     ONE_LOOP: tl.constexpr,  # one loop over all tiles, or unmasked then masked tiles (see _default_one_loop)
-    L2D: tl.constexpr = False,  # running softmax sums kept per element, reduced after the loop
+    L2D: tl.constexpr,  # running softmax sums kept per element, reduced after the loop (see _default_l2d)
 ):
     if USE_PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
@@ -643,12 +643,12 @@ def _default_l2d(cfg):
     (BLOCK_M = 64: one warpgroup, each row within one warp) they take 32 more (168 -> 224 at d64, 3
     -> 2 programs per SM) and the row sum is not on the critical path. Same-run A/B, H200, bf16,
     rotating timing (experiments/results/kernels/exp_attention_l2d_c3ae0bd.txt), row sums vs L2D:
-    - BLOCK_M <= 32: decode 9q/3kv B=8 prefix 4096 14.14 vs 13.62 us, B=64 60.3 / 59.0 vs 58.0;
-      32q/8kv B=1 prefix 512 9.12 vs 8.64, B=8 prefix 4096 40.6 vs 40.1; a T=8 chain at B=1
-      prefix 1024 10.5 vs 9.7.
-    - BLOCK_M = 64 (T=16 trees): headline 24.1 / 24.0 vs 24.0 / 24.1 us (no change), 32q/8kv
-      B=64 prefix 1024 87.8 vs 87.8; B=128 prefix 1024 34.5 vs 46.6 (the occupancy loss), 9q/3kv B=64
-      prefix 4096 62.8 vs 64.9."""
+    - BLOCK_M <= 32: decode 9q/3kv B=8 prefix 4096 14.17 / 14.13 vs 13.61 / 13.61 us, prefix 16384
+      32.6 vs 31.5, B=64 prefix 4096 59.5 vs 57.1; 32q/8kv B=1 prefix 512 9.18 vs 8.70, B=8 prefix
+      4096 39.9 vs 39.5; a T=8 chain at B=1 prefix 1024 10.3 vs 9.5.
+    - BLOCK_M = 64 (T=16 trees): headline 23.8 / 23.9 vs 23.9 / 24.0 us (no change), 32q/8kv
+      B=64 prefix 1024 85.8 vs 85.4; B=128 prefix 1024 34.0 vs 46.5 (the occupancy loss), 9q/3kv B=64
+      prefix 4096 61.3 vs 63.6."""
     return cfg["BLOCK_M"] <= 32
 
 
