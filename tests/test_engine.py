@@ -282,6 +282,58 @@ def test_trace_records(tiny):
 # Padding rows' attention output is never written (T_b = 0), so the interpreter may overflow on
 # that garbage downstream; those rows are discarded.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_batched_prefill_runs_padded_and_matches_reference(tiny):
+    """Several chunks in one prefill forward run through the padded static buffers (the shapes a
+    CUDA graph replays: packed tokens, empty padding requests); more chunks than the largest
+    request bucket run eagerly. Both give the reference tokens."""
+    prompts = rand_prompts([5, 23, 2, 11, 40], seed=3)
+    for request_buckets, expect_eager in (((1, 2, 4), 0), ((1, 2), 1)):
+        engine = Engine(tiny, EngineConfig(max_batch_size=8, page_size=4, kv_cache_tokens=1024, pad_eager=True,
+                                           graph_buckets=(1, 2, 4, 8), prefill_chunk=64,
+                                           prefill_buckets=(8, 16, 32), prefill_requests=request_buckets))
+        runner = engine.stepper.prefill_runner
+        assert runner.buckets == [8, 16, 32, 64] and runner.r_max == max(request_buckets)
+        padded, eager = [], []
+        run_, body = runner.run_, engine.stepper.prefill_body
+        runner.run_ = lambda chunks, *a: padded.append((len(chunks), runner.shape_for(chunks))) or run_(chunks, *a)
+        engine.stepper.prefill_body = lambda ids, *a: eager.append(ids.numel()) or body(ids, *a)
+        # 3 requests arrive together: one 3-chunk forward of 4 + 22 + 1 tokens (a prompt's last
+        # token is the first decode input) -> shape (32, 4), or eager with at most 2 requests per
+        # shape; then 2 more: 10 + 39 tokens, 2 chunks -> (64, 2).
+        reqs = drive(engine, [(0, prompts[0]), (0, prompts[1]), (0, prompts[2]), (2, prompts[3]), (2, prompts[4])], 7)
+        for p, r in zip(prompts, reqs):
+            assert r.output_ids == reference(tiny, p, 7), (len(p), request_buckets)
+        assert (3, (32, 4)) in padded if not expect_eager else eager == [27]
+        assert (2, (64, 2)) in padded
+        assert len(eager) == expect_eager  # the runner calls its own forward, not prefill_body
+
+
+def test_padded_prefill_shapes():
+    from specdec.engine.graphs import PaddedPrefill
+    from specdec.engine.step import PrefillChunk
+
+    runner = PaddedPrefill(lambda *a: None, "cpu", (16, 32, 64), max_pages=4, graphed=False,
+                           request_buckets=(8, 2, 32))
+    assert runner.request_buckets == [1, 2, 8, 32] and runner.r_max == 32
+    assert (16, 32) not in runner.shapes and (32, 32) in runner.shapes and (64, 8) in runner.shapes
+
+    def chunks(*lengths):
+        return [PrefillChunk(token_ids=[1] * n, start=0, pages=[0], next_token=0) for n in lengths]
+
+    assert runner.shape_for(chunks(5)) == (16, 1)
+    assert runner.shape_for(chunks(20)) == (32, 1)
+    assert runner.shape_for(chunks(3, 4, 5)) == (16, 8)
+    assert runner.shape_for(chunks(*[1] * 9)) == (32, 32)  # 32 request slots need a 32-token shape
+    assert runner.shape_for(chunks(40, 30)) is None  # 70 tokens
+    assert runner.shape_for(chunks(*[1] * 33)) is None  # 33 requests
+    assert runner.shape_for([]) is None
+    with pytest.raises(ConfigError, match="positive"):
+        PaddedPrefill(lambda *a: None, "cpu", (0, 16), max_pages=4, graphed=False)
+
+
+# Padding token rows of a packed prefill belong to no attention row, so their attention output is
+# whatever the buffer held; the layers after it may overflow on them (never read, rows independent).
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter path; CUDA runs test_cuda_graphs_match_eager")
 def test_triton_kernels_with_bucket_padding(tiny):
     """The Triton kernels (interpreter on the CPU) through the padded shapes a CUDA graph replays:

@@ -57,7 +57,9 @@ class EngineConfig:
     max_tree_tokens: int = 1  # slots one step writes per request (k = 0: the pending token); the
     # engine raises it to the drafter's largest tree
     pad_eager: bool = False  # eager decode and prefill padded to the buckets (tests the graphed shapes on CPU)
-    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)  # one-chunk prefill lengths graphed
+    # Prefill forwards graphed (padded) at these token counts x request counts; see PaddedPrefill
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)  # capped at prefill_chunk
+    prefill_requests: tuple[int, ...] = (1, 8, 64)
     # Overlapped decoding: launch step i + 1 before reading step i's tokens, so the host's work
     # (commit, finishes, scheduling) runs while the GPU computes. auto: on with CUDA graphs and a
     # drafter that needs no host context; true forces it (also on the CPU, for tests).
@@ -77,7 +79,8 @@ class EngineConfig:
             cuda_graphs=get("cuda_graphs", "auto"),
             graph_buckets=None if buckets is None else tuple(int(b) for b in buckets),
             max_seq_len=None if get("max_seq_len") is None else int(get("max_seq_len")),
-            prefill_buckets=tuple(int(b) for b in get("prefill_graph_tokens", (16, 32, 64, 128, 256, 512)) or ()),
+            prefill_buckets=tuple(int(b) for b in get("prefill_graph_tokens", cls.prefill_buckets) or ()),
+            prefill_requests=tuple(int(r) for r in get("prefill_graph_requests", cls.prefill_requests) or (1,)),
             overlap=get("overlap", "auto"),
             temperature=float(temperature),
             seed=int(seed),
@@ -179,11 +182,14 @@ class Engine:
         self.graphed = runner.graphed
         self.stepper = Stepper(model, self.kv, self.state, runner, temperature=cfg.temperature,
                                drafter=drafter)
-        prefill_buckets = [b for b in cfg.prefill_buckets if 1 <= b <= cfg.prefill_chunk]
+        prefill_buckets = [b for b in cfg.prefill_buckets if 1 <= b < cfg.prefill_chunk]
+        if cfg.prefill_buckets:  # and a full chunk, the largest prefill forward
+            prefill_buckets.append(cfg.prefill_chunk)
         if prefill_buckets and (runner.graphed or cfg.pad_eager):
             t0 = time.perf_counter()
             self.stepper.prefill_runner = PaddedPrefill(self.stepper.prefill_body, model.device, prefill_buckets,
-                                                        max_pages, graphed=runner.graphed)
+                                                        max_pages, graphed=runner.graphed,
+                                                        request_buckets=cfg.prefill_requests)
             self.startup_s += time.perf_counter() - t0
         self._timer = PhaseTimer(model.device)
         self._pending_trace: dict[int, dict] = {}

@@ -113,29 +113,48 @@ class GraphedDecode:
 
 
 class PaddedPrefill:
-    """Single-chunk prefill at padded token buckets, from static input buffers: one CUDA graph per
-    bucket (``graphed``), or the same padded shapes eagerly (CPU tests of the padding).
+    """Prefill at padded shapes from static input buffers: one CUDA graph per (token bucket,
+    request bucket) (``graphed``), or the same padded shapes eagerly (CPU tests of the padding).
 
     ``forward(ids [N], pos [N], meta, next_ids [N]) -> outputs`` is the prefill body (target forward
-    plus the drafter's prefill). A chunk of n tokens runs in the smallest bucket N >= n: tokens
-    n .. N-1 are padding (token 0, position 0, slot -1: no KV write; ``cu_q_lens`` = [0, n], so no
-    attention row owns them and nothing reads their outputs). Why: an eager prefill of SmolLM2 is
-    ~300 launches whose host cost (~15 ms) dwarfs the GPU's (~2 ms); replayed, the GPU sets the
-    pace. Batched prefills (several chunks in one forward) and longer chunks stay eager.
-    Outputs of a replay live in the graph's memory until the next replay of the same bucket.
+    plus the drafter's prefill). A forward of C chunks with n tokens in all runs in the smallest
+    request bucket R >= C and the smallest token bucket N >= max(n, R): the chunks are packed in
+    order into tokens 0 .. n-1; tokens n .. N-1 are padding (token 0, position 0, slot -1: no KV
+    write) and requests C .. R-1 are empty (T_b = 0, kv_len 0: their attention programs return at
+    once), so no attention row owns a padding token and nothing reads its output. Attention is
+    launched with max_q_len = N, the bound any packed chunk satisfies. Why: an eager prefill of
+    SmolLM2 is ~300 launches whose host cost (~15 ms) dwarfs the GPU's (~2 ms); replayed, the GPU
+    sets the pace. That holds for batched prefills too (several requests admitted in one
+    iteration, every iteration under load), which is why they are graphed as well. Forwards with
+    more chunks than the largest request bucket, or more tokens than the largest token bucket,
+    run eagerly. Outputs of a replay live in the graph's memory until the next replay of the same
+    shape.
     """
 
-    def __init__(self, forward: Callable, device, buckets, max_pages: int, *, graphed: bool):
+    def __init__(self, forward: Callable, device, buckets, max_pages: int, *, graphed: bool,
+                 request_buckets=(1,)):
         self.forward = forward
-        self.buckets = sorted(int(b) for b in buckets)
+        self.buckets = sorted({int(b) for b in buckets})
+        self.request_buckets = sorted({int(r) for r in request_buckets} | {1})
+        if self.buckets[0] < 1 or any(r < 1 for r in self.request_buckets):
+            raise ConfigError(f"prefill graph buckets must be positive: tokens {self.buckets}, "
+                              f"requests {self.request_buckets}")
         self.graphed = graphed
-        n_max, dev = self.buckets[-1], torch.device(device)
+        self.max_pages = max_pages
+        n_max, r_max, dev = self.buckets[-1], self.request_buckets[-1], torch.device(device)
+        # Shapes: a request bucket above the token bucket cannot occur (every chunk has a token).
+        self.shapes = [(N, R) for N in self.buckets for R in self.request_buckets if R <= N]
+        self.r_max = max(R for _, R in self.shapes)
+        r_max = self.r_max
         self.tokens = torch.zeros(4, n_max, dtype=torch.int64, device=dev)  # ids, pos, slot, next id
-        self.ints = torch.zeros(3 + max_pages, dtype=torch.int32, device=dev)  # cu[0:2], kv_len, pages
+        # int32 metadata: cu_q_lens [r_max + 1] | kv_lens [r_max] | page table [r_max, max_pages]
+        self._kv0, self._pt0 = r_max + 1, 2 * r_max + 1
+        n_ints = self._pt0 + r_max * max_pages
+        self.ints = torch.zeros(n_ints, dtype=torch.int32, device=dev)
         self._host_tokens = torch.zeros(4, n_max, dtype=torch.int64, pin_memory=dev.type == "cuda")
-        self._host_ints = torch.zeros(3 + max_pages, dtype=torch.int32, pin_memory=dev.type == "cuda")
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, object] = {}
+        self._host_ints = torch.zeros(n_ints, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], object] = {}
         self._copied = None  # event after the last upload: the pinned host buffers are free again
         if graphed:
             if dev.type != "cuda":
@@ -144,54 +163,71 @@ class PaddedPrefill:
             cur = torch.cuda.current_stream()
             self.tokens[2].fill_(-1)  # warm-up and capture own no rows and write no KV
             self.ints.zero_()
-            for N in reversed(self.buckets):
+            for shape in sorted(self.shapes, reverse=True):  # largest first: the others reuse its blocks
                 side = torch.cuda.Stream()
                 side.wait_stream(cur)
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        self._body(N)
+                        self._body(*shape)
                 cur.wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[N] = self._body(N)
-                self.graphs[N] = graph
+                    self.outputs[shape] = self._body(*shape)
+                self.graphs[shape] = graph
             torch.cuda.synchronize()
 
-    def _body(self, N: int):
+    def _body(self, N: int, R: int):
         from ..models.ops import AttentionMeta
 
         t, i = self.tokens, self.ints
-        meta = AttentionMeta(cu_q_lens=i[0:2], kv_lens=i[2:3], page_table=i[3:].view(1, -1),
+        table = i[self._pt0:].view(self.r_max, self.max_pages)[:R]
+        meta = AttentionMeta(cu_q_lens=i[: R + 1], kv_lens=i[self._kv0:self._kv0 + R], page_table=table,
                              slot_mapping=t[2, :N], max_q_len=N)
         return self.forward(t[0, :N], t[1, :N], meta, t[3, :N])
 
-    def fits(self, chunks) -> bool:
-        return len(chunks) == 1 and len(chunks[0].token_ids) <= self.buckets[-1]
+    def shape_for(self, chunks) -> tuple[int, int] | None:
+        """(token bucket, request bucket) a forward over these chunks runs in, or None (eager)."""
+        C, n = len(chunks), sum(len(c.token_ids) for c in chunks)
+        if C == 0 or C > self.r_max or n > self.buckets[-1]:
+            return None
+        R = bucket_for(self.request_buckets, C)  # <= r_max, and some token bucket holds R tokens
+        return bucket_for(self.buckets, max(n, R)), R
 
-    def run_(self, chunk, page_size: int, next_ids: list[int] | None):
-        n = len(chunk.token_ids)
-        N = bucket_for(self.buckets, n)
+    def fits(self, chunks) -> bool:
+        return self.shape_for(chunks) is not None
+
+    def run_(self, chunks, page_size: int, next_ids: list[int] | None):
+        """Pack the chunks into the static buffers and run (replay) their shape; returns the
+        forward's outputs (in the graph's memory when replayed)."""
+        N, R = self.shape_for(chunks)
         ht, hi = self._host_tokens, self._host_ints
         if self._copied is not None:
             self._copied.synchronize()
-        s = torch.arange(chunk.start, chunk.start + n)
-        pages = torch.tensor(chunk.pages, dtype=torch.int64)
         ht[:, :N].zero_()
-        ht[0, :n] = torch.tensor(chunk.token_ids, dtype=torch.int64)
-        ht[1, :n] = s
         ht[2, :N] = -1
-        ht[2, :n] = pages[s // page_size] * page_size + s % page_size
-        if next_ids is not None:  # None: no drafter reads them (row 3 stays zero)
-            ht[3, :n] = torch.tensor(next_ids, dtype=torch.int64)
         hi.zero_()
-        hi[1], hi[2] = n, chunk.start + n
-        hi[3:3 + len(chunk.pages)] = pages.to(torch.int32)
+        off = 0
+        for b, c in enumerate(chunks):
+            n = len(c.token_ids)
+            s = torch.arange(c.start, c.start + n)
+            pages = torch.tensor(c.pages, dtype=torch.int64)
+            ht[0, off:off + n] = torch.tensor(c.token_ids, dtype=torch.int64)
+            ht[1, off:off + n] = s
+            ht[2, off:off + n] = pages[s // page_size] * page_size + s % page_size
+            off += n
+            hi[b + 1] = off  # cu_q_lens
+            hi[self._kv0 + b] = c.start + n  # kv_lens
+            row = self._pt0 + b * self.max_pages
+            hi[row:row + len(c.pages)] = pages.to(torch.int32)
+        hi[len(chunks) + 1:R + 1] = off  # empty requests: T_b = 0
+        if next_ids is not None:  # None: no drafter reads them (row 3 stays zero)
+            ht[3, :off] = torch.tensor(next_ids, dtype=torch.int64)
         self.tokens[:, :N].copy_(ht[:, :N], non_blocking=True)
         self.ints.copy_(hi, non_blocking=True)
         if self.tokens.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
         if not self.graphed:
-            return self._body(N)
-        self.graphs[N].replay()
-        return self.outputs[N]
+            return self._body(N, R)
+        self.graphs[(N, R)].replay()
+        return self.outputs[(N, R)]

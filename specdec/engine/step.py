@@ -151,8 +151,9 @@ class Stepper:
     def prefill_(self, chunks: list[PrefillChunk]):
         """Write target (and draft) KV for every chunk in one forward each (no target logits).
 
-        One chunk that fits a prefill bucket runs padded from static buffers (a CUDA graph replay
-        when graphed, see :class:`specdec.engine.graphs.PaddedPrefill`); several chunks run eagerly.
+        Chunks that fit the prefill buckets (tokens and requests) run padded from static buffers (a
+        CUDA graph replay when graphed, see :class:`specdec.engine.graphs.PaddedPrefill`); others
+        run eagerly.
         Returns the drafter's root state per chunk (what its last row predicts), or None.
         """
         if not chunks:
@@ -161,7 +162,7 @@ class Stepper:
         next_ids = ([t for c in chunks for t in c.token_ids[1:] + [c.next_token]]
                     if self.drafter is not None else None)
         if self.prefill_runner is not None and self.prefill_runner.fits(chunks):
-            return self.prefill_runner.run_(chunks[0], self.kv.page_size, next_ids)
+            return self.prefill_runner.run_(chunks, self.kv.page_size, next_ids)
         ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
         nxt = None if next_ids is None else torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
         return self.prefill_body(ids, pos, meta, nxt)
