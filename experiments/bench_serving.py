@@ -361,6 +361,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate peers")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, meaningless numbers")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (diagnosis: graphs vs eager)")
+    ap.add_argument("--prefill-requests", default=None,
+                    help="engine.prefill_graph_requests as a comma list (e.g. 1: only one-request prefills graphed)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     t_start = time.perf_counter()
@@ -369,13 +371,15 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps()
     res.add("-", "device copy bandwidth (read + write)", copy_gbps, "GB/s")
 
+    prefill_kw = ({} if args.prefill_requests is None else
+                  dict(prefill_requests=tuple(int(r) for r in args.prefill_requests.split(","))))
     if parts & {"a", "c"}:
         model, model_dir = smollm2_model(args)
         vocab = model.config.vocab_size
         max_bs = 8 if args.quick else 256
         engine = Engine(model, EngineConfig(max_batch_size=max_bs, page_size=16, prefill_chunk=2048,
                                             kv_cache_tokens=max_bs * 512, graph_buckets=None,
-                                            cuda_graphs=False if args.no_graphs else "auto"),
+                                            cuda_graphs=False if args.no_graphs else "auto", **prefill_kw),
                         eos_ids=model.config.eos_token_id)
         log(f"SmolLM2 engine ready in {engine.startup_s:.1f} s (graphs {'on' if engine.graphed else 'off'}, "
             f"buckets {engine.buckets})")
