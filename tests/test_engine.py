@@ -368,9 +368,10 @@ def test_cuda_graphs_match_eager():
         engine = Engine(model, EngineConfig(max_batch_size=8, kv_cache_tokens=4096, page_size=16,
                                             cuda_graphs=mode == "graph", pad_eager=mode != "graph"))
         assert engine.graphed == (mode == "graph")
-        reqs = drive(engine, [(i, p) for i, p in enumerate(prompts)], 24)
+        # arrivals together and apart: prefill forwards of one and of several requests
+        reqs = drive(engine, [(0, prompts[0]), (0, prompts[1]), (1, prompts[2]), (3, prompts[3]), (3, prompts[4])], 24)
         outs[mode] = [r.output_ids for r in reqs]
-        if mode == "graph":  # one-chunk prefills replayed as graphs at padded lengths
+        if mode == "graph":  # prefills replayed as graphs at padded (tokens, requests) shapes
             assert engine.stepper.prefill_runner is not None and engine.stepper.prefill_runner.graphs
     assert outs["graph"] == outs["eager_padded"]
     assert outs["graph"] == [reference(model, p, 24) for p in prompts]
