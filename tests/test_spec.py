@@ -59,9 +59,9 @@ def run_engine(model, prompts, max_new, *, drafter=None, ks=(0,), k_of_step=lamb
 def test_overlapped_speculative_decoding_identical(tiny):
     """engine.overlap with EAGLE-3 trees and k switching every few steps (a step in flight while the
     next k is chosen and the previous step's accepted paths are committed): greedy output equals
-    plain greedy (the tiny random head accepts little); n-gram drafts (forced on: their host context
-    is then one step old, which costs acceptance, never correctness) still commit multi-token
-    paths, also with a policy choosing k."""
+    plain greedy (the tiny random head accepts little). The n-gram drafter drafts from host tokens:
+    its speculative steps commit the step in flight first, so they see the same context as without
+    overlap and accept the same paths, while its k = 0 steps overlap; also with a policy."""
     prompts = repetitive_prompts(5, seed=6)
     want = [reference(tiny, p, 16) for p in prompts]
     drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=3, num_draft_tokens=6)
@@ -70,9 +70,14 @@ def test_overlapped_speculative_decoding_identical(tiny):
     assert engine.overlap and got == want
     prompts = repetitive_prompts(5)
     want = [reference(tiny, p, 20) for p in prompts]
-    got, engine = run_engine(tiny, prompts, 20, drafter=NgramDrafter(), ks=(4,), k_of_step=lambda i: 4,
-                             overlap=True)
-    assert got == want and max(engine.accepted) >= 2  # multi-token commits while a step is in flight
+    for k_of_step in (lambda i: 4, lambda i: 4 if i % 3 else 0):
+        accepted = {}
+        for overlap in (False, True):
+            got, engine = run_engine(tiny, prompts, 20, drafter=NgramDrafter(), ks=(4,), k_of_step=k_of_step,
+                                     overlap=overlap)
+            assert got == want and engine.overlap == overlap
+            accepted[overlap] = engine.accepted
+        assert max(accepted[True]) >= 2 and accepted[True] == accepted[False]  # same drafts, same paths
     got, engine = run_engine(tiny, prompts, 20, drafter=NgramDrafter(), overlap=True,
                              policy=BatchThreshold(k=3, off_above=3, on_at_or_below=2))
     assert got == want

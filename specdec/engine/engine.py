@@ -10,10 +10,12 @@ prefill forward over this iteration's chunks, run the decode step (k = 0) over e
 commit the tokens. It returns the requests that finished in it. Each iteration appends a record
 to the step trace (batch size, bucket, k, prefill tokens, phase milliseconds, queue lengths).
 
-Overlapped decoding (``EngineConfig.overlap``; auto: on with CUDA graphs and a drafter that
-drafts on the device): an iteration queues its decode step, then reads back and
-commits the previous iteration's step while the GPU runs, so the host's commit, finish and
-scheduling work no longer leaves the GPU idle between steps. Everything the step needs lives on the
+Overlapped decoding (``EngineConfig.overlap``; auto: on with CUDA graphs): an iteration queues its
+decode step, then reads back and commits the previous iteration's step while the GPU runs, so the
+host's commit, finish and scheduling work no longer leaves the GPU idle between steps. A drafter
+that drafts from the host's tokens (n-gram) needs the newest ones: before each of its speculative
+steps the engine commits the step in flight first, so those steps run synchronously with the
+drafter's full context, while its k = 0 steps (speculation switched off under load) overlap. Everything the step needs lives on the
 device (pending token, seq_lens, page table); the host only lags one step in what it knows: a row
 holds pages for two steps ahead, a request that finishes is seen one iteration late (the extra step
 computed for it is dropped), and tokens of a request that left the batch (finish, abort,
@@ -103,17 +105,18 @@ def _use_graphs(setting, model) -> bool:
 
 
 def _use_overlap(setting, graphed: bool, drafter) -> bool:
-    """engine.overlap: auto -> on with CUDA graphs (where host time per step matters; measured) and
-    a drafter that drafts on the device (a host-context drafter would draft from tokens one step
-    old, which costs its acceptance). Sampling stays exact and seeded runs reproduce themselves,
-    but which draws a row gets depends on the mode (a dropped step also draws), as it already
-    depends on the batch's composition."""
+    """engine.overlap: auto -> on with CUDA graphs (where host time per step matters; measured).
+    With a drafter that needs host context, its speculative steps still run synchronously (the
+    step in flight is committed before it drafts; see Engine.step), so only its k = 0 steps
+    overlap. Sampling stays exact and seeded runs reproduce themselves, but which draws a row
+    gets depends on the mode (a dropped step also draws), as it already depends on the batch's
+    composition."""
     if isinstance(setting, str):
         if setting.lower() not in ("auto", "true", "false"):
             raise ConfigError(f"engine.overlap={setting!r}; valid: auto, true, false")
         setting = None if setting.lower() == "auto" else setting.lower() == "true"
     if setting is None:
-        return graphed and not getattr(drafter, "needs_context", False)
+        return graphed
     return bool(setting)
 
 
@@ -258,14 +261,21 @@ class Engine:
                 BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting)))
             if k not in self.ks:
                 raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
+        committed: list[tuple[int, list[list[int]]]] = []  # (k, token lists) of the steps committed here
+        if self._inflight is not None and k > 0 and getattr(self.drafter, "needs_context", False):
+            # This drafter drafts from the host's committed tokens: commit the step in flight first,
+            # so it sees them (a speculative step of such a drafter runs synchronously; its k = 0
+            # steps stay overlapped). Evictions may move rows: look the new rows up again.
+            drained, self._inflight = self._inflight, None
+            committed.append(self._commit_step_(drained))
+            row_of = {id(r): i for i, r in enumerate(sched.rows)}
+            ready = [(r, row_of[id(r)]) for r, _ in ready]
         if self.drafter is not None and ready:
             # Each new decode row takes the draft state of its request's last prefill chunk.
             chunk_of = {id(req): i for i, (req, _) in enumerate(plan)}
             self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready],
                                      [row for _, row in ready])
         n = self.state.num_rows
-        tokens: list[list[int]] = []
-        k_done = k  # the k of the step whose tokens this iteration commits
         context = ([r.tokens for r in sched.rows]
                    if n and k > 0 and getattr(self.drafter, "needs_context", False) else None)
         launched = (lambda: self._timer.stop(no, "decode")) if timed else None
@@ -282,25 +292,28 @@ class Engine:
             else:
                 done_step = step
         if done_step is not None:
-            tokens, k_done = self.stepper.collect_(done_step), done_step.k
+            committed.append(self._commit_step_(done_step))
         now = time.perf_counter()
-        if done_step is not None:
-            if self.policy is not None:
-                self.policy.update(StepStats(k=done_step.k, num_decode=done_step.n,
-                                             committed=[len(t) for t in tokens]))
-            tokens = sched.commit_tokens_(done_step.rows, tokens, now)
         finished = sched.pop_finished()
         if timed:
             self._pending_trace[no] = dict(
                 step=no, t_s=t_start - self.t0, step_ms=(now - t_start) * 1e3,
                 decode_bs=n, bucket=self._bucket(n), k=k,
                 prefill_tokens=sum(c for _, c in plan), prefill_reqs=len(plan),
-                committed=sum(len(t) for t in tokens), finished=len(finished), preempted=preempted,
-                accepted=[len(t) - 1 for t in tokens] if k_done > 0 else [],
+                committed=sum(len(t) for _, toks in committed for t in toks), finished=len(finished),
+                preempted=preempted, accepted=[len(t) - 1 for kc, toks in committed if kc > 0 for t in toks],
                 running=len(sched.admitted), waiting=len(sched.waiting), free_pages=self.kv.num_free,
                 prefill_ms=0.0, decode_ms=0.0)
             self._emit_trace(wait=False)
         return finished
+
+    def _commit_step_(self, step) -> tuple[int, list[list[int]]]:
+        """Read a launched step's tokens (waits for it), feed the policy, commit them; returns
+        (its k, the token lists committed: rows still in the batch)."""
+        tokens = self.stepper.collect_(step)
+        if self.policy is not None:
+            self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens]))
+        return step.k, self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter())
 
     def run_until_done(self) -> list[Request]:
         """Step until every queued request has finished; returns them in finishing order."""
