@@ -4,7 +4,8 @@ For SmolLM2-135M-Instruct on HumanEval prompts (chat template, greedy, 128 new t
 concurrency C in {1, 4, 16, 64}, three configurations beside each other:
 
     never            plain decoding (k = 0), the baseline
-    always           n-gram prompt-lookup drafter, k draft tokens every step
+    always           a drafter, k draft tokens every step: n-gram prompt lookup (default, k = 4) or
+                     the EAGLE-3 head (--draft eagle3: trees of --nodes nodes, k = nodes)
     batch_threshold  the same drafter, speculation off above a decode batch of 8, back on at 4
 
 Reports output tok/s, speed-up over `never` at the same C, fraction of steps speculating, mean
@@ -13,6 +14,7 @@ token-identical to `never` (in bf16 a verify forward over T tokens may round dif
 1-token forward, so near-ties can flip; token identity is asserted in fp32 by the tests).
 
     python experiments/bench_spec.py --smollm2 DIR --prompts humaneval.jsonl --out OUT [--quick]
+    python experiments/bench_spec.py ... --draft eagle3 [--head checkpoints/eagle3-smollm2-135m]
 
 No Hydra / W&B / gguf imports: runs on a bare GPU machine with torch + triton + tokenizers.
 """
@@ -47,7 +49,12 @@ def main() -> None:
     ap.add_argument("--smollm2", required=True, help="Hugging Face directory of SmolLM2-135M-Instruct")
     ap.add_argument("--prompts", required=True, help="humaneval.jsonl from the asset cache")
     ap.add_argument("--out", default="experiments/results/spec")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--draft", choices=["ngram", "eagle3"], default="ngram")
+    ap.add_argument("--k", type=int, default=None, help="draft tokens per step (default: ngram 4, eagle3 --nodes)")
+    ap.add_argument("--head", default=str(REPO / "checkpoints" / "eagle3-smollm2-135m"), help="EAGLE-3 checkpoint")
+    ap.add_argument("--topk", type=int, default=4, help="EAGLE-3 children per expanded node")
+    ap.add_argument("--steps", type=int, default=5, help="EAGLE-3 tree depth")
+    ap.add_argument("--nodes", type=int, default=16, help="EAGLE-3 tree nodes (num_draft_tokens)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
     args = ap.parse_args()
     out = Path(args.out)
@@ -61,10 +68,24 @@ def main() -> None:
     Cs = [1, 2] if args.quick else [1, 4, 16, 64]
     max_new = 8 if args.quick else 128
     buckets = (1, 2, 4) if args.quick else (1, 2, 4, 8, 16, 32, 64)
+    if args.draft == "eagle3":
+        from specdec.models.eagle3 import Eagle3Head
+        from specdec.spec.drafters import Eagle3Drafter
+
+        k = args.k or args.nodes
+        head = Eagle3Head.load(args.head, device=device, dtype=model.dtype, backend=model.backend,
+                               target=model.config)
+        make_drafter = lambda: Eagle3Drafter(head, model, topk=args.topk, steps=args.steps,  # noqa: E731
+                                             num_draft_tokens=args.nodes)
+        drafter_name = f"EAGLE-3 head {Path(args.head).name}, trees of {args.nodes} nodes (topk {args.topk}, depth {args.steps})"
+    else:
+        k = args.k or 4
+        make_drafter = NgramDrafter
+        drafter_name = f"n-gram drafter k={k}"
     configs = {
         "never": lambda: (None, Never()),
-        "always": lambda: (NgramDrafter(), Always(args.k)),
-        "batch_threshold": lambda: (NgramDrafter(), BatchThreshold(args.k, off_above=8, on_at_or_below=4)),
+        "always": lambda: (make_drafter(), Always(k)),
+        "batch_threshold": lambda: (make_drafter(), BatchThreshold(k, off_above=8, on_at_or_below=4)),
     }
     results, outputs = [], {}
     for name, make in configs.items():
@@ -107,7 +128,7 @@ def main() -> None:
         got = outputs[(r["config"], r["C"])]
         r["identical_to_never"] = sum(got[p] == ref[p] for p in ref) / len(ref)
     stamp = dict(commit=git_commit(), device=dev_name, date=datetime.datetime.now().isoformat(timespec="seconds"),
-                 dtype=str(model.dtype), drafter=f"ngram k={args.k}")
+                 dtype=str(model.dtype), drafter=drafter_name)
     with open(out / "bench_spec.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=[*results[0].keys(), *stamp.keys()])
         w.writeheader()
@@ -115,7 +136,7 @@ def main() -> None:
             w.writerow({**r, **stamp})
     lines = [f"# Speculation policies under load ({stamp['device']}, commit {stamp['commit']}, {stamp['date']}, "
              f"{stamp['dtype']}, SmolLM2-135M-Instruct, HumanEval prompts, greedy, {max_new} new tokens, "
-             f"n-gram drafter k={args.k})", "",
+             f"{drafter_name})", "",
              "| config | C | output tok/s | vs never | steps speculating | mean accepted length | identical to never |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["C"], r["config"])):
