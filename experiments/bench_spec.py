@@ -1,12 +1,14 @@
 """Benchmark: speculation policies under load, all through the one step, in one run.
 
 For SmolLM2-135M-Instruct on HumanEval prompts (chat template, greedy, 128 new tokens), closed-loop
-concurrency C in {1, 4, 16, 64}, three configurations beside each other:
+concurrency C in {1, 4, 16, 64} (--concurrency; 4 requests per client, at least 16, prompts reused
+when a point needs more than half of them), three configurations beside each other:
 
     never            plain decoding (k = 0), the baseline
     always           a drafter, k draft tokens every step: n-gram prompt lookup (default, k = 4) or
                      the EAGLE-3 head (--draft eagle3: trees of --nodes nodes, k = nodes)
     batch_threshold  the same drafter, speculation off above a decode batch of 8, back on at 4
+                     (--off-above, --on-at)
 
 Reports output tok/s, speed-up over `never` at the same C, fraction of steps speculating, mean
 accepted length (tokens committed per speculative step and row), and how many outputs are
@@ -55,6 +57,9 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=4, help="EAGLE-3 children per expanded node")
     ap.add_argument("--steps", type=int, default=5, help="EAGLE-3 tree depth")
     ap.add_argument("--nodes", type=int, default=16, help="EAGLE-3 tree nodes (num_draft_tokens)")
+    ap.add_argument("--concurrency", default=None, help="closed-loop C values, comma list (default 1,4,16,64)")
+    ap.add_argument("--off-above", type=int, default=8, help="batch_threshold: speculation off above this batch")
+    ap.add_argument("--on-at", type=int, default=4, help="batch_threshold: back on at or below this batch")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
     args = ap.parse_args()
     out = Path(args.out)
@@ -66,8 +71,10 @@ def main() -> None:
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
     prompts = [tok.encode_chat([{"role": "user", "content": r["prompt"]}]) for r in rows]
     Cs = [1, 2] if args.quick else [1, 4, 16, 64]
+    if args.concurrency:
+        Cs = sorted(int(c) for c in args.concurrency.split(","))
     max_new = 8 if args.quick else 128
-    buckets = (1, 2, 4) if args.quick else (1, 2, 4, 8, 16, 32, 64)
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max(Cs)) + (max(Cs),)
     if args.draft == "eagle3":
         from specdec.models.eagle3 import Eagle3Head
         from specdec.spec.drafters import Eagle3Drafter
@@ -85,8 +92,12 @@ def main() -> None:
     configs = {
         "never": lambda: (None, Never()),
         "always": lambda: (make_drafter(), Always(k)),
-        "batch_threshold": lambda: (make_drafter(), BatchThreshold(k, off_above=8, on_at_or_below=4)),
+        "batch_threshold": lambda: (make_drafter(), BatchThreshold(k, off_above=args.off_above,
+                                                                    on_at_or_below=args.on_at)),
     }
+    # Timed points draw from the first prompts, the untimed warm-up from the others.
+    split = max(len(prompts) // 2, len(prompts) - max(Cs))
+    timed, warm = prompts[:split], prompts[split:]
     results, outputs = [], {}
     for name, make in configs.items():
         drafter, policy = make()
@@ -98,13 +109,11 @@ def main() -> None:
         as_req = lambda ps: [type("P", (), {"prompt_ids": p, "max_new_tokens": max_new})() for p in ps]  # noqa: E731
         # Untimed warm-up over other prompts: Triton compiles prefill kernels per chunk-length
         # block size on first use, which would otherwise land in the first timed point.
-        closed_loop(engine, as_req(prompts[-max(Cs):]), max(Cs),
-                    lambda p, t: engine.add_request(p.prompt_ids, p.max_new_tokens))
+        closed_loop(engine, as_req(warm), max(Cs), lambda p, t: engine.add_request(p.prompt_ids, p.max_new_tokens))
         for C in Cs:
-            n = min(len(prompts) - max(Cs), (2 if args.quick else 4) * C, max(Cs) * 4)
-            if not args.quick:
-                n = max(n, min(16, len(prompts) - max(Cs)))  # >= 16 requests: a point lasts seconds
-            batch = as_req(prompts[:n])
+            # 4 requests per client (>= 16: a point lasts seconds), prompts reused when C needs more
+            n = 2 * C if args.quick else max(16, 4 * C)
+            batch = as_req([timed[i % len(timed)] for i in range(n)])
             trace = StepTrace()
             engine.trace = trace
             t1 = time.perf_counter()
@@ -136,7 +145,7 @@ def main() -> None:
             w.writerow({**r, **stamp})
     lines = [f"# Speculation policies under load ({stamp['device']}, commit {stamp['commit']}, {stamp['date']}, "
              f"{stamp['dtype']}, SmolLM2-135M-Instruct, HumanEval prompts, greedy, {max_new} new tokens, "
-             f"{drafter_name})", "",
+             f"{drafter_name}; batch_threshold off above {args.off_above}, on at {args.on_at})", "",
              "| config | C | output tok/s | vs never | steps speculating | mean accepted length | identical to never |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["C"], r["config"])):
