@@ -114,11 +114,13 @@ class Eagle3Drafter:
 
     Draft row j pairs the target's feature at position j with the token at j + 1 and sits in draft
     KV slot j (the target's page table addresses both pools). Invariant after every commit: the
-    draft KV covers slots 0 .. seq_len - 1 like the target's, ``root_hidden`` holds the output of row
-    seq_len - 1 and ``root_top``/``root_ids`` its best ``topk`` children (log-probs, draft ids),
-    which predict the token after the pending one: the first tree level of the next step. Only the
-    best children of a node can enter a tree, so no step materialises a full draft distribution:
-    the lm_head runs on the frontier rows only and one top-k kernel returns their log-probs.
+    draft KV covers slots 0 .. seq_len - 1 like the target's and ``root_hidden`` holds the output of
+    row seq_len - 1. Its best ``topk`` children (``root_top``/``root_ids``: log-probs, draft ids),
+    which predict the token after the pending one (the first tree level), are computed when a step
+    drafts, at the start of ``propose``: a k = 0 step (speculation off) only extends the draft KV and
+    runs no draft lm_head. Only the best children of a node can enter a tree, so no step
+    materialises a full draft distribution: the lm_head runs on the frontier rows only and one
+    top-k kernel returns their log-probs.
 
     Tree growth: round r runs only the frontier (topk nodes at depth r + 1) at draft scratch slots
     seq_len + r * topk + i; the nodes of earlier rounds already hold their draft KV, and the
@@ -196,6 +198,11 @@ class Eagle3Drafter:
                     buf[r].copy_(roots[i][c].to(dev))
 
     # -- per step --------------------------------------------------------------------------------
+    def _root_children_(self, B: int) -> None:
+        """root_top / root_ids of rows 0 .. B-1 from root_hidden (the first tree level)."""
+        ops.topk_logprobs(self.head.logits(self.root_hidden[:B]), self.topk, backend=self.head.backend,
+                          out=(self.root_top[:B], self.root_ids[:B]))
+
     def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
         """Grow the tree: one draft forward per round over that round's K new frontier nodes, each
         round's bookkeeping (child scores, next frontier, next rows) in one ``ops.tree_expand`` and the
@@ -203,6 +210,7 @@ class Eagle3Drafter:
         Builds the same tree as :meth:`propose_reference` (``grow_tree`` over torch ops)."""
         topk, steps, kept = self.shape_for(T - 1)
         be = self.head.backend
+        self._root_children_(B)
         seq = state.seq_lens[:B]
         dev, H = seq.device, self.head.config.hidden_size
         K = topk
@@ -229,6 +237,7 @@ class Eagle3Drafter:
         the nodes of earlier rounds are already in the draft cache, and the ancestor mask over the
         window of the (r + 1) K scratch slots lets each node see only its own ancestors."""
         topk, steps, kept = self.shape_for(T - 1)
+        self._root_children_(B)
         seq = state.seq_lens[:B]
         outs = {}
         node_bits = bit(torch.arange(steps * topk, device=seq.device))  # scratch node j -> 1 << j
@@ -259,7 +268,8 @@ class Eagle3Drafter:
     def extend_(self, state, B: int, T: int, valid, seq_old, captured, nodes, out_tokens, accept_len) -> None:
         """Draft rows seq_old + i (i < T) pairing the feature of accepted path node i with the
         committed token after it; rows past accept_len are scratch (overwritten later), so the
-        shapes stay static. Leaves root state = output of row seq_old + accept_len."""
+        shapes stay static. Leaves root_hidden = output of row seq_old + accept_len (its children
+        are computed by the next propose)."""
         # Only an accepted path's rows can be committed: a 49-node tree extends over 8 rows, not 49.
         Te = self.max_path_nodes(T)
         H3 = captured.shape[-1]
@@ -273,8 +283,6 @@ class Eagle3Drafter:
         # Padding rows (>= num_active) take garbage here too: their root state is never read, and a
         # row becomes live only through stage_rows_ (which writes it) or keep_rows_ (a live row's).
         torch.gather(h.view(B, Te, -1), 1, last, out=self.root_hidden[:B, None])  # root = row accept_len
-        ops.topk_logprobs(self.head.logits(self.root_hidden[:B]), self.topk, backend=self.head.backend,
-                          out=(self.root_top[:B], self.root_ids[:B]))
 
 
 def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
