@@ -15,11 +15,12 @@ decode step, then reads back and commits the previous iteration's step while the
 host's commit, finish and scheduling work no longer leaves the GPU idle between steps. A drafter
 that drafts from the host's tokens (n-gram) needs the newest ones: before each of its speculative
 steps the engine commits the step in flight first, so those steps run synchronously with the
-drafter's full context, while its k = 0 steps (speculation switched off under load) overlap. Everything the step needs lives on the
-device (pending token, seq_lens, page table); the host only lags one step in what it knows: a row
-holds pages for two steps ahead, a request that finishes is seen one iteration late (the extra step
-computed for it is dropped), and tokens of a request that left the batch (finish, abort,
-preemption) after a launch are dropped by its row epoch. Greedy output is the same either way.
+drafter's full context, while its k = 0 steps (speculation switched off under load) overlap.
+Everything the step needs lives on the device (pending token, seq_lens, page table); the host
+only lags one step in what it knows: a row holds pages for two steps ahead, a request that
+finishes is seen one iteration late (the extra step computed for it is dropped), and tokens of a
+request that left the batch (finish, abort, preemption) after a launch are dropped by its row
+epoch. Greedy output is the same either way.
 H200, random weights (experiments/results/serving/exp_overlap_6464618.txt): time per output token
 SmolLM2 batch 1 0.621 -> 0.594 ms (graphed step 0.583), batch 8 0.971 -> 0.928; Llama-3.1-8B
 batch 1 4.39 -> 4.326 ms (step 4.317), batch 8 4.94 -> 4.83 ms.
@@ -63,8 +64,9 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)  # capped at prefill_chunk
     prefill_requests: tuple[int, ...] = (1, 8, 64)
     # Overlapped decoding: launch step i + 1 before reading step i's tokens, so the host's work
-    # (commit, finishes, scheduling) runs while the GPU computes. auto: on with CUDA graphs and a
-    # drafter that needs no host context; true forces it (also on the CPU, for tests).
+    # (commit, finishes, scheduling) runs while the GPU computes. auto: on with CUDA graphs (a
+    # host-context drafter's speculative steps still commit the step in flight first); true forces
+    # it (also on the CPU, for tests).
     overlap: bool | str = "auto"
 
     @classmethod
@@ -262,7 +264,8 @@ class Engine:
             if k not in self.ks:
                 raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
         committed: list[tuple[int, list[list[int]]]] = []  # (k, token lists) of the steps committed here
-        if self._inflight is not None and k > 0 and getattr(self.drafter, "needs_context", False):
+        needs_context = k > 0 and getattr(self.drafter, "needs_context", False)
+        if self._inflight is not None and needs_context:
             # This drafter drafts from the host's committed tokens: commit the step in flight first,
             # so it sees them (a speculative step of such a drafter runs synchronously; its k = 0
             # steps stay overlapped). Evictions may move rows: look the new rows up again.
@@ -276,8 +279,7 @@ class Engine:
             self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready],
                                      [row for _, row in ready])
         n = self.state.num_rows
-        context = ([r.tokens for r in sched.rows]
-                   if n and k > 0 and getattr(self.drafter, "needs_context", False) else None)
+        context = [r.tokens for r in sched.rows] if n and needs_context else None
         launched = (lambda: self._timer.stop(no, "decode")) if timed else None
         # The step whose tokens this iteration commits: this one, or with overlapped decoding the
         # previous one, read while the GPU runs this one.

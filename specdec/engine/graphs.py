@@ -141,11 +141,10 @@ class PaddedPrefill:
                               f"requests {self.request_buckets}")
         self.graphed = graphed
         self.max_pages = max_pages
-        n_max, r_max, dev = self.buckets[-1], self.request_buckets[-1], torch.device(device)
+        n_max, dev = self.buckets[-1], torch.device(device)
         # Shapes: a request bucket above the token bucket cannot occur (every chunk has a token).
         self.shapes = [(N, R) for N in self.buckets for R in self.request_buckets if R <= N]
-        self.r_max = max(R for _, R in self.shapes)
-        r_max = self.r_max
+        self.r_max = r_max = max(R for _, R in self.shapes)
         self.tokens = torch.zeros(4, n_max, dtype=torch.int64, device=dev)  # ids, pos, slot, next id
         # int32 metadata: cu_q_lens [r_max + 1] | kv_lens [r_max] | page table [r_max, max_pages]
         self._kv0, self._pt0 = r_max + 1, 2 * r_max + 1

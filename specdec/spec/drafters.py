@@ -181,21 +181,18 @@ class Eagle3Drafter:
 
     def prefill_(self, ids, pos, meta: AttentionMeta, captured, next_ids):
         """Draft rows over prefill chunks (same slots/positions as the target's); returns the last
-        row of each chunk: (hidden [C, H], best children log-probs [C, topk], their ids [C, topk])."""
+        row of each chunk, hidden [C, H] (its children are computed when a step drafts)."""
         h = self._run(next_ids, self.head.fuse(captured.to(self.head.dtype)), pos, meta)
-        last = (meta.cu_q_lens[1:] - 1).long()  # [C]
-        return (h[last], *self._children(h[last], self.topk))
+        return h[(meta.cu_q_lens[1:] - 1).long()]
 
     def stage_rows_(self, roots, chunk_idx: list[int], rows: list[int]) -> None:
-        """Copy each chunk's root state into its decode row (-1: no prefill row, e.g. a 1-token
+        """Copy each chunk's root hidden into its decode row (-1: no prefill row, e.g. a 1-token
         prompt: zero state, so that row's drafts are arbitrary until its first step commits)."""
-        dev = self.root_hidden.device
         for c, r in zip(chunk_idx, rows):
-            for buf, i in ((self.root_hidden, 0), (self.root_top, 1), (self.root_ids, 2)):
-                if roots is None or c < 0:
-                    buf[r].zero_()
-                else:
-                    buf[r].copy_(roots[i][c].to(dev))
+            if roots is None or c < 0:
+                self.root_hidden[r].zero_()
+            else:
+                self.root_hidden[r].copy_(roots[c])
 
     # -- per step --------------------------------------------------------------------------------
     def _root_children_(self, B: int) -> None:
