@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import gc
 import json
 import sys
 import time
@@ -60,6 +61,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default=None, help="closed-loop C values, comma list (default 1,4,16,64)")
     ap.add_argument("--off-above", type=int, default=8, help="batch_threshold: speculation off above this batch")
     ap.add_argument("--on-at", type=int, default=4, help="batch_threshold: back on at or below this batch")
+    ap.add_argument("--configs", default="always,batch_threshold,never",
+                    help="policies to run, in this order (comma list; `never` is needed for the ratios)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
     args = ap.parse_args()
     out = Path(args.out)
@@ -99,13 +102,22 @@ def main() -> None:
     split = max(len(prompts) // 2, len(prompts) - max(Cs))
     timed, warm = prompts[:split], prompts[split:]
     results, outputs = [], {}
-    for name, make in configs.items():
-        drafter, policy = make()
+    order = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(order) - set(configs))
+    if unknown or "never" not in order or len(set(order)) != len(order):
+        raise SystemExit(f"bench_spec: --configs {args.configs!r}: need distinct names from {sorted(configs)}, "
+                         "including never")
+    for name in order:
+        drafter, policy = configs[name]()
+        gc.collect()  # the previous engine's CUDA graphs and KV pool are freed before this one sizes its pool
+        if device == "cuda":
+            torch.cuda.empty_cache()
         t0 = time.perf_counter()
         engine = Engine(model, EngineConfig(max_batch_size=max(Cs), graph_buckets=buckets,
                                             kv_cache_tokens=None if device == "cuda" else 16384),
                         eos_ids=[2], drafter=drafter, policy=policy)
         startup = time.perf_counter() - t0
+        mem_gb = torch.cuda.memory_allocated() / 1e9 if device == "cuda" else 0.0
         as_req = lambda ps: [type("P", (), {"prompt_ids": p, "max_new_tokens": max_new})() for p in ps]  # noqa: E731
         # Untimed warm-up over other prompts: Triton compiles prefill kernels per chunk-length
         # block size on first use, which would otherwise land in the first timed point.
@@ -126,9 +138,11 @@ def main() -> None:
             results.append(dict(config=name, C=C, requests=len(done), output_tok_per_s=m["output_tok_per_s"],
                                 speculating=s["speculating_step_fraction"],
                                 mean_accepted_length=s["mean_accepted_length"],
-                                mean_batch=s["mean_batch_size"], startup_s=startup))
+                                mean_batch=s["mean_batch_size"], startup_s=startup,
+                                kv_pages=engine.kv.num_pages, mem_gb=mem_gb))
             print(f"{name:>16} C={C:<3} {m['output_tok_per_s']:9.1f} tok/s  spec {s['speculating_step_fraction']:.2f}"
-                  f"  acc len {s['mean_accepted_length'] or 0:.2f}", flush=True)
+                  f"  acc len {s['mean_accepted_length'] or 0:.2f}  mean batch {s['mean_batch_size']:.1f}"
+                  f"  KV pages {engine.kv.num_pages}  allocated {mem_gb:.1f} GB", flush=True)
         del engine
     base = {r["C"]: r["output_tok_per_s"] for r in results if r["config"] == "never"}
     for r in results:

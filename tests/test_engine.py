@@ -308,6 +308,33 @@ def test_batched_prefill_runs_padded_and_matches_reference(tiny):
         assert len(eager) == expect_eager  # the runner calls its own forward, not prefill_body
 
 
+def test_deleted_engine_frees_its_kv_pool_without_the_cycle_collector(tiny):
+    """`del engine` frees the KV pool (and on the GPU the CUDA graphs and their memory) at once: no
+    reference cycle runs through the engine's step and prefill bodies, so a process that builds
+    engines one after another (a benchmark sweep, an in-process multirun) does not size each new
+    pool from memory the previous engines still hold."""
+    import gc
+    import weakref
+
+    from specdec.spec.drafters import NgramDrafter
+
+    gc.collect()
+    gc.disable()
+    try:
+        for drafter in (None, NgramDrafter()):
+            engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=256, pad_eager=True,
+                                               graph_buckets=(1, 4), prefill_buckets=(8,)),
+                            drafter=drafter, ks=(0, 2) if drafter else (0,))
+            assert engine.stepper.prefill_runner is not None
+            engine.add_request([5, 6, 7, 8, 9], 3)
+            engine.run_until_done()
+            alive = [weakref.ref(engine), weakref.ref(engine.kv.k), weakref.ref(engine.stepper)]
+            del engine
+            assert [r() is None for r in alive] == [True, True, True], drafter
+    finally:
+        gc.enable()
+
+
 def test_padded_prefill_shapes():
     from specdec.engine.graphs import PaddedPrefill
     from specdec.engine.step import PrefillChunk

@@ -29,6 +29,7 @@ batch 1 4.39 -> 4.326 ms (step 4.317), batch 8 4.94 -> 4.83 ms.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_
 from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
 from .state import DecodeState
-from .step import PhaseTimer, Stepper, step_body_
+from .step import PhaseTimer, Stepper, prefill_body_, step_body_
 
 
 @dataclass
@@ -173,8 +174,12 @@ class Engine:
                                    max_tree_tokens=ahead, detokenize=detokenize)
         buckets = make_buckets(cfg.max_batch_size, cfg.graph_buckets)
 
+        state, kv = self.state, self.kv  # not self: a closure over the engine would make a reference
+        # cycle (engine -> stepper -> runner -> body -> engine) that keeps its KV pool and CUDA graphs
+        # alive after `del engine` until the cyclic garbage collector runs
+
         def body(B: int, T: int, context) -> None:
-            step_body_(model, self.state, self.kv, B, T, cfg.temperature, drafter, context)
+            step_body_(model, state, kv, B, T, cfg.temperature, drafter, context)
 
         t0 = time.perf_counter()
         if use_graphs:
@@ -192,7 +197,10 @@ class Engine:
             prefill_buckets.append(cfg.prefill_chunk)
         if prefill_buckets and (runner.graphed or cfg.pad_eager):
             t0 = time.perf_counter()
-            self.stepper.prefill_runner = PaddedPrefill(self.stepper.prefill_body, model.device, prefill_buckets,
+            # The body closes over the model, KV and drafter, not the stepper that will hold the runner
+            # (no reference cycle: see `body` above).
+            prefill = functools.partial(prefill_body_, model, self.kv, drafter)
+            self.stepper.prefill_runner = PaddedPrefill(prefill, model.device, prefill_buckets,
                                                         max_pages, graphed=runner.graphed,
                                                         request_buckets=cfg.prefill_requests)
             self.startup_s += time.perf_counter() - t0

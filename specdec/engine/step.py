@@ -95,6 +95,16 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
         marks("commit")
 
 
+def prefill_body_(model, kv: KVCache, drafter, ids, pos, meta, next_ids):
+    """Target forward over prefill tokens (KV written) + the drafter's prefill (its root state per
+    chunk, or None without a drafter); device ops only."""
+    capture = drafter.capture_layers if drafter is not None else ()
+    out = model(ids, pos, meta, kv.k, kv.v, capture_layers=capture)
+    if drafter is None:
+        return None
+    return drafter.prefill_(ids, pos, meta, out.captured, next_ids)
+
+
 @dataclass
 class PrefillChunk:
     """Tokens at logical slots start .. start + len(token_ids) - 1 of one request."""
@@ -169,11 +179,7 @@ class Stepper:
 
     def prefill_body(self, ids, pos, meta, next_ids):
         """Target forward over prefill tokens (KV written) + the drafter's prefill; device ops only."""
-        capture = self.drafter.capture_layers if self.drafter is not None else ()
-        out = self.model(ids, pos, meta, self.kv.k, self.kv.v, capture_layers=capture)
-        if self.drafter is None:
-            return None
-        return self.drafter.prefill_(ids, pos, meta, out.captured, next_ids)
+        return prefill_body_(self.model, self.kv, self.drafter, ids, pos, meta, next_ids)
 
     def num_nodes(self, k: int) -> int:
         """Tree nodes per row of a step with k draft tokens (1 at k = 0)."""
