@@ -167,8 +167,9 @@ def test_eagle3_greedy_identical(tiny, topk, steps, ntok):
     assert got == want
 
 
-def draft_prefill_kv(drafter, model, tokens):
-    """Draft KV [n, HKV, D] of rows 0..n-1 computed from scratch over ``tokens`` (n + 1 tokens)."""
+def draft_prefill_kv(drafter, model, tokens, with_hidden=False):
+    """Draft KV [n, HKV, D] of rows 0..n-1 computed from scratch over ``tokens`` (n + 1 tokens)
+    (with_hidden: and the draft hidden [H] of row n - 1, what the drafter's root state must be)."""
     n = len(tokens) - 1
     k, v = model.new_kv_cache(1 + n // 4, 4)
     dk, dv = drafter.head.new_kv_cache(1 + n // 4, 4)
@@ -177,8 +178,9 @@ def draft_prefill_kv(drafter, model, tokens):
                          table, torch.arange(n), n)
     out = model(torch.tensor(tokens[:n]), torch.arange(n), meta, k, v, capture_layers=drafter.capture_layers)
     emb = model.embed_tokens(torch.tensor(tokens[1:]))
-    drafter.head(emb, drafter.head.fuse(out.captured), torch.arange(n), meta, dk, dv)
-    return dk[0].reshape(-1, *dk.shape[-2:])[:n]
+    h, _ = drafter.head(emb, drafter.head.fuse(out.captured), torch.arange(n), meta, dk, dv)
+    kv = dk[0].reshape(-1, *dk.shape[-2:])[:n]
+    return (kv, h[n - 1]) if with_hidden else kv
 
 
 @pytest.mark.parametrize("oracle,pad", [(False, False), (True, False), (True, True)])
@@ -199,21 +201,27 @@ def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle, pad):
     reqs = [engine.add_request(prompts[0], 18)]
     engine.step(0)
     reqs.append(engine.add_request(prompts[1], 18))
-    schedule = [4, 0, 0, 4, 4, 0, 4]
-    for i in range(len(schedule)):
-        engine.step(schedule[i])
+    def check_in_sync():
+        # Every row's draft KV over its committed tokens, and its root state (the draft hidden of
+        # its last committed row, which the next drafting step expands), equal a from-scratch
+        # draft prefill.
+        for row, req in enumerate(engine.scheduler.rows):
+            s = req.seq_len
+            pages = engine.kv.pages(req)
+            slots = torch.tensor([pages[j // 4] * 4 + j % 4 for j in range(s)])
+            live = drafter.k_cache[0].reshape(-1, *drafter.k_cache.shape[-2:])[slots]
+            fresh, root = draft_prefill_kv(drafter, tiny, req.tokens[: s + 1], with_hidden=True)
+            torch.testing.assert_close(live, fresh, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(drafter.root_hidden[row], root, atol=1e-4, rtol=1e-4)
+
+    for k in [4, 0, 0, 4, 4, 0]:
+        engine.step(k)
+    check_in_sync()  # after a k = 0 step
+    engine.step(4)
     engine.flush_trace()
     if oracle:
         assert max(a for rec in trace for a in rec["accepted"]) >= 2
-    # Mid-run: every row's draft KV over its committed tokens equals a from-scratch draft prefill.
-    sched = engine.scheduler
-    for row, req in enumerate(sched.rows):
-        s = req.seq_len
-        pages = engine.kv.pages(req)
-        slots = torch.tensor([pages[j // 4] * 4 + j % 4 for j in range(s)])
-        live = drafter.k_cache[0].reshape(-1, *drafter.k_cache.shape[-2:])[slots]
-        fresh = draft_prefill_kv(drafter, tiny, req.tokens[: s + 1])
-        torch.testing.assert_close(live, fresh, atol=1e-4, rtol=1e-4)
+    check_in_sync()  # after a drafting step
     while engine.has_work():
         engine.step(4 if engine._step_no % 3 else 0)
     assert [r.output_ids for r in reqs] == want

@@ -90,7 +90,7 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len, out_tokens, valid,
                  (state.seq_lens[:B], state.pending[:B], state.sampled[:B, :T]), backend=be)
     if drafter is not None:
-        drafter.extend_(state, B, T, valid, seq_old, out.captured, nodes, out_tokens, accept_len)
+        drafter.extend_(state, B, T, valid, seq_old, out.captured, nodes, out_tokens, accept_len, (meta, pos))
     if marks:
         marks("commit")
 

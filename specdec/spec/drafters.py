@@ -13,8 +13,9 @@ One interface (used by :func:`specdec.engine.step.step_body_`):
     prefill_(...)           extend draft state over prefill chunks; returns per-chunk root state
     stage_rows_(...)        hand that root state to the decode rows the chunks became
     propose(state, B, T, valid, context) -> DraftTree
-    extend_(state, B, T, valid, seq_old, captured, nodes, out_tokens, accept_len)
-                            after EVERY step (also k = 0): extend over the committed tokens
+    extend_(state, B, T, valid, seq_old, captured, nodes, out_tokens, accept_len, verify)
+                            after EVERY step (also k = 0): extend over the committed tokens;
+                            verify = the target's (AttentionMeta, positions) of the step's tree
 
 Drafters:
 - :class:`NgramDrafter`: prompt lookup (no weights): find the latest earlier occurrence of the
@@ -262,11 +263,24 @@ class Eagle3Drafter:
                          steps=steps, num_draft_tokens=kept, to_target=self.head.to_target_ids)
 
     @torch.no_grad()  # inference only; the gather below writes straight into the root buffer
-    def extend_(self, state, B: int, T: int, valid, seq_old, captured, nodes, out_tokens, accept_len) -> None:
+    def extend_(self, state, B: int, T: int, valid, seq_old, captured, nodes, out_tokens, accept_len,
+                verify=None) -> None:
         """Draft rows seq_old + i (i < T) pairing the feature of accepted path node i with the
         committed token after it; rows past accept_len are scratch (overwritten later), so the
         shapes stay static. Leaves root_hidden = output of row seq_old + accept_len (its children
-        are computed by the next propose)."""
+        are computed by the next propose).
+
+        A k = 0 step (T = 1, speculation off) extends by one row per request, the one the target
+        just ran: its feature is the step's only captured row, its token the new pending one, and
+        its slot and position are the target's (``verify``: the target's meta and positions), so
+        that step runs the draft layer with no gather, clamp or second block-meta launch."""
+        if T == 1 and verify is not None:
+            meta, pos = verify
+            # After the commit, pending = the committed token of every live row (padding rows keep an
+            # earlier, valid id: they run on garbage that nothing reads, like every padding row).
+            h = self._run(state.pending[:B], self.head.fuse(captured.to(self.head.dtype)), pos, meta)
+            self.root_hidden[:B].copy_(h)
+            return
         # Only an accepted path's rows can be committed: a 49-node tree extends over 8 rows, not 49.
         Te = self.max_path_nodes(T)
         H3 = captured.shape[-1]
