@@ -1,0 +1,91 @@
+"""What does speculation-off cost with an EAGLE-3 drafter? The graphed k = 0 step (plain decoding)
+of an engine without a drafter vs one whose EAGLE-3 drafter extends its KV over every committed
+token (its draft layer runs every step so that acceptance holds when speculation switches back on),
+and vs the same drafter through its general extend path (the path a drafting step takes: gathered
+features, clamps, its own block metadata, a root gather) instead of the k = 0 one.
+
+SmolLM2-135M shapes with RANDOM bf16 weights (step time does not depend on the values), the
+committed head checkpoints/eagle3-smollm2-135m, context 512, batch B in {1, 64, 128}. Per engine
+and B: device ms per step (100 back-to-back steps, best of 3, `Engine.profile_decode_step`), then
+the kernels of 20 graph replays under torch.profiler (launches per step, device us per step).
+`none` runs first and last, to show drift within the process.
+
+Run (one GPU, ~1 min, no model files):  python experiments/k0_step_cost.py > $OUT/k0_step_cost.txt
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "experiments")]
+from profile_step import SMOLLM2  # noqa: E402
+from specdec.bench.provenance import device_name, git_commit  # noqa: E402
+from specdec.bench.targets import llama_config_from_dict, random_target  # noqa: E402
+from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
+from specdec.models.eagle3 import Eagle3Head  # noqa: E402
+from specdec.spec.drafters import Eagle3Drafter  # noqa: E402
+
+
+class GeneralExtend(Eagle3Drafter):
+    """The same drafter, but every step extends through the general (drafting-step) path."""
+
+    def extend_(self, *args):
+        super().extend_(*args[:9], None)
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("k0_step_cost.py times CUDA-graph replays: it needs a GPU")
+    model = random_target(llama_config_from_dict(SMOLLM2), device="cuda", dtype=torch.bfloat16, seed=0)
+    head = Eagle3Head.load(REPO / "checkpoints/eagle3-smollm2-135m", device="cuda", dtype=model.dtype,
+                           backend=model.backend, target=model.config)
+    print(f"# k0_step_cost.py at {git_commit()}, {device_name()}, SmolLM2-135M shapes (random bf16), context 512")
+    summary = []
+    for name in ("none", "eagle3", "eagle3_general_extend", "none"):
+        cls = GeneralExtend if name == "eagle3_general_extend" else Eagle3Drafter
+        drafter = None if name == "none" else cls(head, model, topk=4, steps=5, num_draft_tokens=16)
+        eng = Engine(model, EngineConfig(max_batch_size=128, graph_buckets=(1, 64, 128), kv_cache_tokens=128 * 1024,
+                                         max_seq_len=2048, page_size=16, prefill_buckets=(16,)),
+                     drafter=drafter, ks=(16,) if drafter else (0,))
+        for B in (1, 64, 128):
+            ms = min(eng.profile_decode_step(B, 512, iters=100) for _ in range(3))
+            owners = [object() for _ in range(B)]
+            pages = [eng.kv.reserve_(o, 700) for o in owners]
+            eng.state.append_rows_([7] * B, [512] * B, pages)
+            eng.state.num_active.fill_(B)
+            run = eng.stepper.runner.run_
+            try:
+                for _ in range(3):
+                    run(B)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(20):
+                        run(B)
+                    torch.cuda.synchronize()
+            finally:
+                eng.state.keep_rows_([])
+                for o in owners:
+                    eng.kv.release_(o)
+            by = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    c = by.setdefault(e.name[:80], [0.0, 0.0])
+                    c[0] += 1 / 20
+                    c[1] += e.device_time / 20
+            launches = sum(c[0] for c in by.values())
+            print(f"== {name} B={B}: step {ms:.4f} ms, {launches:.0f} kernels, busy {sum(c[1] for c in by.values()):.1f} us")
+            for n, c in sorted(by.items(), key=lambda x: -x[1][1]):
+                print(f"   {c[0]:5.1f} x {c[1]:7.1f} us  {n}")
+            summary.append((name, B, ms))
+        del eng
+        torch.cuda.empty_cache()
+    print("\n| engine | B | k = 0 step ms |\n|---|---|---|")
+    for name, B, ms in summary:
+        print(f"| {name} | {B} | {ms:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
