@@ -82,6 +82,19 @@ _FUSED_ENV = os.environ.get("SPECDEC_FUSED_MERGE")
 if _FUSED_ENV not in (None, "0", "1"):
     raise ValueError(f"SPECDEC_FUSED_MERGE must be 0 or 1, got {_FUSED_ENV!r}")
 FUSED_MERGE = None if _FUSED_ENV is None else _FUSED_ENV == "1"
+_PREWAIT_ENV = os.environ.get("SPECDEC_ATTN_PREWAIT", "1")
+if _PREWAIT_ENV not in ("0", "1"):
+    raise ValueError(f"SPECDEC_ATTN_PREWAIT must be 0 or 1, got {_PREWAIT_ENV!r}")
+# With PDL, whether each program reads its lengths and prefetches up to PREFETCH_TILES tiles of its
+# cached prefix into L2 before it waits for its predecessor (see _prefetch_prefix); on unless
+# SPECDEC_ATTN_PREWAIT=0. It pays where the predecessor lets it launch early (the qkv kernel of a
+# small model, kernels_triton/linear.py QKV_EARLY_MAX_BYTES). H200, graphed batch-1 plain steps,
+# random weights, context 512, alternating processes (scratch A/B at 1b8fd40, two rounds):
+# SmolLM2 0.5821 / 0.5821 ms without it, 0.5779 / 0.5787 with it, 0.5736 / 0.5738 with it and the
+# qkv kernel's early trigger; Llama-3.1-8B shapes 4.3063 / 4.3064 without, 4.3056 / 4.3071 with,
+# and 4.3959 / 4.3962 with the early trigger too (4.4249 / 4.4256 with the early trigger alone).
+PREWAIT = _PREWAIT_ENV == "1"
+PREFETCH_TILES = tl.constexpr(4)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PDL_LATE, PDL_EARLY = 1, 2  # USE_PDL values: where a kernel lets its successor launch (see pdl_mode)
 
@@ -222,6 +235,33 @@ def _attn_tile(b_q, k_cache, v_cache, p_pt, i_hkv, tile, kv_len, prefix, o_i, b_
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines at ptrs (PTX prefetch.global.L2: no register result, nothing waits)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_prefix(k_cache, v_cache, p_pt, i_hkv, slot_lo, slot_hi, stride_kp, stride_ks, stride_kh, stride_vp,
+                     stride_vs, stride_vh, D: tl.constexpr, PS: tl.constexpr, N_SLOTS: tl.constexpr):
+    """Prefetch the K/V lines of slots [slot_lo, slot_hi) (at most N_SLOTS) into L2: one page-table
+    load, then one prefetch per 128-byte line; nothing waits for the data.
+
+    Runs before griddepcontrol.wait, while the predecessor (the qkv kernel) may still run. The
+    caller passes only slots below the prefix: they, the page table and the lengths were written
+    before the predecessor started (by earlier steps and the step's metadata kernel), and the
+    predecessor writes only q and the new tokens' slots. Nothing is stored here."""
+    LINE: tl.constexpr = 1024 // k_cache.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    N_LINES: tl.constexpr = D // LINE if D > LINE else 1
+    if slot_hi > slot_lo:
+        o_s = tl.minimum(slot_lo + tl.arange(0, N_SLOTS), slot_hi - 1)  # lanes past the range repeat the last slot
+        b_page = tl.load(p_pt + o_s // PS).to(tl.int64)  # [N_SLOTS]
+        o_off = o_s % PS
+        o_l = tl.arange(0, N_LINES) * LINE
+        _prefetch_l2(k_cache + (b_page * stride_kp + o_off * stride_ks + i_hkv * stride_kh)[:, None] + o_l[None, :])
+        _prefetch_l2(v_cache + (b_page * stride_vp + o_off * stride_vs + i_hkv * stride_vh)[:, None] + o_l[None, :])
+
+
+@triton.jit
 def _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, n_busy, num_splits, stride_on,
                        stride_oh, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, S_CHUNK: tl.constexpr):
@@ -314,10 +354,11 @@ def _paged_attention_fwd_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (see pdl_mode)
     ONE_LOOP: tl.constexpr,  # one loop over all tiles, or unmasked then masked tiles (see _default_one_loop)
     L2D: tl.constexpr,  # running softmax sums kept per element, reduced after the loop (see _default_l2d)
+    PREWAIT: tl.constexpr,  # USE_PDL: lengths read and prefix tiles prefetched before the wait (see PREWAIT)
 ):
     if USE_PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
-    if USE_PDL:
+    if USE_PDL and not PREWAIT:
         tlc.gdc_wait()
     i_t, i_bh, i_sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b = i_bh // HKV
@@ -354,6 +395,13 @@ def _paged_attention_fwd_kernel(
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     n_full = full_hi // BLOCK_N
     i_cnt = i_t * tl.num_programs(1) + i_bh  # this group's arrival counter (FUSED_MERGE)
+    p_pt = page_table + i_b.to(tl.int64) * stride_ptb
+    if USE_PDL and PREWAIT:  # up to here only what the predecessor does not write was read
+        _prefetch_prefix(k_cache, v_cache, p_pt, i_hkv, tile_lo * BLOCK_N,
+                         tl.minimum(tl.minimum(tile_hi, tile_lo + PREFETCH_TILES) * BLOCK_N, prefix),
+                         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, D, PS,
+                         PREFETCH_TILES * BLOCK_N)
+        tlc.gdc_wait()
     if SPLIT:
         if tile_lo >= tile_hi:
             # Empty split (num_splits comes from the page-table width, so a short request in a wide
@@ -381,7 +429,6 @@ def _paged_attention_fwd_kernel(
     else:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    p_pt = page_table + i_b.to(tl.int64) * stride_ptb
     # ONE_LOOP: one pipelined loop over all tiles, each applying the masks when it needs them
     # (tile >= n_full); otherwise the tiles every row fully sees run first, without any mask.
     t_mask = tile_lo
@@ -881,7 +928,7 @@ def paged_attention(
         IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), ONE_LOOP=one_loop,
-        L2D=_default_l2d(cfg) if l2d is None else bool(l2d),
+        L2D=_default_l2d(cfg) if l2d is None else bool(l2d), PREWAIT=PREWAIT and bool(pdl),
         **({"maxnreg": maxnreg} if maxnreg else {}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -66,6 +66,8 @@ x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-pat
 precision ones tensor-core dots with fp32 accumulation.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -82,6 +84,17 @@ MAX_M = 64
 GEMV_MAX_COLUMNS = 16384
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+_QKV_EARLY_ENV = os.environ.get("SPECDEC_PDL_QKV_EARLY", "auto")
+if _QKV_EARLY_ENV not in ("auto", "0", "1"):
+    raise ValueError(f"SPECDEC_PDL_QKV_EARLY must be auto, 0 or 1, got {_QKV_EARLY_ENV!r}")
+# With PDL, the qkv kernel (RoPE epilogue) lets its successor, the attention, launch at its start
+# instead of after its weight stream when its weights are at most QKV_EARLY_MAX_BYTES (always / never
+# with SPECDEC_PDL_QKV_EARLY=1 / 0): the attention programs then read their lengths and prefetch
+# their prefix (attention.PREWAIT) while a short qkv kernel runs. A long one is slowed by them: H200,
+# graphed batch-1 plain steps (see attention.PREWAIT), SmolLM2 (1.1 MB of qkv weights per layer)
+# 0.5736 vs 0.5779 ms, Llama-3.1-8B shapes (50 MB) 4.396 vs 4.306 ms.
+QKV_EARLY_MAX_BYTES = 8 << 20
+QKV_EARLY = None if _QKV_EARLY_ENV == "auto" else _QKV_EARLY_ENV == "1"
 EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
 # The same values as constexpr globals: the only globals a compiled @triton.jit body may read.
 _EPI_NONE, _EPI_SWIGLU, _EPI_ROPE = tl.constexpr(EPI_NONE), tl.constexpr(EPI_SWIGLU), tl.constexpr(EPI_ROPE)
@@ -518,6 +531,9 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     cfg = dict(config or {})
     gemv = _use_gemv(x, cfg)
     pdl = int(cfg.pop("pdl", pdl_mode(x.device)))  # 0 off, 1 late, 2 early trigger
+    if pdl == 1 and epi == EPI_ROPE:  # the attention after it may launch at once (see QKV_EARLY)
+        small = w.numel() * w.element_size() <= QKV_EARLY_MAX_BYTES
+        pdl = 2 if (small if QKV_EARLY is None else QKV_EARLY) else 1
     block_m = 1 if gemv else _block_m(M)
     norm = norm_weight is not None
     if residual is not None:
