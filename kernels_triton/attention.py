@@ -110,10 +110,11 @@ def pdl_mode(device) -> int:
     H200, graphed batch-1 plain steps at d9676c6 (profile_step.py, same run): SmolLM2 0.717 ms off ->
     0.612 ms late; Llama-3.1-8B shapes 4.467 -> 4.368 ms late, while early (at 6aecb84 + the trigger
     switch) was slower than off, 4.564 vs 4.484 ms: successors launched at the start pile up
-    (successors of successors too) holding SM slots while they wait. Also measured and dropped (H200,
-    same runs): attention reading its lengths and page table and prefetching its cached prefix into
-    L2 (PTX prefetch.global.L2) before the wait, 92b24ea: 8B step 4.351 / 4.348 vs 4.354 / 4.355 ms,
-    SmolLM2 0.604 vs 0.596 ms; GEMVs prefetching their first block's weights into L2 before the wait,
+    (successors of successors too) holding SM slots while they wait. Attention reading its lengths
+    and prefetching its cached prefix into L2 before the wait (PREWAIT) first gave nothing behind
+    late triggers (92b24ea: 8B step 4.351 / 4.348 vs 4.354 / 4.355 ms, SmolLM2 0.604 vs 0.596 ms);
+    it pays behind a small model's qkv kernel triggering early (see PREWAIT). Measured and dropped
+    (H200, same runs): GEMVs prefetching their first block's weights into L2 before the wait,
     c27786c: 8B 5.79 vs 4.40 ms; attention alone triggering early: 4.394 vs 4.397 ms; the o-projection
     alone prefetching its weights (33.5 MB at 8B, which fits the L2) into L2 while attention runs,
     with attention triggering early so it is resident, 43c36b5 (branch exp/wo-l2-prefetch): 8B
