@@ -2,13 +2,15 @@
 
 For SmolLM2-135M-Instruct on HumanEval prompts (chat template, greedy, 128 new tokens), closed-loop
 concurrency C in {1, 4, 16, 64} (--concurrency; 4 requests per client, at least 16, prompts reused
-when a point needs more than half of them), three configurations beside each other:
+when a point needs more than half of them), the configurations of --configs beside each other:
 
     never            plain decoding (k = 0), the baseline
     always           a drafter, k draft tokens every step: n-gram prompt lookup (default, k = 4) or
                      the EAGLE-3 head (--draft eagle3: trees of --nodes nodes, k = nodes)
     batch_threshold  the same drafter, speculation off above a decode batch of 8, back on at 4
                      (--off-above, --on-at)
+    goodput          the same drafter, k from {0} + --goodput-ks per step, by expected tokens per
+                     second (a step-time table profiled at start-up x an EMA of acceptance)
 
 Reports output tok/s, speed-up over `never` at the same C, fraction of steps speculating, mean
 accepted length (tokens committed per speculative step and row), and how many outputs are
@@ -43,7 +45,7 @@ from specdec.bench.metrics import StepTrace, request_record, summarize_requests 
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.models.tokenizer import Tokenizer  # noqa: E402
-from specdec.policy import Always, BatchThreshold, Never  # noqa: E402
+from specdec.policy import Always, BatchThreshold, Goodput, Never  # noqa: E402
 from specdec.spec.drafters import NgramDrafter  # noqa: E402
 
 
@@ -61,6 +63,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default=None, help="closed-loop C values, comma list (default 1,4,16,64)")
     ap.add_argument("--off-above", type=int, default=8, help="batch_threshold: speculation off above this batch")
     ap.add_argument("--on-at", type=int, default=4, help="batch_threshold: back on at or below this batch")
+    ap.add_argument("--goodput-ks", default=None,
+                    help="goodput: speculative lengths it may pick, comma list (default: --k)")
     ap.add_argument("--configs", default="always,batch_threshold,never",
                     help="policies to run, in this order (comma list; `never` is needed for the ratios)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
@@ -97,6 +101,7 @@ def main() -> None:
         "always": lambda: (make_drafter(), Always(k)),
         "batch_threshold": lambda: (make_drafter(), BatchThreshold(k, off_above=args.off_above,
                                                                     on_at_or_below=args.on_at)),
+        "goodput": lambda: (make_drafter(), Goodput([int(x) for x in (args.goodput_ks or str(k)).split(",")])),
     }
     # Timed points draw from the first prompts, the untimed warm-up from the others.
     split = max(len(prompts) // 2, len(prompts) - max(Cs))

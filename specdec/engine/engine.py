@@ -209,6 +209,8 @@ class Engine:
         self._step_no = 0
         self._inflight = None  # overlapped decoding: the launched step not yet read back
         self._ids = itertools.count()
+        if policy is not None and hasattr(policy, "calibrate_"):
+            self._calibrate_policy()
         self.t0 = time.perf_counter()
 
     # -- requests -------------------------------------------------------------------------------
@@ -344,26 +346,44 @@ class Engine:
         if self.trace is not None:
             self._emit_trace(wait=True)
 
-    def profile_decode_step(self, batch_size: int, context_len: int, iters: int = 50, warmup: int = 3) -> float:
-        """Device milliseconds of one k = 0 decode step at ``batch_size`` rows of ``context_len``
-        tokens each: ``iters`` back-to-back steps (graph replays when graphed) with no host sync in
-        between, so host scheduling is excluded. The engine must be idle; borrowed pages (garbage
-        KV) are returned. The step-time table a goodput policy profiles at start-up."""
+    def profile_decode_step(self, batch_size: int, context_len: int, iters: int = 50, warmup: int = 3,
+                            k: int = 0) -> float:
+        """Device milliseconds of one decode step with k draft tokens (k = 0: plain) at
+        ``batch_size`` rows of ``context_len`` tokens each: ``iters`` back-to-back steps (graph
+        replays when graphed) with no host sync in between, so host scheduling is excluded (a
+        drafter that drafts on the host, e.g. n-gram, does that work between the launches, on
+        histories of one repeated token). The engine must be idle; borrowed pages (garbage KV and
+        drafts) are returned. The step-time table a goodput policy profiles at start-up."""
         if self.scheduler.has_work() or self.state.num_rows:
             raise RuntimeError("profile_decode_step needs an idle engine")
         if batch_size > self.config.max_batch_size:
             raise ValueError(f"batch_size {batch_size} > engine.max_batch_size {self.config.max_batch_size}")
-        total = context_len + warmup + iters + self.config.max_tree_tokens
+        if k not in self.ks:
+            raise ConfigError(f"k={k} was not configured for this engine (ks={self.ks})")
+        T = self.stepper.num_nodes(k)
+        total = self._profile_slots(context_len, warmup + iters, T)
         if total > self.max_seq_len:
-            raise ValueError(f"context_len {context_len} + {warmup + iters} steps exceeds max_seq_len {self.max_seq_len}")
+            raise ValueError(f"context_len {context_len} + {warmup + iters} steps of up to {T} tokens exceeds "
+                             f"max_seq_len {self.max_seq_len}")
         owners = [object() for _ in range(batch_size)]
+        st, drafter = self.state, self.drafter
+        prepare = getattr(drafter, "prepare_", None) if T > 1 else None
+        context = ([[7] * context_len for _ in range(batch_size)]
+                   if T > 1 and getattr(drafter, "needs_context", False) else None)
+
+        def run():
+            if self.config.temperature > 0:
+                st.uniform[:batch_size, :T].uniform_(generator=st.generator)
+            if prepare is not None:
+                prepare(st, batch_size, T, context)
+            self.stepper.runner.run_(batch_size, T, context)
+
         try:
             pages = [self.kv.reserve_(o, total) for o in owners]
-            self.state.append_rows_([7] * batch_size, [context_len] * batch_size, pages)
-            self.state.num_active.fill_(batch_size)
-            run = self.stepper.runner.run_  # k = 0 steps (T = 1)
+            st.append_rows_([7] * batch_size, [context_len] * batch_size, pages)
+            st.num_active.fill_(batch_size)
             for _ in range(warmup):
-                run(batch_size)
+                run()
             cuda = self.model.device.type == "cuda"
             if cuda:
                 torch.cuda.synchronize()
@@ -371,7 +391,7 @@ class Engine:
                 start.record()
             t0 = time.perf_counter()
             for _ in range(iters):
-                run(batch_size)
+                run()
             if cuda:
                 end.record()
                 end.synchronize()
@@ -381,6 +401,31 @@ class Engine:
             self.state.keep_rows_([])
             for o in owners:
                 self.kv.release_(o)
+
+    def _profile_slots(self, context_len: int, steps: int, T: int) -> int:
+        """KV slots a profiled row needs: its context, up to T committed per step, one tree ahead."""
+        return context_len + steps * T + self.config.max_tree_tokens
+
+    def _calibrate_policy(self) -> None:
+        """Give a policy that wants one (``calibrate_``) its step-time table: graphed steps for every
+        k of its ks at every graph bucket, at its profile_context tokens of context (less where the
+        pool or max_seq_len cannot hold that many rows of it)."""
+        cuda = self.model.device.type == "cuda"
+        iters, warmup = (20, 3) if cuda else (1, 1)
+        T_max = max(self.stepper.num_nodes(k) for k in self.ks)
+
+        def profile(batch: int, k: int) -> float:
+            room = min(self.max_seq_len, (self.kv.num_free // batch) * self.kv.page_size)
+            ctx = min(self.policy.profile_context, room - self._profile_slots(0, warmup + iters, T_max))
+            if ctx < 1:
+                raise ConfigError(f"policy {self.policy.name}: the KV pool ({self.kv.num_pages} pages) or "
+                                  f"max_seq_len ({self.max_seq_len}) cannot hold {batch} profiling rows; "
+                                  "lower engine.max_batch_size or raise engine.kv_cache_tokens")
+            return self.profile_decode_step(batch, ctx, iters=iters, warmup=warmup, k=k)
+
+        t0 = time.perf_counter()
+        self.policy.calibrate_(profile, [b for b in self.buckets if b <= self.config.max_batch_size])
+        self.startup_s += time.perf_counter() - t0
 
     def profile_step_phases(self, batch_size: int, context_len: int, k: int, iters: int = 5) -> dict:
         """Milliseconds of the draft, verify and commit phases of one step with k draft tokens at

@@ -85,6 +85,99 @@ class BatchThreshold:
         pass
 
 
+class Goodput:
+    """Pick the k that maximises expected committed tokens per second at this decode batch.
+
+    Every row of a step shares its k, so at batch B the step commits B * a(k) tokens in t(k, B)
+    seconds and the best k maximises a(k) / t(k, B), where
+      t(k, B)  the step-time table: device ms of a graphed step with k draft tokens at the smallest
+               profiled batch >= B, measured once at start-up (``calibrate_``: the engine calls it
+               with its ``profile_decode_step``, over its graph buckets, at ``profile_context``
+               tokens of context);
+      a(k)     committed tokens per row per step at k: 1 at k = 0; for k > 0 an exponential moving
+               average (weight ``ema``) of what the steps that ran with k committed. A k not yet run
+               is tried once first (its a(k) is unknown), and while k = 0 is chosen a k > 0 is
+               re-tried every ``explore_every`` steps (0: never), so that acceptance tracks the
+               workload (the draft KV stays in sync meanwhile, so a re-try costs one step's draft).
+    A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
+    near the crossover does not flip every step. Decode rows only: prefills never count.
+    """
+
+    name = "goodput"
+
+    def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 256,
+                 profile_context: int = 512):
+        ks = sorted({int(k) for k in ks} - {0})
+        if not ks or ks[0] < 1:
+            raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
+        if not 0.0 < ema <= 1.0 or margin < 0.0 or explore_every < 0 or profile_context < 1:
+            raise ConfigError(f"policy goodput: need 0 < ema <= 1, margin >= 0, explore_every >= 0 and "
+                              f"profile_context >= 1 (got ema={ema}, margin={margin}, "
+                              f"explore_every={explore_every}, profile_context={profile_context})")
+        self.ks = (0, *ks)
+        self.ema, self.margin, self.explore_every = float(ema), float(margin), int(explore_every)
+        self.profile_context = int(profile_context)
+        self.table: dict[int, list[tuple[int, float]]] | None = None  # k -> [(batch, ms)], batch ascending
+        self.accept: dict[int, float | None] = {k: None for k in ks}
+        self.last = 0  # k of the previous choice
+        self.off_steps = 0  # consecutive k = 0 choices
+
+    # -- the step-time table ----------------------------------------------------------------
+    def calibrate_(self, profile, batches) -> None:
+        """Fill the table: ``profile(batch, k)`` -> device ms per step (the engine's, at about
+        ``profile_context`` tokens of context), for every k of ``ks`` and every batch size in
+        ``batches`` (the engine's graph buckets)."""
+        self.set_table({k: {int(b): float(profile(int(b), k)) for b in batches} for k in self.ks})
+
+    def set_table(self, table: dict[int, dict[int, float]]) -> None:
+        """Use a given step-time table {k: {batch: ms}} (e.g. from an earlier profile)."""
+        missing = [k for k in self.ks if not table.get(k)]
+        if missing:
+            raise ConfigError(f"policy goodput: the step-time table has no entries for k in {missing}")
+        self.table = {k: sorted((int(b), float(ms)) for b, ms in table[k].items()) for k in self.ks}
+
+    def step_ms(self, k: int, batch: int) -> float:
+        """t(k, batch): the table entry of the smallest profiled batch >= batch (else the largest)."""
+        rows = self.table[k]
+        for b, ms in rows:
+            if b >= batch:
+                return ms
+        return rows[-1][1]
+
+    # -- the policy -------------------------------------------------------------------------
+    def rate(self, k: int, batch: int) -> float | None:
+        """Expected committed tokens per row per ms at k (None: a(k) unknown)."""
+        a = 1.0 if k == 0 else self.accept[k]
+        return None if a is None else a / self.step_ms(k, batch)
+
+    def choose(self, view: BatchView) -> int:
+        if self.table is None:
+            raise RuntimeError("policy goodput: no step-time table (the engine calls calibrate_ at start-up)")
+        B = view.num_decode
+        if B == 0:
+            return self.last
+        untried = [k for k in self.ks[1:] if self.accept[k] is None]
+        if untried:
+            k = untried[0]
+        else:
+            rates = {k: self.rate(k, B) for k in self.ks}
+            k = max(rates, key=rates.get)
+            if k != self.last and rates[k] <= rates[self.last] * (1.0 + self.margin):
+                k = self.last  # not enough gain to switch
+            if k == 0 and self.explore_every and self.off_steps + 1 >= self.explore_every:
+                k = max(self.ks[1:], key=rates.get)  # re-measure the best speculative k once
+        self.off_steps = self.off_steps + 1 if k == 0 else 0
+        self.last = k
+        return k
+
+    def update(self, stats: StepStats) -> None:
+        if stats.k == 0 or not stats.committed or stats.k not in self.accept:
+            return
+        mean = sum(stats.committed) / len(stats.committed)
+        old = self.accept[stats.k]
+        self.accept[stats.k] = mean if old is None else (1.0 - self.ema) * old + self.ema * mean
+
+
 def build_policy(cfg):
     name = cfg.get("name", "never")
     if name == "never":
@@ -94,4 +187,8 @@ def build_policy(cfg):
     if name == "batch_threshold":
         on = cfg.get("on_at_or_below")
         return BatchThreshold(int(cfg.k), int(cfg.off_above), None if on is None else int(on))
-    raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold")
+    if name == "goodput":
+        return Goodput([int(k) for k in cfg.ks], ema=float(cfg.get("ema", 0.1)),
+                       margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 256)),
+                       profile_context=int(cfg.get("profile_context", 512)))
+    raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput")

@@ -1,0 +1,125 @@
+"""Speculation policies: the goodput policy's choice from its step-time table and acceptance EMA,
+its start-up calibration through the engine, and greedy identity whatever it chooses."""
+
+import pytest
+from omegaconf import OmegaConf
+from test_engine import reference, tiny_model
+from test_spec import repetitive_prompts, run_engine, tiny_head
+
+from specdec.engine.engine import Engine, EngineConfig
+from specdec.errors import ConfigError
+from specdec.policy import BatchView, Goodput, StepStats, build_policy
+from specdec.spec.drafters import Eagle3Drafter, NgramDrafter
+
+# ms per step: speculation pays at small batches (cheap verify), not at 64 rows.
+TABLE = {0: {1: 1.0, 8: 1.2, 64: 2.0}, 2: {1: 1.2, 8: 1.5, 64: 4.4}, 4: {1: 1.4, 8: 2.4, 64: 6.0}}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(layers=2)
+
+
+def view(n):
+    return BatchView(num_decode=n, num_waiting=0)
+
+
+def run_k(pol, k, committed):
+    assert pol.choose(view(len(committed))) == k
+    pol.update(StepStats(k=k, num_decode=len(committed), committed=committed))
+
+
+def test_goodput_tries_each_k_then_maximises_tokens_per_ms():
+    pol = Goodput([4, 2], margin=0.0, explore_every=0)
+    assert pol.ks == (0, 2, 4)
+    pol.set_table(TABLE)
+    run_k(pol, 2, [2, 2])  # untried k first, smallest first: a(2) = 2
+    run_k(pol, 4, [3, 2])  # a(4) = 2.5
+    # B=1: 1/1.0, 2/1.2 = 1.67, 2.5/1.4 = 1.79 per ms -> 4; B=8 (bucket 8): 0.83, 1.33, 1.04 -> 2;
+    # B=9..64 (bucket 64): 0.5, 0.45, 0.42 -> 0; past the largest bucket, its times.
+    assert [pol.choose(view(b)) for b in (1, 5, 8, 9, 64, 100, 2, 1)] == [4, 2, 2, 0, 0, 0, 2, 4]
+    assert pol.step_ms(2, 100) == 4.4 and pol.step_ms(4, 3) == 2.4
+
+
+def test_goodput_acceptance_ema_moves_the_choice():
+    pol = Goodput([2], ema=0.5, margin=0.0, explore_every=0)
+    pol.set_table(TABLE)
+    run_k(pol, 2, [3, 3])  # a(2) = 3: 2.5 per ms at B=1 vs 1.0
+    assert pol.accept[2] == 3.0
+    pol.update(StepStats(k=2, num_decode=2, committed=[1, 1]))  # 0.5 * 3 + 0.5 * 1 = 2
+    pol.update(StepStats(k=0, num_decode=2, committed=[1, 1]))  # k = 0 steps say nothing of a(2)
+    assert pol.accept[2] == 2.0
+    assert pol.choose(view(8)) == 2  # 2 / 1.5 = 1.33 > 1 / 1.2
+    pol.update(StepStats(k=2, num_decode=8, committed=[1] * 8))
+    pol.update(StepStats(k=2, num_decode=8, committed=[1] * 8))  # a(2) = 1.25: 1.25 / 1.5 = 1 / 1.2, a tie
+    assert pol.accept[2] == 1.25 and pol.choose(view(8)) == 2  # a tie keeps the previous k
+    pol.update(StepStats(k=2, num_decode=8, committed=[1] * 8))  # a(2) = 1.125: 0.75 < 0.83
+    assert pol.accept[2] == 1.125 and pol.choose(view(8)) == 0
+
+
+def test_goodput_margin_keeps_the_previous_k():
+    table = {0: {8: 1.0}, 2: {8: 2.0}}
+    for margin, want in ((0.05, 0), (0.10, 2)):
+        pol = Goodput([2], ema=0.1, margin=margin, explore_every=0)
+        pol.set_table(table)
+        run_k(pol, 2, [2])  # a(2) = 2: 1.0 per ms, a tie with k = 0: stays at 2
+        assert pol.choose(view(8)) == 2
+        pol.update(StepStats(k=2, num_decode=1, committed=[1]))  # a(2) = 1.9: k = 0 gains 5.3%
+        assert pol.choose(view(8)) == want, margin
+
+
+def test_goodput_reexplores_while_off():
+    pol = Goodput([2, 4], margin=0.0, explore_every=3)
+    pol.set_table(TABLE)
+    run_k(pol, 2, [1] * 64)
+    run_k(pol, 4, [1] * 64)  # a = 1 everywhere: k = 0 wins at every batch
+    seen = [pol.choose(view(64)) for _ in range(7)]
+    # every 3rd consecutive k = 0 choice re-tries the best speculative k (2: 1/4.4 > 1/6.0)
+    assert seen == [0, 0, 2, 0, 0, 2, 0]
+
+
+def test_goodput_config_and_errors():
+    pol = build_policy(OmegaConf.create({"name": "goodput", "ks": [8, 4], "ema": 0.2, "margin": 0.1,
+                                         "explore_every": 10, "profile_context": 256}))
+    assert isinstance(pol, Goodput) and pol.ks == (0, 4, 8) and pol.ema == 0.2 and pol.profile_context == 256
+    with pytest.raises(ConfigError, match="ks must list"):
+        Goodput([0])
+    with pytest.raises(ConfigError, match="ema"):
+        Goodput([2], ema=0.0)
+    pol = Goodput([2])
+    with pytest.raises(RuntimeError, match="no step-time table"):
+        pol.choose(view(1))
+    with pytest.raises(ConfigError, match=r"no entries for k in \[2\]"):
+        pol.set_table({0: {1: 1.0}})
+
+
+def test_engine_calibrates_goodput_and_stays_greedy_identical(tiny):
+    """The engine profiles every k at every graph bucket at start-up; whatever the policy then
+    chooses (real CPU timings, real n-gram acceptance), greedy output equals plain greedy."""
+    prompts = repetitive_prompts(5, seed=4)
+    want = [reference(tiny, p, 14) for p in prompts]
+    pol = Goodput([2, 4], explore_every=4, profile_context=40)
+    got, engine = run_engine(tiny, prompts, 14, drafter=NgramDrafter(), policy=pol, max_batch=4)
+    assert got == want
+    assert set(pol.table) == {0, 2, 4}
+    assert [b for b, _ in pol.table[4]] == engine.buckets and all(ms > 0 for k in pol.table for _, ms in pol.table[k])
+    assert pol.accept[2] is not None and pol.accept[4] is not None  # both were run
+    engine.check()
+
+
+def test_profile_decode_step_with_draft_tokens_returns_pages(tiny):
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=drafter, ks=(4,))
+    for k in (0, 4):
+        assert engine.profile_decode_step(3, 30, iters=2, warmup=1, k=k) > 0
+        assert engine.kv.num_free == engine.kv.num_pages and engine.state.num_rows == 0
+    with pytest.raises(ConfigError, match="k=2 was not configured"):
+        engine.profile_decode_step(3, 30, k=2)
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        engine.profile_decode_step(1, tiny.config.max_position_embeddings - 10, iters=5, k=4)
+    prompt = [5, 6, 7, 5, 6, 7, 5]
+    r = engine.add_request(prompt, 6)
+    while engine.has_work():
+        engine.step(4)
+    assert r.output_ids == reference(tiny, prompt, 6)
