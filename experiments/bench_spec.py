@@ -106,7 +106,7 @@ def main() -> None:
     # Timed points draw from the first prompts, the untimed warm-up from the others.
     split = max(len(prompts) // 2, len(prompts) - max(Cs))
     timed, warm = prompts[:split], prompts[split:]
-    results, outputs = [], {}
+    results, outputs, states = [], {}, {}
     order = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(order) - set(configs))
     if unknown or "never" not in order or len(set(order)) != len(order):
@@ -145,6 +145,8 @@ def main() -> None:
                                 mean_accepted_length=s["mean_accepted_length"],
                                 mean_batch=s["mean_batch_size"], startup_s=startup,
                                 kv_pages=engine.kv.num_pages, mem_gb=mem_gb))
+            if hasattr(policy, "describe"):  # goodput: the table and acceptance it chose from
+                states[(name, C)] = policy.describe()
             print(f"{name:>16} C={C:<3} {m['output_tok_per_s']:9.1f} tok/s  spec {s['speculating_step_fraction']:.2f}"
                   f"  acc len {s['mean_accepted_length'] or 0:.2f}  mean batch {s['mean_batch_size']:.1f}"
                   f"  KV pages {engine.kv.num_pages}  allocated {mem_gb:.1f} GB", flush=True)
@@ -173,6 +175,9 @@ def main() -> None:
                      f"{r['speculating']:.2f} | {acc} | {r['identical_to_never']:.2f} |")
     table = "\n".join(lines)
     (out / "bench_spec.md").write_text(table + "\n")
+    if states:  # after each point: what the goodput policy chose from
+        (out / "bench_spec_policy_state.json").write_text(json.dumps(
+            {f"{name} C={C}": st for (name, C), st in states.items()}, indent=1))
     print(table)
 
 

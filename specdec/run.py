@@ -123,6 +123,8 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -
         iters = int(cfg.engine.get("profile_iters", 3))
         trace.meta["step_phase_ms"] = {f"k={k}": engine.profile_step_phases(mean_bs, ctx, k, iters=iters)
                                        for k in engine.ks}
+        if hasattr(engine.policy, "describe"):  # e.g. goodput: its step-time table and acceptance
+            trace.meta["policy_state"] = engine.policy.describe()
     return [by_index[i] for i in range(len(by_index))]
 
 

@@ -104,6 +104,9 @@ def test_engine_calibrates_goodput_and_stays_greedy_identical(tiny):
     assert set(pol.table) == {0, 2, 4}
     assert [b for b, _ in pol.table[4]] == engine.buckets and all(ms > 0 for k in pol.table for _, ms in pol.table[k])
     assert pol.accept[2] is not None and pol.accept[4] is not None  # both were run
+    state = pol.describe()
+    assert state["accept"] == {"k=2": pol.accept[2], "k=4": pol.accept[4]}
+    assert state["step_ms"]["k=4"] == dict(pol.table[4])
     engine.check()
 
 

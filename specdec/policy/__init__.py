@@ -170,6 +170,11 @@ class Goodput:
         self.last = k
         return k
 
+    def describe(self) -> dict:
+        """What the choices rest on, for run logs: the step-time table (ms by k and batch) and a(k)."""
+        return {"step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
+                "accept": {f"k={k}": a for k, a in self.accept.items()}}
+
     def update(self, stats: StepStats) -> None:
         if stats.k == 0 or not stats.committed or stats.k not in self.accept:
             return
