@@ -78,6 +78,26 @@ def test_goodput_reexplores_while_off():
     assert seen == [0, 0, 2, 0, 0, 2, 0]
 
 
+def test_goodput_served_step_times_replace_the_startup_table():
+    pol = Goodput([2], margin=0.0, explore_every=0, time_ema=0.5)
+    pol.set_table(TABLE)
+    run_k(pol, 2, [2])  # a(2) = 2; at B=1: 2 / 1.2 > 1 / 1.0
+    assert pol.choose(view(1)) == 2
+    # The start-up entry for k = 2 at batch 1 was off: served steps take 2.5 ms there.
+    pol.update(StepStats(k=2, num_decode=1, committed=[2], step_ms=2.5))
+    assert pol.observed == {(2, 1): 2.5} and pol.step_ms(2, 1) == 2.5 and pol.step_ms(2, 5) == 1.5
+    assert pol.choose(view(1)) == 0  # 2 / 2.5 < 1 / 1.0
+    pol.update(StepStats(k=0, num_decode=3, committed=[1] * 3, step_ms=3.0))  # bucket 8 of k = 0
+    pol.update(StepStats(k=0, num_decode=7, committed=[1] * 7, step_ms=2.0))  # 0.5 * 3 + 0.5 * 2
+    assert pol.observed[(0, 8)] == 2.5 and pol.step_ms(0, 8) == 2.5 and pol.step_ms(0, 1) == 1.0
+    assert pol.choose(view(8)) == 2  # 2 / 1.5 > 1 / 2.5
+    assert pol.describe()["served_step_ms"] == {"k=0": {8: 2.5}, "k=2": {1: 2.5}}
+    off = Goodput([2], time_ema=0.0)
+    off.set_table(TABLE)
+    off.update(StepStats(k=2, num_decode=1, committed=[2], step_ms=9.0))
+    assert off.observed == {} and off.step_ms(2, 1) == 1.2
+
+
 def test_goodput_config_and_errors():
     pol = build_policy(OmegaConf.create({"name": "goodput", "ks": [8, 4], "ema": 0.2, "margin": 0.1,
                                          "explore_every": 10, "profile_context": 256}))
@@ -104,6 +124,8 @@ def test_engine_calibrates_goodput_and_stays_greedy_identical(tiny):
     assert set(pol.table) == {0, 2, 4}
     assert [b for b, _ in pol.table[4]] == engine.buckets and all(ms > 0 for k in pol.table for _, ms in pol.table[k])
     assert pol.accept[2] is not None and pol.accept[4] is not None  # both were run
+    # every decode step was timed and folded into its (k, bucket) entry
+    assert pol.observed and all(b in dict(pol.table[k]) and ms > 0 for (k, b), ms in pol.observed.items())
     state = pol.describe()
     assert state["accept"] == {"k=2": pol.accept[2], "k=4": pol.accept[4]}
     assert state["step_ms"]["k=4"] == dict(pol.table[4])

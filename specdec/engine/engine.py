@@ -209,6 +209,8 @@ class Engine:
         self._step_no = 0
         self._inflight = None  # overlapped decoding: the launched step not yet read back
         self._ids = itertools.count()
+        # A policy that learns from step times gets each decode step's duration in its StepStats.
+        self._policy_times = bool(getattr(policy, "wants_step_ms", False))
         if policy is not None and hasattr(policy, "calibrate_"):
             self._calibrate_policy()
         self.t0 = time.perf_counter()
@@ -297,7 +299,7 @@ class Engine:
         if n:
             if timed:
                 self._timer.start(no, "decode")
-            step = self.stepper.launch_(k, launched, context)
+            step = self.stepper.launch_(k, launched, context, timed=self._policy_times)
             step.rows = [(r, r.row_epoch) for r in sched.rows]
             if self.overlap:
                 self._inflight = step
@@ -324,7 +326,8 @@ class Engine:
         (its k, the token lists committed: rows still in the batch)."""
         tokens = self.stepper.collect_(step)
         if self.policy is not None:
-            self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens]))
+            self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
+                                         step_ms=self.stepper.step_ms(step)))
         return step.k, self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter())
 
     def run_until_done(self) -> list[Request]:

@@ -191,7 +191,7 @@ class Stepper:
             raise SpecdecError(f"k={k} draft tokens need a drafter; this engine has draft=none")
         return self.drafter.num_nodes(k)
 
-    def launch_(self, k: int = 0, launched=None, context=None) -> LaunchedStep | None:
+    def launch_(self, k: int = 0, launched=None, context=None, timed: bool = False) -> LaunchedStep | None:
         """Queue one step over all state rows and its token copy to the host, without waiting.
 
         k = 0 is plain decoding (one token per row); k > 0 drafts a tree of num_nodes(k) nodes and
@@ -200,13 +200,16 @@ class Stepper:
         committed tokens, read by :meth:`collect_` (at once, or after the next launch with
         overlapped decoding); the caller commits them (host mirror included). ``launched()``, if
         given, is called once the step's GPU work is queued. ``context``: per-row committed token
-        lists, for drafters that need them (n-gram).
+        lists, for drafters that need them (n-gram). ``timed``: the step carries its own duration
+        (``step_ms`` once collected: device time on the GPU, wall time on the CPU).
         """
         T = self.num_nodes(k)
         st = self.state
         n = st.num_rows
         if n == 0:
             return None
+        cuda = self._readback is not None
+        t0 = (_record() if cuda else time.perf_counter()) if timed else None
         st.num_active.fill_(n)  # a kernel, not a sync
         if self.temperature > 0:
             st.uniform[:n, :T].uniform_(generator=st.generator)
@@ -214,17 +217,18 @@ class Stepper:
         if T > 1 and prepare is not None:
             prepare(st, n, T, context)  # host-side drafting, before the (graphed) step
         self.runner.run_(n, T, context)
+        t1 = (_record() if cuda else time.perf_counter()) if timed else None
         if launched is not None:
             launched()
         src = st.sampled[:n, :T]
-        if self._readback is None:  # CPU: the step has already run
-            return LaunchedStep(n, k, src.clone(), None)
+        if not cuda:  # the step has already run
+            return LaunchedStep(n, k, src.clone(), None, times=None if t0 is None else (t1 - t0) * 1e3)
         self._flip ^= 1
         host = self._readback[self._flip][: n * T].view(n, T)
         host.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return LaunchedStep(n, k, host, done)
+        return LaunchedStep(n, k, host, done, times=None if t0 is None else (t0, t1))
 
     @staticmethod
     def collect_(step: LaunchedStep) -> list[list[int]]:
@@ -232,6 +236,19 @@ class Stepper:
         if step.done is not None:
             step.done.synchronize()
         return [[t for t in row if t >= 0] for row in step.host.tolist()]
+
+    @staticmethod
+    def step_ms(step: LaunchedStep) -> float | None:
+        """A timed step's duration in ms once collected (None: launched untimed)."""
+        if isinstance(step.times, tuple):
+            return step.times[0].elapsed_time(step.times[1])
+        return step.times
+
+
+def _record():
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 @dataclass
@@ -243,6 +260,7 @@ class LaunchedStep:
     host: torch.Tensor  # [n, T] committed tokens then -1, valid once ``done`` has completed
     done: object | None  # CUDA event after the device -> host copy (None: already complete)
     rows: list = None  # (request, row_epoch) per row at launch, filled in by the engine
+    times: object = None  # timed launches: (start, end) CUDA events, or wall ms on the CPU
 
 
 class PhaseTimer:

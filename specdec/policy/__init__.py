@@ -25,6 +25,7 @@ class StepStats:
     k: int
     num_decode: int
     committed: list[int]  # tokens committed per row (accepted drafts + 1)
+    step_ms: float | None = None  # the step's duration (device ms on a GPU), if the policy asked for it
 
 
 class Never:
@@ -93,7 +94,10 @@ class Goodput:
       t(k, B)  the step-time table: device ms of a graphed step with k draft tokens at the smallest
                profiled batch >= B, measured once at start-up (``calibrate_``: the engine calls it
                with its ``profile_decode_step``, over its graph buckets, at ``profile_context``
-               tokens of context);
+               tokens of context), then replaced by an exponential moving average (weight
+               ``time_ema``) of the durations of the steps served with k in that bucket (the engine
+               times each step: ``wants_step_ms``), which follows the real context lengths and host
+               work, and corrects a start-up entry that is off;
       a(k)     committed tokens per row per step at k: 1 at k = 0; for k > 0 an exponential moving
                average (weight ``ema``) of what the steps that ran with k committed. A k not yet run
                is tried once first (its a(k) is unknown), and while k = 0 is chosen a k > 0 is
@@ -105,17 +109,23 @@ class Goodput:
 
     name = "goodput"
 
+    wants_step_ms = True
+
     def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 256,
-                 profile_context: int = 512):
+                 profile_context: int = 512, time_ema: float = 0.1):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
-        if not 0.0 < ema <= 1.0 or margin < 0.0 or explore_every < 0 or profile_context < 1:
-            raise ConfigError(f"policy goodput: need 0 < ema <= 1, margin >= 0, explore_every >= 0 and "
-                              f"profile_context >= 1 (got ema={ema}, margin={margin}, "
-                              f"explore_every={explore_every}, profile_context={profile_context})")
+        if (not 0.0 < ema <= 1.0 or not 0.0 <= time_ema <= 1.0 or margin < 0.0 or explore_every < 0
+                or profile_context < 1):
+            raise ConfigError(f"policy goodput: need 0 < ema <= 1, 0 <= time_ema <= 1 (0: start-up table only), "
+                              f"margin >= 0, explore_every >= 0 and profile_context >= 1 (got ema={ema}, "
+                              f"time_ema={time_ema}, margin={margin}, explore_every={explore_every}, "
+                              f"profile_context={profile_context})")
         self.ks = (0, *ks)
         self.ema, self.margin, self.explore_every = float(ema), float(margin), int(explore_every)
+        self.time_ema = float(time_ema)
+        self.observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of served step ms
         self.profile_context = int(profile_context)
         self.table: dict[int, list[tuple[int, float]]] | None = None  # k -> [(batch, ms)], batch ascending
         self.accept: dict[int, float | None] = {k: None for k in ks}
@@ -136,13 +146,18 @@ class Goodput:
             raise ConfigError(f"policy goodput: the step-time table has no entries for k in {missing}")
         self.table = {k: sorted((int(b), float(ms)) for b, ms in table[k].items()) for k in self.ks}
 
-    def step_ms(self, k: int, batch: int) -> float:
-        """t(k, batch): the table entry of the smallest profiled batch >= batch (else the largest)."""
+    def _bucket(self, k: int, batch: int) -> tuple[int, float]:
+        """(batch, ms) of the table row for batch: the smallest profiled batch >= it, else the largest."""
         rows = self.table[k]
         for b, ms in rows:
             if b >= batch:
-                return ms
-        return rows[-1][1]
+                return b, ms
+        return rows[-1]
+
+    def step_ms(self, k: int, batch: int) -> float:
+        """t(k, batch): the served steps' average in batch's table bucket, else the start-up entry."""
+        b, ms = self._bucket(k, batch)
+        return self.observed.get((k, b), ms)
 
     # -- the policy -------------------------------------------------------------------------
     def rate(self, k: int, batch: int) -> float | None:
@@ -173,9 +188,17 @@ class Goodput:
     def describe(self) -> dict:
         """What the choices rest on, for run logs: the step-time table (ms by k and batch) and a(k)."""
         return {"step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
+                "served_step_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.observed.items()) if kk == k}
+                                   for k in self.ks},
                 "accept": {f"k={k}": a for k, a in self.accept.items()}}
 
     def update(self, stats: StepStats) -> None:
+        if (stats.step_ms is not None and self.time_ema > 0 and self.table is not None and stats.num_decode
+                and stats.k in self.table):
+            key = (stats.k, self._bucket(stats.k, stats.num_decode)[0])
+            old = self.observed.get(key)
+            self.observed[key] = (stats.step_ms if old is None
+                                  else (1.0 - self.time_ema) * old + self.time_ema * stats.step_ms)
         if stats.k == 0 or not stats.committed or stats.k not in self.accept:
             return
         mean = sum(stats.committed) / len(stats.committed)
@@ -195,5 +218,5 @@ def build_policy(cfg):
     if name == "goodput":
         return Goodput([int(k) for k in cfg.ks], ema=float(cfg.get("ema", 0.1)),
                        margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 256)),
-                       profile_context=int(cfg.get("profile_context", 512)))
+                       profile_context=int(cfg.get("profile_context", 512)), time_ema=float(cfg.get("time_ema", 0.1)))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput")
