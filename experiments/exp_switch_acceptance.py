@@ -1,0 +1,154 @@
+"""Experiment: does acceptance hold when speculation switches back on? The draft KV kept in sync
+during k = 0 steps (what specdec does) vs left behind (an engine that skips the draft while off).
+
+SmolLM2-135M-Instruct with the committed EAGLE-3 head (checkpoints/eagle3-smollm2-135m, trees of 16
+nodes: topk 4, depth 5), HumanEval prompts (chat template), greedy. Speculation follows a fixed
+schedule: --on steps with k = 16, then --off steps with k = 0, repeated (decode steps only). Three
+drafters side by side:
+
+    always      k = 16 every step (the acceptance to expect)
+    in_sync     the schedule; while off, every k = 0 step still extends the draft KV and root
+                state over the committed token (Eagle3Drafter as shipped)
+    left_behind the schedule; k = 0 steps skip the drafter (its KV keeps holes over the tokens
+                committed while off, and its root state is the one of the last drafting step)
+
+Reports the mean accepted length (tokens committed per speculative step and row: accepted drafts +
+1) over the first speculative step after each off period, and over the other speculative steps, and
+whether each run's outputs equal plain greedy decoding (they must: verification is exact whatever
+the drafts). Acceptance does not depend on the device, so this runs anywhere (fp32 on the CPU by
+default; `--device cuda` for bf16, where near-ties may round differently).
+
+    python experiments/exp_switch_acceptance.py --smollm2 $SPECDEC_CACHE/smollm2-135m-instruct \\
+        --prompts $SPECDEC_CACHE/prompts/humaneval.jsonl --out experiments/results/spec
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from specdec.bench.provenance import git_commit  # noqa: E402
+from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
+from specdec.models.eagle3 import Eagle3Head  # noqa: E402
+from specdec.models.llama import LlamaModel  # noqa: E402
+from specdec.models.tokenizer import Tokenizer  # noqa: E402
+from specdec.policy import BatchView, StepStats  # noqa: E402
+from specdec.spec.drafters import Eagle3Drafter  # noqa: E402
+
+K = 16
+
+
+class LeftBehind(Eagle3Drafter):
+    """The drafter of an engine that stops the draft while speculation is off."""
+
+    def extend_(self, state, B, T, *rest):
+        if T > 1:
+            super().extend_(state, B, T, *rest)
+
+
+class Schedule:
+    """k = K for `on` decode steps, then 0 for `off` (on = all: always); logs each speculative step's
+    mean committed tokens per row with its position in the on-window (0: first after an off period)."""
+
+    name = "schedule"
+
+    def __init__(self, on: int, off: int):
+        self.on, self.off, self.ks = on, off, (0, K)
+        self.i = 0
+        self.phases = collections.deque()  # on-window position of each launched speculative step
+        self.log: list[tuple[int, float]] = []
+
+    def choose(self, view: BatchView) -> int:
+        if view.num_decode == 0:  # no decode step this iteration: the schedule does not advance
+            return 0
+        pos = self.i % (self.on + self.off) if self.off else self.i  # off = 0: always on
+        self.i += 1
+        if pos < self.on or not self.off:
+            self.phases.append(pos)
+            return K
+        return 0
+
+    def update(self, stats: StepStats) -> None:
+        if stats.k > 0:
+            self.log.append((self.phases.popleft(), sum(stats.committed) / len(stats.committed)))
+
+
+def run(model, prompts, max_new, drafter, policy):
+    engine = Engine(model, EngineConfig(max_batch_size=len(prompts), kv_cache_tokens=len(prompts) * 2048,
+                                        max_seq_len=2048),
+                    eos_ids=[2], drafter=drafter, policy=policy)
+    reqs = [engine.add_request(p, max_new) for p in prompts]
+    engine.run_until_done()
+    out = [r.output_ids for r in reqs]
+    del engine
+    return out
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smollm2", required=True, help="Hugging Face directory of SmolLM2-135M-Instruct")
+    ap.add_argument("--prompts", required=True, help="humaneval.jsonl from the asset cache")
+    ap.add_argument("--head", default=str(REPO / "checkpoints" / "eagle3-smollm2-135m"))
+    ap.add_argument("--out", default="experiments/results/spec")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--n", type=int, default=8, help="prompts (one batch)")
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--on", type=int, default=4, help="speculative steps per window")
+    ap.add_argument("--off", type=int, default=6, help="k = 0 steps between windows")
+    args = ap.parse_args()
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model = LlamaModel.from_pretrained(args.smollm2, device=args.device, dtype=dtype)
+    tok = Tokenizer(args.smollm2)
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()][: args.n]
+    prompts = [tok.encode_chat([{"role": "user", "content": r["prompt"]}]) for r in rows]
+    head = Eagle3Head.load(args.head, device=args.device, dtype=model.dtype, backend=model.backend,
+                           target=model.config)
+
+    def drafter(cls):
+        return cls(head, model, topk=4, steps=5, num_draft_tokens=K)
+
+    plain = run(model, prompts, args.max_new, None, None)
+    results = []
+    for name, cls, on, off in (("always", Eagle3Drafter, 1, 0), ("in_sync", Eagle3Drafter, args.on, args.off),
+                               ("left_behind", LeftBehind, args.on, args.off)):
+        pol = Schedule(on, off)
+        out = run(model, prompts, args.max_new, drafter(cls), pol)
+        first = [a for pos, a in pol.log if pos == 0 and off]
+        other = [a for pos, a in pol.log if pos > 0 or not off]
+        by_pos = [mean([a for pos, a in pol.log if pos == j]) for j in range(args.on)] if off else []
+        results.append(dict(drafter=name, spec_steps=len(pol.log), first_after_off=mean(first),
+                            first_steps=len(first), other=mean(other), all=mean([a for _, a in pol.log]),
+                            by_pos=by_pos, identical=sum(o == p for o, p in zip(out, plain)) / len(plain)))
+        print(results[-1], flush=True)
+    stamp = (f"commit {git_commit()}, {args.device} ({dtype}), {datetime.date.today()}, SmolLM2-135M-Instruct + "
+             f"{Path(args.head).name}, trees of {K} nodes, {len(prompts)} HumanEval prompts in one batch, greedy, "
+             f"{args.max_new} new tokens; schedule {args.on} speculative steps then {args.off} plain")
+    lines = [f"# Acceptance after switching speculation back on ({stamp})", "",
+             "| drafter while off | spec steps | accepted length: first step after an off period | other spec "
+             f"steps | all | by position in the window (1..{args.on}) | outputs = plain greedy |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        first = "-" if r["first_steps"] == 0 else f"{r['first_after_off']:.2f} ({r['first_steps']} steps)"
+        pos = " / ".join(f"{a:.2f}" for a in r["by_pos"]) or "-"
+        lines.append(f"| {r['drafter']} | {r['spec_steps']} | {first} | {r['other']:.2f} | {r['all']:.2f} | "
+                     f"{pos} | {r['identical']:.2f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "exp_switch_acceptance.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
