@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default=None, help="closed-loop C values, comma list (default 1,4,16,64)")
     ap.add_argument("--off-above", type=int, default=8, help="batch_threshold: speculation off above this batch")
     ap.add_argument("--on-at", type=int, default=4, help="batch_threshold: back on at or below this batch")
+    ap.add_argument("--no-sync-while-off", action="store_true",
+                    help="EAGLE-3: k = 0 steps skip the draft layer (draft.sync_while_off=false)")
     ap.add_argument("--goodput-ks", default=None,
                     help="goodput: speculative lengths it may pick, comma list (default: --k)")
     ap.add_argument("--configs", default="always,batch_threshold,never",
@@ -90,8 +92,9 @@ def main() -> None:
         head = Eagle3Head.load(args.head, device=device, dtype=model.dtype, backend=model.backend,
                                target=model.config)
         make_drafter = lambda: Eagle3Drafter(head, model, topk=args.topk, steps=args.steps,  # noqa: E731
-                                             num_draft_tokens=args.nodes)
-        drafter_name = f"EAGLE-3 head {Path(args.head).name}, trees of {args.nodes} nodes (topk {args.topk}, depth {args.steps})"
+                                             num_draft_tokens=args.nodes, sync_while_off=not args.no_sync_while_off)
+        drafter_name = (f"EAGLE-3 head {Path(args.head).name}, trees of {args.nodes} nodes (topk {args.topk}, depth "
+                        f"{args.steps}){', draft skipped while off' if args.no_sync_while_off else ''}")
     else:
         k = args.k or 4
         make_drafter = NgramDrafter

@@ -9,8 +9,9 @@ drafters side by side:
     always      k = 16 every step (the acceptance to expect)
     in_sync     the schedule; while off, every k = 0 step still extends the draft KV and root
                 state over the committed token (Eagle3Drafter as shipped)
-    left_behind the schedule; k = 0 steps skip the drafter (its KV keeps holes over the tokens
-                committed while off, and its root state is the one of the last drafting step)
+    left_behind the schedule; k = 0 steps skip the drafter (draft.sync_while_off=false: its KV
+                keeps holes over the tokens committed while off, and its root state is the one of
+                the last drafting step)
 
 Reports the mean accepted length (tokens committed per speculative step and row: accepted drafts +
 1) over the first speculative step after each off period, and over the other speculative steps, and
@@ -44,14 +45,6 @@ from specdec.policy import BatchView, StepStats  # noqa: E402
 from specdec.spec.drafters import Eagle3Drafter  # noqa: E402
 
 K = 16
-
-
-class LeftBehind(Eagle3Drafter):
-    """The drafter of an engine that stops the draft while speculation is off."""
-
-    def extend_(self, state, B, T, *rest):
-        if T > 1:
-            super().extend_(state, B, T, *rest)
 
 
 class Schedule:
@@ -116,15 +109,15 @@ def main() -> None:
     head = Eagle3Head.load(args.head, device=args.device, dtype=model.dtype, backend=model.backend,
                            target=model.config)
 
-    def drafter(cls):
-        return cls(head, model, topk=4, steps=5, num_draft_tokens=K)
+    def drafter(sync):
+        return Eagle3Drafter(head, model, topk=4, steps=5, num_draft_tokens=K, sync_while_off=sync)
 
     plain = run(model, prompts, args.max_new, None, None)
     results = []
-    for name, cls, on, off in (("always", Eagle3Drafter, 1, 0), ("in_sync", Eagle3Drafter, args.on, args.off),
-                               ("left_behind", LeftBehind, args.on, args.off)):
+    for name, sync, on, off in (("always", True, 1, 0), ("in_sync", True, args.on, args.off),
+                                ("left_behind", False, args.on, args.off)):
         pol = Schedule(on, off)
-        out = run(model, prompts, args.max_new, drafter(cls), pol)
+        out = run(model, prompts, args.max_new, drafter(sync), pol)
         first = [a for pos, a in pol.log if pos == 0 and off]
         other = [a for pos, a in pol.log if pos > 0 or not off]
         by_pos = [mean([a for pos, a in pol.log if pos == j]) for j in range(args.on)] if off else []

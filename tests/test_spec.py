@@ -227,6 +227,30 @@ def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle, pad):
     assert [r.output_ids for r in reqs] == want
 
 
+def test_draft_left_behind_while_off_stays_greedy_identical(tiny):
+    """sync_while_off=False: k = 0 steps leave the draft KV and root state alone (the holes an
+    engine without the sync has); output is still plain greedy, and the draft KV of a token
+    committed by a k = 0 step is not written."""
+    prompts = rand_prompts([7, 12], seed=5)
+    want = [reference(tiny, p, 16) for p in prompts]
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=False)
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024), drafter=drafter, ks=(4,))
+    reqs = [engine.add_request(p, 16) for p in prompts]
+    engine.step(4)  # prefill + a drafting step
+    req = engine.scheduler.rows[0]
+    slot = engine.kv.pages(req)[req.seq_len // 4] * 4 + req.seq_len % 4  # the next committed row
+    flat = drafter.k_cache[0].reshape(-1, *drafter.k_cache.shape[-2:])
+    flat[slot] = 7.0
+    root = drafter.root_hidden[0].clone()
+    engine.step(0)
+    assert bool((flat[slot] == 7.0).all()) and torch.equal(drafter.root_hidden[0], root)
+    i = 0
+    while engine.has_work():
+        engine.step(4 if i % 3 == 2 else 0)
+        i += 1
+    assert [r.output_ids for r in reqs] == want
+
+
 def test_batch_threshold_policy_switches_with_hysteresis(tiny):
     pol = BatchThreshold(k=3, off_above=4, on_at_or_below=2)
     seen = [pol.choose(BatchView(n, 0)) for n in [1, 4, 5, 4, 3, 2, 3, 5]]

@@ -114,7 +114,8 @@ class Eagle3Drafter:
     """EAGLE-3 drafting: trees grown by the draft head over its own paged KV cache.
 
     Draft row j pairs the target's feature at position j with the token at j + 1 and sits in draft
-    KV slot j (the target's page table addresses both pools). Invariant after every commit: the
+    KV slot j (the target's page table addresses both pools). Invariant after every commit (with
+    ``sync_while_off``, the default; without it, after every drafting step's commit only): the
     draft KV covers slots 0 .. seq_len - 1 like the target's and ``root_hidden`` holds the output of
     row seq_len - 1. Its best ``topk`` children (``root_top``/``root_ids``: log-probs, draft ids),
     which predict the token after the pending one (the first tree level), are computed when a step
@@ -133,7 +134,7 @@ class Eagle3Drafter:
     needs_context = False
     capturable = True
 
-    def __init__(self, head, target, *, topk: int, steps: int, num_draft_tokens: int):
+    def __init__(self, head, target, *, topk: int, steps: int, num_draft_tokens: int, sync_while_off: bool = True):
         if topk < 1 or steps < 1 or num_draft_tokens < 1:
             raise ConfigError(f"draft.topk={topk}, draft.steps={steps}, draft.num_draft_tokens="
                               f"{num_draft_tokens}: all must be >= 1")
@@ -141,6 +142,10 @@ class Eagle3Drafter:
             raise ConfigError(f"draft.steps x draft.topk = {steps * topk} scratch nodes; at most 63")
         self.head, self.target = head, target
         self.topk, self.steps, self.num_draft_tokens = topk, steps, num_draft_tokens
+        # False: k = 0 steps skip the draft layer (no cost while speculation is off; the draft KV keeps
+        # holes over those tokens and the root state goes stale, so the first tree after switching
+        # back on is drafted from stale state: experiments/exp_switch_acceptance.py measures it).
+        self.sync_while_off = bool(sync_while_off)
         self.capture_layers = tuple(head.config.target_layers)
         self.k_cache = self.v_cache = None
         self.root_hidden = self.root_top = self.root_ids = None
@@ -274,6 +279,8 @@ class Eagle3Drafter:
         just ran: its feature is the step's only captured row, its token the new pending one, and
         its slot and position are the target's (``verify``: the target's meta and positions), so
         that step runs the draft layer with no gather, clamp or second block-meta launch."""
+        if T == 1 and not self.sync_while_off:
+            return
         if T == 1 and verify is not None:
             meta, pos = verify
             # After the commit, pending = the committed token of every live row (padding rows keep an
@@ -318,5 +325,6 @@ def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
         head = Eagle3Head.load(path, device=device, dtype=dtype if dtype is not None else target.dtype,
                                backend=backend, target=target.config)
         return Eagle3Drafter(head, target, topk=int(cfg.topk), steps=int(cfg.steps),
-                             num_draft_tokens=int(cfg.num_draft_tokens))
+                             num_draft_tokens=int(cfg.num_draft_tokens),
+                             sync_while_off=bool(cfg.get("sync_while_off", True)))
     raise ConfigError(f"unknown draft {name!r}; valid: none, ngram, eagle3")
