@@ -132,6 +132,21 @@ def test_engine_calibrates_goodput_and_stays_greedy_identical(tiny):
     engine.check()
 
 
+def test_goodput_profiles_only_the_buckets_the_pool_can_hold(tiny):
+    """A small pool: the largest bucket cannot hold its rows, so it is left out of the table and
+    the largest profiled bucket's times stand in for it."""
+    pol = Goodput([4], profile_context=64)
+    engine = Engine(tiny, EngineConfig(max_batch_size=8, page_size=4, kv_cache_tokens=128, graph_buckets=(1, 2, 4, 8)),
+                    drafter=NgramDrafter(), policy=pol)
+    # per row: context >= 16 + 2 steps x 5 tokens + one 5-token tree ahead; 32 pages of 4 slots hold 4 such rows
+    assert [b for b, _ in pol.table[0]] == [1, 2, 4] and engine.buckets == [1, 2, 4, 8]
+    assert pol.step_ms(4, 8) == dict(pol.table[4])[4]
+    tiny_pool = Goodput([4])
+    with pytest.raises(ConfigError, match="cannot hold even one profiling row"):
+        Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=24), drafter=NgramDrafter(),
+               policy=tiny_pool)
+
+
 def test_profile_decode_step_with_draft_tokens_returns_pages(tiny):
     drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
     engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),

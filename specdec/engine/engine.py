@@ -417,17 +417,23 @@ class Engine:
         iters, warmup = (20, 3) if cuda else (1, 1)
         T_max = max(self.stepper.num_nodes(k) for k in self.ks)
 
-        def profile(batch: int, k: int) -> float:
+        def context(batch: int) -> int:
             room = min(self.max_seq_len, (self.kv.num_free // batch) * self.kv.page_size)
-            ctx = min(self.policy.profile_context, room - self._profile_slots(0, warmup + iters, T_max))
-            if ctx < 1:
-                raise ConfigError(f"policy {self.policy.name}: the KV pool ({self.kv.num_pages} pages) or "
-                                  f"max_seq_len ({self.max_seq_len}) cannot hold {batch} profiling rows; "
-                                  "lower engine.max_batch_size or raise engine.kv_cache_tokens")
-            return self.profile_decode_step(batch, ctx, iters=iters, warmup=warmup, k=k)
+            return min(self.policy.profile_context, room - self._profile_slots(0, warmup + iters, T_max))
 
+        def profile(batch: int, k: int) -> float:
+            return self.profile_decode_step(batch, context(batch), iters=iters, warmup=warmup, k=k)
+
+        # A bucket whose rows the pool cannot hold even at a short context is one the scheduler never
+        # fills either (admission is by capacity): it is left out, and the largest profiled bucket
+        # stands in for it.
+        batches = [b for b in self.buckets if b <= self.config.max_batch_size and context(b) >= 16]
+        if not batches:
+            raise ConfigError(f"policy {self.policy.name}: the KV pool ({self.kv.num_pages} pages) or "
+                              f"max_seq_len ({self.max_seq_len}) cannot hold even one profiling row; raise "
+                              "engine.kv_cache_tokens")
         t0 = time.perf_counter()
-        self.policy.calibrate_(profile, [b for b in self.buckets if b <= self.config.max_batch_size])
+        self.policy.calibrate_(profile, batches)
         self.startup_s += time.perf_counter() - t0
 
     def profile_step_phases(self, batch_size: int, context_len: int, k: int, iters: int = 5) -> dict:
