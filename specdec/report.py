@@ -23,7 +23,9 @@ Default report, each part only when the runs hold it:
 - Throughput vs concurrency: closed-loop runs at two or more ``workload.concurrency`` values; one
   row per config, one column per C (output tok/s), and a plot of tok/s against C (log2 axis).
 - Runs: every config with its headline numbers.
-- One accepted-length histogram plot per speculative run.
+- One accepted-length histogram plot per speculative run, and for a run whose k changed during the
+  run (an adaptive policy: ``batch_threshold``, ``goodput``) a plot of its decode batch and chosen
+  k against time (from ``steps.jsonl``).
 
 Config keys that differ between runs that would otherwise share a row (``workload.concurrency``,
 ``engine.max_new_tokens``, ...) become extra columns, so two different runs never merge into one
@@ -734,6 +736,45 @@ def plot_accepted_histogram(run: Run, label: str, out: Path, stem: str) -> list[
     return _save(fig, out, stem)
 
 
+def _policy_steps(run: Run) -> list[tuple[float, int, int]]:
+    """(t_s, decode batch, k) of the decode steps in the run's steps.jsonl, if k took >= 2 values."""
+    path = run.path / "steps.jsonl"
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise SpecdecError(f"{path}: malformed JSON line: {line[:80]!r}") from None
+        if rec.get("decode_bs"):
+            steps.append((float(rec.get("t_s", len(steps))), int(rec["decode_bs"]), int(rec.get("k", 0))))
+    return steps if len({k for _, _, k in steps}) >= 2 else []
+
+
+def plot_policy_trace(run: Run, label: str, out: Path, stem: str) -> list[str] | None:
+    """Decode batch size and the k the policy chose, step by step, against time."""
+    steps = _policy_steps(run)
+    if not steps:
+        return []
+    fig = _figure()
+    if fig is None:
+        return None
+    t = [s[0] for s in steps]
+    ax = fig.add_subplot()
+    ax.step(t, [s[1] for s in steps], where="post", color="tab:blue", label="decode batch")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("decode batch (requests)", color="tab:blue")
+    ax.set_ylim(bottom=0)
+    ax2 = ax.twinx()
+    ax2.step(t, [s[2] for s in steps], where="post", color="tab:red", label="k")
+    ax2.set_ylabel("draft tokens k", color="tab:red")
+    ax2.set_ylim(bottom=0, top=max(s[2] for s in steps) * 1.15 + 1)
+    ax.grid(alpha=0.3)
+    ax.set_title("\n".join(textwrap.wrap(label, 80)), fontsize=7)
+    return _save(fig, out, stem)
+
+
 def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "_", s).strip("_")[:60]
 
@@ -786,6 +827,10 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
                 break
             if names:
                 figures.append((f"Accepted length τ: {label}", names[0]))
+                plot_files += names
+            names = plot_policy_trace(run, label, out, stem.replace("accepted_length_", "policy_trace_", 1))
+            if names:
+                figures.append((f"Decode batch and chosen k: {label}", names[0]))
                 plot_files += names
     src = str(runs[0].path) if len(runs) == 1 else ", ".join(sorted({str(r.path.parent) for r in runs}))
     md = ["# specdec report", "", f"{len(runs)} run{'s' * (len(runs) != 1)} from {src}.", ""]

@@ -256,6 +256,24 @@ def test_plots_written(tmp_path):
             assert f"]({f})" in md  # linked from report.md
 
 
+def test_policy_trace_plotted_when_k_changes(tmp_path):
+    pytest.importorskip("matplotlib")
+    steps = [{"t_s": 0.1 * i, "decode_bs": b, "k": k, "accepted": [1] * b if k else []}
+             for i, (b, k) in enumerate([(2, 5), (6, 5), (20, 0), (30, 0), (8, 5), (0, 0)])]
+    for name, ks in (("adaptive", None), ("fixed", 5)):
+        run = make_run(tmp_path / name, tok_s=10.0, draft="ngram", policy="batch_threshold" if ks is None else "always")
+        recs = steps if ks is None else [{**s, "k": ks} for s in steps]
+        (run / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert [(t, b, k) for t, b, k in report._policy_steps(report.load_run(tmp_path / "adaptive"))] == [
+        (0.0, 2, 5), (0.1, 6, 5), (0.2, 20, 0), (0.30000000000000004, 30, 0), (0.4, 8, 5)]  # no decode: skipped
+    assert report._policy_steps(report.load_run(tmp_path / "fixed")) == []  # k never changed
+    out = tmp_path / "out"
+    md, files = report.build_report(report.load_runs([tmp_path]), out)
+    traces = [f for f in files if f.startswith("policy_trace_") and f.endswith(".png")]
+    assert len(traces) == 1 and "batch_threshold" in traces[0] and f"]({traces[0]})" in md
+    assert (out / traces[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plots_skipped_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
