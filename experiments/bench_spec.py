@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import gc
 import json
 import sys
 import time
@@ -117,9 +116,8 @@ def main() -> None:
                          "including never")
     for name in order:
         drafter, policy = configs[name]()
-        gc.collect()  # the previous engine's CUDA graphs and KV pool are freed before this one sizes its pool
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        if device == "cuda":  # the previous engine's freed blocks go back to the device, so this one's
+            torch.cuda.empty_cache()  # pool is sized from all free memory (kv_cache.size_pool)
         t0 = time.perf_counter()
         engine = Engine(model, EngineConfig(max_batch_size=max(Cs), graph_buckets=buckets,
                                             kv_cache_tokens=None if device == "cuda" else 16384),
