@@ -214,6 +214,19 @@ def test_sm_scale_and_default_splits_large_prefix():
     check(batch, torch.float32, max_q_len=3, splits=[None, 8], sm_scale=0.3)
 
 
+@pytest.mark.parametrize("T,prefix,tree", [([1, 1, 0], [37, 130, 5], False), ([3, 5], [70, 21], True)])
+def test_v_cache_with_its_own_strides(T, prefix, tree):
+    # The KV pools of a layer share strides, and the kernel then computes each slot's address once
+    # for K and V. A V cache laid out differently ([P, HKV, PS, D] storage seen as [P, PS, HKV, D])
+    # must take its own strides: reading V at K's offsets would mix heads and slots.
+    batch = make_batch(T=T, prefix=prefix, heads=(9, 3, 64), PS=16, dtype=torch.float32, seed=12)
+    v = batch["v_cache"]
+    batch["v_cache"] = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # same values, other strides
+    assert batch["v_cache"].stride() != batch["k_cache"].stride()
+    check(batch, torch.float32, max_q_len=max(T), splits=[1, 3],
+          tree_mask=batch_tree_mask(T, seed=12) if tree else None)
+
+
 def test_short_requests_in_a_wide_page_table_leave_splits_empty(monkeypatch):
     # The engine's page table is as wide as the longest allowed sequence, so the default split count
     # is sized for that capacity; short requests then leave most splits without a tile (kv_len 1..70
