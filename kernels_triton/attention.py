@@ -405,12 +405,15 @@ def _paged_attention_fwd_kernel(
 
     # This split's tile range; tiles below n_full are seen by every row and need no mask.
     n_tiles = tl.cdiv(kv_hi, BLOCK_N)
-    # The n_busy busy splits take n_tiles // n_busy or one more tiles each (split s: tiles
-    # s * n_tiles // n_busy onwards), so all of them are busy: ceil-sized ranges would leave the last
-    # ones empty whenever n_tiles is not a multiple (65 tiles in 16 splits: 13 busy splits of 5).
+    # Splits take ceil(n_tiles / n_busy) tiles each, so the last ones may be empty (65 tiles in 16
+    # splits: 13 busy splits of 5). Spreading the tiles evenly instead (n_tiles // n_busy or one
+    # more each, all 16 busy) was slower where it differs: same longest split, more programs and
+    # partials (H200, same run, results/kernels/ab_split_ranges_11a6ed8.txt: decode 9q/3kv B=8
+    # prefix 4096 13.79 vs 14.48 us, 32q/8kv B=1 prefix 512 7.55 vs 7.85 us).
     n_busy = tl.maximum(tl.minimum(num_splits, n_tiles // min_busy_tiles), 1)
-    tile_lo = tl.minimum(i_sp, n_busy) * n_tiles // n_busy
-    tile_hi = tl.minimum(i_sp + 1, n_busy) * n_tiles // n_busy
+    per_split = tl.cdiv(n_tiles, n_busy)
+    tile_lo = i_sp * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     n_full = full_hi // BLOCK_N
     i_cnt = i_t * tl.num_programs(1) + i_bh  # this group's arrival counter (FUSED_MERGE)
     p_pt = page_table + i_b.to(tl.int64) * stride_ptb
@@ -478,7 +481,7 @@ def _paged_attention_fwd_kernel(
         b_lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
         tl.store(lse_part + o_part_row, b_lse, mask=m_r)
         if FUSED_MERGE:
-            _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, n_busy,
+            _last_split_merges(counters, i_cnt, o_part, lse_part, o, bos, t0, T, i_hkv, tl.cdiv(n_tiles, per_split),
                                num_splits, stride_on, stride_oh, HKV, G, D, BLOCK_T, MERGE_ROWS, BLOCK_S, S_CHUNK)
     else:
         p_o = o + (o_n * stride_on + o_hq * stride_oh)[:, None] + o_d[None, :]
@@ -619,10 +622,9 @@ def _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device):
     keeping >= MIN_SPLIT_TILES KV tiles of capacity per split.
 
     Capture-safe means the split count cannot see kv_lens, only the capacity MP * PS (the page-table
-    width). Work is still spread by the real length (min(num_splits, n_tiles) splits take
-    n_tiles // that many of the request's tiles, or one more, see the kernel), so a short request
-    in a wide table keeps only its first few splits busy; the others return after writing an empty
-    partial. The trade-off of the
+    width). Work is still spread by the real length (each split takes ceil(n_tiles / num_splits) of
+    the request's tiles, see the kernel), so a short request in a wide table keeps only its first
+    few splits busy; the others return after writing an empty partial. The trade-off of the
     per-split minimum, decode at B = 1, 3 KV heads, capacity 8192 slots (128 tiles of 64):
     - a full-length request runs 3 * 32 programs of 4 tiles; a minimum of 2 gives 3 * 64 programs
       of 2 tiles (more SMs streaming KV: possibly faster at long contexts), 8 gives 3 * 16 of 8;
