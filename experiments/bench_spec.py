@@ -68,10 +68,15 @@ def main() -> None:
                     help="goodput: speculative lengths it may pick, comma list (default: --k)")
     ap.add_argument("--configs", default="always,batch_threshold,never",
                     help="policies to run, in this order (comma list; `never` is needed for the ratios)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="also write each point's engine step records (k, batch, accepted, ...) to "
+                         "DIR/steps_<config>_C<C>.jsonl")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     model = LlamaModel.from_pretrained(args.smollm2, device=device)
@@ -132,12 +137,13 @@ def main() -> None:
             # 4 requests per client (>= 16: a point lasts seconds), prompts reused when C needs more
             n = 2 * C if args.quick else max(16, 4 * C)
             batch = as_req([timed[i % len(timed)] for i in range(n)])
-            trace = StepTrace()
+            trace = StepTrace(Path(args.trace_dir) / f"steps_{name}_C{C}.jsonl" if args.trace_dir else None)
             engine.trace = trace
             t1 = time.perf_counter()
             done = closed_loop(engine, batch, C, lambda p, t: engine.add_request(p.prompt_ids, p.max_new_tokens))
             wall = time.perf_counter() - t1
             engine.trace = None
+            trace.close()
             m = summarize_requests([request_record(r) for r in done], wall)
             s = trace.summary()
             outputs[(name, C)] = {tuple(r.prompt_ids): r.output_ids for r in done}

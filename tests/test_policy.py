@@ -41,26 +41,47 @@ def test_goodput_tries_each_k_then_maximises_tokens_per_ms():
     assert pol.step_ms(2, 100) == 4.4 and pol.step_ms(4, 3) == 2.4
 
 
-def test_goodput_acceptance_ema_moves_the_choice():
-    pol = Goodput([2], ema=0.5, margin=0.0, explore_every=0)
+def test_goodput_acceptance_prior_moves_the_choice():
+    # Without request ids every row takes the prior a(k): an EMA with weight prior_ema per row and step.
+    pol = Goodput([2], prior_ema=0.5, margin=0.0, explore_every=0)
     pol.set_table(TABLE)
-    run_k(pol, 2, [3, 3])  # a(2) = 3: 2.5 per ms at B=1 vs 1.0
+    run_k(pol, 2, [3])  # a(2) = 3: 2.5 per ms at B=1 vs 1.0
     assert pol.accept[2] == 3.0
-    pol.update(StepStats(k=2, num_decode=2, committed=[1, 1]))  # 0.5 * 3 + 0.5 * 1 = 2
-    pol.update(StepStats(k=0, num_decode=2, committed=[1, 1]))  # k = 0 steps say nothing of a(2)
+    pol.update(StepStats(k=2, num_decode=1, committed=[1]))  # 0.5 * 3 + 0.5 * 1 = 2
+    pol.update(StepStats(k=0, num_decode=1, committed=[1]))  # k = 0 steps say nothing of a(2)
     assert pol.accept[2] == 2.0
     assert pol.choose(view(8)) == 2  # 2 / 1.5 = 1.33 > 1 / 1.2
-    pol.update(StepStats(k=2, num_decode=8, committed=[1] * 8))
-    pol.update(StepStats(k=2, num_decode=8, committed=[1] * 8))  # a(2) = 1.25: 1.25 / 1.5 = 1 / 1.2, a tie
-    assert pol.accept[2] == 1.25 and pol.choose(view(8)) == 2  # a tie keeps the previous k
-    pol.update(StepStats(k=2, num_decode=8, committed=[1] * 8))  # a(2) = 1.125: 0.75 < 0.83
+    pol.update(StepStats(k=2, num_decode=2, committed=[1, 1]))  # two rows: weight 1 - 0.5^2: 0.25 * 2 + 0.75
+    assert pol.accept[2] == 1.25 and pol.choose(view(8)) == 2  # 1.25 / 1.5 = 1 / 1.2: a tie keeps the previous k
+    pol.update(StepStats(k=2, num_decode=1, committed=[1]))  # a(2) = 1.125: 0.75 < 0.83
     assert pol.accept[2] == 1.125 and pol.choose(view(8)) == 0
+
+
+def test_goodput_keeps_each_requests_acceptance():
+    """a(k) of a batch sums each request's own estimate; a request the draft cannot follow turns
+    speculation off while it runs alone, and the next request starts from the all-requests prior
+    instead of inheriting it (on the H200 a shared EMA cost a C = 1 point 235 plain steps)."""
+    pol = Goodput([2], ema=0.5, prior_ema=0.1, margin=0.0, explore_every=0)
+    pol.set_table(TABLE)
+    both = BatchView(2, 0, rows=("a", "b"))
+    assert pol.choose(both) == 2  # untried
+    pol.update(StepStats(k=2, num_decode=2, committed=[3, 1], rows=["a", "b"]))  # from the first mean, 2
+    assert pol.row_accept[2] == {"a": 2.5, "b": 1.5} and pol.accept[2] == 2.0
+    assert pol.choose(both) == 2  # bucket 8: (2.5 + 1.5) / 2 / 1.5 = 1.33 per row-ms > 1 / 1.2
+    pol.update(StepStats(k=2, num_decode=2, committed=[3, 1], rows=["a", "b"]))  # a 2.75, b 1.25, prior 2
+    pol.update(StepStats(k=2, num_decode=1, committed=[1], rows=["b"]))  # b 1.125, prior 0.9 * 2 + 0.1 = 1.9
+    assert pol.row_accept[2]["b"] == 1.125 and pol.accept[2] == pytest.approx(1.9)
+    assert pol.choose(BatchView(1, 0, rows=("b",))) == 0  # b alone: 1.125 / 1.2 < 1 / 1.0
+    assert set(pol.row_accept[2]) == {"b"}  # a left the batch: forgotten
+    assert pol.choose(BatchView(1, 0, rows=("c",))) == 2  # c starts from the prior: 1.9 / 1.2 > 1 / 1.0
+    assert pol.expected(2, 3, rows=("c", "d", "e")) == pytest.approx(3 * 1.9) and pol.row_accept[2] == {}
+    assert "accept_rows" in pol.describe()
 
 
 def test_goodput_margin_keeps_the_previous_k():
     table = {0: {8: 1.0}, 2: {8: 2.0}}
     for margin, want in ((0.05, 0), (0.10, 2)):
-        pol = Goodput([2], ema=0.1, margin=margin, explore_every=0)
+        pol = Goodput([2], prior_ema=0.1, margin=margin, explore_every=0)
         pol.set_table(table)
         run_k(pol, 2, [2])  # a(2) = 2: 1.0 per ms, a tie with k = 0: stays at 2
         assert pol.choose(view(8)) == 2
@@ -118,9 +139,23 @@ def test_engine_calibrates_goodput_and_stays_greedy_identical(tiny):
     chooses (real CPU timings, real n-gram acceptance), greedy output equals plain greedy."""
     prompts = repetitive_prompts(5, seed=4)
     want = [reference(tiny, p, 14) for p in prompts]
-    pol = Goodput([2, 4], explore_every=4, profile_context=40)
+    seen = []  # (request ids the policy saw, rows of the batch) per choice and per update
+
+    class Spy(Goodput):
+        def choose(self, view):
+            seen.append((view.rows, view.num_decode))
+            return super().choose(view)
+
+        def update(self, stats):
+            seen.append((stats.rows, len(stats.committed)))
+            super().update(stats)
+
+    pol = Spy([2, 4], explore_every=4, profile_context=40)
     got, engine = run_engine(tiny, prompts, 14, drafter=NgramDrafter(), policy=pol, max_batch=4)
     assert got == want
+    # the engine names each row's request, in row order, to choose and to update: one id per request
+    assert seen and all(rows is not None and len(rows) == n and len(set(rows)) == n for rows, n in seen)
+    assert len({r for rows, _ in seen for r in rows}) == len(prompts)
     assert set(pol.table) == {0, 2, 4}
     assert [b for b, _ in pol.table[4]] == engine.buckets and all(ms > 0 for k in pol.table for _, ms in pol.table[k])
     assert pol.accept[2] is not None and pol.accept[4] is not None  # both were run

@@ -272,7 +272,8 @@ class Engine:
         ready = sched.finish_prefill_(plan)
         if k is None:
             k = 0 if self.policy is None else self.policy.choose(
-                BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting)))
+                BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting),
+                          rows=tuple(r.id for r in sched.rows)))
             if k not in self.ks:
                 raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
         committed: list[tuple[int, list[list[int]]]] = []  # (k, token lists) of the steps committed here
@@ -327,6 +328,7 @@ class Engine:
         tokens = self.stepper.collect_(step)
         if self.policy is not None:
             self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
+                                         rows=[r.id for r, _ in step.rows],
                                          step_ms=self.stepper.step_ms(step)))
         return step.k, self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter())
 

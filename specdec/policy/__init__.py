@@ -18,6 +18,7 @@ from ..errors import ConfigError
 class BatchView:
     num_decode: int  # decode-ready rows this step (requests still prefilling are not counted)
     num_waiting: int  # queued requests
+    rows: tuple | None = None  # the decode rows' request ids, in row order (None: not given)
 
 
 @dataclass
@@ -26,6 +27,7 @@ class StepStats:
     num_decode: int
     committed: list[int]  # tokens committed per row (accepted drafts + 1)
     step_ms: float | None = None  # the step's duration (device ms on a GPU), if the policy asked for it
+    rows: list | None = None  # request id of each row of committed (None: not given)
 
 
 class Never:
@@ -98,37 +100,48 @@ class Goodput:
                ``time_ema``) of the durations of the steps served with k in that bucket (the engine
                times each step: ``wants_step_ms``), which follows the real context lengths and host
                work, and corrects a start-up entry that is off;
-      a(k)     committed tokens per row per step at k: 1 at k = 0; for k > 0 an exponential moving
-               average (weight ``ema``) of what the steps that ran with k committed. A k not yet run
-               is tried once first (its a(k) is unknown), and while k = 0 is chosen a k > 0 is
+      a(k)     committed tokens per step at k, summed over the rows: 1 per row at k = 0; for k > 0
+               each request's own estimate, an exponential moving average (weight ``ema``) of what
+               its steps with k committed, started from a prior: the average over all requests'
+               rows (an EMA of weight ``prior_ema`` per row and step). Acceptance is a property of
+               the request (its text), so one request the draft cannot follow turns speculation off
+               while it runs alone but does not carry over to the next one. Without row ids (a
+               BatchView / StepStats without ``rows``) every row takes the prior. A k not yet run
+               is tried once first (its prior is unknown), and while k = 0 is chosen a k > 0 is
                re-tried every ``explore_every`` steps (0: never), so that acceptance tracks the
                workload (the draft KV stays in sync meanwhile, so a re-try costs one step's draft).
     A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
     near the crossover does not flip every step. Decode rows only: prefills never count.
+    H200 (bench_spec --draft eagle3 --trace-dir, results/spec/goodput_trace_2dbe67d.md): with one
+    EMA for all requests, the last request of a closed-loop point committed 1 token per speculative
+    step, the EMA fell to ~1.3 and the next point (C = 1, other prompts) ran 235 plain steps before
+    its first re-try.
     """
 
     name = "goodput"
 
     wants_step_ms = True
 
-    def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 256,
-                 profile_context: int = 512, time_ema: float = 0.1):
+    def __init__(self, ks, *, ema: float = 0.2, margin: float = 0.03, explore_every: int = 256,
+                 profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
-        if (not 0.0 < ema <= 1.0 or not 0.0 <= time_ema <= 1.0 or margin < 0.0 or explore_every < 0
-                or profile_context < 1):
-            raise ConfigError(f"policy goodput: need 0 < ema <= 1, 0 <= time_ema <= 1 (0: start-up table only), "
-                              f"margin >= 0, explore_every >= 0 and profile_context >= 1 (got ema={ema}, "
-                              f"time_ema={time_ema}, margin={margin}, explore_every={explore_every}, "
-                              f"profile_context={profile_context})")
+        if (not 0.0 < ema <= 1.0 or not 0.0 < prior_ema <= 1.0 or not 0.0 <= time_ema <= 1.0 or margin < 0.0
+                or explore_every < 0 or profile_context < 1):
+            raise ConfigError(f"policy goodput: need 0 < ema <= 1, 0 < prior_ema <= 1, 0 <= time_ema <= 1 (0: "
+                              f"start-up table only), margin >= 0, explore_every >= 0 and profile_context >= 1 "
+                              f"(got ema={ema}, prior_ema={prior_ema}, time_ema={time_ema}, margin={margin}, "
+                              f"explore_every={explore_every}, profile_context={profile_context})")
         self.ks = (0, *ks)
         self.ema, self.margin, self.explore_every = float(ema), float(margin), int(explore_every)
+        self.prior_ema = float(prior_ema)
         self.time_ema = float(time_ema)
         self.observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of served step ms
         self.profile_context = int(profile_context)
         self.table: dict[int, list[tuple[int, float]]] | None = None  # k -> [(batch, ms)], batch ascending
-        self.accept: dict[int, float | None] = {k: None for k in ks}
+        self.accept: dict[int, float | None] = {k: None for k in ks}  # prior: all requests' rows
+        self.row_accept: dict[int, dict] = {k: {} for k in ks}  # k -> {request id: its own a(k)}
         self.last = 0  # k of the previous choice
         self.off_steps = 0  # consecutive k = 0 choices
 
@@ -160,10 +173,23 @@ class Goodput:
         return self.observed.get((k, b), ms)
 
     # -- the policy -------------------------------------------------------------------------
-    def rate(self, k: int, batch: int) -> float | None:
+    def expected(self, k: int, batch: int, rows=None) -> float | None:
+        """Expected tokens a step at k commits over its rows (request ids ``rows``, else ``batch``
+        rows at the prior); None: the prior of k is unknown."""
+        if k == 0:
+            return float(batch)
+        prior = self.accept[k]
+        if prior is None:
+            return None
+        if rows is None:
+            return batch * prior
+        own = self.row_accept[k]
+        return sum(own.get(r, prior) for r in rows)
+
+    def rate(self, k: int, batch: int, rows=None) -> float | None:
         """Expected committed tokens per row per ms at k (None: a(k) unknown)."""
-        a = 1.0 if k == 0 else self.accept[k]
-        return None if a is None else a / self.step_ms(k, batch)
+        a = self.expected(k, batch, rows)
+        return None if a is None else a / batch / self.step_ms(k, batch)
 
     def choose(self, view: BatchView) -> int:
         if self.table is None:
@@ -171,11 +197,17 @@ class Goodput:
         B = view.num_decode
         if B == 0:
             return self.last
+        rows = view.rows
+        if rows is not None:  # forget the requests that left the batch
+            live = set(rows)
+            for own in self.row_accept.values():
+                for r in [r for r in own if r not in live]:
+                    del own[r]
         untried = [k for k in self.ks[1:] if self.accept[k] is None]
         if untried:
             k = untried[0]
         else:
-            rates = {k: self.rate(k, B) for k in self.ks}
+            rates = {k: self.rate(k, B, rows) for k in self.ks}
             k = max(rates, key=rates.get)
             if k != self.last and rates[k] <= rates[self.last] * (1.0 + self.margin):
                 k = self.last  # not enough gain to switch
@@ -186,11 +218,13 @@ class Goodput:
         return k
 
     def describe(self) -> dict:
-        """What the choices rest on, for run logs: the step-time table (ms by k and batch) and a(k)."""
+        """What the choices rest on, for run logs: the step-time table (ms by k and batch), the prior
+        a(k) and the live requests' own estimates."""
         return {"step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
                 "served_step_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.observed.items()) if kk == k}
                                    for k in self.ks},
-                "accept": {f"k={k}": a for k, a in self.accept.items()}}
+                "accept": {f"k={k}": a for k, a in self.accept.items()},
+                "accept_rows": {f"k={k}": {str(r): a for r, a in own.items()} for k, own in self.row_accept.items()}}
 
     def update(self, stats: StepStats) -> None:
         if (stats.step_ms is not None and self.time_ema > 0 and self.table is not None and stats.num_decode
@@ -201,9 +235,16 @@ class Goodput:
                                   else (1.0 - self.time_ema) * old + self.time_ema * stats.step_ms)
         if stats.k == 0 or not stats.committed or stats.k not in self.accept:
             return
-        mean = sum(stats.committed) / len(stats.committed)
-        old = self.accept[stats.k]
-        self.accept[stats.k] = mean if old is None else (1.0 - self.ema) * old + self.ema * mean
+        n = len(stats.committed)
+        mean = sum(stats.committed) / n
+        prior = self.accept[stats.k]
+        if stats.rows is not None:
+            own = self.row_accept[stats.k]
+            for r, c in zip(stats.rows, stats.committed):
+                old = own.get(r, mean if prior is None else prior)
+                own[r] = (1.0 - self.ema) * old + self.ema * c
+        w = 1.0 - (1.0 - self.prior_ema) ** n  # one prior_ema step per row
+        self.accept[stats.k] = mean if prior is None else (1.0 - w) * prior + w * mean
 
 
 def build_policy(cfg):
@@ -216,7 +257,8 @@ def build_policy(cfg):
         on = cfg.get("on_at_or_below")
         return BatchThreshold(int(cfg.k), int(cfg.off_above), None if on is None else int(on))
     if name == "goodput":
-        return Goodput([int(k) for k in cfg.ks], ema=float(cfg.get("ema", 0.1)),
+        return Goodput([int(k) for k in cfg.ks], ema=float(cfg.get("ema", 0.2)),
                        margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 256)),
-                       profile_context=int(cfg.get("profile_context", 512)), time_ema=float(cfg.get("time_ema", 0.1)))
+                       profile_context=int(cfg.get("profile_context", 512)), time_ema=float(cfg.get("time_ema", 0.1)),
+                       prior_ema=float(cfg.get("prior_ema", 0.01)))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput")
