@@ -104,19 +104,33 @@ def test_goodput_served_step_times_replace_the_startup_table():
     pol.set_table(TABLE)
     run_k(pol, 2, [2])  # a(2) = 2; at B=1: 2 / 1.2 > 1 / 1.0
     assert pol.choose(view(1)) == 2
-    # The start-up entry for k = 2 at batch 1 was off: served steps take 2.5 ms there.
-    pol.update(StepStats(k=2, num_decode=1, committed=[2], step_ms=2.5))
-    assert pol.observed == {(2, 1): 2.5} and pol.step_ms(2, 1) == 2.5 and pol.step_ms(2, 5) == 1.5
-    assert pol.choose(view(1)) == 0  # 2 / 2.5 < 1 / 1.0
-    pol.update(StepStats(k=0, num_decode=3, committed=[1] * 3, step_ms=3.0))  # bucket 8 of k = 0
-    pol.update(StepStats(k=0, num_decode=7, committed=[1] * 7, step_ms=2.0))  # 0.5 * 3 + 0.5 * 2
-    assert pol.observed[(0, 8)] == 2.5 and pol.step_ms(0, 8) == 2.5 and pol.step_ms(0, 1) == 1.0
-    assert pol.choose(view(8)) == 2  # 2 / 1.5 > 1 / 2.5
-    assert pol.describe()["served_step_ms"] == {"k=0": {8: 2.5}, "k=2": {1: 2.5}}
+    # The start-up entry for k = 2 at batch 1 was off: served steps take 2.5 ms there. The average
+    # starts from the entry, and a sample counts as at most twice the average so far.
+    pol.update(StepStats(k=2, num_decode=1, committed=[2], step_ms=2.5))  # 0.5 * 1.2 + 0.5 * 2.4
+    assert pol.observed == {(2, 1): pytest.approx(1.8)} and pol.step_ms(2, 5) == 1.5
+    assert pol.choose(view(1)) == 2  # 2 / 1.8 > 1 / 1.0
+    pol.update(StepStats(k=2, num_decode=1, committed=[2], step_ms=2.5))  # 0.5 * 1.8 + 0.5 * 2.5
+    assert pol.step_ms(2, 1) == pytest.approx(2.15) and pol.choose(view(1)) == 0  # 2 / 2.15 < 1 / 1.0
+    pol.update(StepStats(k=0, num_decode=3, committed=[1] * 3, step_ms=3.0))  # bucket 8 of k = 0: 0.6 + 1.2
+    pol.update(StepStats(k=0, num_decode=7, committed=[1] * 7, step_ms=2.0))  # 0.5 * 1.8 + 0.5 * 2.0
+    assert pol.step_ms(0, 8) == pytest.approx(1.9) and pol.step_ms(0, 1) == 1.0
+    assert pol.choose(view(8)) == 2  # 2 / 1.5 > 1 / 1.9
+    assert pol.describe()["served_step_ms"] == {"k=0": {8: pytest.approx(1.9)}, "k=2": {1: pytest.approx(2.15)}}
     off = Goodput([2], time_ema=0.0)
     off.set_table(TABLE)
     off.update(StepStats(k=2, num_decode=1, committed=[2], step_ms=9.0))
     assert off.observed == {} and off.step_ms(2, 1) == 1.2
+
+
+def test_goodput_one_stalled_step_does_not_turn_speculation_off():
+    # On the H200 one served step of 8.1 ms (against 1.6) became a bucket's average and turned
+    # speculation off there for the rest of the run.
+    pol = Goodput([2], margin=0.0, explore_every=0, time_ema=0.1)
+    pol.set_table(TABLE)
+    run_k(pol, 2, [2] * 8)  # a(2) = 2 per row; bucket 8: 2 / 1.5 > 1 / 1.2
+    pol.update(StepStats(k=2, num_decode=8, committed=[2] * 8, step_ms=80.0))  # one stall
+    assert pol.step_ms(2, 8) == pytest.approx(0.9 * 1.5 + 0.1 * 3.0)
+    assert pol.choose(view(8)) == 2  # 2 / 1.65 > 1 / 1.2
 
 
 def test_goodput_config_and_errors():

@@ -88,6 +88,9 @@ class BatchThreshold:
         pass
 
 
+SERVED_OUTLIER = 2.0  # goodput: a served step's duration counts as at most this many times the average
+
+
 class Goodput:
     """Pick the k that maximises expected committed tokens per second at this decode batch.
 
@@ -97,9 +100,13 @@ class Goodput:
                profiled batch >= B, measured once at start-up (``calibrate_``: the engine calls it
                with its ``profile_decode_step``, over its graph buckets, at ``profile_context``
                tokens of context), then replaced by an exponential moving average (weight
-               ``time_ema``) of the durations of the steps served with k in that bucket (the engine
-               times each step: ``wants_step_ms``), which follows the real context lengths and host
-               work, and corrects a start-up entry that is off;
+               ``time_ema``, starting from the start-up entry) of the durations of the steps served
+               with k in that bucket (the engine times each step: ``wants_step_ms``), which follows
+               the real context lengths and host work, and corrects a start-up entry that is off.
+               A served step counts as at most SERVED_OUTLIER times the average so far: on the H200
+               one stalled step at (k = 16, bucket 16) took 8.1 ms against 1.6 ms, became the
+               bucket's average as the first served sample, and turned speculation off there for
+               the rest of the run (C = 16: 1.16x of never where always gave 1.44x);
       a(k)     committed tokens per step at k, summed over the rows: 1 per row at k = 0; for k > 0
                each request's own estimate, an exponential moving average (weight ``ema``) of what
                its steps with k committed, started from a prior: the average over all requests'
@@ -122,7 +129,7 @@ class Goodput:
 
     wants_step_ms = True
 
-    def __init__(self, ks, *, ema: float = 0.2, margin: float = 0.03, explore_every: int = 256,
+    def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 32,
                  profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
@@ -229,10 +236,10 @@ class Goodput:
     def update(self, stats: StepStats) -> None:
         if (stats.step_ms is not None and self.time_ema > 0 and self.table is not None and stats.num_decode
                 and stats.k in self.table):
-            key = (stats.k, self._bucket(stats.k, stats.num_decode)[0])
-            old = self.observed.get(key)
-            self.observed[key] = (stats.step_ms if old is None
-                                  else (1.0 - self.time_ema) * old + self.time_ema * stats.step_ms)
+            b, table_ms = self._bucket(stats.k, stats.num_decode)
+            old = self.observed.get((stats.k, b), table_ms)
+            sample = min(stats.step_ms, SERVED_OUTLIER * old)  # a stalled step moves the average a little
+            self.observed[(stats.k, b)] = (1.0 - self.time_ema) * old + self.time_ema * sample
         if stats.k == 0 or not stats.committed or stats.k not in self.accept:
             return
         n = len(stats.committed)
@@ -257,8 +264,8 @@ def build_policy(cfg):
         on = cfg.get("on_at_or_below")
         return BatchThreshold(int(cfg.k), int(cfg.off_above), None if on is None else int(on))
     if name == "goodput":
-        return Goodput([int(k) for k in cfg.ks], ema=float(cfg.get("ema", 0.2)),
-                       margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 256)),
+        return Goodput([int(k) for k in cfg.ks], ema=float(cfg.get("ema", 0.1)),
+                       margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 32)),
                        profile_context=int(cfg.get("profile_context", 512)), time_ema=float(cfg.get("time_ema", 0.1)),
                        prior_ema=float(cfg.get("prior_ema", 0.01)))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput")
