@@ -578,8 +578,20 @@ def _sm_count(device):
     return _SM_COUNT[idx]
 
 
-def _launch_config(max_q_len, G, D, dtype=torch.bfloat16):
+WGMMA_MIN_CAPACITY_D128 = 4096  # 17-32 rows take the wgmma tile at d128 from this page-table capacity
+
+
+def _launch_config(max_q_len, G, D, dtype=torch.bfloat16, kv_capacity=None):
     """Tile sizes and launch options from static info only (ptxas figures for sm_90, bf16).
+
+    17-32 rows (short chains and trees: e.g. T = 6-10 at G = 3) take the one-warpgroup wgmma tile of
+    BLOCK_M = 64 (padded) with 16-bit inputs at d <= 64, and at d128 from a page-table capacity
+    (kv_capacity, slots) of WGMMA_MIN_CAPACITY_D128; otherwise the mma.sync tile of 32 rows. Same-run
+    A/B, H200, bf16 (results/kernels/ab_wgmma_short_trees_d0845d2.txt), T=8, 32 vs 64 rows: 9q/3kv
+    d64 1.00-1.06x at B=1, B=8 prefix 4096 / 16384 22.96 -> 18.95 / 53.11 -> 38.84 us, B=64 prefix
+    512 / 4096 / 16384 27.4 -> 16.5 / 96.6 -> 59.4 / 330 -> 206 us, T=6 B=64 prefix 1024 36.8 ->
+    23.9 us; 32q/8kv d128 prefix 4096-16384 1.02-1.44x, but prefix 512 B=1 9.41 -> 12.00 us and B=8
+    16.85 -> 17.51 us (kept on mma.sync below that capacity).
 
     BLOCK_M packs BLOCK_T queries x G heads: decode (max_q_len * G <= 16) 16 rows, tree verify and
     short chunks 32-64 rows, prefill 128 rows (e.g. 42 queries x 3 heads).
@@ -599,6 +611,9 @@ def _launch_config(max_q_len, G, D, dtype=torch.bfloat16):
     max_m = 128 if dtype != torch.float32 else (64 if D <= 64 else 32)
     block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
     block_m = max(block_m, triton.next_power_of_2(G))
+    if (block_m == 32 and dtype != torch.float32
+            and (D <= 64 or (kv_capacity is not None and kv_capacity >= WGMMA_MIN_CAPACITY_D128))):
+        block_m = 64  # the wgmma tile, see above
     block_t = block_m // G
     if block_m <= 32:
         cfg = dict(BLOCK_N=64 if D <= 64 else 32, num_warps=4, num_stages=5)
@@ -896,7 +911,7 @@ def paged_attention(
     P, PS, HKV, _ = k_cache.shape
     B, MP = page_table.shape
     G = HQ // HKV
-    cfg = _launch_config(max_q_len, G, D, q.dtype)
+    cfg = _launch_config(max_q_len, G, D, q.dtype, MP * PS)
     n_qblocks = triton.cdiv(max_q_len, cfg["BLOCK_T"])
     min_busy_tiles = 1
     if num_splits is None:

@@ -319,8 +319,10 @@ def test_tree_occupancy_rule_h200_shapes(monkeypatch):
         cfg = attn._launch_config(16, 12 // HKV if D == 64 else 4, D, torch.bfloat16)
         assert cfg["BLOCK_M"] == 64
         assert attn._occupancy_splits(B, HKV, D, 1, prefix + 16, cfg, dev, torch.bfloat16) == n, (HKV, D, B, prefix)
-    cfg = attn._launch_config(8, 3, 64, torch.bfloat16)  # T = 8: 32-row tiles, not planned
-    assert attn._occupancy_splits(16, 3, 64, 1, 16384, cfg, dev, torch.bfloat16) == 1
+    cfg = attn._launch_config(8, 4, 128, torch.bfloat16, kv_capacity=512)  # 32-row tiles: not planned
+    assert cfg["BLOCK_M"] == 32 and attn._occupancy_splits(16, 8, 128, 1, 512, cfg, dev, torch.bfloat16) == 1
+    cfg = attn._launch_config(8, 3, 64, torch.bfloat16)  # T = 8 at d64 takes the wgmma tile and its plan
+    assert cfg["BLOCK_M"] == 64 and attn._occupancy_splits(16, 3, 64, 1, 16384, cfg, dev, torch.bfloat16) == 8
 
 
 def test_default_splits_keep_min_tiles_of_capacity(monkeypatch):
@@ -440,9 +442,25 @@ def test_default_l2d_rule():
     import kernels_triton.attention as attn
 
     assert attn._default_l2d(attn._launch_config(1, 4, 128))  # decode: mma.sync tile
-    assert attn._default_l2d(attn._launch_config(8, 3, 64))  # short chain: BLOCK_M 32
+    assert attn._default_l2d(attn._launch_config(8, 4, 128, kv_capacity=512))  # short chain at d128: BLOCK_M 32
     assert not attn._default_l2d(attn._launch_config(16, 3, 64))  # T=16 tree: wgmma tile
     assert not attn._default_l2d(attn._launch_config(64, 3, 64))  # prefill chunk
+
+
+def test_short_chains_and_trees_take_the_wgmma_tile():
+    # 17-32 rows: the 64-row wgmma tile with 16-bit inputs at d <= 64, and at d128 from a page-table
+    # capacity of WGMMA_MIN_CAPACITY_D128 slots; 16 rows or fewer (decode) and fp32 keep mma.sync.
+    import kernels_triton.attention as attn
+
+    cap = attn.WGMMA_MIN_CAPACITY_D128
+    m = lambda *a, **kw: attn._launch_config(*a, **kw)["BLOCK_M"]  # noqa: E731
+    assert m(6, 3, 64, torch.bfloat16) == 64 and m(10, 3, 64, torch.float16) == 64  # 18 / 30 rows
+    assert attn._launch_config(6, 3, 64)["BLOCK_T"] == 21
+    assert m(5, 3, 64, torch.bfloat16) == 16  # 15 rows
+    assert m(6, 3, 64, torch.float32) == 32
+    assert m(8, 4, 128, torch.bfloat16, kv_capacity=cap - 16) == 32
+    assert m(8, 4, 128, torch.bfloat16, kv_capacity=cap) == 64
+    assert m(8, 4, 128, torch.bfloat16) == 32  # capacity unknown
 
 
 def test_default_one_loop_rule():
