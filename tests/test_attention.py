@@ -141,6 +141,10 @@ def test_paged_attention_tree(dtype, heads, PS):
     T = [1, 9, 0, 16]
     batch = make_batch(T=T, prefix=[30, 0, 8, 45], heads=heads, PS=PS, dtype=dtype, seed=3)
     check(batch, dtype, max_q_len=16, splits=[1, 4, None], tree_mask=batch_tree_mask(T, seed=3))
+    # short trees (17-32 query rows at G = 3 / 4): the wgmma tile with 16-bit inputs at d <= 64
+    T = [1, 7, 0, 8]
+    batch = make_batch(T=T, prefix=[30, 0, 8, 45], heads=heads, PS=PS, dtype=dtype, seed=5)
+    check(batch, dtype, max_q_len=8, splits=[1, 3], tree_mask=batch_tree_mask(T, seed=5))
 
 
 def test_tree_chain_equals_causal():
