@@ -54,7 +54,7 @@ from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
 
 from specdec.bench.clients import closed_loop  # noqa: E402
 from specdec.bench.metrics import StepTrace, request_record, summarize_requests  # noqa: E402
-from specdec.bench.targets import RANDOM_WEIGHTS_LABEL, llama_config_from_dict, load_target_yaml, random_target  # noqa: E402
+from specdec.bench.targets import RANDOM_WEIGHTS_LABEL, llama_config_from_dict, load_target_yaml  # noqa: E402
 from specdec.bench.workloads import synthetic_prompts  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
@@ -274,7 +274,7 @@ def part_b(res: Results, args, copy_gbps: float) -> None:
         label = f"Llama-3.1-8B structure, quick tiny shapes ({RANDOM_WEIGHTS_LABEL})"
     config = llama_config_from_dict(shapes)
     log("b: building random weights on the device")
-    model = random_target(config, device=DEVICE, dtype=DTYPE, seed=0)
+    model = LlamaModel.random(config, device=DEVICE, dtype=DTYPE, seed=0)
     engine = Engine(model, EngineConfig(max_batch_size=1, graph_buckets=(1,), kv_cache_tokens=8192,
                                         max_seq_len=4096, page_size=16, cuda_graphs=False if args.no_graphs else "auto"))
     log(f"b: engine ready in {engine.startup_s:.1f} s (graphs {'on' if engine.graphed else 'off'})")

@@ -45,7 +45,7 @@ from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.models.tokenizer import Tokenizer  # noqa: E402
 from specdec.policy import Always, BatchThreshold, Goodput, Never  # noqa: E402
-from specdec.spec.drafters import NgramDrafter  # noqa: E402
+from specdec.spec import NgramDrafter  # noqa: E402
 
 
 def main() -> None:
@@ -90,7 +90,7 @@ def main() -> None:
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max(Cs)) + (max(Cs),)
     if args.draft == "eagle3":
         from specdec.models.eagle3 import Eagle3Head
-        from specdec.spec.drafters import Eagle3Drafter
+        from specdec.spec import Eagle3Drafter
 
         k = args.k or args.nodes
         head = Eagle3Head.load(args.head, device=device, dtype=model.dtype, backend=model.backend,

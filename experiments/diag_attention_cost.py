@@ -31,7 +31,8 @@ import kernels_triton.attention as attn  # noqa: E402
 import specdec.models.ops as ops  # noqa: E402
 from specdec.bench.console import print_table  # noqa: E402
 from specdec.bench.provenance import device_name, git_commit  # noqa: E402
-from specdec.bench.targets import llama_config_from_dict, load_target_yaml, random_target  # noqa: E402
+from specdec.bench.targets import llama_config_from_dict, load_target_yaml  # noqa: E402
+from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def main() -> None:
                      num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=4096)
         ctx, iters, repeats = 32, 2, 1
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    model = random_target(llama_config_from_dict(shape), device=dev, dtype=dtype, seed=0)
+    model = LlamaModel.random(llama_config_from_dict(shape), device=dev, dtype=dtype, seed=0)
     meta = dict(commit=git_commit(), device=device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%S"), context=ctx)
     rows = []
 

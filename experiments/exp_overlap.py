@@ -24,7 +24,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "experiments")]
 from profile_step import SMOLLM2  # noqa: E402
-from specdec.bench.targets import llama_config_from_dict, load_target_yaml, random_target  # noqa: E402
+from specdec.bench.targets import llama_config_from_dict, load_target_yaml  # noqa: E402
+from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def main():
         if args.quick:
             cfg = dict(cfg, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=512, head_dim=16)
-        model = random_target(llama_config_from_dict(cfg), device=dev, dtype=dtype, seed=0)
+        model = LlamaModel.random(llama_config_from_dict(cfg), device=dev, dtype=dtype, seed=0)
         n_new, plen = (128, 512) if cuda else (6, 20)
         for batch in (1, 8):
             outs = {}

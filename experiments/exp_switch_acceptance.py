@@ -42,7 +42,7 @@ from specdec.models.eagle3 import Eagle3Head  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.models.tokenizer import Tokenizer  # noqa: E402
 from specdec.policy import BatchView, StepStats  # noqa: E402
-from specdec.spec.drafters import Eagle3Drafter  # noqa: E402
+from specdec.spec import Eagle3Drafter  # noqa: E402
 
 K = 16
 

@@ -23,10 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "experiments")]
 from profile_step import SMOLLM2  # noqa: E402
 from specdec.bench.provenance import device_name, git_commit  # noqa: E402
-from specdec.bench.targets import llama_config_from_dict, random_target  # noqa: E402
+from specdec.bench.targets import llama_config_from_dict  # noqa: E402
+from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.eagle3 import Eagle3Head  # noqa: E402
-from specdec.spec.drafters import Eagle3Drafter  # noqa: E402
+from specdec.spec import Eagle3Drafter  # noqa: E402
 
 
 class GeneralExtend(Eagle3Drafter):
@@ -39,7 +40,7 @@ class GeneralExtend(Eagle3Drafter):
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("k0_step_cost.py times CUDA-graph replays: it needs a GPU")
-    model = random_target(llama_config_from_dict(SMOLLM2), device="cuda", dtype=torch.bfloat16, seed=0)
+    model = LlamaModel.random(llama_config_from_dict(SMOLLM2), device="cuda", dtype=torch.bfloat16, seed=0)
     head = Eagle3Head.load(REPO / "checkpoints/eagle3-smollm2-135m", device="cuda", dtype=model.dtype,
                            backend=model.backend, target=model.config)
     print(f"# k0_step_cost.py at {git_commit()}, {device_name()}, SmolLM2-135M shapes (random bf16), context 512")

@@ -37,10 +37,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from specdec.bench.provenance import device_name, git_commit  # noqa: E402
-from specdec.bench.targets import llama_config_from_dict, random_target  # noqa: E402
+from specdec.bench.targets import llama_config_from_dict  # noqa: E402
+from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
-from specdec.spec.drafters import Eagle3Drafter  # noqa: E402
+from specdec.spec import Eagle3Drafter  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
@@ -142,7 +143,7 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.quick
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shape = TINY if args.quick else SMOLLM2
-    model = random_target(llama_config_from_dict(shape), device=dev, dtype=dtype)
+    model = LlamaModel.random(llama_config_from_dict(shape), device=dev, dtype=dtype)
     head_cfg = Eagle3Config.for_target(model.config, 8192 if not args.quick else 256)
     head = Eagle3Head(head_cfg, backend=model.backend).init_weights_(0)
     head.set_vocab_(torch.arange(head_cfg.draft_vocab_size))
@@ -193,7 +194,7 @@ def profile_llama8b(args) -> None:
         shape.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=4096)
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    model = random_target(llama_config_from_dict(shape), device=dev, dtype=dtype)
+    model = LlamaModel.random(llama_config_from_dict(shape), device=dev, dtype=dtype)
     eng = make_engine(model, None, (), max_seq_len=4096)
     res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"), "shape": "llama8b",
            "pdl": os.environ.get("SPECDEC_PDL", "1"),

@@ -20,6 +20,7 @@ from omegaconf.errors import MissingMandatoryValue
 from .bench.workloads import load_prompts
 from .errors import ConfigError, SpecdecError
 from .loggers import make_logger
+from .policy.base import describe
 
 
 def resolve_device(name: str) -> str:
@@ -39,11 +40,12 @@ def build_target(cfg: DictConfig, device: str):
 
     if cfg.target.get("random_weights"):
         # Real shapes, random weights (systems studies): no tokenizer, synthetic workloads only.
-        from .bench.targets import IdsOnlyTokenizer, llama_config_from_dict, random_target
+        from .bench.targets import IdsOnlyTokenizer, llama_config_from_dict
+        from .models.llama import LlamaModel
 
         config = llama_config_from_dict(OmegaConf.to_container(cfg.target.config, resolve=True))
-        model = random_target(config, device=device, dtype=cfg.engine.dtype, seed=int(cfg.seed),
-                              backend=cfg.engine.kernels)
+        model = LlamaModel.random(config, device=device, dtype=cfg.engine.dtype, seed=int(cfg.seed),
+                                  backend=cfg.engine.kernels)
         return model, IdsOnlyTokenizer(config.vocab_size)
     path = cfg.target.path
     if path is None:
@@ -80,7 +82,7 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -
     stop = list(cfg.engine.get("stop") or [])
     ids_only = getattr(tokenizer, "is_ids_only", False)
     from .policy import build_policy
-    from .spec.drafters import build_drafter
+    from .spec import build_drafter
 
     drafter = build_drafter(cfg.draft, model, device=model.device, backend=model.backend)
     engine = Engine(model, EngineConfig.from_cfg(cfg.engine, temperature=float(cfg.sampling.temperature),
@@ -123,8 +125,9 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -
         iters = int(cfg.engine.get("profile_iters", 3))
         trace.meta["step_phase_ms"] = {f"k={k}": engine.profile_step_phases(mean_bs, ctx, k, iters=iters)
                                        for k in engine.ks}
-        if hasattr(engine.policy, "describe"):  # e.g. goodput: its step-time table and acceptance
-            trace.meta["policy_state"] = engine.policy.describe()
+        state = describe(engine.policy)  # e.g. goodput: its step-time table and acceptance
+        if state is not None:
+            trace.meta["policy_state"] = state
     return [by_index[i] for i in range(len(by_index))]
 
 

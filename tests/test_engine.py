@@ -316,7 +316,7 @@ def test_deleted_engine_frees_its_kv_pool_without_the_cycle_collector(tiny):
     import gc
     import weakref
 
-    from specdec.spec.drafters import NgramDrafter
+    from specdec.spec import NgramDrafter
 
     gc.collect()
     gc.disable()

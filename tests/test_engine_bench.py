@@ -8,7 +8,8 @@ import torch
 
 from specdec.bench.clients import closed_loop, open_loop, poisson_arrivals
 from specdec.bench.metrics import StepTrace, percentile, request_record, summarize_requests
-from specdec.bench.targets import IdsOnlyTokenizer, llama_config_from_dict, random_target
+from specdec.bench.targets import IdsOnlyTokenizer, llama_config_from_dict
+from specdec.models.llama import LlamaModel
 from specdec.bench.workloads import WorkloadError, load_prompts, synthetic_prompts
 from specdec.engine.engine import Engine, EngineConfig
 from test_engine import rand_prompts, reference, tiny_model
@@ -129,7 +130,7 @@ def test_baseline_sweep_values():
 def test_random_target_tiny():
     cfg = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2,
            "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 64}
-    m = random_target(llama_config_from_dict(cfg), dtype="float32", backend="torch")
+    m = LlamaModel.random(llama_config_from_dict(cfg), dtype="float32", backend="torch")
     assert m.dtype == torch.float32 and m.embed.shape == (512, 32)
     engine = Engine(m, EngineConfig(kv_cache_tokens=128))
     r = engine.add_request([300, 301], 3, ignore_eos=True)

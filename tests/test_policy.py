@@ -9,7 +9,7 @@ from test_spec import repetitive_prompts, run_engine, tiny_head
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.errors import ConfigError
 from specdec.policy import BatchView, Goodput, StepStats, build_policy
-from specdec.spec.drafters import Eagle3Drafter, NgramDrafter
+from specdec.spec import Eagle3Drafter, NgramDrafter
 
 # ms per step: speculation pays at small batches (cheap verify), not at 64 rows.
 TABLE = {0: {1: 1.0, 8: 1.2, 64: 2.0}, 2: {1: 1.2, 8: 1.5, 64: 4.4}, 4: {1: 1.4, 8: 2.4, 64: 6.0}}

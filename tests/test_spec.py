@@ -11,7 +11,7 @@ from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 from specdec.models.ops import AttentionMeta
 from specdec.policy import Always, BatchThreshold, BatchView
-from specdec.spec.drafters import Eagle3Drafter, NgramDrafter
+from specdec.spec import Eagle3Drafter, NgramDrafter
 from specdec.spec.tree import DraftTree, ancestor_masks
 
 
@@ -328,7 +328,7 @@ def test_committed_smollm2_head_accepts_and_keeps_greedy(smollm2, smollm2_tokeni
 
     from omegaconf import OmegaConf
 
-    from specdec.spec.drafters import build_drafter
+    from specdec.spec import build_drafter
 
     ckpt = Path(__file__).resolve().parents[1] / "checkpoints" / "eagle3-smollm2-135m"
     cfg = OmegaConf.create({"name": "eagle3", "path": str(ckpt), "topk": 4, "steps": 5, "num_draft_tokens": 16})

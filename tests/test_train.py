@@ -17,7 +17,7 @@ from test_engine import VOCAB, rand_prompts, reference, tiny_model
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 from specdec.models.ops import AttentionMeta
-from specdec.spec.drafters import Eagle3Drafter
+from specdec.spec import Eagle3Drafter
 from specdec.train import StepSums, Trainer, lr_factor, save_checkpoint
 from specdec.training.data import capture, draft_vocab, gather_batch, generate, length_batches
 from specdec.training.prompts import (SEED_TASKS, EvalIndex, TrainingDataError, TrainPrompt,

@@ -127,7 +127,7 @@ def test_drafter_kernel_trees_equal_reference(monkeypatch):
     from test_engine import tiny_model
     from test_spec import tiny_head
     from specdec.engine.engine import Engine, EngineConfig
-    from specdec.spec.drafters import Eagle3Drafter
+    from specdec.spec import Eagle3Drafter
 
     monkeypatch.setenv("SPECDEC_STEP_KERNELS", "1")
     model = tiny_model(layers=2, device=DEV, backend="auto")  # + SPECDEC_STEP_KERNELS=1: tree kernels on CPU too
@@ -163,7 +163,7 @@ def test_windowed_draft_rounds_equal_recomputing_every_scratch_row(monkeypatch):
     from test_engine import tiny_model
     from test_spec import tiny_head
     from specdec.engine.engine import Engine, EngineConfig
-    from specdec.spec.drafters import Eagle3Drafter
+    from specdec.spec import Eagle3Drafter
 
     model = tiny_model(layers=2, device=DEV, backend="torch")
     topk, steps, ntok = 2, 4, 8

@@ -63,7 +63,8 @@ def part1(quick, copy):
 
 def part2(quick):
     from profile_step import SMOLLM2
-    from specdec.bench.targets import llama_config_from_dict, load_target_yaml, random_target
+    from specdec.bench.targets import llama_config_from_dict, load_target_yaml
+    from specdec.models.llama import LlamaModel
     from specdec.engine.engine import Engine, EngineConfig
 
     orig = attn._default_l2d
@@ -73,7 +74,7 @@ def part2(quick):
                else SMOLLM2)
         if quick:
             cfg = {**cfg, "num_hidden_layers": 1}
-        model = random_target(llama_config_from_dict(cfg), device=dev,
+        model = LlamaModel.random(llama_config_from_dict(cfg), device=dev,
                               dtype=torch.bfloat16 if dev == "cuda" else torch.float32, seed=0)
         for label in ("rows", "default", "rows", "default")[: 2 if quick else 4]:
             attn._default_l2d = orig if label == "default" else (lambda cfg: False)

@@ -12,12 +12,13 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "experiments")]
 from profile_step import SMOLLM2  # noqa
-from specdec.bench.targets import llama_config_from_dict, load_target_yaml, random_target
+from specdec.bench.targets import llama_config_from_dict, load_target_yaml
+from specdec.models.llama import LlamaModel
 from specdec.engine.engine import Engine, EngineConfig
 import kernels_triton.attention as attn
 shape = sys.argv[1] if len(sys.argv) > 1 else "llama8b"
 cfg = dict(load_target_yaml(REPO / "conf/target/llama31_8b_random.yaml")["config"]) if shape == "llama8b" else SMOLLM2
-model = random_target(llama_config_from_dict(cfg), device="cuda", dtype=torch.bfloat16, seed=0)
+model = LlamaModel.random(llama_config_from_dict(cfg), device="cuda", dtype=torch.bfloat16, seed=0)
 orig_lc, orig_ns = attn._launch_config, attn._default_num_splits
 
 def variant(lc_over=None, splits=None):

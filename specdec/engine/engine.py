@@ -38,7 +38,10 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ConfigError
-from ..policy import BatchView, StepStats
+from ..policy.base import BatchView, StepStats, wants_step_ms
+from ..spec.base import capturable
+from ..spec.base import needs_context as drafter_needs_context
+from . import profiling
 from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets
 from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
@@ -183,7 +186,7 @@ class Engine:
 
         t0 = time.perf_counter()
         if use_graphs:
-            eager_T = [t for t in tree_sizes if t > 1 and not getattr(drafter, "capturable", True)]
+            eager_T = [t for t in tree_sizes if t > 1 and not capturable(drafter)]
             runner = GraphedDecode(body, self.state, buckets, tree_sizes, eager_T)
         else:
             runner = EagerDecode(body, pad_to=buckets if cfg.pad_eager else None)
@@ -210,9 +213,9 @@ class Engine:
         self._inflight = None  # overlapped decoding: the launched step not yet read back
         self._ids = itertools.count()
         # A policy that learns from step times gets each decode step's duration in its StepStats.
-        self._policy_times = bool(getattr(policy, "wants_step_ms", False))
-        if policy is not None and hasattr(policy, "calibrate_"):
-            self._calibrate_policy()
+        self._policy_times = wants_step_ms(policy)
+        if policy is not None:
+            profiling.calibrate_policy_(self)
         self.t0 = time.perf_counter()
 
     # -- requests -------------------------------------------------------------------------------
@@ -277,7 +280,7 @@ class Engine:
             if k not in self.ks:
                 raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
         committed: list[tuple[int, list[list[int]]]] = []  # (k, token lists) of the steps committed here
-        needs_context = k > 0 and getattr(self.drafter, "needs_context", False)
+        needs_context = k > 0 and drafter_needs_context(self.drafter)
         if self._inflight is not None and needs_context:
             # This drafter drafts from the host's committed tokens: commit the step in flight first,
             # so it sees them (a speculative step of such a drafter runs synchronously; its k = 0
@@ -353,147 +356,14 @@ class Engine:
 
     def profile_decode_step(self, batch_size: int, context_len: int, iters: int = 50, warmup: int = 3,
                             k: int = 0) -> float:
-        """Device milliseconds of one decode step with k draft tokens (k = 0: plain) at
-        ``batch_size`` rows of ``context_len`` tokens each: ``iters`` back-to-back steps (graph
-        replays when graphed) with no host sync in between, so host scheduling is excluded (a
-        drafter that drafts on the host, e.g. n-gram, does that work between the launches, on
-        histories of one repeated token). The engine must be idle; borrowed pages (garbage KV and
-        drafts) are returned. The step-time table a goodput policy profiles at start-up."""
-        if self.scheduler.has_work() or self.state.num_rows:
-            raise RuntimeError("profile_decode_step needs an idle engine")
-        if batch_size > self.config.max_batch_size:
-            raise ValueError(f"batch_size {batch_size} > engine.max_batch_size {self.config.max_batch_size}")
-        if k not in self.ks:
-            raise ConfigError(f"k={k} was not configured for this engine (ks={self.ks})")
-        T = self.stepper.num_nodes(k)
-        total = self._profile_slots(context_len, warmup + iters, T)
-        if total > self.max_seq_len:
-            raise ValueError(f"context_len {context_len} + {warmup + iters} steps of up to {T} tokens exceeds "
-                             f"max_seq_len {self.max_seq_len}")
-        owners = [object() for _ in range(batch_size)]
-        st, drafter = self.state, self.drafter
-        prepare = getattr(drafter, "prepare_", None) if T > 1 else None
-        context = ([[7] * context_len for _ in range(batch_size)]
-                   if T > 1 and getattr(drafter, "needs_context", False) else None)
-
-        def run():
-            if self.config.temperature > 0:
-                st.uniform[:batch_size, :T].uniform_(generator=st.generator)
-            if prepare is not None:
-                prepare(st, batch_size, T, context)
-            self.stepper.runner.run_(batch_size, T, context)
-
-        try:
-            pages = [self.kv.reserve_(o, total) for o in owners]
-            st.append_rows_([7] * batch_size, [context_len] * batch_size, pages)
-            st.num_active.fill_(batch_size)
-            for _ in range(warmup):
-                run()
-            cuda = self.model.device.type == "cuda"
-            if cuda:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                run()
-            if cuda:
-                end.record()
-                end.synchronize()
-                return start.elapsed_time(end) / iters
-            return (time.perf_counter() - t0) * 1e3 / iters
-        finally:
-            self.state.keep_rows_([])
-            for o in owners:
-                self.kv.release_(o)
-
-    def _profile_slots(self, context_len: int, steps: int, T: int) -> int:
-        """KV slots a profiled row needs: its context, up to T committed per step, one tree ahead."""
-        return context_len + steps * T + self.config.max_tree_tokens
-
-    def _calibrate_policy(self) -> None:
-        """Give a policy that wants one (``calibrate_``) its step-time table: graphed steps for every
-        k of its ks at every graph bucket, at its profile_context tokens of context (less where the
-        pool or max_seq_len cannot hold that many rows of it)."""
-        cuda = self.model.device.type == "cuda"
-        iters, warmup = (20, 3) if cuda else (1, 1)
-        T_max = max(self.stepper.num_nodes(k) for k in self.ks)
-
-        def context(batch: int) -> int:
-            room = min(self.max_seq_len, (self.kv.num_free // batch) * self.kv.page_size)
-            return min(self.policy.profile_context, room - self._profile_slots(0, warmup + iters, T_max))
-
-        def profile(batch: int, k: int) -> float:
-            return self.profile_decode_step(batch, context(batch), iters=iters, warmup=warmup, k=k)
-
-        # A bucket whose rows the pool cannot hold even at a short context is one the scheduler never
-        # fills either (admission is by capacity): it is left out, and the largest profiled bucket
-        # stands in for it.
-        batches = [b for b in self.buckets if b <= self.config.max_batch_size and context(b) >= 16]
-        if not batches:
-            raise ConfigError(f"policy {self.policy.name}: the KV pool ({self.kv.num_pages} pages) or "
-                              f"max_seq_len ({self.max_seq_len}) cannot hold even one profiling row; raise "
-                              "engine.kv_cache_tokens")
-        t0 = time.perf_counter()
-        self.policy.calibrate_(profile, batches)
-        self.startup_s += time.perf_counter() - t0
+        """Device ms of one graphed decode step with k draft tokens at ``batch_size`` rows of
+        ``context_len`` tokens (an idle engine; see :func:`.profiling.decode_step_ms`)."""
+        return profiling.decode_step_ms(self, batch_size, context_len, iters=iters, warmup=warmup, k=k)
 
     def profile_step_phases(self, batch_size: int, context_len: int, k: int, iters: int = 5) -> dict:
-        """Milliseconds of the draft, verify and commit phases of one step with k draft tokens at
-        ``batch_size`` rows of ``context_len`` tokens, run eagerly with a timing mark between phases
-        (served steps run as whole graphs, so their phases cannot be split). Includes the draft
-        extend in commit. The batch shrinks to what the free KV pool holds. Returns
-        {draft, verify, commit} in ms plus the batch and context used. The engine must be idle;
-        borrowed pages are returned."""
-        if self.scheduler.has_work() or self.state.num_rows:
-            raise RuntimeError("profile_step_phases needs an idle engine")
-        if k not in self.ks:
-            raise ConfigError(f"k={k} not configured (ks={self.ks})")
-        T = self.stepper.num_nodes(k)
-        B = min(batch_size, self.config.max_batch_size)
-        total = context_len + (iters + 1) * T + self.config.max_tree_tokens
-        if total > self.max_seq_len:
-            raise ValueError(f"context_len {context_len} leaves no room for {iters + 1} steps")
-        fit = self.kv.num_free // pages_for(total, self.kv.page_size)
-        if fit < 1:
-            raise ValueError(f"context_len {context_len}: one profiling row does not fit the KV pool")
-        B = min(B, fit)
-        cuda = self.model.device.type == "cuda"
-        owners = [object() for _ in range(B)]
-        context = [[7, 8, 9] * (context_len // 3 + 1)] * B  # repetitive: the n-gram drafter finds drafts
-        sums = {"draft": 0.0, "verify": 0.0, "commit": 0.0}
-        try:
-            pages = [self.kv.reserve_(o, total) for o in owners]
-            self.state.append_rows_([7] * B, [context_len] * B, pages)
-            self.state.num_active.fill_(B)
-            prepare = getattr(self.drafter, "prepare_", None)
-            for it in range(iters + 1):  # the first step warms up
-                marks = []
-
-                def mark(phase, marks=marks):
-                    if cuda:
-                        ev = torch.cuda.Event(enable_timing=True)
-                        ev.record()
-                        marks.append((phase, ev))
-                    else:
-                        marks.append((phase, time.perf_counter()))
-
-                mark("start")
-                if T > 1 and prepare is not None:
-                    prepare(self.state, B, T, context)
-                step_body_(self.model, self.state, self.kv, B, T, self.config.temperature, self.drafter,
-                           context, mark)
-                if cuda:
-                    marks[-1][1].synchronize()
-                if it == 0:
-                    continue
-                for (_, a), (phase, b) in zip(marks, marks[1:]):
-                    sums[phase] += a.elapsed_time(b) if cuda else (b - a) * 1e3
-            return {**{phase: v / iters for phase, v in sums.items()}, "batch": B, "context": context_len}
-        finally:
-            self.state.keep_rows_([])
-            for o in owners:
-                self.kv.release_(o)
+        """{draft, verify, commit} ms of eager steps with k draft tokens (an idle engine; see
+        :func:`.profiling.step_phases`)."""
+        return profiling.step_phases(self, batch_size, context_len, k, iters=iters)
 
     def check(self) -> None:
         """Assert the bookkeeping invariants (tests): page accounting, rows vs. requests."""

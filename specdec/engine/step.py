@@ -27,6 +27,7 @@ import torch
 from ..errors import SpecdecError
 from ..models import ops
 from ..models.ops import AttentionMeta
+from ..spec.base import preparer
 from ..spec.tree import DraftTree, single_node_tree
 from .kv_cache import KVCache
 from .state import DecodeState
@@ -213,7 +214,7 @@ class Stepper:
         st.num_active.fill_(n)  # a kernel, not a sync
         if self.temperature > 0:
             st.uniform[:n, :T].uniform_(generator=st.generator)
-        prepare = getattr(self.drafter, "prepare_", None)
+        prepare = preparer(self.drafter)
         if T > 1 and prepare is not None:
             prepare(st, n, T, context)  # host-side drafting, before the (graphed) step
         self.runner.run_(n, T, context)

@@ -64,16 +64,25 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def random(cls, config: LlamaConfig, *, device="cpu", dtype=None, seed=0, backend="auto"):
-        """Random weights with real shapes (systems studies); std 0.02, norms 1."""
-        model = cls(config, backend=backend)
-        gen = torch.Generator().manual_seed(seed)
+        """Random weights with real shapes (systems studies): normal, std 0.02; norms 1. The weights
+        are drawn directly on ``device`` in ``dtype`` (auto: bf16 on GPU): building 8B parameters
+        in fp32 on the host first would take 32 GB of host memory and tens of seconds."""
+        dtype = resolve_dtype(dtype, device)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # nn.Parameter(torch.empty(...)) in __init__ takes it
+        try:
+            with torch.device(device):
+                model = cls(config, backend=backend)
+        finally:
+            torch.set_default_dtype(prev)
+        gen = torch.Generator(device=device).manual_seed(int(seed))
         with torch.no_grad():
             for name, prm in model.named_parameters():
                 if "norm" in name:
                     prm.fill_(1.0)
                 else:
                     prm.normal_(0, 0.02, generator=gen)
-        return model.to(device=device, dtype=resolve_dtype(dtype, device)).init_rope()
+        return model.init_rope()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         c = self.config

@@ -11,7 +11,7 @@ position j (it predicts t_{j+1}). Row j of the unroll is the draft chain anchore
     renormalised (so a target token outside the draft vocabulary still teaches through the rest
     of its distribution).
 
-This is exactly what :class:`specdec.spec.drafters.Eagle3Drafter` computes at inference: the root
+This is exactly what :class:`specdec.spec.eagle3.Eagle3Drafter` computes at inference: the root
 is row seq_len - 1 of the draft KV (step 0), and a depth-d tree node sits at position
 seq_len - 1 + d with its parent's hidden state. (SpecForge keeps position j at every step; we
 train with the positions the engine uses.)

@@ -1,31 +1,7 @@
-"""Drafters: propose a tree of draft tokens per row; the target verifies it in one forward.
-
-One interface (used by :func:`specdec.engine.step.step_body_`):
-
-    capture_layers          target layers whose input residual stream the drafter reads (or ())
-    needs_context           True if prepare_() wants each row's committed tokens (host lists)
-    capturable              True if propose() is pure device work (CUDA-graph capturable)
-    prepare_(state, n, T, context)
-                            host-side work before the step (outside any graph), e.g. uploading
-                            looked-up drafts into static buffers that propose() then reads
-    num_nodes(k)            tree nodes per row for k draft tokens (root included)
-    bind_(state, P, PS)     allocate per-engine state (draft KV mirroring the target's pages)
-    prefill_(...)           extend draft state over prefill chunks; returns per-chunk root state
-    stage_rows_(...)        hand that root state to the decode rows the chunks became
-    propose(state, B, T, valid, context) -> DraftTree
-    extend_(state, B, T, valid, seq_old, captured, nodes, out_tokens, accept_len, verify)
-                            after EVERY step (also k = 0): extend over the committed tokens;
-                            verify = the target's (AttentionMeta, positions) of the step's tree
-
-Drafters:
-- :class:`NgramDrafter`: prompt lookup (no weights): find the latest earlier occurrence of the
-  row's last n tokens (n = max_ngram .. min_ngram) in its own history and propose what followed.
-- :class:`Eagle3Drafter`: the EAGLE-3 head grows an EAGLE-2 tree from the target's features.
-"""
+"""EAGLE-3 drafting: the draft head grows an EAGLE-2 tree from the target's features over its own
+paged KV cache."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -33,81 +9,6 @@ from ..errors import ConfigError
 from ..models.ops import AttentionMeta
 from ..models import ops
 from .tree import DraftTree, bit, grow_tree
-
-
-class NgramDrafter:
-    """Prompt-lookup drafting: a chain of up to k tokens copied from the row's own history.
-
-    The lookup runs on the host (over the committed tokens the scheduler already has) in
-    ``prepare_``, which uploads the chains into static device buffers with one copy; ``propose``
-    only reads those buffers, so the verify step stays a CUDA graph.
-    """
-
-    name = "ngram"
-    capture_layers: tuple[int, ...] = ()
-    needs_context = True
-    capturable = True
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ConfigError(f"draft.min_ngram={min_ngram}, draft.max_ngram={max_ngram}: need "
-                              "1 <= min_ngram <= max_ngram")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def num_nodes(self, k: int) -> int:
-        return k + 1
-
-    def bind_(self, state, num_pages: int, page_size: int) -> None:
-        R, T = state.max_rows, state.max_tree_nodes
-        # [R, T] draft tokens (-1 = no draft: a padding node) as one static buffer; the tree's
-        # parents/depth/mask follow from how many leading nodes are real, computed on the device.
-        self.buf = torch.full((R, T), -1, dtype=torch.int64, device=state.pending.device)
-        self._host = torch.full((R, T), -1, dtype=torch.int64,
-                                pin_memory=state.pending.device.type == "cuda")
-
-    def prefill_(self, ids, pos, meta, captured, next_ids):
-        return None
-
-    def prepare_(self, state, n: int, T: int, context) -> None:
-        """Look up each row's chain on the host and upload it (one copy, before the graph runs)."""
-        host = self._host
-        host[:n, :T].fill_(-1)
-        for r, hist in enumerate((context or [])[:n]):
-            follow = self.lookup(hist, T - 1)
-            if follow:
-                host[r, 1:len(follow) + 1] = torch.tensor(follow, dtype=torch.int64)
-        self.buf[:n, :T].copy_(host[:n, :T], non_blocking=True)
-
-    def stage_rows_(self, roots, chunk_idx, rows) -> None:
-        pass
-
-    def extend_(self, *args) -> None:
-        pass
-
-    def lookup(self, history: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of history's suffix."""
-        n_hist = len(history)
-        for n in range(min(self.max_ngram, n_hist - 1), self.min_ngram - 1, -1):
-            suffix = history[n_hist - n:]
-            # Scan right to left: the most recent match predicts best and ends the search early.
-            for start in range(n_hist - n - 1, -1, -1):
-                if history[start:start + n] == suffix:
-                    follow = history[start + n:start + n + k]
-                    if follow:
-                        return follow
-        return []
-
-    def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
-        """The chains prepared for rows 0 .. B-1 as trees (device ops only)."""
-        drafts = self.buf[:B, :T]  # [B, T]; column 0 unused (the root is the pending token)
-        node = torch.arange(T, device=drafts.device)
-        real = (drafts >= 0) | (node == 0)[None, :]  # [B, T]; a chain's real nodes lead
-        tokens = torch.where(node[None, :] == 0, state.pending[:B, None], drafts.clamp(min=0))
-        parents = torch.where(real, node - 1, -1).to(torch.int32).expand(B, T)
-        depth = torch.where(real, node, 0).to(torch.int32).expand(B, T)
-        chain = bit(node + 1) - 1  # node i sees nodes 0..i
-        mask = torch.where(real, chain[None, :], bit(node)[None, :])  # padding: prefix + itself
-        return DraftTree(tokens, parents.contiguous(), depth.contiguous(), mask)
 
 
 class Eagle3Drafter:
@@ -301,30 +202,3 @@ class Eagle3Drafter:
         # Padding rows (>= num_active) take garbage here too: their root state is never read, and a
         # row becomes live only through stage_rows_ (which writes it) or keep_rows_ (a live row's).
         torch.gather(h.view(B, Te, -1), 1, last, out=self.root_hidden[:B, None])  # root = row accept_len
-
-
-def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
-    """From the Hydra ``draft`` group: none -> None, ngram, eagle3 (needs draft.path)."""
-    name = cfg.get("name", "none")
-    if name == "none":
-        return None
-    if name == "ngram":
-        return NgramDrafter(int(cfg.get("max_ngram", 3)), int(cfg.get("min_ngram", 1)))
-    if name == "eagle3":
-        from ..models.eagle3 import Eagle3Head
-
-        path = cfg.get("path")
-        if not path:
-            raise ConfigError("draft=eagle3 needs draft.path=DIR (an EAGLE-3 checkpoint directory)")
-        from pathlib import Path
-
-        if not Path(path).is_dir():
-            raise ConfigError(f"draft checkpoint {path} not found: train one with `python -m "
-                              "specdec.train +experiment=train_eagle3_smollm2 train.output_dir=DIR`, "
-                              "or point draft.path (or $SPECDEC_DRAFT) at an EAGLE-3 checkpoint")
-        head = Eagle3Head.load(path, device=device, dtype=dtype if dtype is not None else target.dtype,
-                               backend=backend, target=target.config)
-        return Eagle3Drafter(head, target, topk=int(cfg.topk), steps=int(cfg.steps),
-                             num_draft_tokens=int(cfg.num_draft_tokens),
-                             sync_while_off=bool(cfg.get("sync_while_off", True)))
-    raise ConfigError(f"unknown draft {name!r}; valid: none, ngram, eagle3")

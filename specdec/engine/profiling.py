@@ -1,0 +1,173 @@
+"""Profiling harnesses over an idle engine: graphed step time, per-phase time, and the start-up
+calibration of a policy that asks for a step-time table.
+
+Both harnesses borrow ``batch`` rows of ``context`` garbage tokens (token 7, or a repetitive
+pattern the n-gram drafter finds drafts in), run steps on them and return every borrowed page,
+so the engine is exactly as it was afterwards (tests check the page accounting).
+
+    decode_step_ms(engine, B, ctx, k=k)   device ms of one step (graph replays, no host sync)
+    step_phases(engine, B, ctx, k)        {draft, verify, commit} ms of eager steps with marks
+    calibrate_policy_(engine)             fill the policy's table: decode_step_ms per k and bucket
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from ..errors import ConfigError
+from ..policy.base import calibrator
+from ..spec.base import needs_context, preparer
+from .kv_cache import pages_for
+from .step import step_body_
+
+
+def profile_slots(engine, context_len: int, steps: int, T: int) -> int:
+    """KV slots a profiled row needs: its context, up to T committed per step, one tree ahead."""
+    return context_len + steps * T + engine.config.max_tree_tokens
+
+
+@contextlib.contextmanager
+def borrowed_rows(engine, batch: int, context_len: int, slots: int, what: str):
+    """``batch`` decode rows of ``context_len`` tokens, each holding ``slots`` KV slots, for the
+    duration of the block; the rows are dropped and their pages returned afterwards."""
+    if engine.scheduler.has_work() or engine.state.num_rows:
+        raise RuntimeError(f"{what} needs an idle engine")
+    owners = [object() for _ in range(batch)]
+    st = engine.state
+    try:
+        pages = [engine.kv.reserve_(o, slots) for o in owners]
+        st.append_rows_([7] * batch, [context_len] * batch, pages)
+        st.num_active.fill_(batch)
+        yield st
+    finally:
+        st.keep_rows_([])
+        for o in owners:
+            engine.kv.release_(o)
+
+
+def _check_k(engine, k: int) -> int:
+    if k not in engine.ks:
+        raise ConfigError(f"k={k} was not configured for this engine (ks={engine.ks})")
+    return engine.stepper.num_nodes(k)
+
+
+def decode_step_ms(engine, batch_size: int, context_len: int, iters: int = 50, warmup: int = 3,
+                   k: int = 0) -> float:
+    """Device milliseconds of one decode step with k draft tokens (k = 0: plain) at ``batch_size``
+    rows of ``context_len`` tokens each: ``iters`` back-to-back steps (graph replays when graphed)
+    with no host sync in between, so host scheduling is excluded (a drafter that drafts on the
+    host, e.g. n-gram, does that work between the launches, on histories of one repeated token).
+    The step-time table a goodput policy profiles at start-up."""
+    if batch_size > engine.config.max_batch_size:
+        raise ValueError(f"batch_size {batch_size} > engine.max_batch_size {engine.config.max_batch_size}")
+    T = _check_k(engine, k)
+    total = profile_slots(engine, context_len, warmup + iters, T)
+    if total > engine.max_seq_len:
+        raise ValueError(f"context_len {context_len} + {warmup + iters} steps of up to {T} tokens exceeds "
+                         f"max_seq_len {engine.max_seq_len}")
+    drafter = engine.drafter
+    prepare = preparer(drafter) if T > 1 else None
+    context = [[7] * context_len for _ in range(batch_size)] if T > 1 and needs_context(drafter) else None
+
+    with borrowed_rows(engine, batch_size, context_len, total, "profile_decode_step") as st:
+        def run():
+            if engine.config.temperature > 0:
+                st.uniform[:batch_size, :T].uniform_(generator=st.generator)
+            if prepare is not None:
+                prepare(st, batch_size, T, context)
+            engine.stepper.runner.run_(batch_size, T, context)
+
+        for _ in range(warmup):
+            run()
+        cuda = engine.model.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        if cuda:
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / iters
+        return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def step_phases(engine, batch_size: int, context_len: int, k: int, iters: int = 5) -> dict:
+    """Milliseconds of the draft, verify and commit phases of one step with k draft tokens at
+    ``batch_size`` rows of ``context_len`` tokens, run eagerly with a timing mark between phases
+    (served steps run as whole graphs, so their phases cannot be split). Includes the draft extend
+    in commit. The batch shrinks to what the free KV pool holds. Returns {draft, verify, commit}
+    in ms plus the batch and context used."""
+    T = _check_k(engine, k)
+    B = min(batch_size, engine.config.max_batch_size)
+    total = context_len + (iters + 1) * T + engine.config.max_tree_tokens
+    if total > engine.max_seq_len:
+        raise ValueError(f"context_len {context_len} leaves no room for {iters + 1} steps")
+    fit = engine.kv.num_free // pages_for(total, engine.kv.page_size)
+    if fit < 1:
+        raise ValueError(f"context_len {context_len}: one profiling row does not fit the KV pool")
+    B = min(B, fit)
+    cuda = engine.model.device.type == "cuda"
+    context = [[7, 8, 9] * (context_len // 3 + 1)] * B  # repetitive: the n-gram drafter finds drafts
+    sums = {"draft": 0.0, "verify": 0.0, "commit": 0.0}
+    prepare = preparer(engine.drafter)
+    with borrowed_rows(engine, B, context_len, total, "profile_step_phases") as st:
+        for it in range(iters + 1):  # the first step warms up
+            marks = []
+
+            def mark(phase, marks=marks):
+                if cuda:
+                    ev = torch.cuda.Event(enable_timing=True)
+                    ev.record()
+                    marks.append((phase, ev))
+                else:
+                    marks.append((phase, time.perf_counter()))
+
+            mark("start")
+            if T > 1 and prepare is not None:
+                prepare(st, B, T, context)
+            step_body_(engine.model, st, engine.kv, B, T, engine.config.temperature, engine.drafter, context, mark)
+            if cuda:
+                marks[-1][1].synchronize()
+            if it == 0:
+                continue
+            for (_, a), (phase, b) in zip(marks, marks[1:]):
+                sums[phase] += a.elapsed_time(b) if cuda else (b - a) * 1e3
+    return {**{phase: v / iters for phase, v in sums.items()}, "batch": B, "context": context_len}
+
+
+def calibrate_policy_(engine) -> None:
+    """Give a policy that wants one (``calibrate_``) its step-time table: graphed steps for every k
+    of its ks at every graph bucket, at its profile_context tokens of context (less where the pool
+    or max_seq_len cannot hold that many rows of it). Adds the time to ``engine.startup_s``."""
+    policy = engine.policy
+    calibrate = calibrator(policy)
+    if calibrate is None:
+        return
+    cuda = engine.model.device.type == "cuda"
+    iters, warmup = (20, 3) if cuda else (1, 1)
+    T_max = max(engine.stepper.num_nodes(k) for k in engine.ks)
+
+    def context(batch: int) -> int:
+        room = min(engine.max_seq_len, (engine.kv.num_free // batch) * engine.kv.page_size)
+        return min(policy.profile_context, room - profile_slots(engine, 0, warmup + iters, T_max))
+
+    def profile(batch: int, k: int) -> float:
+        return decode_step_ms(engine, batch, context(batch), iters=iters, warmup=warmup, k=k)
+
+    # A bucket whose rows the pool cannot hold even at a short context is one the scheduler never
+    # fills either (admission is by capacity): it is left out, and the largest profiled bucket
+    # stands in for it.
+    batches = [b for b in engine.buckets if b <= engine.config.max_batch_size and context(b) >= 16]
+    if not batches:
+        raise ConfigError(f"policy {policy.name}: the KV pool ({engine.kv.num_pages} pages) or "
+                          f"max_seq_len ({engine.max_seq_len}) cannot hold even one profiling row; raise "
+                          "engine.kv_cache_tokens")
+    t0 = time.perf_counter()
+    calibrate(profile, batches)
+    engine.startup_s += time.perf_counter() - t0

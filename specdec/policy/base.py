@@ -1,0 +1,64 @@
+"""Policy types and protocol: what the engine shows a policy and what it tells it back.
+
+    k = policy.choose(view)        view: BatchView (decode rows only; prefills never count)
+    policy.update(stats)           stats: StepStats of the step just run
+
+Every k a policy can return is listed in ``policy.ks`` up front, so the engine reserves KV and
+captures CUDA graphs for all of them at start-up: switching k selects another graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, runtime_checkable
+
+
+@dataclass
+class BatchView:
+    num_decode: int  # decode-ready rows this step (requests still prefilling are not counted)
+    num_waiting: int  # queued requests
+    rows: tuple | None = None  # the decode rows' request ids, in row order (None: not given)
+
+
+@dataclass
+class StepStats:
+    k: int
+    num_decode: int
+    committed: list[int]  # tokens committed per row (accepted drafts + 1)
+    step_ms: float | None = None  # the step's duration (device ms on a GPU), if the policy asked for it
+    rows: list | None = None  # request id of each row of committed (None: not given)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the engine needs of a policy.
+
+    Optional hooks, used when a policy has them (the engine looks them up once at start-up):
+      wants_step_ms: bool       True: the engine times every step and fills StepStats.step_ms
+      calibrate_(profile, batches)
+                                called once at start-up with the engine's graphed-step profiler
+                                ``profile(batch, k) -> ms`` and its decode graph buckets
+      describe() -> dict        what the choices rest on, written into the run's metrics
+    """
+
+    name: str
+    ks: tuple[int, ...]  # every k choose() may return, 0 included
+
+    def choose(self, view: BatchView) -> int: ...
+
+    def update(self, stats: StepStats) -> None: ...
+
+
+def wants_step_ms(policy) -> bool:
+    return bool(getattr(policy, "wants_step_ms", False))
+
+
+def calibrator(policy) -> Callable[[Callable[[int, int], float], Iterable[int]], None] | None:
+    """The policy's start-up calibration hook, or None."""
+    return getattr(policy, "calibrate_", None)
+
+
+def describe(policy) -> dict | None:
+    """The policy's own account of its state (for run logs), or None."""
+    fn = getattr(policy, "describe", None)
+    return fn() if fn is not None else None

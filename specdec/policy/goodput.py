@@ -1,0 +1,172 @@
+"""goodput: the k with the most expected committed tokens per second."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import BatchView, StepStats
+
+
+SERVED_OUTLIER = 2.0  # goodput: a served step's duration counts as at most this many times the average
+
+
+class Goodput:
+    """Pick the k that maximises expected committed tokens per second at this decode batch.
+
+    Every row of a step shares its k, so at batch B the step commits B * a(k) tokens in t(k, B)
+    seconds and the best k maximises a(k) / t(k, B), where
+      t(k, B)  the step-time table: device ms of a graphed step with k draft tokens at the smallest
+               profiled batch >= B, measured once at start-up (``calibrate_``: the engine calls it
+               with its ``profile_decode_step``, over its graph buckets, at ``profile_context``
+               tokens of context), then replaced by an exponential moving average (weight
+               ``time_ema``, starting from the start-up entry) of the durations of the steps served
+               with k in that bucket (the engine times each step: ``wants_step_ms``), which follows
+               the real context lengths and host work, and corrects a start-up entry that is off.
+               A served step counts as at most SERVED_OUTLIER times the average so far: on the H200
+               one stalled step at (k = 16, bucket 16) took 8.1 ms against 1.6 ms, became the
+               bucket's average as the first served sample, and turned speculation off there for
+               the rest of the run (C = 16: 1.16x of never where always gave 1.44x);
+      a(k)     committed tokens per step at k, summed over the rows: 1 per row at k = 0; for k > 0
+               each request's own estimate, an exponential moving average (weight ``ema``) of what
+               its steps with k committed, started from a prior: the average over all requests'
+               rows (an EMA of weight ``prior_ema`` per row and step). Acceptance is a property of
+               the request (its text), so one request the draft cannot follow turns speculation off
+               while it runs alone but does not carry over to the next one. Without row ids (a
+               BatchView / StepStats without ``rows``) every row takes the prior. A k not yet run
+               is tried once first (its prior is unknown), and while k = 0 is chosen a k > 0 is
+               re-tried every ``explore_every`` steps (0: never), so that acceptance tracks the
+               workload (the draft KV stays in sync meanwhile, so a re-try costs one step's draft).
+    A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
+    near the crossover does not flip every step. Decode rows only: prefills never count.
+    H200 (bench_spec --draft eagle3 --trace-dir, results/spec/goodput_trace_2dbe67d.md): with one
+    EMA for all requests, the last request of a closed-loop point committed 1 token per speculative
+    step, the EMA fell to ~1.3 and the next point (C = 1, other prompts) ran 235 plain steps before
+    its first re-try.
+    """
+
+    name = "goodput"
+
+    wants_step_ms = True
+
+    def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 32,
+                 profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01):
+        ks = sorted({int(k) for k in ks} - {0})
+        if not ks or ks[0] < 1:
+            raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
+        if (not 0.0 < ema <= 1.0 or not 0.0 < prior_ema <= 1.0 or not 0.0 <= time_ema <= 1.0 or margin < 0.0
+                or explore_every < 0 or profile_context < 1):
+            raise ConfigError(f"policy goodput: need 0 < ema <= 1, 0 < prior_ema <= 1, 0 <= time_ema <= 1 (0: "
+                              f"start-up table only), margin >= 0, explore_every >= 0 and profile_context >= 1 "
+                              f"(got ema={ema}, prior_ema={prior_ema}, time_ema={time_ema}, margin={margin}, "
+                              f"explore_every={explore_every}, profile_context={profile_context})")
+        self.ks = (0, *ks)
+        self.ema, self.margin, self.explore_every = float(ema), float(margin), int(explore_every)
+        self.prior_ema = float(prior_ema)
+        self.time_ema = float(time_ema)
+        self.observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of served step ms
+        self.profile_context = int(profile_context)
+        self.table: dict[int, list[tuple[int, float]]] | None = None  # k -> [(batch, ms)], batch ascending
+        self.accept: dict[int, float | None] = {k: None for k in ks}  # prior: all requests' rows
+        self.row_accept: dict[int, dict] = {k: {} for k in ks}  # k -> {request id: its own a(k)}
+        self.last = 0  # k of the previous choice
+        self.off_steps = 0  # consecutive k = 0 choices
+
+    # -- the step-time table ----------------------------------------------------------------
+    def calibrate_(self, profile, batches) -> None:
+        """Fill the table: ``profile(batch, k)`` -> device ms per step (the engine's, at about
+        ``profile_context`` tokens of context), for every k of ``ks`` and every batch size in
+        ``batches`` (the engine's graph buckets)."""
+        self.set_table({k: {int(b): float(profile(int(b), k)) for b in batches} for k in self.ks})
+
+    def set_table(self, table: dict[int, dict[int, float]]) -> None:
+        """Use a given step-time table {k: {batch: ms}} (e.g. from an earlier profile)."""
+        missing = [k for k in self.ks if not table.get(k)]
+        if missing:
+            raise ConfigError(f"policy goodput: the step-time table has no entries for k in {missing}")
+        self.table = {k: sorted((int(b), float(ms)) for b, ms in table[k].items()) for k in self.ks}
+
+    def _bucket(self, k: int, batch: int) -> tuple[int, float]:
+        """(batch, ms) of the table row for batch: the smallest profiled batch >= it, else the largest."""
+        rows = self.table[k]
+        for b, ms in rows:
+            if b >= batch:
+                return b, ms
+        return rows[-1]
+
+    def step_ms(self, k: int, batch: int) -> float:
+        """t(k, batch): the served steps' average in batch's table bucket, else the start-up entry."""
+        b, ms = self._bucket(k, batch)
+        return self.observed.get((k, b), ms)
+
+    # -- the policy -------------------------------------------------------------------------
+    def expected(self, k: int, batch: int, rows=None) -> float | None:
+        """Expected tokens a step at k commits over its rows (request ids ``rows``, else ``batch``
+        rows at the prior); None: the prior of k is unknown."""
+        if k == 0:
+            return float(batch)
+        prior = self.accept[k]
+        if prior is None:
+            return None
+        if rows is None:
+            return batch * prior
+        own = self.row_accept[k]
+        return sum(own.get(r, prior) for r in rows)
+
+    def rate(self, k: int, batch: int, rows=None) -> float | None:
+        """Expected committed tokens per row per ms at k (None: a(k) unknown)."""
+        a = self.expected(k, batch, rows)
+        return None if a is None else a / batch / self.step_ms(k, batch)
+
+    def choose(self, view: BatchView) -> int:
+        if self.table is None:
+            raise RuntimeError("policy goodput: no step-time table (the engine calls calibrate_ at start-up)")
+        B = view.num_decode
+        if B == 0:
+            return self.last
+        rows = view.rows
+        if rows is not None:  # forget the requests that left the batch
+            live = set(rows)
+            for own in self.row_accept.values():
+                for r in [r for r in own if r not in live]:
+                    del own[r]
+        untried = [k for k in self.ks[1:] if self.accept[k] is None]
+        if untried:
+            k = untried[0]
+        else:
+            rates = {k: self.rate(k, B, rows) for k in self.ks}
+            k = max(rates, key=rates.get)
+            if k != self.last and rates[k] <= rates[self.last] * (1.0 + self.margin):
+                k = self.last  # not enough gain to switch
+            if k == 0 and self.explore_every and self.off_steps + 1 >= self.explore_every:
+                k = max(self.ks[1:], key=rates.get)  # re-measure the best speculative k once
+        self.off_steps = self.off_steps + 1 if k == 0 else 0
+        self.last = k
+        return k
+
+    def describe(self) -> dict:
+        """What the choices rest on, for run logs: the step-time table (ms by k and batch), the prior
+        a(k) and the live requests' own estimates."""
+        return {"step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
+                "served_step_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.observed.items()) if kk == k}
+                                   for k in self.ks},
+                "accept": {f"k={k}": a for k, a in self.accept.items()},
+                "accept_rows": {f"k={k}": {str(r): a for r, a in own.items()} for k, own in self.row_accept.items()}}
+
+    def update(self, stats: StepStats) -> None:
+        if (stats.step_ms is not None and self.time_ema > 0 and self.table is not None and stats.num_decode
+                and stats.k in self.table):
+            b, table_ms = self._bucket(stats.k, stats.num_decode)
+            old = self.observed.get((stats.k, b), table_ms)
+            sample = min(stats.step_ms, SERVED_OUTLIER * old)  # a stalled step moves the average a little
+            self.observed[(stats.k, b)] = (1.0 - self.time_ema) * old + self.time_ema * sample
+        if stats.k == 0 or not stats.committed or stats.k not in self.accept:
+            return
+        n = len(stats.committed)
+        mean = sum(stats.committed) / n
+        prior = self.accept[stats.k]
+        if stats.rows is not None:
+            own = self.row_accept[stats.k]
+            for r, c in zip(stats.rows, stats.committed):
+                old = own.get(r, mean if prior is None else prior)
+                own[r] = (1.0 - self.ema) * old + self.ema * c
+        w = 1.0 - (1.0 - self.prior_ema) ** n  # one prior_ema step per row
+        self.accept[stats.k] = mean if prior is None else (1.0 - w) * prior + w * mean
