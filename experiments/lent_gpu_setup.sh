@@ -1,5 +1,5 @@
-# Source on a lent GPU machine without network, Hydra or gguf (see README.md here, "Running on a GPU
-# machine without network or Hydra"):  source experiments/lent_gpu_setup.sh
+# Source on a lent GPU machine without network, Hydra or gguf (recipe:
+# docs/gpu_machines.md):  source experiments/lent_gpu_setup.sh
 # The SmolLM2 GGUF travels in parts (the tree plus what a call carries must stay under 64 MiB):
 # every call that carries an ignored .stage/*/ folder with a gguf.partNN copies it to
 # /root/specdec-stage (outside the repository, so it survives while the machine stays warm); the
