@@ -75,7 +75,8 @@ class LlamaConfig:
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 vocab_size=int(cfg["vocab_size"]),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                # transformers' LlamaConfig default when absent (1e-6, checked in 5.24).
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=rope,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
@@ -99,7 +100,24 @@ class LlamaConfig:
             cfg = json.loads(cfg_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-        return cls.from_dict(cfg, str(cfg_path))
+        config = cls.from_dict(cfg, str(cfg_path))
+        # generation_config.json holds the stop ids generate() uses (Llama-3.1: <|end_of_text|>,
+        # <|eom_id|>, <|eot_id|>), often more than config.json lists: stop on all of them.
+        gen_path = path / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                gen = json.loads(gen_path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{gen_path} is not valid JSON: {e}") from e
+            eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+            if not isinstance(gen, dict) or not (eos is None or isinstance(eos, int) or (
+                    isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
+                raise CheckpointError(f"{gen_path}: expected a JSON object whose eos_token_id is an "
+                                      "integer or a list of integers")
+            for e in [eos] if isinstance(eos, int) else eos or []:
+                if e not in config.eos_token_id:
+                    config.eos_token_id.append(e)
+        return config
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
