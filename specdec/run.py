@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from .bench.workloads import load_prompts
+from .bench.workloads import load_prompts, resolve_chat
 from .errors import ConfigError, SpecdecError
 from .loggers import make_logger
 from .policy.base import describe
@@ -193,6 +193,11 @@ def run(cfg: DictConfig) -> dict:
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     model, tokenizer = build_target(cfg, device)
     prompts = load_prompts(cfg.workload, tokenizer)
+    # What workload.chat (auto by default) resolved to, and which file the template came from.
+    prompt_format = {"chat": "template" if resolve_chat(cfg.workload, tokenizer) else "raw",
+                     "chat_template_source": getattr(tokenizer, "chat_template_source", None)}
+    resolved["workload"]["chat_resolved"] = prompt_format["chat"]
+    (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     logger = make_logger(cfg.logger, run_dir, run_dir.name, resolved)
     try:
         t0 = time.perf_counter()
@@ -205,7 +210,7 @@ def run(cfg: DictConfig) -> dict:
             trace.close()
         metrics = summarize(records, time.perf_counter() - t0, trace)
         metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
-                       workload=cfg.workload.name,
+                       workload=cfg.workload.name, **prompt_format,
                        weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained")
         with open(run_dir / "requests.jsonl", "w") as f:
             for r in records:

@@ -11,8 +11,8 @@ bottom:
    (teacher) and the argmax per token; a held-out split is set aside by sequence;
 5. training: the EAGLE-3 training-time-test loss (specdec.training.ttt), AdamW, warmup + cosine
    decay, gradient clipping, bf16 autocast on the GPU, held-out acceptance per draft position;
-6. outputs in the run directory: ``checkpoint/`` (official layout, bf16, shards under
-   ``train.shard_mb``, README.md model card), ``metrics.json``, ``sequences.jsonl`` (reusable with
+6. outputs in the run directory: ``checkpoint/`` (official layout, bf16, one model.safetensors unless
+   over ``train.shard_mb`` MiB (default 5 GB), README.md model card), ``metrics.json``, ``sequences.jsonl`` (reusable with
    ``train.data.reuse=PATH``), ``config.json``, the W&B run; optionally a copy of the checkpoint in
    ``train.output_dir``. ``train.data.only=true`` stops after step 2 (data for several later runs).
 """
@@ -34,6 +34,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from .bench.provenance import git_commit
 from .errors import ConfigError, SpecdecError
+from .models.loading import SHARD_BYTES
 from .loggers import make_logger
 from .run import build_target, resolve_device
 from .training.data import (FeatureStore, Sequence, capture, draft_vocab, gather_batch, generate,
@@ -188,50 +189,33 @@ def init_from_target_(head, model) -> None:
 # 6. Checkpoint
 # ----------------------------------------------------------------------------------------------
 
-def save_checkpoint(head, path: Path, card: str, *, dtype: str = "bfloat16", shard_mb: float | None = 15) -> list[str]:
-    """The official layout (Eagle3Head.save: config.json + weights + README.md), then weights cast
-    to ``dtype`` and split into shards of at most ``shard_mb`` MiB with an HF index when one file
-    would be larger (files from the lent machine come back only up to 16 MiB each). Eagle3Head.load
-    reads every *.safetensors in the directory. Returns the weight file names."""
-    from safetensors.torch import load_file, save_file
+def save_checkpoint(head, path: Path, card: str, *, dtype: str = "bfloat16", shard_mb: float | None = None) -> list[str]:
+    """The official layout (Eagle3Head.save): config.json (no null fields, ``target_hidden_size``
+    only when it differs from hidden_size), weights cast to ``dtype`` in one ``model.safetensors``
+    (what the official EAGLE loader reads), README.md. Sharded into files of at most ``shard_mb`` MiB
+    with an HF index only when given and smaller than the weights (default: only above
+    loading.SHARD_BYTES, 5 GB). Returns the weight file names."""
+    limit = SHARD_BYTES if not shard_mb else int(float(shard_mb) * 2**20)
+    return head.save(path, {"README.md": card}, dtype=getattr(torch, dtype), shard_bytes=limit)
 
-    path.mkdir(parents=True, exist_ok=True)
-    for old in list(path.glob("*.safetensors")) + list(path.glob("model.safetensors.index.json")):
-        old.unlink()
-    head.save(path, extra_files={"README.md": card})
-    single = path / "model.safetensors"
-    sd = load_file(str(single))
-    cast = getattr(torch, dtype)
-    sd = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
+
+def rewrite_checkpoint(path: str | Path, *, shard_mb: float | None = None) -> list[str]:
+    """Rewrite a head directory in place into the layout :func:`save_checkpoint` writes (same
+    tensors, same dtype): e.g. shards fetched from a machine that returns files only up to 16 MiB
+    (``train.shard_mb=15`` there) joined into one model.safetensors, and a config without null
+    fields. Other files (README.md) are kept. Returns the weight file names."""
+    from .models.eagle3 import Eagle3Config
+    from .models.loading import load_safetensors, write_safetensors
+
+    path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["torch_dtype"] = dtype
+    sd = load_safetensors(path)
+    Eagle3Config.from_hf(cfg, str(path / "config.json"), keys=sd.keys())  # refuse what is not a head
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    if cfg.get("target_hidden_size") == cfg.get("hidden_size"):
+        cfg.pop("target_hidden_size", None)
+    names = write_safetensors(path, sd, SHARD_BYTES if not shard_mb else int(float(shard_mb) * 2**20))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    limit = None if not shard_mb else int(float(shard_mb) * 2**20)
-    total = sum(v.numel() * v.element_size() for v in sd.values())
-    if limit is None or total <= limit:
-        save_file(sd, str(single), metadata={"format": "pt"})
-        return [single.name]
-    groups: list[list[str]] = [[]]
-    size = 0
-    for k, v in sd.items():
-        n = v.numel() * v.element_size()
-        if n > limit:
-            raise ConfigError(f"tensor {k} is {n / 2**20:.2f} MiB, over train.shard_mb={shard_mb}; "
-                              "lower train.draft_vocab_size or raise train.shard_mb")
-        if groups[-1] and size + n > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(k)
-        size += n
-    single.unlink()
-    names, weight_map = [], {}
-    for i, keys in enumerate(groups, 1):
-        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file({k: sd[k] for k in keys}, str(path / name), metadata={"format": "pt"})
-        names.append(name)
-        weight_map.update({k: name for k in keys})
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names
 
 
@@ -247,12 +231,14 @@ def model_card(m: dict, cfg: DictConfig, final: bool) -> str:
     status = "final" if final else f"intermediate (step {m['train']['steps']})"
     reused = f"\n- Sequences reused from {d['reused']}." if d.get("reused") else ""
     wall = ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_s"].items())
+    files = ("one `model.safetensors` (what the official EAGLE loader and other engines read)"
+             if not tc.get("shard_mb") else f"`model.safetensors` or shards of at most {tc.shard_mb} MiB")
     return f"""# EAGLE-3 draft head for {m['target']}
 
 {status} checkpoint, trained by specdec (commit {m['commit']}) on {m['device_name']} with
 `python -m specdec.train {' '.join(m['overrides'])}`.
 Official EAGLE-3 layout (`LlamaForCausalLMEagle3`, one layer, captured target layers
-{list(m['target_layers'])}), weights in {m['checkpoint_dtype']}. Use it with
+{list(m['target_layers'])}), weights in {m['checkpoint_dtype']} in {files}. Use it with
 `python -m specdec.run draft=eagle3 draft.path=DIR policy=always` (or `draft=eagle3_smollm2`).
 
 ## Data (written by the target itself)

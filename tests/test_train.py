@@ -314,7 +314,8 @@ def test_train_entry_smoke_writes_a_loadable_checkpoint(tmp_path, smollm2):
 
 @pytest.mark.parametrize("overrides,needle", [
     (["+experiment=quickstart"], "no `train` section"),
-    (["+experiment=train_eagle3_smollm2_smoke", "train.draft_vocab_size=16384"], "over train.shard_mb=15"),
+    (["+experiment=train_eagle3_smollm2_smoke", "train.draft_vocab_size=16384", "train.shard_mb=15"],
+     "over train.shard_mb=15"),
     (["+experiment=train_eagle3_smollm2_smoke", "train.draft_vocab_size=0"], "must be in 1..49152"),
 ])
 def test_train_entry_rejects_bad_settings_before_generating(tmp_path, overrides, needle):

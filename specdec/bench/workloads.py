@@ -1,7 +1,8 @@
 """Workloads: lists of prompts from MT-bench, HumanEval, a JSONL file, or synthetic lengths.
 
-A workload config has ``sources`` (each ``{kind, limit}``), ``chat`` (wrap in the chat template)
-and, for ``kind: jsonl``, ``path``. Every prompt becomes a :class:`Prompt` with its token ids.
+A workload config has ``sources`` (each ``{kind, limit}``), ``chat`` (``auto``: wrap prompts in the
+target's chat template when it has one, else send them raw; ``true``: the template, required;
+``false``: raw) and, for ``kind: jsonl``, ``path``. Every prompt becomes a :class:`Prompt` with its token ids.
 
 ``kind: synthetic`` makes ``num_prompts`` prompts of ``prompt_len`` random token ids (seeded), each
 asking for exactly ``output_len`` tokens (set ``ignore_eos: true`` on the workload so EOS does not
@@ -114,8 +115,24 @@ def _synthetic_count(src: dict, workload_cfg) -> int:
     return max(int(src.get("min_prompts", 16)), per_client * int(c)) if c else int(src.get("min_prompts", 16))
 
 
+CHAT_VALUES = ("auto", True, False)
+
+
+def resolve_chat(workload_cfg, tokenizer) -> bool:
+    """workload.chat (auto | true | false) -> whether text prompts are wrapped in the chat template."""
+    chat = workload_cfg.get("chat", "auto")
+    if isinstance(chat, str) and chat.lower() in ("true", "false"):
+        chat = chat.lower() == "true"
+    if chat not in CHAT_VALUES or isinstance(chat, int) and not isinstance(chat, bool):
+        raise WorkloadError(f"workload.chat={chat!r}; valid: auto (the chat template when the tokenizer has "
+                            "one, else raw prompts), true, false")
+    if chat == "auto":
+        return bool(getattr(tokenizer, "chat_template", None))
+    return chat
+
+
 def load_prompts(workload_cfg, tokenizer) -> list[Prompt]:
-    chat = bool(workload_cfg.get("chat", True))
+    chat = resolve_chat(workload_cfg, tokenizer)
     prompts = []
     for src in workload_cfg["sources"]:
         if src.get("kind") == "synthetic":

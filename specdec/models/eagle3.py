@@ -16,7 +16,14 @@ Checkpoint keys (official layout): fc.weight, midlayer.{hidden_norm, input_layer
 post_attention_layernorm}.weight, midlayer.self_attn.{q,k,v,o}_proj.weight,
 midlayer.mlp.{gate,up,down}_proj.weight, norm.weight, lm_head.weight, d2t, t2d; config.json with
 architectures ["LlamaForCausalLMEagle3"], llama fields, num_hidden_layers 1, draft_vocab_size. The
-embedding is the target's.
+embedding is the target's unless the checkpoint carries its own ``embed_tokens.weight``.
+
+Loading follows the official rules (SafeAILab/EAGLE; docs/checkpoints.md lists them): a head is
+recognised by its keys whatever ``architectures`` says; ``fc`` is 3 * target_hidden_size -> H
+(target_hidden_size when present, else H); missing fields take LlamaConfig's defaults (rms_norm_eps
+1e-6, rope_theta 10000); a draft vocabulary as large as the target's is the identity (d2t / t2d
+optional); RoPE positions reach the target's limit, whatever the head's ``max_position_embeddings``
+says. Config flags that change the function and are not implemented are refused by name.
 """
 
 from __future__ import annotations
@@ -29,9 +36,32 @@ import torch
 from torch import nn
 
 from . import ops
-from .loading import CheckpointError, LlamaConfig, resolve_dtype
+from .loading import SHARD_BYTES, CheckpointError, LlamaConfig, resolve_dtype, write_safetensors
 
 ARCH = "LlamaForCausalLMEagle3"
+# Keys that identify the EAGLE-3 layout (the EAGLE repository's own training configs say
+# "LlamaForCausalLM", so `architectures` alone cannot tell).
+EAGLE3_KEYS = ("fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight")
+# transformers' LlamaConfig default (checked in transformers 5.24: LlamaConfig().rms_norm_eps == 1e-6);
+# the official loader builds the head from a LlamaConfig, so a config without the field gets it.
+HF_LLAMA_RMS_NORM_EPS = 1e-6
+# Tree nodes sit up to 63 positions past the committed length (draft.steps x draft.topk <= 63).
+ROPE_SLACK = 64
+
+
+def _refused_flags(cfg: dict) -> list[str]:
+    """Config fields (SpecForge / speculators / vLLM variants) that change the head's function and
+    that this implementation does not compute; a head carrying any of them is refused, not run wrong."""
+    bad = [f"{k}={cfg[k]!r}" for k in ("fc_norm", "norm_output", "norm_before_residual", "norm_before_fc",
+                                       "attention_bias", "mlp_bias") if cfg.get(k)]
+    if cfg.get("hidden_act", "silu") != "silu":
+        bad.append(f"hidden_act={cfg['hidden_act']!r}")
+    if int(cfg.get("pretraining_tp") or 1) != 1:
+        bad.append(f"pretraining_tp={cfg['pretraining_tp']!r}")
+    eagle = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    if eagle.get("use_aux_hidden_state", True) is False:
+        bad.append("eagle_config.use_aux_hidden_state=False")
+    return bad
 
 
 def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
@@ -53,6 +83,7 @@ class Eagle3Config:
     max_position_embeddings: int = 8192
     target_layers: tuple[int, ...] = (2, 15, 27)  # captured target layers (inputs of)
     target_hidden_size: int | None = None  # width of each captured feature (default hidden_size)
+    own_embedding: bool = False  # the head embeds tokens with its own embed_tokens.weight [vocab, H]
 
     @classmethod
     def for_target(cls, target: LlamaConfig, draft_vocab_size: int, target_layers=None) -> "Eagle3Config":
@@ -67,25 +98,44 @@ class Eagle3Config:
                    target_layers=tuple(target_layers or default_capture_layers(target.num_hidden_layers)))
 
     def to_hf(self) -> dict:
+        """config.json as the official loader and other engines read it: ``target_hidden_size`` only
+        when it differs from hidden_size (the official loader builds ``fc`` from the key whenever it
+        is present, and then skips the target's embedding), ``rope_scaling`` only when set."""
         d = asdict(self)
-        d["target_layers"] = list(self.target_layers)
-        rope = dict(self.rope_scaling) if self.rope_scaling else None
-        return {"architectures": [ARCH], "model_type": "llama", "num_hidden_layers": 1,
-                **{k: v for k, v in d.items() if k not in ("rope_scaling", "target_layers")},
-                "rope_scaling": rope,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.target_layers)},
-                "torch_dtype": "float32"}
+        skip = ("rope_scaling", "target_layers", "target_hidden_size", "own_embedding")
+        out = {"architectures": [ARCH], "model_type": "llama", "num_hidden_layers": 1,
+               **{k: v for k, v in d.items() if k not in skip}}
+        if self.target_hidden_size is not None and self.target_hidden_size != self.hidden_size:
+            out["target_hidden_size"] = self.target_hidden_size
+        if self.rope_scaling:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.target_layers)}
+        out["torch_dtype"] = "float32"
+        return out
 
     @classmethod
-    def from_hf(cls, cfg: dict, source: str = "config.json") -> "Eagle3Config":
+    def from_hf(cls, cfg: dict, source: str = "config.json", keys=None) -> "Eagle3Config":
+        """From config.json; ``keys`` (the checkpoint's tensor names) identify the layout when
+        ``architectures`` names another class, and tell whether the head has its own embedding."""
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
         arch = cfg.get("architectures") or []
-        if ARCH not in arch:
-            raise CheckpointError(f"{source}: architectures {arch} is not [{ARCH!r}] (an EAGLE-3 head)")
+        keys = set(keys or ())
+        if ARCH not in arch and not all(k in keys for k in EAGLE3_KEYS):
+            raise CheckpointError(f"{source}: architectures {arch} is not [{ARCH!r}] and the weights lack "
+                                  f"the EAGLE-3 keys {list(EAGLE3_KEYS)}: not an EAGLE-3 head")
         if int(cfg.get("num_hidden_layers", 1)) != 1:
             raise CheckpointError(f"{source}: an EAGLE-3 head has num_hidden_layers 1, "
                                   f"not {cfg.get('num_hidden_layers')}")
-        base = LlamaConfig.from_dict({**cfg, "model_type": "llama"}, source)
+        refused = _refused_flags(cfg)
+        if refused:
+            raise CheckpointError(f"{source}: {', '.join(refused)} changes the head's function and is not "
+                                  "implemented by specdec (supported: the official EAGLE-3 layer, SiLU, no "
+                                  "biases, no extra norms)")
+        base = LlamaConfig.from_dict({**cfg, "model_type": "llama",
+                                      "rms_norm_eps": cfg.get("rms_norm_eps", HF_LLAMA_RMS_NORM_EPS)}, source)
         layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        th = cfg.get("target_hidden_size")  # null (older specdec heads) reads as absent
         try:
             return cls(hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
                        num_attention_heads=base.num_attention_heads,
@@ -95,8 +145,9 @@ class Eagle3Config:
                        rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta,
                        rope_scaling=base.rope_scaling,
                        max_position_embeddings=base.max_position_embeddings,
-                       target_layers=tuple(layers) if layers else (),
-                       target_hidden_size=cfg.get("target_hidden_size"))
+                       target_layers=tuple(int(i) for i in layers) if layers else (),
+                       target_hidden_size=None if th is None else int(th),
+                       own_embedding="embed_tokens.weight" in keys)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: malformed field: {e}") from e
 
@@ -123,6 +174,8 @@ class Eagle3Head(nn.Module):
             "norm.weight": (H,),
             "lm_head.weight": (c.draft_vocab_size, H),
         }
+        if c.own_embedding:
+            shapes["embed_tokens.weight"] = (c.vocab_size, H)
         self.shapes = shapes
         self.weights = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(torch.empty(s)) for k, s in shapes.items()})
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
@@ -132,6 +185,13 @@ class Eagle3Head(nn.Module):
 
     def w(self, key: str) -> torch.Tensor:
         return self.weights[key.replace(".", "__")]
+
+    def embed(self, token_ids: torch.Tensor, target) -> torch.Tensor:
+        """[N] target token ids -> [N, H] embeddings: the head's own table when it has one (then its
+        width is the head's, e.g. a head narrower than its target), else the target's."""
+        if self.config.own_embedding:
+            return self.w("embed_tokens.weight")[token_ids]
+        return target.embed_tokens(token_ids)
 
     # -- construction / checkpoint I/O -----------------------------------------------------------
     def init_weights_(self, seed: int = 0) -> "Eagle3Head":
@@ -155,20 +215,27 @@ class Eagle3Head(nn.Module):
         self.t2d[ids] = True
 
     def state_dict_official(self) -> dict[str, torch.Tensor]:
-        sd = {k: self.w(k).detach().float().cpu().contiguous() for k in self.shapes}
+        sd = {k: self.w(k).detach().cpu().contiguous() for k in self.shapes}
         sd["d2t"] = self.d2t.cpu()
         sd["t2d"] = self.t2d.cpu()
         return sd
 
-    def save(self, path: str | Path, extra_files: dict[str, str] | None = None) -> None:
-        from safetensors.torch import save_file
-
+    def save(self, path: str | Path, extra_files: dict[str, str] | None = None, *,
+             dtype: torch.dtype | None = None, shard_bytes: int | None = SHARD_BYTES) -> list[str]:
+        """config.json + weights (``dtype``: cast floating tensors; default as held, fp32 after
+        ``init_weights_``): one model.safetensors unless larger than ``shard_bytes``. Returns the
+        weight file names."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(self.state_dict_official(), str(path / "model.safetensors"), metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+        sd = self.state_dict_official()
+        if dtype is not None:
+            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        names = write_safetensors(path, sd, shard_bytes)
+        cfg = self.config.to_hf()
+        cfg["torch_dtype"] = str(sd["fc.weight"].dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
         for name, text in (extra_files or {}).items():
             (path / name).write_text(text)
+        return names
 
     @classmethod
     def load(cls, path: str | Path, *, device="cpu", dtype=None, backend="auto",
@@ -180,24 +247,35 @@ class Eagle3Head(nn.Module):
             raise CheckpointError(f"draft checkpoint {path} has no config.json")
         try:
             raw = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-        config = Eagle3Config.from_hf(raw, str(cfg_path))
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+        sd = _read_state_dict(path)
+        config = Eagle3Config.from_hf(raw, str(cfg_path), keys=sd.keys())
         if target is not None:
             if not config.target_layers:
                 config.target_layers = default_capture_layers(target.num_hidden_layers)
             if config.vocab_size != target.vocab_size:
                 raise CheckpointError(f"{cfg_path}: vocab_size {config.vocab_size} != target vocab "
                                       f"{target.vocab_size}")
-            if (config.target_hidden_size or config.hidden_size) != target.hidden_size:
-                raise CheckpointError(f"{cfg_path}: hidden size {config.hidden_size} does not match "
-                                      f"the target's {target.hidden_size}")
+            th = config.target_hidden_size or config.hidden_size
+            if th != target.hidden_size:
+                what = "target_hidden_size" if config.target_hidden_size else "hidden size"
+                raise CheckpointError(f"{cfg_path}: {what} {th} does not match the target's {target.hidden_size} "
+                                      "(fc reads the target's hidden states: 3 x target_hidden_size wide)")
+            if config.hidden_size != target.hidden_size and not config.own_embedding:
+                raise CheckpointError(f"{cfg_path}: hidden_size {config.hidden_size} differs from the target's "
+                                      f"{target.hidden_size} and the checkpoint has no embed_tokens.weight: "
+                                      "the target's embedding cannot feed this head")
             if max(config.target_layers) >= target.num_hidden_layers:
                 raise CheckpointError(f"{cfg_path}: captured layers {config.target_layers} exceed "
                                       f"the target's {target.num_hidden_layers} layers")
-        sd = _read_state_dict(path)
         head = cls(config, backend=backend)
-        missing = [k for k in list(head.shapes) + ["d2t", "t2d"] if k not in sd]
+        missing = [k for k in head.shapes if k not in sd]
+        identity = config.draft_vocab_size == config.vocab_size
+        if not identity and "d2t" not in sd:
+            missing.append("d2t")
         if missing:
             raise CheckpointError(f"draft checkpoint {path}: missing keys {missing}")
         with torch.no_grad():
@@ -207,24 +285,50 @@ class Eagle3Head(nn.Module):
                     raise CheckpointError(f"draft checkpoint {path}: {key} has shape {tuple(t.shape)}, "
                                           f"config.json implies {tuple(shape)}")
                 head.w(key).copy_(t.float())
-            if tuple(sd["d2t"].shape) != (config.draft_vocab_size,) or tuple(sd["t2d"].shape) != (config.vocab_size,):
-                raise CheckpointError(f"draft checkpoint {path}: d2t/t2d shapes {tuple(sd['d2t'].shape)}/"
-                                      f"{tuple(sd['t2d'].shape)} do not match the vocabularies")
-            head.d2t.copy_(sd["d2t"].long())
-            head.t2d.copy_(sd["t2d"].bool())
-        return head.to_device(device, dtype)
+            if identity:
+                # The official loader drops d2t / t2d when the vocabularies are equal: draft id = target id.
+                head.t2d.fill_(True)
+            else:
+                if tuple(sd["d2t"].shape) != (config.draft_vocab_size,):
+                    raise CheckpointError(f"draft checkpoint {path}: d2t has shape {tuple(sd['d2t'].shape)}, "
+                                          f"expected ({config.draft_vocab_size},) (draft_vocab_size)")
+                head.d2t.copy_(sd["d2t"].long())
+                ids = head.draft_to_target_table()
+                if ids.min() < 0 or ids.max() >= config.vocab_size:
+                    raise CheckpointError(f"draft checkpoint {path}: d2t maps draft ids outside the target "
+                                          f"vocabulary 0..{config.vocab_size - 1}")
+                if "t2d" in sd:
+                    if tuple(sd["t2d"].shape) != (config.vocab_size,):
+                        raise CheckpointError(f"draft checkpoint {path}: t2d has shape {tuple(sd['t2d'].shape)}, "
+                                              f"expected ({config.vocab_size},) (vocab_size)")
+                    head.t2d.copy_(sd["t2d"].bool())
+                else:  # other engines skip t2d; it follows from d2t
+                    head.t2d[ids] = True
+        return head.to_device(device, dtype, max_positions=None if target is None
+                              else target.max_position_embeddings)
 
-    def to_device(self, device, dtype=None) -> "Eagle3Head":
-        from kernels_triton.rope import rope_tables
-
+    def to_device(self, device, dtype=None, max_positions: int | None = None) -> "Eagle3Head":
+        """Move and cast; RoPE tables cover ``max_positions`` (the target's limit) when given."""
         self.weights.to(device=device, dtype=resolve_dtype(dtype, device))
         self.d2t, self.t2d = self.d2t.to(device), self.t2d.to(device)
-        c = self.config
-        self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.max_position_embeddings, c.rope_theta,
-                                                   c.rope_scaling, device=device)
+        self.rope_cos = self.rope_sin = None
+        self.ensure_rope_(max_positions or 0)
         self.fused_weights()  # built here, outside any CUDA graph capture
         self.draft_to_target_table()  # likewise
         return self
+
+    def ensure_rope_(self, max_positions: int) -> None:
+        """(Re)build the cos/sin tables to cover positions 0 .. max_positions + ROPE_SLACK - 1 (at least
+        the head's own max_position_embeddings). A head's max_position_embeddings is not a context
+        limit: published heads say 2048 while their targets run 128K, and the official code grows its
+        RoPE cache on demand. Call outside CUDA graph capture (the engine's drafter does, at build)."""
+        from kernels_triton.rope import rope_tables
+
+        c = self.config
+        n = max(c.max_position_embeddings, int(max_positions) + ROPE_SLACK if max_positions else 0)
+        if self.rope_cos is not None and self.rope_cos.shape[0] >= n and self.rope_cos.device == self.device:
+            return
+        self.rope_cos, self.rope_sin = rope_tables(c.head_dim, n, c.rope_theta, c.rope_scaling, device=self.device)
 
     @property
     def device(self):
@@ -303,7 +407,9 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    from .loading import safetensors_files
+
+    files = safetensors_files(path)
     sd: dict[str, torch.Tensor] = {}
     try:
         for f in files:

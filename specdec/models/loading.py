@@ -48,6 +48,9 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> "LlamaConfig":
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source}: expected a JSON object of config fields, got "
+                                  f"{type(cfg).__name__}")
         arch = cfg.get("architectures") or []
         mtype = cfg.get("model_type")
         if mtype != "llama" and "LlamaForCausalLM" not in arch:
@@ -72,7 +75,8 @@ class LlamaConfig:
                 num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                 vocab_size=int(cfg["vocab_size"]),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                # transformers' LlamaConfig default when absent (1e-6, checked in 5.24).
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=rope,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
@@ -94,9 +98,51 @@ class LlamaConfig:
                                   "directory: config.json + *.safetensors)")
         try:
             cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-        return cls.from_dict(cfg, str(cfg_path))
+        config = cls.from_dict(cfg, str(cfg_path))
+        # generation_config.json holds the stop ids generate() uses (Llama-3.1: <|end_of_text|>,
+        # <|eom_id|>, <|eot_id|>), often more than config.json lists: stop on all of them.
+        gen_path = path / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                gen = json.loads(gen_path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{gen_path} is not valid JSON: {e}") from e
+            eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+            if not isinstance(gen, dict) or not (eos is None or isinstance(eos, int) or (
+                    isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
+                raise CheckpointError(f"{gen_path}: expected a JSON object whose eos_token_id is an "
+                                      "integer or a list of integers")
+            for e in [eos] if isinstance(eos, int) else eos or []:
+                if e not in config.eos_token_id:
+                    config.eos_token_id.append(e)
+        return config
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files of a directory: those its shard index names (checked: a JSON object whose
+    ``weight_map`` maps tensor names to files that exist), else every *.safetensors in it."""
+    path = Path(path)
+    index = path / SAFETENSORS_INDEX
+    if not index.is_file():
+        return sorted(path.glob("*.safetensors"))
+    try:
+        obj = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index} is not valid JSON: {e}") from e
+    wmap = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
+        raise CheckpointError(f"{index}: expected a JSON object with a non-empty \"weight_map\" "
+                              "{tensor name: shard file name}")
+    files = sorted({path / f for f in wmap.values()})
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise CheckpointError(f"{index} names shard files that are not in {path}: {absent}")
+    return files
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -105,11 +151,7 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
+    files = safetensors_files(path)
     if not files:
         raise CheckpointError(f"{path} holds no *.safetensors weights")
     tensors: dict[str, torch.Tensor] = {}
@@ -119,3 +161,48 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{f}: cannot read safetensors file: {e}") from e
     return tensors
+
+
+# transformers 4.x's default max_shard_size (5 GB; 5.x: 50 GB): below it a checkpoint is one file,
+# which is also all the official EAGLE loader reads (model.safetensors or pytorch_model.bin).
+SHARD_BYTES = 5 * 10**9
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
+                      shard_bytes: int | None = SHARD_BYTES) -> list[str]:
+    """Write ``tensors`` into directory ``path`` as one ``model.safetensors``, or, only when they
+    exceed ``shard_bytes``, as ``model-0000i-of-0000n.safetensors`` shards of at most that size plus
+    the Hugging Face index. Weight files already there (and a stale index) are removed first, so the
+    directory never holds two copies. Returns the file names written."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for old in list(path.glob("*.safetensors")) + [path / SAFETENSORS_INDEX]:
+        old.unlink(missing_ok=True)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    if not shard_bytes or total <= shard_bytes:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    groups: list[list[str]] = [[]]
+    size = 0
+    for k, v in tensors.items():
+        n = v.numel() * v.element_size()
+        if n > shard_bytes:
+            raise ConfigError(f"tensor {k} is {n / 2**20:.2f} MiB, over the shard size of "
+                              f"{shard_bytes / 2**20:.2f} MiB (one tensor cannot be split across files)")
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    names, weight_map = [], {}
+    for i, keys in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: tensors[k] for k in keys}, str(path / name), metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update({k: name for k in keys})
+    (path / SAFETENSORS_INDEX).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names

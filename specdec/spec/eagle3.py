@@ -42,6 +42,8 @@ class Eagle3Drafter:
         if steps * topk > 63:
             raise ConfigError(f"draft.steps x draft.topk = {steps * topk} scratch nodes; at most 63")
         self.head, self.target = head, target
+        # Draft positions reach the target's limit, whatever the head's max_position_embeddings says.
+        head.ensure_rope_(target.config.max_position_embeddings)
         self.topk, self.steps, self.num_draft_tokens = topk, steps, num_draft_tokens
         # False: k = 0 steps skip the draft layer (no cost while speculation is off; the draft KV keeps
         # holes over those tokens and the root state goes stale, so the first tree after switching
@@ -77,7 +79,7 @@ class Eagle3Drafter:
 
     def _run(self, token_ids, hidden, positions, meta):
         """Draft layer over rows: token_ids [N] (target ids), hidden [N, H] -> hidden [N, H]."""
-        emb = self.target.embed_tokens(token_ids).to(self.head.dtype)
+        emb = self.head.embed(token_ids, self.target).to(self.head.dtype)
         return self.head(emb, hidden, positions, meta, self.k_cache, self.v_cache, with_logits=False)[0]
 
     def _children(self, h, k: int):
