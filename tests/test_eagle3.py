@@ -364,7 +364,7 @@ def test_narrow_head_drafts_in_the_engine_greedy_identical(target, tmp_path):
     from test_engine import rand_prompts, reference
 
     from specdec.engine.engine import Engine, EngineConfig
-    from specdec.spec.drafters import Eagle3Drafter
+    from specdec.spec import Eagle3Drafter
 
     narrow_head(target, seed=1).save(tmp_path)
     head = Eagle3Head.load(tmp_path, target=target.config, backend="torch")
@@ -387,7 +387,7 @@ def test_request_past_the_heads_max_position_embeddings(tmp_path, backend):
     from test_engine import rand_prompts, reference, tiny_model
 
     from specdec.engine.engine import Engine, EngineConfig
-    from specdec.spec.drafters import Eagle3Drafter
+    from specdec.spec import Eagle3Drafter
 
     def run(model, cfg, name, prompt, max_new):
         Eagle3Head(cfg, backend="torch").init_weights_(7).save(tmp_path / name)
