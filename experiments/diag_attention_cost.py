@@ -40,7 +40,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    options.add_flags(ap)  # --pdl, --fused-linear, ... (kernels_triton/options.py)
     args = ap.parse_args()
+    options.set_from_flags_(args)
     cuda = torch.cuda.is_available() and not args.quick
     shape = dict(load_target_yaml(REPO / "conf" / "target" / "llama31_8b_random.yaml")["config"])
     ctx, iters, repeats = 512, 100, 3

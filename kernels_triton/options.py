@@ -9,11 +9,13 @@ a ``with`` block. Launchers read it on every call, so a change takes effect at t
 CUDA graph keep the options they were captured with: set the options before building an engine.
 
 specdec applies the ``kernels`` config group (conf/kernels/default.yaml) through ``set_`` at the
-start of every run and records ``as_dict()`` in the run's metrics.json.
+start of every run and records ``as_dict()`` in the run's metrics.json; the experiment scripts take
+the same switches as flags (``add_flags`` / ``set_from_flags_``: ``--pdl off``, ``--fused-linear false``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 from dataclasses import dataclass
@@ -117,3 +119,46 @@ def use(**fields):
         yield _current
     finally:
         _current = old
+
+
+_WORDS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False, "null": None, "auto": None,
+          "none": None}
+
+
+def parse_value(name: str, text: str):
+    """A command-line word as the value of option ``name`` (true/false/on/off/1/0, null/auto for the
+    tri-state ones, late/early/off for pdl), validated."""
+    word = text.strip().lower()
+    if name == "pdl" and word in PDL_MODES:
+        return word
+    if word not in _WORDS:
+        raise ValueError(f"kernel option {name}={text!r}; valid: "
+                         + ("late, early, off" if name == "pdl" else "true, false"
+                            + (", null (the measured default)" if name in _TRISTATE else "")))
+    return _validated(name, _WORDS[word])
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
+    ``--attn-prewait``, ``--pdl-qkv-early``); unset flags keep the defaults."""
+    group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
+    doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
+           "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false"}
+    for name in FIELDS:
+        group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
+                           help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")
+
+
+def set_from_flags_(args: argparse.Namespace) -> KernelOptions:
+    """Apply the flags of ``add_flags`` that were given (exits with a usage message on a bad value);
+    returns the options now in force."""
+    fields = {}
+    for name in FIELDS:
+        text = getattr(args, "kernel_" + name, None)
+        if text is not None:
+            try:
+                fields[name] = parse_value(name, text)
+            except ValueError as e:
+                raise SystemExit(f"error: --{name.replace('_', '-')}: {e}") from None
+    set_(**fields)
+    return _current
