@@ -74,7 +74,7 @@ def launch_config(max_q_len, G, D, dtype=torch.bfloat16, kv_capacity=None) -> di
     - BLOCK_M <= 32 (mma.sync, bandwidth-bound): N=64 (32 at d128), 4 warps, 5 stages: two K/V
       buffers in flight (exp_decode_warps_c3ae0bd.txt: 2 / 1 / 8 warps slower).
     - BLOCK_M = 64: N=64, 4 warps, 5 stages (3-4 stages 35% slower, 6-10 no better; N=128 needs 255
-      registers at d64; bench_attention_tune.csv).
+      registers at d64; measured at 9aa95c6, docs/kernel_notes.md "Tiles").
     - BLOCK_M = 128 (prefill): 8 warps (4 spill at d64), N=64, 3 stages (2 above d128).
     - fp32 inputs (tests, debugging) run an ieee FMA dot: 8 warps, 2 stages, BLOCK_M <= 64 x N = 32 at
       d64 and 32 x 16 at d128, so nothing spills.
