@@ -71,8 +71,8 @@ MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per tree node
 MAX_SPLITS = launch.MAX_SPLITS
 # With PDL and the kernel option attn_prewait, each program reads its lengths and prefetches up to
 # PREFETCH_TILES tiles of its cached prefix into L2 before it waits for its predecessor (see
-# _prefetch_prefix): 0.5779 vs 0.5821 ms per SmolLM2 step behind its qkv kernel's early trigger
-# (results/profile/ab_prewait_qkv_early.txt; docs/kernel_notes.md "Attention before its wait").
+# _prefetch_prefix): with the qkv kernel's early trigger, a SmolLM2 step takes 0.5736 ms vs 0.5821
+# with neither (results/profile/ab_prewait_qkv_early.txt; docs/kernel_notes.md "Attention before its wait").
 PREFETCH_TILES = tl.constexpr(4)
 # V strides passed when V has K's (the KV pools of one layer always do): as constexpr None, so the
 # kernel computes each slot's address once for K and V (tree headline 25.8 -> 24.2 us,
@@ -316,8 +316,8 @@ def _paged_attention_fwd_kernel(
     IS_TREE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (attention_launch.pdl_mode)
-    ONE_LOOP: tl.constexpr,  # one loop over all tiles, or unmasked then masked tiles (see attention_launch.default_one_loop)
-    L2D: tl.constexpr,  # running softmax sums kept per element, reduced after the loop (see attention_launch.default_l2d)
+    ONE_LOOP: tl.constexpr,  # one loop over all tiles, or unmasked then masked tiles (attention_launch)
+    L2D: tl.constexpr,  # running softmax sums kept per element, reduced after the loop (attention_launch)
     PREWAIT: tl.constexpr,  # USE_PDL: lengths read and prefix tiles prefetched before the wait
 ):
     if USE_PDL == 2:  # PDL_EARLY

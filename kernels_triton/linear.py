@@ -86,9 +86,10 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # With PDL, the qkv kernel (RoPE epilogue) lets its successor, the attention, launch at its start
 # instead of after its weight stream when its weights are at most QKV_EARLY_MAX_BYTES (always / never
 # with the kernel option pdl_qkv_early true / false): the attention programs then read their lengths
-# and prefetch their prefix (kernel option attn_prewait) while a short qkv kernel runs. A long one is slowed by them: H200,
-# graphed batch-1 plain steps (docs/kernel_notes.md, "Attention before its wait"), SmolLM2 (1.1 MB of qkv weights per layer)
-# 0.5736 vs 0.5779 ms, Llama-3.1-8B shapes (50 MB) 4.396 vs 4.306 ms.
+# and prefetch their prefix (kernel option attn_prewait) while a short qkv kernel runs. A long one is
+# slowed by them: H200, graphed batch-1 plain steps (results/profile/ab_prewait_qkv_early.txt),
+# SmolLM2 (1.1 MB of qkv weights per layer) 0.5736 vs 0.5779 ms, Llama-3.1-8B shapes (50 MB) 4.396
+# vs 4.306 ms.
 QKV_EARLY_MAX_BYTES = 8 << 20
 EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
 # The same values as constexpr globals: the only globals a compiled @triton.jit body may read.

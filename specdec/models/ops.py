@@ -1,4 +1,4 @@
-"""The model's view of the hot kernels: one call per model layer op, Triton or the torch reference behind it.
+"""The model's view of the hot kernels: one call per layer op, Triton or the torch reference behind it.
 
 The step's addressing and commit kernels are dispatched in ``specdec/engine/step_ops.py``, the draft
 tree's in ``specdec/spec/tree_ops.py``; both choose their backend with :func:`use_triton` below.
