@@ -34,13 +34,15 @@ def resolve_device(name: str) -> str:
 
 
 def apply_kernel_options(cfg: DictConfig) -> dict:
-    """Set the kernel research switches of ``cfg.kernels`` (conf/kernels/) for this process, before
-    any model or engine is built (CUDA graphs keep the options they were captured with); returns them."""
+    """Set the kernel research switches of ``cfg.kernels`` (conf/kernels/; fields it lacks take their
+    defaults) for this process, before any model or engine is built (CUDA graphs keep the options
+    they were captured with); returns them."""
     from kernels_triton import options
 
-    fields = OmegaConf.to_container(cfg.get("kernels") or {}, resolve=True)
-    try:
-        options.set_(**fields)
+    group = cfg.get("kernels")
+    fields = OmegaConf.to_container(group, resolve=True) if group is not None else {}
+    try:  # every field set: an earlier job of a --multirun in this process leaves nothing behind
+        options.set_(**{**options.KernelOptions().as_dict(), **fields})
     except ValueError as e:
         raise ConfigError(f"kernels: {e}") from None
     return options.get().as_dict()

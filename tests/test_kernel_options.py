@@ -139,3 +139,19 @@ def test_pdl_qkv_early_option_sets_the_qkv_trigger(monkeypatch, kernel_options):
     seen.clear()
     lin.linear(x, w)  # other projections keep the late trigger
     assert seen == [PDL_LATE]
+
+
+def test_run_applies_the_kernels_group(kernel_options):
+    # specdec.run / specdec.train set every field from cfg.kernels (missing ones: defaults, so an
+    # earlier job of a multirun in the same process leaves nothing behind); bad values are ConfigErrors.
+    from omegaconf import OmegaConf
+
+    from specdec.errors import ConfigError
+    from specdec.run import apply_kernel_options
+
+    kernel_options.set_(fused_linear=False, fused_merge=True)
+    got = apply_kernel_options(OmegaConf.create({"kernels": {"pdl": "early", "step_kernels": False}}))
+    assert got == dict(kernel_options.KernelOptions(pdl="early", step_kernels=False).as_dict())
+    assert kernel_options.get().as_dict() == got
+    with pytest.raises(ConfigError, match="kernels: kernel option attn_prewait='no'"):
+        apply_kernel_options(OmegaConf.create({"kernels": {"attn_prewait": "no"}}))
