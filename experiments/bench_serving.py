@@ -49,6 +49,7 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+from kernels_triton import options  # noqa: E402
 from specdec.bench.provenance import git_commit  # noqa: E402
 from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
 
@@ -146,7 +147,7 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, eos: int, ignore_
 
 class Results:
     def __init__(self, commit: str, device: str, date: str):
-        self.meta = dict(commit=commit, device=device, date=date)
+        self.meta = dict(commit=commit, device=device, date=date, kernel_options=options.get().as_dict())
         self.rows: list[dict] = []
         self.curve: list[dict] = []
 
@@ -288,7 +289,7 @@ def part_b(res: Results, args, copy_gbps: float) -> None:
     floor_read = read_bytes / (copy_gbps * 1e9) * 1e3
     res.add("b", f"{label} batch-1 decode step (device)", step_ms, "ms",
             note=(f"context {ctx}, {param_bytes / 1e9:.2f} GB of bf16 params"
-                  + f", SPECDEC_PDL={os.environ.get('SPECDEC_PDL', '1')}") if CUDA else "quick shapes")
+                  + f", pdl={options.get().pdl}") if CUDA else "quick shapes")
     res.add("b", "  weight-bandwidth floor (all params)", floor_all, "ms",
             note=f"{param_bytes / 1e9:.2f} GB / {copy_gbps:.0f} GB/s copy")
     res.add("b", "  fraction of floor (all params; gpt-fast 72%)", floor_all / step_ms, "fraction")
@@ -316,7 +317,7 @@ def warm_up_small(engine: Engine, vocab: int) -> None:
 
 def write_outputs(res: Results, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    cols = ["commit", "device", "date", "part", "metric", "value", "unit", "peer", "peer_value", "ratio", "note"]
+    cols = ["commit", "device", "date", "kernel_options", "part", "metric", "value", "unit", "peer", "peer_value", "ratio", "note"]
     with open(out / "bench_serving.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
@@ -324,11 +325,12 @@ def write_outputs(res: Results, out: Path) -> str:
             w.writerow({**res.meta, **r})
     if res.curve:
         with open(out / "bench_serving_curve.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["commit", "device", "date"] + list(res.curve[0]))
+            w = csv.DictWriter(f, fieldnames=["commit", "device", "date", "kernel_options"] + list(res.curve[0]))
             w.writeheader()
             for r in res.curve:
                 w.writerow({**res.meta, **r})
     lines = [f"# Serving benchmark ({res.meta['device']}, commit {res.meta['commit']}, {res.meta['date']})", "",
+             f"Kernel options: {res.meta['kernel_options']}", "",
              "| part | metric | value | unit | peer | peer value | speed-up vs peer | note |", "|---|---|---|---|---|---|---|---|"]
     for r in res.rows:
         lines.append(f"| {r['part']} | {r['metric']} | {fmt(r['value'])} | {r['unit']} | {r['peer']} | "
@@ -365,7 +367,9 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true", help="eager decode (diagnosis: graphs vs eager)")
     ap.add_argument("--prefill-requests", default=None,
                     help="engine.prefill_graph_requests as a comma list (e.g. 1: only one-request prefills graphed)")
+    options.add_flags(ap)  # --pdl, --fused-linear, ... (kernels_triton/options.py)
     args = ap.parse_args()
+    options.set_from_flags_(args)
     parts = set(args.parts.split(","))
     t_start = time.perf_counter()
     device = torch.cuda.get_device_name() if CUDA else "cpu"

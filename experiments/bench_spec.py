@@ -37,6 +37,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from kernels_triton import options  # noqa: E402
 from specdec.bench.provenance import git_commit  # noqa: E402
 
 from specdec.bench.clients import closed_loop  # noqa: E402
@@ -72,7 +73,9 @@ def main() -> None:
                     help="also write each point's engine step records (k, batch, accepted, ...) to "
                          "DIR/steps_<config>_C<C>.jsonl")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes")
+    options.add_flags(ap)  # --pdl, --fused-linear, ... (kernels_triton/options.py)
     args = ap.parse_args()
+    options.set_from_flags_(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.trace_dir:

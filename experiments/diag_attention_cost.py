@@ -27,7 +27,8 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-import kernels_triton.attention as attn  # noqa: E402
+from kernels_triton import options  # noqa: E402
+import kernels_triton.attention_launch as launch  # noqa: E402
 import specdec.models.ops as ops  # noqa: E402
 from specdec.bench.console import print_table  # noqa: E402
 from specdec.bench.provenance import device_name, git_commit  # noqa: E402
@@ -40,7 +41,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    options.add_flags(ap)  # --pdl, --fused-linear, ... (kernels_triton/options.py)
     args = ap.parse_args()
+    options.set_from_flags_(args)
     cuda = torch.cuda.is_available() and not args.quick
     shape = dict(load_target_yaml(REPO / "conf" / "target" / "llama31_8b_random.yaml")["config"])
     ctx, iters, repeats = 512, 100, 3
@@ -63,21 +66,23 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
 
-    paged_attention, default_splits, fused = ops.paged_attention, attn._default_num_splits, attn.FUSED_MERGE
+    paged_attention, default_splits = ops.paged_attention, launch.default_num_splits
     try:
         run("default")
         ops.paged_attention = lambda q, *a, **k: q  # o = q: every kernel but attention's
         run("no attention")
         ops.paged_attention = paged_attention
         for splits in (1, 2, 4, 8, 16):
-            attn._default_num_splits = lambda *a, s=splits, **k: s
+            launch.default_num_splits = lambda *a, s=splits, **k: s
             for fm in (True, False):
-                attn.FUSED_MERGE = fm
+                options.set_(fused_merge=fm)
                 run(f"splits {splits} {'fused merge' if fm else 'merge kernel'}")
-        attn._default_num_splits, attn.FUSED_MERGE = default_splits, fused
+        launch.default_num_splits = default_splits
+        options.set_(fused_merge=None)
         run("default again")
     finally:
-        ops.paged_attention, attn._default_num_splits, attn.FUSED_MERGE = paged_attention, default_splits, fused
+        ops.paged_attention, launch.default_num_splits = paged_attention, default_splits
+        options.set_(fused_merge=None)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "diag_attention_cost.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -24,6 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "experiments")]
 from profile_step import SMOLLM2  # noqa: E402
+from kernels_triton import options  # noqa: E402
 from specdec.bench.targets import llama_config_from_dict, load_target_yaml  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -47,7 +48,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="smollm2,llama8b")
     ap.add_argument("--quick", action="store_true")
+    options.add_flags(ap)  # --pdl, --fused-linear, ... (kernels_triton/options.py)
     args = ap.parse_args()
+    options.set_from_flags_(args)
     cuda = torch.cuda.is_available() and not args.quick
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     for shape in args.shapes.split(","):

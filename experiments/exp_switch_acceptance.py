@@ -36,6 +36,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from kernels_triton import options  # noqa: E402
 from specdec.bench.provenance import git_commit  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.eagle3 import Eagle3Head  # noqa: E402
@@ -100,7 +101,9 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--on", type=int, default=4, help="speculative steps per window")
     ap.add_argument("--off", type=int, default=6, help="k = 0 steps between windows")
+    options.add_flags(ap)  # --pdl, --fused-linear, ... (kernels_triton/options.py)
     args = ap.parse_args()
+    options.set_from_flags_(args)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     model = LlamaModel.from_pretrained(args.smollm2, device=args.device, dtype=dtype)
     tok = Tokenizer(args.smollm2)

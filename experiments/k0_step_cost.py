@@ -11,8 +11,10 @@ the kernels of 20 graph replays under torch.profiler (launches per step, device 
 `none` runs first and last, to show drift within the process.
 
 Run (one GPU, ~1 min, no model files):  python experiments/k0_step_cost.py > $OUT/k0_step_cost.txt
+Kernel options as flags (e.g. --pdl off, --step-kernels false; kernels_triton/options.py).
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "experiments")]
 from profile_step import SMOLLM2  # noqa: E402
+from kernels_triton import options  # noqa: E402
 from specdec.bench.provenance import device_name, git_commit  # noqa: E402
 from specdec.bench.targets import llama_config_from_dict  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
@@ -38,12 +41,16 @@ class GeneralExtend(Eagle3Drafter):
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    options.add_flags(ap)
+    options.set_from_flags_(ap.parse_args())
     if not torch.cuda.is_available():
         raise SystemExit("k0_step_cost.py times CUDA-graph replays: it needs a GPU")
     model = LlamaModel.random(llama_config_from_dict(SMOLLM2), device="cuda", dtype=torch.bfloat16, seed=0)
     head = Eagle3Head.load(REPO / "checkpoints/eagle3-smollm2-135m", device="cuda", dtype=model.dtype,
                            backend=model.backend, target=model.config)
-    print(f"# k0_step_cost.py at {git_commit()}, {device_name()}, SmolLM2-135M shapes (random bf16), context 512")
+    print(f"# k0_step_cost.py at {git_commit()}, {device_name()}, SmolLM2-135M shapes (random bf16), context 512, "
+          f"kernel options {options.get().as_dict()}")
     summary = []
     for name in ("none", "eagle3", "eagle3_general_extend", "none"):
         cls = GeneralExtend if name == "eagle3_general_extend" else Eagle3Drafter

@@ -10,10 +10,12 @@ costs do not depend on the values), an EAGLE-3 head of the committed head's shap
 
 Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --out $OUT
-    SPECDEC_STEP_KERNELS=0 python experiments/profile_step.py --out $OUT/no_step_kernels   # torch addressing
-    SPECDEC_FUSED_LINEAR=0 python experiments/profile_step.py --out $OUT/unfused   # cuBLAS layer path
+    python experiments/profile_step.py --step-kernels false --out $OUT/no_step_kernels   # torch addressing
+    python experiments/profile_step.py --fused-linear false --out $OUT/unfused   # cuBLAS layer path
     python experiments/profile_step.py --shape llama8b --out $OUT/llama8b   # (b) plain step only, 8B shapes
-    SPECDEC_PDL=0 python experiments/profile_step.py --out $OUT/pdl0   # no programmatic dependent launch
+    python experiments/profile_step.py --pdl off --out $OUT/pdl0   # no programmatic dependent launch
+The kernel options (--pdl, --fused-linear, --step-kernels, --fused-merge, --attn-prewait,
+--pdl-qkv-early; kernels_triton/options.py) are recorded in profile_step.json as "kernel_options".
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """
@@ -36,7 +38,8 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from specdec.bench.provenance import device_name, git_commit  # noqa: E402
+from kernels_triton import options  # noqa: E402
+from specdec.bench.provenance import device_name, provenance  # noqa: E402
 from specdec.bench.targets import llama_config_from_dict  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -136,7 +139,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=["smollm2", "llama8b"], default="smollm2",
                     help="llama8b: Llama-3.1-8B shapes (conf/target/llama31_8b_random.yaml), plain step only, "
                          "engine as in bench_serving part b (max_seq_len 4096)")
+    options.add_flags(ap)
     args = ap.parse_args()
+    options.set_from_flags_(args)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.shape == "llama8b":
         return profile_llama8b(args)
@@ -151,10 +156,8 @@ def main() -> None:
     trees = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree32": (8, 6, 32), "tree48": (8, 7, 48)}
     lengths = [150, 131, 160, 144, 120, 188] if not args.quick else [20, 24]
     V = shape["vocab_size"]
-    res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
-           "step_kernels": os.environ.get("SPECDEC_STEP_KERNELS", "1") != "0",
-           "fused_linear": os.environ.get("SPECDEC_FUSED_LINEAR", "1") != "0",
-           "pdl": os.environ.get("SPECDEC_PDL", "1")}
+    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d")}
+    opts = res["kernel_options"]
 
     plain = make_engine(model, None, ())
     prefill_ms(plain, lengths[:2], V)  # compiles
@@ -180,9 +183,7 @@ def main() -> None:
           f"median {statistics.median(res['prefill_eagle3_ms']):.1f}")
     for name, s in res["steps"].items():
         print(name, json.dumps(s))
-    print(f"commit {res['commit']}, {res['device']}, {res['date']}, step kernels "
-          f"{'on' if res['step_kernels'] else 'off'} (SPECDEC_STEP_KERNELS), fused small-M layers "
-          f"{'on' if res['fused_linear'] else 'off'} (SPECDEC_FUSED_LINEAR)")
+    print(f"commit {res['commit']}, {res['device']}, {res['date']}, kernel options {opts}")
 
 
 def profile_llama8b(args) -> None:
@@ -196,8 +197,7 @@ def profile_llama8b(args) -> None:
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     model = LlamaModel.random(llama_config_from_dict(shape), device=dev, dtype=dtype)
     eng = make_engine(model, None, (), max_seq_len=4096)
-    res = {"commit": git_commit(), "device": device_name(), "date": time.strftime("%Y-%m-%d"), "shape": "llama8b",
-           "pdl": os.environ.get("SPECDEC_PDL", "1"),
+    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "shape": "llama8b",
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
            "steps": {"plain": graphed_step(eng, 1)}}
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))

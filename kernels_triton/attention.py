@@ -38,8 +38,8 @@ Kernel layout (FlashAttention-2 style online softmax in the exp2 domain):
   be in any order and PS need not divide BLOCK_N (or vice versa). Tiles that every row of the block
   fully sees (the prefix, and for causal prefill the part before the block's first query) skip the
   mask; only the tail tiles covering the new tokens apply the causal / tree mask and kv_len bound.
-  By default one pipelined loop walks all tiles and decides per tile (ONE_LOOP, _default_one_loop);
-  otherwise an unmasked loop is followed by a masked one.
+  By default one pipelined loop walks all tiles and decides per tile (ONE_LOOP); otherwise an
+  unmasked loop is followed by a masked one.
 - Split-KV: the block's KV range is cut into num_splits contiguous tile ranges; with num_splits > 1
   each split writes (out / l, log2-sum-exp) to an fp32 workspace and a second small kernel merges
   the splits, or (fused merge) the last of a group's busy splits to finish merges them. num_splits
@@ -47,10 +47,11 @@ Kernel layout (FlashAttention-2 style online softmax in the exp2 domain):
   request's real length, so splits past a short request's last tile are empty: they skip every load
   and write a zero partial with weight 0 for the merge kernel, or just return (fused merge). Tree
   tiles with long programs split further, to ~3 programs per SM, under a register cap and with a
-  run-time minimum of tiles per busy split (the occupancy plan, _occupancy_splits).
+  run-time minimum of tiles per busy split (the occupancy plan, attention_launch.occupancy_splits).
 - Launch is capture-safe: the launcher never reads tensor values on the host (B, N, num_splits are
   runtime values, max_q_len a host int bound); the grid covers ceil(max_q_len / BLOCK_T) query blocks
-  and programs past T_b return at once.
+  and programs past T_b return at once. Every launch choice (tile, splits, loops, merge, PDL) is made
+  in attention_launch.py (``plan``), with the result file behind each rule.
 
 Invariants: kv_lens[b] >= T_b; kv_lens[b] <= MP * PS; page_table entries below ceil(kv_len / PS) are
 valid pages (others are never read); with a tree mask T_b <= 64 and bits >= T_b are ignored; every
@@ -59,78 +60,25 @@ query must see at least one slot (true for causal, and for trees that set the no
 
 import math
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import cuda as tlc
 
+from . import attention_launch as launch
+
 MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per tree node
-MAX_SPLITS = 64  # split-KV cap: bounds the merge kernel's tile and the fp32 workspace
-MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table capacity per split
-# Default fused merge only where the merged rows x D (rows: what a query block can use, e.g. G for
-# decode; see _last_split_merges) are at most this many values: its last program then folds >= 8
-# partials per step (8192 values). History, H200, graphed batch-1 steps (profile_step.py): with the
-# row tile = the attention tile and 4096 values per step, merge kernel at 6d5d346 vs fused merge
-# everywhere at eddb3e5: SmolLM2 decode (16 x 64, 4 partials per step) 0.737 -> 0.726 ms; tree16
-# verify + draft (64 x 64, 1 per step) 1.303 -> 1.434 ms; Llama-3.1-8B decode (16 x 128, 2 per
-# step, 16 busy splits at context 256) 4.436 -> 4.452 ms: a serial fold costs more than the merge
-# launch it saves. SPECDEC_FUSED_MERGE=1 / 0 forces it on / off (experiments).
-FUSED_MERGE_MAX_TILE = 1024
-_FUSED_ENV = os.environ.get("SPECDEC_FUSED_MERGE")
-if _FUSED_ENV not in (None, "0", "1"):
-    raise ValueError(f"SPECDEC_FUSED_MERGE must be 0 or 1, got {_FUSED_ENV!r}")
-FUSED_MERGE = None if _FUSED_ENV is None else _FUSED_ENV == "1"
-_PREWAIT_ENV = os.environ.get("SPECDEC_ATTN_PREWAIT", "1")
-if _PREWAIT_ENV not in ("0", "1"):
-    raise ValueError(f"SPECDEC_ATTN_PREWAIT must be 0 or 1, got {_PREWAIT_ENV!r}")
-# With PDL, whether each program reads its lengths and prefetches up to PREFETCH_TILES tiles of its
-# cached prefix into L2 before it waits for its predecessor (see _prefetch_prefix); on unless
-# SPECDEC_ATTN_PREWAIT=0. It pays where the predecessor lets it launch early (the qkv kernel of a
-# small model, kernels_triton/linear.py QKV_EARLY_MAX_BYTES). H200, graphed batch-1 plain steps,
-# random weights, context 512, alternating processes (scratch A/B at 1b8fd40, two rounds):
-# SmolLM2 0.5821 / 0.5821 ms without it, 0.5779 / 0.5787 with it, 0.5736 / 0.5738 with it and the
-# qkv kernel's early trigger; Llama-3.1-8B shapes 4.3063 / 4.3064 without, 4.3056 / 4.3071 with,
-# and 4.3959 / 4.3962 with the early trigger too (4.4249 / 4.4256 with the early trigger alone).
-PREWAIT = _PREWAIT_ENV == "1"
+MAX_SPLITS = launch.MAX_SPLITS
+# With PDL and the kernel option attn_prewait, each program reads its lengths and prefetches up to
+# PREFETCH_TILES tiles of its cached prefix into L2 before it waits for its predecessor (see
+# _prefetch_prefix): with the qkv kernel's early trigger, a SmolLM2 step takes 0.5736 ms vs 0.5821
+# with neither (results/profile/ab_prewait_qkv_early.txt; docs/kernel_notes.md "Attention before its wait").
 PREFETCH_TILES = tl.constexpr(4)
 # V strides passed when V has K's (the KV pools of one layer always do): as constexpr None, so the
-# kernel computes each slot's address once for K and V. Sass at sm_90 (bf16): the tree tile's
-# unmasked loop 406 -> 374 instructions per warp per tile, decode 9q/3kv 358 -> 310. H200, same
-# run (results/kernels/exp_warp_split_bc734ee.txt, columns base and ws1): tree headline 25.8 -> 24.2
-# us, 32q/8kv T=16 B=64 prefix 1024 90.9 -> 85.4 us; graphed batch-1 steps, alternating processes:
-# Llama-3.1-8B shapes 4.3034-4.3046 -> 4.2984-4.3016 ms, SmolLM2 0.5746-0.5750 -> 0.5723-0.5727 ms.
+# kernel computes each slot's address once for K and V (tree headline 25.8 -> 24.2 us,
+# results/kernels/exp_warp_split_bc734ee.txt).
 SAME_KV_STRIDES = (None, None, None)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-PDL_LATE, PDL_EARLY = 1, 2  # USE_PDL values: where a kernel lets its successor launch (see pdl_mode)
-
-
-def pdl_mode(device) -> int:
-    """Programmatic dependent launch for the step kernels (attention, merge, fused linear), on a CUDA
-    device of compute capability >= 9.0: PDL_LATE by default, PDL_EARLY with SPECDEC_PDL=early, off
-    with SPECDEC_PDL=0 (and always off elsewhere, e.g. under the CPU interpreter). Each such kernel
-    waits for its predecessor (griddepcontrol.wait) before reading anything the predecessor wrote
-    (the fused linear requests its first weight chunk before the wait, so its weight stream starts
-    during the previous kernel's tail) and lets its successor launch (griddepcontrol.launch_dependents):
-    PDL_LATE once its main loop is done (only the epilogue left), PDL_EARLY at its start.
-    H200, graphed batch-1 plain steps at d9676c6 (profile_step.py, same run): SmolLM2 0.717 ms off ->
-    0.612 ms late; Llama-3.1-8B shapes 4.467 -> 4.368 ms late, while early (at 6aecb84 + the trigger
-    switch) was slower than off, 4.564 vs 4.484 ms: successors launched at the start pile up
-    (successors of successors too) holding SM slots while they wait. Attention reading its lengths
-    and prefetching its cached prefix into L2 before the wait (PREWAIT) first gave nothing behind
-    late triggers (92b24ea: 8B step 4.351 / 4.348 vs 4.354 / 4.355 ms, SmolLM2 0.604 vs 0.596 ms);
-    it pays behind a small model's qkv kernel triggering early (see PREWAIT). Measured and dropped
-    (H200, same runs): GEMVs prefetching their first block's weights into L2 before the wait,
-    c27786c: 8B 5.79 vs 4.40 ms; attention alone triggering early: 4.394 vs 4.397 ms; the o-projection
-    alone prefetching its weights (33.5 MB at 8B, which fits the L2) into L2 while attention runs,
-    with attention triggering early so it is resident, 43c36b5 (branch exp/wo-l2-prefetch): 8B
-    4.385 / 4.429 ms (16 / 40 MB budget) vs 4.336 ms with the early trigger alone and 4.339 / 4.338
-    ms with neither; SmolLM2 0.621 vs 0.607 ms."""
-    mode = os.environ.get("SPECDEC_PDL", "1")
-    if mode not in ("1", "early") or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return 0
-    return PDL_EARLY if mode == "early" else PDL_LATE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,10 +315,10 @@ def _paged_attention_fwd_kernel(
     MERGE_ROWS: tl.constexpr,  # pow2 >= the rows a query block can use (FUSED_MERGE's row tile)
     IS_TREE: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (see pdl_mode)
-    ONE_LOOP: tl.constexpr,  # one loop over all tiles, or unmasked then masked tiles (see _default_one_loop)
-    L2D: tl.constexpr,  # running softmax sums kept per element, reduced after the loop (see _default_l2d)
-    PREWAIT: tl.constexpr,  # USE_PDL: lengths read and prefix tiles prefetched before the wait (see PREWAIT)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (attention_launch.pdl_mode)
+    ONE_LOOP: tl.constexpr,  # one loop over all tiles, or unmasked then masked tiles (attention_launch)
+    L2D: tl.constexpr,  # running softmax sums kept per element, reduced after the loop (attention_launch)
+    PREWAIT: tl.constexpr,  # USE_PDL: lengths read and prefix tiles prefetched before the wait
 ):
     if USE_PDL == 2:  # PDL_EARLY
         tlc.gdc_launch_dependents()
@@ -565,213 +513,6 @@ def _write_kv_kernel(
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-_SM_COUNT = {}
-
-
-def _sm_count(device):
-    """Streaming multiprocessors of device (a fixed small number on CPU, where the interpreter runs)."""
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-WGMMA_MIN_CAPACITY_D128 = 4096  # 17-32 rows take the wgmma tile at d128 from this page-table capacity
-
-
-def _launch_config(max_q_len, G, D, dtype=torch.bfloat16, kv_capacity=None):
-    """Tile sizes and launch options from static info only (ptxas figures for sm_90, bf16).
-
-    17-32 rows (short chains and trees: e.g. T = 6-10 at G = 3) take the one-warpgroup wgmma tile of
-    BLOCK_M = 64 (padded) with 16-bit inputs at d <= 64, and at d128 from a page-table capacity
-    (kv_capacity, slots) of WGMMA_MIN_CAPACITY_D128; otherwise the mma.sync tile of 32 rows. Same-run
-    A/B, H200, bf16 (results/kernels/ab_wgmma_short_trees_d0845d2.txt), T=8, 32 vs 64 rows: 9q/3kv
-    d64 1.00-1.06x at B=1, B=8 prefix 4096 / 16384 22.96 -> 18.95 / 53.11 -> 38.84 us, B=64 prefix
-    512 / 4096 / 16384 27.4 -> 16.5 / 96.6 -> 59.4 / 330 -> 206 us, T=6 B=64 prefix 1024 36.8 ->
-    23.9 us; 32q/8kv d128 prefix 4096-16384 1.02-1.44x, but prefix 512 B=1 9.41 -> 12.00 us and B=8
-    16.85 -> 17.51 us (kept on mma.sync below that capacity).
-
-    BLOCK_M packs BLOCK_T queries x G heads: decode (max_q_len * G <= 16) 16 rows, tree verify and
-    short chunks 32-64 rows, prefill 128 rows (e.g. 42 queries x 3 heads).
-    - BLOCK_M <= 32 (mma.sync path, bandwidth-bound): 5 stages give two K/V buffers in flight
-      (~37 KB smem, ~95 regs at d64 / N=64; d128 takes N=32 for the same footprint). 4 warps:
-      H200 at c3ae0bd (results/kernels/exp_decode_warps_c3ae0bd.txt), decode 9q/3kv B=8 prefix
-      16384 31.4 us vs 32.5 (2 warps), 51.3 (1 warp), 46.4 (8 warps), 34.6 (N=128); 32q/8kv B=1
-      prefix 512 8.7 us vs 11.6 / 16.0 / 9.2; 2 warps with N halved was within 0.5 us at B=1 and
-      up to 14% slower elsewhere.
-    - BLOCK_M = 64 (one wgmma warpgroup): N=64; N=128 needs 255 regs at d64 (2 programs/SM -> 1).
-    - BLOCK_M = 128 (prefill): 8 warps, N=64; 4 warps spill at d64.
-    fp32 inputs (tests, debugging) run an ieee FMA dot, which needs registers for both operands:
-    8 warps, 2 stages, BLOCK_M <= 64 x BLOCK_N = 32 at d64 and 32 x 16 at d128 (no spills; the bf16
-    tiles would spill kilobytes).
-    """
-    rows = max_q_len * G
-    max_m = 128 if dtype != torch.float32 else (64 if D <= 64 else 32)
-    block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
-    block_m = max(block_m, triton.next_power_of_2(G))
-    if (block_m == 32 and dtype != torch.float32
-            and (D <= 64 or (kv_capacity is not None and kv_capacity >= WGMMA_MIN_CAPACITY_D128))):
-        block_m = 64  # the wgmma tile, see above
-    block_t = block_m // G
-    if block_m <= 32:
-        cfg = dict(BLOCK_N=64 if D <= 64 else 32, num_warps=4, num_stages=5)
-    elif block_m == 64:
-        # 5 stages, measured on H200 (bf16, B=64, prefix 1024, T=16): 30.9 us vs 49.3 us with 3
-        # stages and 2 splits (9q/3kv d64); 96 us vs 105 us at 32q/8kv d128. Rotating timing at
-        # 9aa95c6, same run (9q/3kv): 5 stages 23.6 us; 6-10 stages 23.6-25.2; 3 / 4 stages 31.9;
-        # BLOCK_N 32 (7-11 stages) 25.3-26.0, 128 (4-6 stages) 25.7-28.6; 8 warps 32.9; the softmax
-        # scale folded into the exp2 FMA 23.55 vs 23.42 us.
-        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=5)
-    else:
-        cfg = dict(BLOCK_N=64, num_warps=8, num_stages=3 if D <= 128 else 2)
-    if dtype == torch.float32:
-        cfg.update(BLOCK_N=32 if D <= 64 else 16, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=block_m, BLOCK_T=block_t, **cfg)
-
-
-def _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device):
-    """Split-KV factor from static shapes: enough programs to fill every SM with as many as can be
-    resident at once (by registers, see _launch_config: ~4 at BLOCK_M <= 32, 3 or 2 at 64, 1 at 128),
-    keeping >= MIN_SPLIT_TILES KV tiles of capacity per split.
-
-    Capture-safe means the split count cannot see kv_lens, only the capacity MP * PS (the page-table
-    width). Work is still spread by the real length (each split takes ceil(n_tiles / num_splits) of
-    the request's tiles, see the kernel), so a short request in a wide table keeps only its first
-    few splits busy; the others return after writing an empty partial. The trade-off of the
-    per-split minimum, decode at B = 1, 3 KV heads, capacity 8192 slots (128 tiles of 64):
-    - a full-length request runs 3 * 32 programs of 4 tiles; a minimum of 2 gives 3 * 64 programs
-      of 2 tiles (more SMs streaming KV: possibly faster at long contexts), 8 gives 3 * 16 of 8;
-    - a short request (kv_len 100: 2 tiles) keeps 2 splits busy whatever the minimum, plus 3 * 30
-      empty programs (3 * 62 with a minimum of 2), and the merge reads 32 partials per row, not 64.
-    Neither removes the merge launch: that needs num_splits = 1, i.e. a capacity <= one split's
-    minimum (an engine that captures graphs per context-length bucket could pass num_splits itself).
-    experiments/kernels/bench_decode_layer.py times the split counts side by side.
-    """
-    base = max(1, B * HKV * n_qblocks)
-    block_m = cfg["BLOCK_M"]
-    # Tree tiles (BLOCK_M = 64) split here only to reach one program per SM (at B=64, T=16 a second
-    # split with the merge kernel cost 60%); long prefixes split further under _occupancy_splits.
-    per_sm = 4 if block_m <= 32 else 1
-    splits = max(1, (per_sm * _sm_count(device)) // base)
-    splits = min(splits, max(1, kv_capacity // (MIN_SPLIT_TILES * cfg["BLOCK_N"])), MAX_SPLITS)
-    return 1 << (splits.bit_length() - 1)  # a power of two: few distinct merge-kernel compiles
-
-
-TREE_MIN_SPLIT_TILES = 16  # the tree-tile occupancy plan keeps >= 16 tiles per split (capacity and run time)
-TREE_PROGRAMS_PER_SM = {64: 3, 128: 2}  # by head dim, see _occupancy_splits
-TREE_MAXNREG = 168  # register cap of the d64 tree tile when split (its unsplit count on sm_90)
-
-
-def _occupancy_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype):
-    """Split count of the tree-tile occupancy plan (BLOCK_M = 64, 16-bit inputs, D <= 128), or 1.
-
-    One tree program walks its tiles as a dependent chain (QK wgmma, wait, softmax, PV wgmma): at
-    the tree headline (9q/3kv d64, B=64, prefix 1024, T=16) it takes 21.2 us with every K/V read
-    hitting L2 (the page table folded onto 8 pages) vs 23.0 us from DRAM, so a program is bound by
-    its chain, not by bandwidth, and more programs per SM is what lifts throughput. The plan splits
-    the KV range until about TREE_PROGRAMS_PER_SM programs per SM exist (3 at d64: 168 registers
-    and 58 KB of shared memory each with the cap below; 2 at d128, measured), each split keeping
-    >= TREE_MIN_SPLIT_TILES tiles of page-table capacity, and (in paged_attention) launches them
-    with the fused merge folding one partial per step and, at d64, a 168-register cap (split-KV
-    otherwise takes 203-244 registers: 2 programs per SM). At run time a split also gets >= 16 of
-    its request's tiles (min_busy_tiles), so a short request in a wide table runs fewer, longer
-    splits. It only applies where it gives more splits than _default_num_splits (which fills the
-    SMs once).
-    H200, bf16, T=16, same run, rotating timing (experiments/kernels/exp_tree_splits.py; us,
-    default before -> this plan): 9q/3kv B=16 prefix 4096 33.9 -> 28.9 (4 splits), 16384 102.6 ->
-    79.1; B=32 4096 52.5 -> 37.8, 16384 189.3 -> 108.4 (88.5% of copy); B=64 4096 70.7 -> 61.2
-    (2 splits), 16384 256.1 -> 202.9; 32q/8kv B=8 16384 150.9 -> 139.7; B=16 4096 90.7 -> 79.8,
-    16384 322.9 -> 257.5. Shapes it leaves alone were slower split: B=64 prefix 1024 23.6 us vs
-    25.1 (2 splits), B=128 1024 33.8 vs 47.4. Held out of that first sweep and checked at 048c1ed
-    (results/kernels/exp_tree_splits_048c1ed.txt): 9q/3kv B=16 prefix 16384, 8 splits, 63.6 vs
-    102.6 us. Also measured at the tree headline and dropped: issuing tile j+1's QK^T before tile
-    j's softmax (branch exp/overlap-qk): Triton waits for that wgmma at once, since its result
-    feeds non-dot ops, so nothing overlaps and the extra masking costs (31.0 vs 23.6 us); smaller
-    query blocks of mma.sync tiles (exp_tree_qblocks.py): 36.7-37.9 us.
-    """
-    per_sm = TREE_PROGRAMS_PER_SM.get(D)
-    if cfg["BLOCK_M"] != 64 or dtype == torch.float32 or per_sm is None:
-        return 1
-    splits = max(1, (per_sm * _sm_count(device)) // max(1, B * HKV * n_qblocks))
-    splits = min(splits, max(1, kv_capacity // (TREE_MIN_SPLIT_TILES * cfg["BLOCK_N"])), MAX_SPLITS)
-    return 1 << (splits.bit_length() - 1)
-
-
-def default_split_count(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype):
-    """(num_splits, plan) that paged_attention launches with num_splits=None: the larger of
-    _default_num_splits and _occupancy_splits; plan is True when the occupancy plan's count wins
-    (and with it its launch options)."""
-    fill = _default_num_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device)
-    occupancy = _occupancy_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype)
-    return (occupancy, True) if occupancy > fill else (fill, False)
-
-
-def _merge_rows(cfg, max_q_len, G):
-    """Rows of the fused merge's tile: pow2 >= the rows a query block can use (<= BLOCK_M)."""
-    return triton.next_power_of_2(min(cfg["BLOCK_T"], max_q_len) * G)
-
-
-ONE_LOOP_MAX_TILES = 8  # default one loop for BLOCK_M >= 64 up to this many tiles of capacity per split
-
-
-def _default_l2d(cfg):
-    """Whether the running softmax sums are kept per element ([BLOCK_M, BLOCK_N], one FMA per score)
-    and reduced once after the loop (L2D), instead of a row sum per tile: at BLOCK_M <= 32.
-
-    The mma.sync tiles (decode, short chains and trees) spread a score tile's columns over the 4
-    warps, so each row sum is a cross-warp reduction through shared memory, with a barrier, on every
-    tile's dependent chain; the per-element sums take 8-16 more registers there. On the wgmma tiles
-    (BLOCK_M = 64: one warpgroup, each row within one warp) they take 32 more (168 -> 224 at d64, 3
-    -> 2 programs per SM) and the row sum is not on the critical path. Same-run A/B, H200, bf16,
-    rotating timing (experiments/results/kernels/exp_attention_l2d_c3ae0bd.txt), row sums vs L2D:
-    - BLOCK_M <= 32: decode 9q/3kv B=8 prefix 4096 14.17 / 14.13 vs 13.61 / 13.61 us, prefix 16384
-      32.6 vs 31.5, B=64 prefix 4096 59.5 vs 57.1; 32q/8kv B=1 prefix 512 9.18 vs 8.70, B=8 prefix
-      4096 39.9 vs 39.5; a T=8 chain at B=1 prefix 1024 10.3 vs 9.5.
-    - BLOCK_M = 64 (T=16 trees): headline 23.8 / 23.9 vs 23.9 / 24.0 us (no change), 32q/8kv
-      B=64 prefix 1024 85.8 vs 85.4; B=128 prefix 1024 34.0 vs 46.5 (the occupancy loss), 9q/3kv B=64
-      prefix 4096 61.3 vs 63.6."""
-    return cfg["BLOCK_M"] <= 32
-
-
-def _default_one_loop(cfg, kv_capacity, num_splits):
-    """Whether the kernel walks its tiles in one loop (ONE_LOOP) by default: at BLOCK_M <= 32
-    (decode, short chains and trees: mma.sync tiles), and at larger tiles when a split holds at
-    most ONE_LOOP_MAX_TILES tiles of page-table capacity (static shapes only, like the split count).
-
-    One loop streams every tile, the masked ones included, through one software pipeline and
-    branches per tile on whether it needs the mask; two loops (unmasked tiles, then masked) restart
-    the pipeline for the masked tiles: two more dependent memory round trips (page table, then K/V)
-    at the end of each program, which short programs feel most. On the wgmma tiles (BLOCK_M >= 64)
-    the branch inside a long loop costs more than those round trips. Same-run A/B, H200, bf16,
-    eb3d046 (rotating timing; experiments/results/kernels/ab_attention_loops_eb3d046.txt), two-loop
-    time / one-loop time:
-    - BLOCK_M <= 32: 1.006-1.364 at 35 of 36 shapes (e.g. 32q/8kv T=8 B=64 prefix 4096 481 vs
-      376 us; decode B=1 prefix 512 10.1 vs 9.2 us), 0.997 at the other.
-    - BLOCK_M >= 64, <= 5 tiles per split: 1.005-1.078 at 9 of 10 shapes, 0.991 at the other.
-    - 9 tiles: 0.960-1.076, 4 of 7 shapes for one loop; 17-257 tiles: 0.824-0.997 at 16 of 17
-      shapes (9q/3kv T=16 prefix 16384 B=8: 55.0 vs 65.0 us), 1.003 at the other. The tree headline
-      (9q/3kv T=16 B=64 prefix 1024, 17 tiles) in another run: 23.6 vs 25.8 us.
-    Graphed steps, random weights, same run: Llama-3.1-8B batch 1 4.349 vs 4.386 ms with one loop
-    everywhere; SmolLM2 plain 0.580 vs 0.600 ms, chain5 / tree16 / tree48 1.116 / 1.258 /
-    1.388 vs 1.140 / 1.271 / 1.432 ms. Also measured and dropped: applying the tree mask to every
-    tile instead of branching (T=16 B=64 prefix 1024: 35.5 us), and loading the first masked tile
-    before the unmasked loop (23.8 us: its registers go to shared memory before the loop, so the
-    loads are waited for there)."""
-    if cfg["BLOCK_M"] <= 32:
-        return True
-    return triton.cdiv(triton.cdiv(kv_capacity, cfg["BLOCK_N"]), num_splits) <= ONE_LOOP_MAX_TILES
-
-
-def _default_fused_merge(cfg, max_q_len, G, D):
-    """Whether split-KV merges in the attention kernel by default (SPECDEC_FUSED_MERGE, else the
-    FUSED_MERGE_MAX_TILE rule)."""
-    if FUSED_MERGE is not None:
-        return FUSED_MERGE
-    return _merge_rows(cfg, max_q_len, G) * D <= FUSED_MERGE_MAX_TILE
-
-
 _COUNTERS = {}
 
 
@@ -882,21 +623,22 @@ def paged_attention(
             head) to finish merges the partials (one launch; an int32 arrival counter per group in a
             zeroed workspace that each launch leaves zeroed); False: a second merge kernel; None:
             fused when that last program folds >= 8 partials per step (merged rows x D <= 1024,
-            e.g. decode), see FUSED_MERGE_MAX_TILE (SPECDEC_FUSED_MERGE overrides the default).
+            e.g. decode), see attention_launch.FUSED_MERGE_MAX_TILE (the kernel option fused_merge
+            overrides the default).
         one_loop: True: each program walks its KV tiles in one loop, masking a tile at run time
             when it needs it; False: the unmasked tiles, then the masked ones; None: the measured
-            default, see _default_one_loop. Both compute the same values.
+            default, see attention_launch.default_one_loop. Both compute the same values.
         maxnreg: launch tuning (None: ptxas decides, or 168 under the tree occupancy plan): a
             register cap per thread for the attention kernel. Split-KV raises the tree tile's
             count (BLOCK_M = 64, d64, sm_90: 168 registers without splits, 203 with the merge
             kernel, 230-244 with the fused merge), which drops it from 3 to 2 programs per SM; a
-            cap of 168 fits them with <= 24 bytes of spills. See _occupancy_splits for when it pays.
+            cap of 168 fits them with <= 24 bytes of spills. See attention_launch.occupancy_splits.
         merge_chunk: launch tuning: partials the fused merge folds per step (default as many as fit
             8192 fp32 values, at most num_splits; 1 under the tree occupancy plan).
         l2d: True: each program keeps its running softmax sums per element of the score tile and
             reduces them once after its loop; False: a row sum per tile; None: the measured default,
-            see _default_l2d. Both compute the same values up to summation order.
-        When num_splits is None and the tree occupancy plan applies (_occupancy_splits), the
+            see attention_launch.default_l2d. Both compute the same values up to summation order.
+        When num_splits is None and the tree occupancy plan applies (attention_launch.occupancy_splits), the
         defaults of fused_merge, merge_chunk and maxnreg are the plan's; explicit values win.
 
     Returns:
@@ -911,47 +653,26 @@ def paged_attention(
     P, PS, HKV, _ = k_cache.shape
     B, MP = page_table.shape
     G = HQ // HKV
-    cfg = _launch_config(max_q_len, G, D, q.dtype, MP * PS)
-    n_qblocks = triton.cdiv(max_q_len, cfg["BLOCK_T"])
-    min_busy_tiles = 1
-    if num_splits is None:
-        num_splits, plan = default_split_count(B, HKV, D, n_qblocks, MP * PS, cfg, q.device, q.dtype)
-        if plan:  # the tree-tile occupancy plan (see _occupancy_splits)
-            min_busy_tiles = TREE_MIN_SPLIT_TILES
-            fused_merge = True if fused_merge is None and FUSED_MERGE is None else fused_merge
-            merge_chunk = 1 if merge_chunk is None else merge_chunk
-            if maxnreg is None and D <= 64:
-                maxnreg = TREE_MAXNREG
-    if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"paged_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
-    if merge_chunk is not None and (not isinstance(merge_chunk, int) or merge_chunk < 1
-                                    or merge_chunk & (merge_chunk - 1)):
-        raise ValueError(f"paged_attention: merge_chunk must be a power of two >= 1, got {merge_chunk!r}")
+    lp = launch.plan(max_q_len, B, HKV, G, D, MP * PS, q.dtype, q.device, num_splits=num_splits,
+                     fused_merge=fused_merge, one_loop=one_loop, maxnreg=maxnreg, merge_chunk=merge_chunk, l2d=l2d)
+    cfg, num_splits, pdl = lp.cfg, lp.num_splits, lp.pdl
 
     o = torch.empty((N, HQ, D), dtype=q.dtype, device=q.device)
     if N == 0 or B == 0:
         return o
-    split = num_splits > 1
-    if split:
+    if lp.split:
         o_part = torch.empty((N, HQ, num_splits, D), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((N, HQ, num_splits), dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = o  # unused placeholders
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     tm = tree_mask if tree_mask is not None else kv_lens  # placeholder pointer when causal
-    grid = (n_qblocks, B * HKV, num_splits)
-    merge_rows = _merge_rows(cfg, max_q_len, G)
-    if fused_merge is None:
-        fused_merge = _default_fused_merge(cfg, max_q_len, G, D)
-    fused = split and fused_merge
-    pdl = pdl_mode(q.device)
-    if one_loop is None:
-        one_loop = _default_one_loop(cfg, MP * PS, num_splits)
-    counters = arrival_counters(q.device, n_qblocks * B * HKV) if fused else kv_lens  # placeholder
+    grid = (lp.n_qblocks, B * HKV, num_splits)
+    counters = arrival_counters(q.device, lp.n_qblocks * B * HKV) if lp.fused_merge else kv_lens  # placeholder
     block_s = triton.next_power_of_2(num_splits)
     _paged_attention_fwd_kernel[grid](
         q, k_cache, v_cache, page_table, cu_q_lens, kv_lens, tm, o, o_part, lse_part, counters,
-        scale * 1.4426950408889634, num_splits, min_busy_tiles, tree_window or 0,
+        scale * 1.4426950408889634, num_splits, lp.min_busy_tiles, tree_window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *(SAME_KV_STRIDES if v_cache.stride() == k_cache.stride()
@@ -959,17 +680,16 @@ def paged_attention(
         page_table.stride(0), o.stride(0), o.stride(1),
         HKV=HKV, G=G, D=D, PS=PS,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], BLOCK_N=cfg["BLOCK_N"],
-        SPLIT=split, FUSED_MERGE=fused, BLOCK_S=block_s,
-        S_CHUNK=merge_chunk or min(block_s, max(1, 8192 // (merge_rows * D))),  # <= 8192 fp32 values per step
-        MERGE_ROWS=merge_rows,
+        SPLIT=lp.split, FUSED_MERGE=lp.fused_merge, BLOCK_S=block_s, S_CHUNK=lp.s_chunk,
+        MERGE_ROWS=lp.merge_rows,
         IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), ONE_LOOP=one_loop,
-        L2D=_default_l2d(cfg) if l2d is None else bool(l2d), PREWAIT=PREWAIT and bool(pdl),
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), ONE_LOOP=lp.one_loop,
+        L2D=lp.l2d, PREWAIT=lp.prewait,
+        **({"maxnreg": lp.maxnreg} if lp.maxnreg else {}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if split and not fused:
+    if lp.split and not lp.fused_merge:
         _paged_attention_merge_kernel[(N * HQ,)](
             o_part, lse_part, o, num_splits, o.stride(0), o.stride(1),
             HQ=HQ, D=D, BLOCK_S=block_s, USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}),

@@ -66,15 +66,14 @@ x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-pat
 precision ones tensor-core dots with fp32 accumulation.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import cuda as tlc
 
+from . import options
 from .activation import silu_mul_ref
-from .attention import _sm_count, pdl_mode
+from .attention_launch import pdl_mode, sm_count
 from .norm import rms_norm_ref
 from .rope import rope_write_kv_ref_
 
@@ -84,17 +83,14 @@ MAX_M = 64
 GEMV_MAX_COLUMNS = 16384
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_QKV_EARLY_ENV = os.environ.get("SPECDEC_PDL_QKV_EARLY", "auto")
-if _QKV_EARLY_ENV not in ("auto", "0", "1"):
-    raise ValueError(f"SPECDEC_PDL_QKV_EARLY must be auto, 0 or 1, got {_QKV_EARLY_ENV!r}")
 # With PDL, the qkv kernel (RoPE epilogue) lets its successor, the attention, launch at its start
 # instead of after its weight stream when its weights are at most QKV_EARLY_MAX_BYTES (always / never
-# with SPECDEC_PDL_QKV_EARLY=1 / 0): the attention programs then read their lengths and prefetch
-# their prefix (attention.PREWAIT) while a short qkv kernel runs. A long one is slowed by them: H200,
-# graphed batch-1 plain steps (see attention.PREWAIT), SmolLM2 (1.1 MB of qkv weights per layer)
-# 0.5736 vs 0.5779 ms, Llama-3.1-8B shapes (50 MB) 4.396 vs 4.306 ms.
+# with the kernel option pdl_qkv_early true / false): the attention programs then read their lengths
+# and prefetch their prefix (kernel option attn_prewait) while a short qkv kernel runs. A long one is
+# slowed by them: H200, graphed batch-1 plain steps (results/profile/ab_prewait_qkv_early.txt),
+# SmolLM2 (1.1 MB of qkv weights per layer) 0.5736 vs 0.5779 ms, Llama-3.1-8B shapes (50 MB) 4.396
+# vs 4.306 ms.
 QKV_EARLY_MAX_BYTES = 8 << 20
-QKV_EARLY = None if _QKV_EARLY_ENV == "auto" else _QKV_EARLY_ENV == "1"
 EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
 # The same values as constexpr globals: the only globals a compiled @triton.jit body may read.
 _EPI_NONE, _EPI_SWIGLU, _EPI_ROPE = tl.constexpr(EPI_NONE), tl.constexpr(EPI_SWIGLU), tl.constexpr(EPI_ROPE)
@@ -299,7 +295,7 @@ def _fused_linear_kernel(
     DOT_PREC: tl.constexpr,
     GEMV: tl.constexpr,  # BLOCK_M = 1: CUDA-core products instead of a 16-row tl.dot
     BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
-    USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, 1 late or 2 early trigger (attention.pdl_mode)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, 1 late or 2 early trigger (attention_launch.pdl_mode)
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
@@ -439,7 +435,7 @@ def _block_m(M):
 def _block_n(n_cols, device, lo=16, hi=128):
     """Widest column block that still gives every SM a program (weights stream from all SMs): SmolLM2
     wo / w2 (576 columns) -> 16, lm_head (49152) -> 128; at least ``lo`` (the tl.dot minimum)."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     bn = hi
     while bn > lo and triton.cdiv(n_cols, bn) < sms:
         bn //= 2
@@ -489,7 +485,7 @@ def _gemv_tiles(K, epi, device):
     14336) 8 x 512 with 4 warps (wo 10.5 us, w2 29.8), 8 x 256 for qkv (17.8), and for gate|up 8 x 512
     with 8 warps on a persistent grid of 2 programs per SM."""
     if epi == EPI_SWIGLU and K > 2048:  # 8B gate|up: 62.4 us (4 warps, one block per program: 65.2)
-        return {"block_n": 8, "BLOCK_K": 512, "num_warps": 8, "programs": 2 * _sm_count(device)}
+        return {"block_n": 8, "BLOCK_K": 512, "num_warps": 8, "programs": 2 * sm_count(device)}
     if epi != EPI_NONE:
         return {"block_n": 8, "BLOCK_K": 256, "num_warps": 4}
     if K <= 2048:
@@ -531,9 +527,9 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     cfg = dict(config or {})
     gemv = _use_gemv(x, cfg)
     pdl = int(cfg.pop("pdl", pdl_mode(x.device)))  # 0 off, 1 late, 2 early trigger
-    if pdl == 1 and epi == EPI_ROPE:  # the attention after it may launch at once (see QKV_EARLY)
-        small = w.numel() * w.element_size() <= QKV_EARLY_MAX_BYTES
-        pdl = 2 if (small if QKV_EARLY is None else QKV_EARLY) else 1
+    if pdl == 1 and epi == EPI_ROPE:  # the attention after it may launch at once (see QKV_EARLY_MAX_BYTES)
+        early = options.get().pdl_qkv_early
+        pdl = 2 if (w.numel() * w.element_size() <= QKV_EARLY_MAX_BYTES if early is None else early) else 1
     block_m = 1 if gemv else _block_m(M)
     norm = norm_weight is not None
     if residual is not None:
@@ -688,7 +684,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
         parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE, x.device)["block_n"])
     elif parts is None:
         parts = 1
-        while half // (2 * parts) >= 16 and (HQ + 2 * HKV) * 2 * parts <= _sm_count(x.device):
+        while half // (2 * parts) >= 16 and (HQ + 2 * HKV) * 2 * parts <= sm_count(x.device):
             parts *= 2
     block_n = max(1 if gemv else 16, half // parts)  # tl.dot needs >= 16 columns
     parts = triton.cdiv(D // 2, block_n)

@@ -22,6 +22,9 @@ class NullLogger:
     def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
         pass
 
+    def log_summary(self, values: dict) -> None:
+        """Run-level facts (e.g. provenance) that are not a time series."""
+
     def finish(self) -> None:
         pass
 
@@ -44,6 +47,9 @@ class WandbLogger(NullLogger):
 
     def log_table(self, name: str, columns: list[str], rows: list[list]) -> None:
         self.run.log({name: self._wandb.Table(columns=columns, data=rows)})
+
+    def log_summary(self, values: dict) -> None:
+        self.run.summary.update(values)
 
     def finish(self) -> None:
         self.run.finish()

@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from .bench.provenance import provenance
 from .bench.workloads import load_prompts, resolve_chat
 from .errors import ConfigError, SpecdecError
 from .loggers import make_logger
@@ -31,6 +32,21 @@ def resolve_device(name: str) -> str:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
     return name
+
+
+def apply_kernel_options(cfg: DictConfig) -> dict:
+    """Set the kernel research switches of ``cfg.kernels`` (conf/kernels/; fields it lacks take their
+    defaults) for this process, before any model or engine is built (CUDA graphs keep the options
+    they were captured with); returns them."""
+    from kernels_triton import options
+
+    group = cfg.get("kernels")
+    fields = OmegaConf.to_container(group, resolve=True) if group is not None else {}
+    try:  # every field set: an earlier job of a --multirun in this process leaves nothing behind
+        options.set_(**{**options.KernelOptions().as_dict(), **fields})
+    except ValueError as e:
+        raise ConfigError(f"kernels: {e}") from None
+    return options.get().as_dict()
 
 
 def build_target(cfg: DictConfig, device: str):
@@ -189,8 +205,10 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError(f"policy={cfg.policy.name} speculates but draft=none; choose a drafter "
                           "(draft=ngram or draft=eagle3_smollm2 / eagle3) or policy=never")
 
+    apply_kernel_options(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    stamp = provenance(device)  # commit, date, device name, versions, kernel options
     model, tokenizer = build_target(cfg, device)
     prompts = load_prompts(cfg.workload, tokenizer)
     # What workload.chat (auto by default) resolved to, and which file the template came from.
@@ -198,7 +216,7 @@ def run(cfg: DictConfig) -> dict:
                      "chat_template_source": getattr(tokenizer, "chat_template_source", None)}
     resolved["workload"]["chat_resolved"] = prompt_format["chat"]
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
-    logger = make_logger(cfg.logger, run_dir, run_dir.name, resolved)
+    logger = make_logger(cfg.logger, run_dir, run_dir.name, {**resolved, "provenance": stamp})
     try:
         t0 = time.perf_counter()
         trace = StepTrace(run_dir / "steps.jsonl")  # one line per engine step
@@ -211,12 +229,14 @@ def run(cfg: DictConfig) -> dict:
         metrics = summarize(records, time.perf_counter() - t0, trace)
         metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
                        workload=cfg.workload.name, **prompt_format,
-                       weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained")
+                       weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained",
+                       **stamp)
         with open(run_dir / "requests.jsonl", "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        logger.log_summary(stamp)
         logger.log_table("requests", ["id", "output_tokens", "output"],
                          [[r["id"], r.get("output_tokens", 0), r.get("output", "")] for r in records])
     finally:

@@ -32,11 +32,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from .bench.provenance import git_commit
+from .bench.provenance import git_commit, provenance
 from .errors import ConfigError, SpecdecError
 from .models.loading import SHARD_BYTES
 from .loggers import make_logger
-from .run import build_target, resolve_device
+from .run import apply_kernel_options, build_target, resolve_device
 from .training.data import (FeatureStore, Sequence, capture, draft_vocab, gather_batch, generate,
                             length_batches, load_sequences, save_sequences)
 from .training.prompts import (SEED_TASKS, EvalIndex, TrainingDataError, TrainPrompt, assert_no_overlap,
@@ -441,8 +441,10 @@ def run(cfg: DictConfig) -> dict:
     seed = int(cfg.seed)
     torch.manual_seed(seed)
     device = resolve_device(cfg.device)
+    apply_kernel_options(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+    stamp = provenance(device)  # commit, date, device name, versions, kernel options
     t_start = time.perf_counter()
     phase: dict[str, float] = {}
 
@@ -458,7 +460,7 @@ def run(cfg: DictConfig) -> dict:
     head_cfg = Eagle3Config.for_target(model.config, int(tc.draft_vocab_size), target_layers=layers)
     max_seq = int(tc.data.max_seq_len)
 
-    logger = make_logger(cfg.logger, run_dir, run_dir.name, resolved)
+    logger = make_logger(cfg.logger, run_dir, run_dir.name, {**resolved, "provenance": stamp})
     try:
         # 1-2. Prompts and the target's answers.
         seqs, data_stats = make_sequences(cfg, model, tokenizer, eos, run_dir, phase)
@@ -466,7 +468,7 @@ def run(cfg: DictConfig) -> dict:
             phase["total"] = time.perf_counter() - t_start
             metrics = {"target": cfg.target.name, "device": device, "dtype": str(model.dtype),
                        "data": {**data_stats, "sequences": len(seqs), "tokens": sum(map(len, (s.ids for s in seqs)))},
-                       "phase_s": phase, "sequences": str(run_dir / "sequences.jsonl")}
+                       "phase_s": phase, "sequences": str(run_dir / "sequences.jsonl"), **stamp}
             (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
             print(f"{len(seqs)} sequences ({metrics['data']['tokens']} tokens) in {metrics['sequences']}")
             print(f"run directory: {run_dir}")
@@ -536,10 +538,12 @@ def run(cfg: DictConfig) -> dict:
                       "final": _strip_step(history[-1]) if history else {}},
             "eval": res["eval"],
             "checkpoint": str(ckpt_dir), "exported_checkpoint": str(exported) if exported else None,
+            **{k: v for k, v in stamp.items() if k != "device_name"},
         }
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         (run_dir / "train_log.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
         logger.log_metrics({"final/" + k.split("/", 1)[1]: v for k, v in res["eval"].items()}, step=res["steps"])
+        logger.log_summary(stamp)
     finally:
         logger.finish()
     print_summary(metrics)

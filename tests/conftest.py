@@ -30,6 +30,17 @@ def poison(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
+@pytest.fixture(autouse=True)
+def kernel_options():
+    """kernels_triton.options, back at its defaults after every test (a test that sets an option
+    cannot leak it into the next one); yields the module."""
+    from kernels_triton import options
+
+    options.reset_()
+    yield options
+    options.reset_()
+
+
 @pytest.fixture
 def device():
     return DEVICE

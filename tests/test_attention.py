@@ -284,25 +284,26 @@ def test_launch_tuning_options_keep_results():
 
 def test_tree_occupancy_plan(monkeypatch):
     # Tree tiles (BLOCK_M = 64) split past one program per SM when each split keeps enough tiles
-    # (_occupancy_splits), launched with the fused merge, merge_chunk 1 and a register cap; at run
+    # (occupancy_splits), launched with the fused merge, merge_chunk 1 and a register cap; at run
     # time a short request runs fewer busy splits (min_busy_tiles). The plan's launch must give the
     # reference result with ragged lengths (one request below two splits' worth of tiles), pages
     # out of order and NaN-poisoned workspaces. Scaled down: 6 SMs, 4 tiles per split.
     import kernels_triton.attention as attn
+    import kernels_triton.attention_launch as launch
 
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
-    monkeypatch.setattr(attn, "_sm_count", lambda device: 6)
-    monkeypatch.setattr(attn, "TREE_MIN_SPLIT_TILES", 4)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 6)
+    monkeypatch.setattr(launch, "TREE_MIN_SPLIT_TILES", 4)
     T = [16, 5, 16]
     batch = make_batch(T=T, prefix=[300, 40, 500], heads=(9, 3, 64), PS=16, dtype=torch.float16, seed=13)
     tm = batch_tree_mask(T, seed=13)
-    cfg = attn._launch_config(16, 3, 64, torch.float16)
+    cfg = launch.launch_config(16, 3, 64, torch.float16)
     cap = batch["page_table"].shape[1] * 16
     dev = batch["q"].device
-    assert attn._default_num_splits(3, 3, 64, 1, cap, cfg, dev) == 1
-    assert attn._occupancy_splits(3, 3, 64, 1, cap, cfg, dev, torch.float16) == 2
-    assert attn._occupancy_splits(3, 3, 64, 1, cap, cfg, dev, torch.float32) == 1  # fp32: other tiles
+    assert launch.default_num_splits(3, 3, 64, 1, cap, cfg, dev) == 1
+    assert launch.occupancy_splits(3, 3, 64, 1, cap, cfg, dev, torch.float16) == 2
+    assert launch.occupancy_splits(3, 3, 64, 1, cap, cfg, dev, torch.float32) == 1  # fp32: other tiles
     ref = attn.paged_attention_ref(**batch, tree_mask=tm)
     for _ in range(2):  # the fused merge's counters are left zeroed for the next launch
         out = call_poisoned(lambda: attn.paged_attention(**batch, tree_mask=tm, max_q_len=16),
@@ -313,40 +314,108 @@ def test_tree_occupancy_plan(monkeypatch):
 def test_tree_occupancy_rule_h200_shapes(monkeypatch):
     # The measured cases (experiments/kernels/exp_tree_splits.py): 132 SMs, T = 16, capacity
     # prefix + 16 slots. 3 programs per SM at d64, 2 at d128, >= 16 tiles of 64 per split.
-    import kernels_triton.attention as attn
+    import kernels_triton.attention_launch as launch
 
-    monkeypatch.setattr(attn, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
     dev = torch.device("cpu")
     want = {(3, 64, 16, 4096): 4, (3, 64, 32, 16384): 4, (3, 64, 64, 4096): 2, (3, 64, 64, 1024): 1,
             (3, 64, 128, 16384): 1, (8, 128, 16, 4096): 2, (8, 128, 8, 16384): 4, (8, 128, 32, 4096): 1}
     for (HKV, D, B, prefix), n in want.items():
-        cfg = attn._launch_config(16, 12 // HKV if D == 64 else 4, D, torch.bfloat16)
+        cfg = launch.launch_config(16, 12 // HKV if D == 64 else 4, D, torch.bfloat16)
         assert cfg["BLOCK_M"] == 64
-        assert attn._occupancy_splits(B, HKV, D, 1, prefix + 16, cfg, dev, torch.bfloat16) == n, (HKV, D, B, prefix)
-    cfg = attn._launch_config(8, 4, 128, torch.bfloat16, kv_capacity=512)  # 32-row tiles: not planned
-    assert cfg["BLOCK_M"] == 32 and attn._occupancy_splits(16, 8, 128, 1, 512, cfg, dev, torch.bfloat16) == 1
-    cfg = attn._launch_config(8, 3, 64, torch.bfloat16)  # T = 8 at d64 takes the wgmma tile and its plan
-    assert cfg["BLOCK_M"] == 64 and attn._occupancy_splits(16, 3, 64, 1, 16384, cfg, dev, torch.bfloat16) == 8
+        assert launch.occupancy_splits(B, HKV, D, 1, prefix + 16, cfg, dev, torch.bfloat16) == n, (HKV, D, B, prefix)
+    cfg = launch.launch_config(8, 4, 128, torch.bfloat16, kv_capacity=512)  # 32-row tiles: not planned
+    assert cfg["BLOCK_M"] == 32 and launch.occupancy_splits(16, 8, 128, 1, 512, cfg, dev, torch.bfloat16) == 1
+    cfg = launch.launch_config(8, 3, 64, torch.bfloat16)  # T = 8 at d64 takes the wgmma tile and its plan
+    assert cfg["BLOCK_M"] == 64 and launch.occupancy_splits(16, 3, 64, 1, 16384, cfg, dev, torch.bfloat16) == 8
+
+
+def test_launch_plan_pinned_h200_shapes(monkeypatch):
+    # attention_launch.plan for representative launches on an H200 (132 SMs), pinned so that a change
+    # to the launch policy is a deliberate one (each value follows from a rule in attention_launch.py).
+    import kernels_triton.attention_launch as launch
+
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    fields = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "num_splits", "fused_merge", "s_chunk", "one_loop",
+              "l2d", "min_busy_tiles", "maxnreg")
+    want = {
+        # SmolLM2 decode (9q/3kv d64), B=1, 8192 slots: 16-row mma.sync tile, 32 splits, merged in-kernel
+        (1, 1, 3, 3, 64, 8192, bf16): (16, 64, 4, 5, 32, True, 32, True, True, 1, None),
+        # the tree headline (T=16, B=64, prefix 1024): wgmma tile, one program per SM, two loops
+        (16, 64, 3, 3, 64, 1040, bf16): (64, 64, 4, 5, 1, False, 1, False, False, 1, None),
+        # T=16, B=32, prefix 16384: the occupancy plan (4 splits, fused merge one partial per step, cap 168)
+        (16, 32, 3, 3, 64, 16400, bf16): (64, 64, 4, 5, 4, True, 1, False, False, 16, 168),
+        # Llama-3.1-8B decode (32q/8kv d128), B=1: N=32 at d128
+        (1, 1, 8, 4, 128, 4096, bf16): (16, 32, 4, 5, 32, True, 16, True, True, 1, None),
+        # 8B T=8 chain at capacity 512: mma.sync (below WGMMA_MIN_CAPACITY_D128), merge kernel (4096 values)
+        (8, 8, 8, 4, 128, 512, bf16): (32, 32, 4, 5, 4, False, 2, True, True, 1, None),
+        # a prefill chunk of 128 tokens: 128-row tile, 8 warps, 4 query blocks
+        (128, 1, 3, 3, 64, 4096, bf16): (128, 64, 8, 3, 8, False, 1, True, False, 1, None),
+        # fp32 (tests): the ieee-dot tile
+        (16, 4, 3, 3, 64, 1040, torch.float32): (64, 32, 8, 2, 8, False, 2, True, False, 1, None),
+    }
+    for args, values in want.items():
+        lp = launch.plan(*args, cpu)
+        got = tuple(lp.cfg[f] if f in lp.cfg else getattr(lp, f) for f in fields)
+        assert got == values, (args, dict(zip(fields, got)))
+    # Explicit arguments win over the plan's defaults.
+    lp = launch.plan(16, 32, 3, 3, 64, 16400, bf16, cpu, num_splits=2, one_loop=True)
+    assert (lp.num_splits, lp.fused_merge, lp.maxnreg, lp.min_busy_tiles, lp.one_loop) == (2, False, None, 1, True)
+
+
+def test_kernel_options_reach_attention_launch(monkeypatch, kernel_options):
+    # The kernel options are read at launch time: forcing fused_merge off runs the separate merge
+    # kernel, on merges in the attention kernel (both give the reference result), and attn_prewait
+    # decides whether a PDL launch prefetches before its wait.
+    import kernels_triton.attention as attn
+    import kernels_triton.attention_launch as launch
+
+    launches = []
+    real_merge = attn._paged_attention_merge_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real_merge[grid]
+
+    monkeypatch.setattr(attn, "_paged_attention_merge_kernel", Spy())
+    batch = make_batch(T=[1, 1], prefix=[40, 90], heads=(9, 3, 64), PS=16, dtype=torch.float32, seed=21)
+    ref = attn.paged_attention_ref(**batch)
+    for fused in (False, True, False):
+        kernel_options.set_(fused_merge=fused)
+        launches.clear()
+        out = attn.paged_attention(**batch, max_q_len=1, num_splits=4)
+        torch.testing.assert_close(out, ref, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
+        assert len(launches) == (0 if fused else 1), fused
+    # the occupancy plan's fused merge also yields to a forced fused_merge=False
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    assert not launch.plan(16, 32, 3, 3, 64, 16400, torch.bfloat16, torch.device("cpu")).fused_merge
+    monkeypatch.setattr(launch, "pdl_mode", lambda device: launch.PDL_LATE)
+    for prewait in (True, False):
+        kernel_options.set_(attn_prewait=prewait)
+        lp = launch.plan(1, 1, 3, 3, 64, 8192, torch.bfloat16, torch.device("cpu"))
+        assert (lp.pdl, lp.prewait) == (launch.PDL_LATE, prewait)
 
 
 def test_default_splits_keep_min_tiles_of_capacity(monkeypatch):
-    import kernels_triton.attention as attn
+    import kernels_triton.attention_launch as launch
 
-    monkeypatch.setattr(attn, "_sm_count", lambda device: 132)  # H200
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)  # H200
     for B in (1, 2, 8, 64):
         for capacity in (16, 100, 512, 8192, 131072):
             for max_q_len in (1, 16):
-                cfg = attn._launch_config(max_q_len, 3, 64, torch.bfloat16)
+                cfg = launch.launch_config(max_q_len, 3, 64, torch.bfloat16)
                 n_qblocks = -(-max_q_len // cfg["BLOCK_T"])
-                ns = attn._default_num_splits(B, 3, 64, n_qblocks, capacity, cfg, torch.device("cpu"))
-                assert 1 <= ns <= attn.MAX_SPLITS and ns & (ns - 1) == 0
-                assert ns == 1 or capacity // ns >= attn.MIN_SPLIT_TILES * cfg["BLOCK_N"]
+                ns = launch.default_num_splits(B, 3, 64, n_qblocks, capacity, cfg, torch.device("cpu"))
+                assert 1 <= ns <= launch.MAX_SPLITS and ns & (ns - 1) == 0
+                assert ns == 1 or capacity // ns >= launch.MIN_SPLIT_TILES * cfg["BLOCK_N"]
     # Decode at B = 1 with an 8192-slot table: the SM count allows 176 programs per KV head, the
     # capacity 8192 / (4 * 64) = 32 splits; at B = 64 the batch alone fills the GPU.
-    cfg = attn._launch_config(1, 3, 64, torch.bfloat16)
-    assert attn._default_num_splits(1, 3, 64, 1, 8192, cfg, torch.device("cpu")) == 32
-    assert attn._default_num_splits(64, 3, 64, 1, 8192, cfg, torch.device("cpu")) == 2
-    assert attn._default_num_splits(1, 3, 64, 1, 128, cfg, torch.device("cpu")) == 1
+    cfg = launch.launch_config(1, 3, 64, torch.bfloat16)
+    assert launch.default_num_splits(1, 3, 64, 1, 8192, cfg, torch.device("cpu")) == 32
+    assert launch.default_num_splits(64, 3, 64, 1, 8192, cfg, torch.device("cpu")) == 2
+    assert launch.default_num_splits(1, 3, 64, 1, 128, cfg, torch.device("cpu")) == 1
 
 
 def test_reference_matches_dense_sdpa():
@@ -426,40 +495,44 @@ def test_argument_errors():
         write_kv_(batch["k_cache"], batch["v_cache"], k, k, torch.zeros(2, dtype=torch.int32, device=DEVICE))
 
 
-def test_pdl_modes_and_cuda_only(monkeypatch):
-    # Programmatic dependent launch (griddepcontrol): late trigger by default, early or off by
-    # SPECDEC_PDL, only on a CUDA device of compute capability >= 9; never under the CPU
-    # interpreter, which has no such instruction.
-    from kernels_triton.attention import PDL_EARLY, PDL_LATE, pdl_mode
+def test_pdl_modes_and_cuda_only(kernel_options):
+    # Programmatic dependent launch (griddepcontrol): late trigger by default, early or off by the
+    # kernel option pdl, only on a CUDA device of compute capability >= 9; never under the CPU
+    # interpreter, which has no such instruction. Modes other than late / early / off are refused.
+    from kernels_triton.attention_launch import PDL_EARLY, PDL_LATE, pdl_mode
 
     cc9 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-    for env, want in ((None, PDL_LATE), ("1", PDL_LATE), ("early", PDL_EARLY), ("0", 0), ("yes", 0)):
-        if env is None:
-            monkeypatch.delenv("SPECDEC_PDL", raising=False)
-        else:
-            monkeypatch.setenv("SPECDEC_PDL", env)
+    assert kernel_options.get().pdl == "late"
+    for mode, want in (("late", PDL_LATE), ("early", PDL_EARLY), ("off", 0), (True, PDL_LATE), (False, 0)):
+        kernel_options.set_(pdl=mode)
         assert pdl_mode(torch.device("cpu")) == 0
         if torch.cuda.is_available():
             assert pdl_mode(torch.device("cuda")) == (want if cc9 else 0)
+    before = kernel_options.get()
+    for bad in ("yes", "1", 0, None):
+        with pytest.raises(ValueError, match=r"pdl=.*valid: late, early, off"):
+            kernel_options.set_(pdl=bad)
+    assert kernel_options.get() == before  # a refused value changes nothing
+
 
 def test_default_l2d_rule():
-    import kernels_triton.attention as attn
+    import kernels_triton.attention_launch as launch
 
-    assert attn._default_l2d(attn._launch_config(1, 4, 128))  # decode: mma.sync tile
-    assert attn._default_l2d(attn._launch_config(8, 4, 128, kv_capacity=512))  # short chain at d128: BLOCK_M 32
-    assert not attn._default_l2d(attn._launch_config(16, 3, 64))  # T=16 tree: wgmma tile
-    assert not attn._default_l2d(attn._launch_config(64, 3, 64))  # prefill chunk
+    assert launch.default_l2d(launch.launch_config(1, 4, 128))  # decode: mma.sync tile
+    assert launch.default_l2d(launch.launch_config(8, 4, 128, kv_capacity=512))  # short chain at d128: BLOCK_M 32
+    assert not launch.default_l2d(launch.launch_config(16, 3, 64))  # T=16 tree: wgmma tile
+    assert not launch.default_l2d(launch.launch_config(64, 3, 64))  # prefill chunk
 
 
 def test_short_chains_and_trees_take_the_wgmma_tile():
     # 17-32 rows: the 64-row wgmma tile with 16-bit inputs at d <= 64, and at d128 from a page-table
     # capacity of WGMMA_MIN_CAPACITY_D128 slots; 16 rows or fewer (decode) and fp32 keep mma.sync.
-    import kernels_triton.attention as attn
+    import kernels_triton.attention_launch as launch
 
-    cap = attn.WGMMA_MIN_CAPACITY_D128
-    m = lambda *a, **kw: attn._launch_config(*a, **kw)["BLOCK_M"]  # noqa: E731
+    cap = launch.WGMMA_MIN_CAPACITY_D128
+    m = lambda *a, **kw: launch.launch_config(*a, **kw)["BLOCK_M"]  # noqa: E731
     assert m(6, 3, 64, torch.bfloat16) == 64 and m(10, 3, 64, torch.float16) == 64  # 18 / 30 rows
-    assert attn._launch_config(6, 3, 64)["BLOCK_T"] == 21
+    assert launch.launch_config(6, 3, 64)["BLOCK_T"] == 21
     assert m(5, 3, 64, torch.bfloat16) == 16  # 15 rows
     assert m(6, 3, 64, torch.float32) == 32
     assert m(8, 4, 128, torch.bfloat16, kv_capacity=cap - 16) == 32
@@ -470,13 +543,13 @@ def test_short_chains_and_trees_take_the_wgmma_tile():
 def test_default_one_loop_rule():
     # one loop for mma.sync tiles (BLOCK_M <= 32) whatever the length; for wgmma tiles only while a
     # split holds at most ONE_LOOP_MAX_TILES tiles of capacity (the tree headline's 17 tiles: two loops)
-    from kernels_triton import attention as attn
+    import kernels_triton.attention_launch as launch
 
-    decode = attn._launch_config(1, 3, 64)
-    tree = attn._launch_config(16, 3, 64)
+    decode = launch.launch_config(1, 3, 64)
+    tree = launch.launch_config(16, 3, 64)
     assert decode["BLOCK_M"] <= 32 and tree["BLOCK_M"] == 64
-    assert attn._default_one_loop(decode, 16384 + 1, 1)
-    assert not attn._default_one_loop(tree, 1024 + 16, 1)
-    assert attn._default_one_loop(tree, 1024 + 16, 4)  # 5 tiles per split
-    cap = attn.ONE_LOOP_MAX_TILES * tree["BLOCK_N"]
-    assert attn._default_one_loop(tree, cap, 1) and not attn._default_one_loop(tree, cap + 1, 1)
+    assert launch.default_one_loop(decode, 16384 + 1, 1)
+    assert not launch.default_one_loop(tree, 1024 + 16, 1)
+    assert launch.default_one_loop(tree, 1024 + 16, 4)  # 5 tiles per split
+    cap = launch.ONE_LOOP_MAX_TILES * tree["BLOCK_N"]
+    assert launch.default_one_loop(tree, cap, 1) and not launch.default_one_loop(tree, cap + 1, 1)

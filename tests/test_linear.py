@@ -310,10 +310,10 @@ def test_gemv_only_for_one_row():
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch):
+def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch, kernel_options):
     # specdec.models.ops sends a single row (batch-1 decode) to the fused kernels whatever the weight
     # size (here every weight is "too large": FUSED_MAX_WEIGHT_BYTES = 0) and two rows to the unfused
-    # path; both give the torch-reference model's logits. SPECDEC_FUSED_LINEAR=0 turns it off.
+    # path; both give the torch-reference model's logits. The kernel option fused_linear=False turns it off.
     from specdec.models import ops
     from specdec.models.llama import LlamaModel
     from specdec.models.loading import LlamaConfig
@@ -334,15 +334,15 @@ def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch):
                              (table[:, 0].long() * 4), 1)
     ids = torch.tensor([5, 9][:rows], device=DEVICE)
     logits = {}
-    for env in ("1", "0"):
-        monkeypatch.setenv("SPECDEC_FUSED_LINEAR", env)
+    for fused in (True, False):
+        kernel_options.set_(fused_linear=fused)
         for be, model in models.items():
             calls.clear()
             k, v = model.new_kv_cache(4, 4)
-            logits[be, env] = model.logits(model(ids, torch.zeros(rows, **i32), meta, k, v).hidden)
+            logits[be, fused] = model.logits(model(ids, torch.zeros(rows, **i32), meta, k, v).hidden)
             if be == "triton":
                 # per layer qkv, wo, gate|up, down; plus the LM head (40 outputs)
-                want = 4 * cfg.num_hidden_layers + 1 if rows == 1 and env == "1" else 0
-                assert len(calls) == want, (rows, env, calls)
-        torch.testing.assert_close(logits["triton", env], logits["torch", env], atol=1e-4, rtol=1e-4)
+                want = 4 * cfg.num_hidden_layers + 1 if rows == 1 and fused else 0
+                assert len(calls) == want, (rows, fused, calls)
+        torch.testing.assert_close(logits["triton", fused], logits["torch", fused], atol=1e-4, rtol=1e-4)
 

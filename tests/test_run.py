@@ -15,8 +15,8 @@ CONF = ROOT / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 
 
-def run_cli(*overrides, tmp_path, timeout=600):
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+def run_cli(*overrides, tmp_path, timeout=600, env=None):
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", **(env or {}))
     env.pop("TRITON_INTERPRET", None)  # the entry uses the torch references on CPU
     return subprocess.run(
         [sys.executable, "-m", "specdec.run", *overrides, f"hydra.run.dir={tmp_path}/run"],
@@ -24,7 +24,7 @@ def run_cli(*overrides, tmp_path, timeout=600):
 
 
 def test_config_groups_exist():
-    assert {"target", "draft", "tp", "policy", "workload", "engine", "logger", "experiment"} <= set(GROUPS)
+    assert {"target", "draft", "tp", "policy", "workload", "engine", "kernels", "logger", "experiment"} <= set(GROUPS)
 
 
 @pytest.mark.parametrize("group,option", [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))])
@@ -58,6 +58,63 @@ def test_quickstart_writes_real_outputs(tmp_path):
     assert sum(w.strip(".,!?:;\"'()").isalpha() for w in words) >= 0.7 * len(words)
     assert json.loads((run_dir / "config.json").read_text())["engine"]["max_new_tokens"] == 12
     assert list((run_dir / "wandb").glob("offline-run-*"))  # W&B wrote its offline run
+
+
+def test_run_records_provenance_and_kernel_options(tmp_path):
+    """A real tiny run: metrics.json (and the W&B run) carry the commit ($SPECDEC_COMMIT here, as on a
+    machine without .git), the UTC date, device name, library versions and the kernel options set by
+    `kernels.*` overrides; config.json holds the kernels group."""
+    import datetime
+    import platform
+
+    import torch
+    import triton
+
+    from specdec.bench.provenance import device_name
+
+    stamp = "stamp-1234abc"
+    start = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    proc = run_cli("+experiment=quickstart", "engine.max_new_tokens=2", "logger=wandb", "device=cpu",
+                   "kernels.pdl=false", "kernels.fused_linear=false", "kernels.fused_merge=true",
+                   tmp_path=tmp_path, env={"SPECDEC_COMMIT": stamp})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert m["commit"] == stamp
+    when = datetime.datetime.strptime(m["date_utc"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+    assert start <= when <= datetime.datetime.now(datetime.timezone.utc)
+    assert m["device"] == "cpu" and m["device_name"] == device_name("cpu") and m["device_name"]
+    assert (m["torch"], m["triton"], m["python"]) == (torch.__version__, triton.__version__,
+                                                        platform.python_version())
+    want = dict(pdl="off", fused_linear=False, step_kernels=None, fused_merge=True, attn_prewait=True,
+                pdl_qkv_early=None)
+    assert m["kernel_options"] == want
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["kernels"] == dict(want, pdl=False)  # the config as given; the options object normalises it
+    wandb_log = next((run_dir / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    assert wandb_log.count(stamp.encode()) >= 2  # run config and summary
+    assert wandb_log.count(b"kernel_options") >= 2 and b"date_utc" in wandb_log
+
+
+def test_git_commit_without_stamp(monkeypatch):
+    from specdec.bench import provenance
+
+    monkeypatch.delenv("SPECDEC_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("no git checkout")
+    assert provenance.git_commit().split("-")[0] == head.stdout.strip()
+    monkeypatch.setenv("SPECDEC_COMMIT", "abc123")
+    assert provenance.git_commit() == "abc123"
+
+
+@pytest.mark.parametrize("override,needles", [
+    ("kernels.pdl=sometimes", ("pdl='sometimes'", "late, early, off")),
+    ("kernels.fused_linear=maybe", ("fused_linear='maybe'", "true, false")),
+    ("+kernels.warp_specialize=true", ("unknown kernel option", "warp_specialize", "fused_merge")),
+])
+def test_bad_kernel_option_fails_cleanly(tmp_path, override, needles):
+    _assert_clean_error(run_cli(override, "logger=none", "device=cpu", tmp_path=tmp_path, timeout=120), *needles)
 
 
 def test_jsonl_workload_and_overrides(tmp_path):

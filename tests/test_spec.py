@@ -349,8 +349,8 @@ def test_committed_smollm2_head_accepts_and_keeps_greedy(smollm2, smollm2_tokeni
     assert sum(accepted) / len(accepted) + 1 > 2.0, accepted
 
 
-def test_step_kernels_keep_greedy_and_draft_kv(tiny, monkeypatch):
-    """SPECDEC_STEP_KERNELS=1 (forced on the CPU): block_meta and ancestor_masks as Triton kernels (the interpreter
+def test_step_kernels_keep_greedy_and_draft_kv(tiny, monkeypatch, kernel_options):
+    """The kernel option step_kernels=True (forced on the CPU): block_meta and ancestor_masks as Triton kernels (the interpreter
     here) inside the engine loop: trees stay token-identical and the draft KV in sync."""
     from kernels_triton import paging, tree_mask
 
@@ -365,7 +365,7 @@ def test_step_kernels_keep_greedy_and_draft_kv(tiny, monkeypatch):
         monkeypatch.setattr(mod, name, counted)
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the tiny model lives on the CPU: its kernels need the interpreter (CUDA runs cover the GPU)")
-    monkeypatch.setenv("SPECDEC_STEP_KERNELS", "1")
+    kernel_options.set_(step_kernels=True)
     test_eagle3_greedy_identical(tiny, 3, 2, 8)
     test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle=True, pad=True)
     assert calls["block_meta"] > 0 and calls["ancestor_masks"] > 0
@@ -405,7 +405,7 @@ def test_padding_rows_never_move_kv(tiny, monkeypatch):
     rows' output stays identical to plain greedy."""
     import specdec.engine.step as stepmod
 
-    real_va, real_kv = stepmod.ops.verify_accept, stepmod.ops.kv_sync_
+    real_va, real_kv = stepmod.step_ops.verify_accept, stepmod.step_ops.kv_sync_
     engine = None
     padding_accepts = []
 
@@ -433,8 +433,8 @@ def test_padding_rows_never_move_kv(tiny, monkeypatch):
             assert (into[2][n:] == -1).all() and torch.equal(into[0][n:], seq[n:])
         return res
 
-    monkeypatch.setattr(stepmod.ops, "verify_accept", va)
-    monkeypatch.setattr(stepmod.ops, "kv_sync_", kv)
+    monkeypatch.setattr(stepmod.step_ops, "verify_accept", va)
+    monkeypatch.setattr(stepmod.step_ops, "kv_sync_", kv)
     prompts = repetitive_prompts(3, seed=2)
     want = [reference(tiny, p, 12) for p in prompts]
     drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)

@@ -288,9 +288,10 @@ def test_train_entry_smoke_writes_a_loadable_checkpoint(tmp_path, smollm2):
     # Data once (train.data.only), then a training run that reuses it.
     data_dir = tmp_path / "data"
     proc = run_train("+experiment=train_eagle3_smollm2_smoke", "logger=none", "device=cpu",
-                     "train.data.only=true", tmp_path=data_dir)
+                     "train.data.only=true", "kernels.step_kernels=false", tmp_path=data_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((data_dir / "run" / "metrics.json").read_text())
+    assert data["kernel_options"]["step_kernels"] is False  # kernels.* overrides reach the options in force
     seq_file = data_dir / "run" / "sequences.jsonl"
     assert "train" not in data and not (data_dir / "run" / "checkpoint").exists()
     assert data["data"]["sequences"] == len(seq_file.read_text().splitlines()) >= 2
@@ -302,6 +303,8 @@ def test_train_entry_smoke_writes_a_loadable_checkpoint(tmp_path, smollm2):
     m = json.loads((run_dir / "metrics.json").read_text())
     assert m["train"]["steps"] == 6 and m["data"]["sequences"] == data["data"]["sequences"] and m["ttt_steps"] == 3
     assert m["data"]["reused"] == str(seq_file)
+    for metrics in (data, m):  # provenance in every metrics.json (tests/test_run.py checks the values)
+        assert {"commit", "date_utc", "device_name", "torch", "triton", "python", "kernel_options"} <= set(metrics)
     assert m["train"]["final"]["train/loss_1"] < m["train"]["first"]["train/loss_1"]
     assert {f"eval/acc_{i}" for i in (1, 2, 3)} <= set(m["eval"])
     for d in (run_dir / "checkpoint", tmp_path / "export"):

@@ -121,7 +121,7 @@ def test_growth_rounds_rebuild_grow_tree():
         assert torch.equal(w, x)
 
 
-def test_drafter_kernel_trees_equal_reference(monkeypatch):
+def test_drafter_kernel_trees_equal_reference(monkeypatch, kernel_options):
     """Eagle3Drafter.propose (tree_expand / tree_select) builds the same tree as propose_reference
     (grow_tree over torch ops) from the same draft state, with padding rows in the batch."""
     from test_engine import tiny_model
@@ -129,8 +129,8 @@ def test_drafter_kernel_trees_equal_reference(monkeypatch):
     from specdec.engine.engine import Engine, EngineConfig
     from specdec.spec import Eagle3Drafter
 
-    monkeypatch.setenv("SPECDEC_STEP_KERNELS", "1")
-    model = tiny_model(layers=2, device=DEV, backend="auto")  # + SPECDEC_STEP_KERNELS=1: tree kernels on CPU too
+    kernel_options.set_(step_kernels=True)
+    model = tiny_model(layers=2, device=DEV, backend="auto")  # + step_kernels=True: tree kernels on CPU too
     calls = []
     real = tree_grow.tree_select
     monkeypatch.setattr(tree_grow, "tree_select", lambda *a: calls.append(1) or real(*a))

@@ -1,6 +1,6 @@
 """A/B: paged_attention with one loop over all KV tiles vs an unmasked then a masked loop.
 
-Question: which loop structure is faster, per launch shape, so that _default_one_loop in
+Question: which loop structure is faster, per launch shape, so that default_one_loop in
 kernels_triton/attention.py can pick from static shapes? Both are timed in the same run, twice each
 (best kept), with bench_attention's inputs and rotating timing (a CUDA graph of back-to-back calls
 over >= 256 MB of distinct KV), at the default split count. Prints one line per shape:
@@ -30,6 +30,7 @@ sys.path[:0] = [str(REPO), str(REPO / "experiments" / "kernels")]
 from bench_attention import Pool, n_pools, time_rotating  # noqa: E402
 
 import kernels_triton.attention as attn  # noqa: E402
+import kernels_triton.attention_launch as launch  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--quick", action="store_true", help="two tiny shapes (CPU smoke run)")
@@ -50,9 +51,9 @@ for heads, T, B, p in shapes:
     kvb = B * (p + T) * HKV * D * 4
     pools = [Pool(B, p, heads, dtype, T, seed=i) for i in range(n_pools(kvb))]
     args = [pp.batch(T, seed=1) for pp in pools]
-    cfg = attn._launch_config(T, HQ // HKV, D, dtype)
+    cfg = launch.launch_config(T, HQ // HKV, D, dtype)
     nq = triton.cdiv(T, cfg["BLOCK_T"])
-    s = attn._default_num_splits(B, HKV, D, nq, pools[0].page_table.shape[1] * 16, cfg, dev)
+    s = launch.default_num_splits(B, HKV, D, nq, pools[0].page_table.shape[1] * 16, cfg, dev)
     best = {}
     for ol in (True, False, True, False):
         us = time_rotating([lambda a=a: attn.paged_attention(**a, max_q_len=T, one_loop=ol) for a in args])

@@ -61,7 +61,7 @@ from specdec.bench.timing import copy_bandwidth_gbps, time_graph  # noqa: E402
 
 import triton  # noqa: E402
 
-import kernels_triton.attention as attn  # noqa: E402
+import kernels_triton.attention_launch as launch  # noqa: E402
 from kernels_triton.attention import paged_attention, paged_attention_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -249,9 +249,9 @@ def measure(name, heads, pools, T, copy_gbps, flex_state, dtype):
     L = prefix + T
     all_args = [p.batch(T, seed=B + prefix + T) for p in pools]
     args = all_args[0]
-    cfg = attn._launch_config(T, HQ // HKV, D, dtype)
+    cfg = launch.launch_config(T, HQ // HKV, D, dtype)
     n_qblocks = triton.cdiv(T, cfg["BLOCK_T"])
-    splits, _ = attn.default_split_count(B, HKV, D, n_qblocks, pool.page_table.shape[1] * PS, cfg, DEVICE_OBJ,
+    splits, _ = launch.default_split_count(B, HKV, D, n_qblocks, pool.page_table.shape[1] * PS, cfg, DEVICE_OBJ,
                                          pool.dtype)
     kv_bytes = B * L * HKV * D * 2 * pool.k_cache.element_size()
     row = dict(config=name, B=B, prefix=prefix, T=T, mode="decode" if T == 1 else "tree", splits=splits,
@@ -359,9 +359,9 @@ def run_sweep(args, copy_gbps, dtype):
 
 def run_tune(copy_gbps, dtype, quick, only=None):
     """Time candidate launch configs (BLOCK_N, num_warps, num_stages) and split counts on key shapes
-    by swapping attn._launch_config; prints the best per shape. Uses no baseline."""
+    by swapping launch.launch_config; prints the best per shape. Uses no baseline."""
     rows = []
-    default_cfg_fn = attn._launch_config
+    default_cfg_fn = launch.launch_config
     key_shapes = ((1, 16384, 1), (8, 4096, 1), (64, 4096, 1), (64, 1024, 16))  # (B, prefix, T)
     shapes = [(n, B, p, T) for n in CONFIGS for (B, p, T) in key_shapes if not only or (B, p, T) in only]
     grid = dict(block_n=(32, 64, 128), warps=(4, 8), stages=(3, 5))  # ~100 compiles, ~3 min on an H200 host
@@ -380,13 +380,13 @@ def run_tune(copy_gbps, dtype, quick, only=None):
         candidates = [base] + [dict(base, BLOCK_N=bn, num_warps=w, num_stages=st)
                                for bn in grid["block_n"] for w in grid["warps"] for st in grid["stages"]]  # fmt: skip
         candidates = [c for i, c in enumerate(candidates) if c not in candidates[:i]]
-        d_fused = attn._default_fused_merge(base, T, HQ // HKV, D)
+        d_fused = launch.default_fused_merge(base, T, HQ // HKV, D)
         for cfg in candidates:
-            d_splits = attn._default_num_splits(B, HKV, D, n_qblocks, pool.page_table.shape[1] * PS, cfg, DEVICE_OBJ)
-            split_counts = sorted({max(1, d_splits // 2), d_splits, min(attn.MAX_SPLITS, d_splits * 2)})
+            d_splits = launch.default_num_splits(B, HKV, D, n_qblocks, pool.page_table.shape[1] * PS, cfg, DEVICE_OBJ)
+            split_counts = sorted({max(1, d_splits // 2), d_splits, min(launch.MAX_SPLITS, d_splits * 2)})
             for splits, fused in [(s, f) for s in split_counts for f in ((False, True) if s > 1 else (d_fused,))]:
                 fn = lambda: paged_attention(**args, max_q_len=T, num_splits=splits, fused_merge=fused)  # noqa: E731
-                attn._launch_config = lambda *a, cfg=cfg: cfg  # noqa: E731
+                launch.launch_config = lambda *a, cfg=cfg: cfg  # noqa: E731
                 try:
                     err = (fn().float() - ref).abs().max().item()
                     us, _ = time_us(fn)
@@ -394,7 +394,7 @@ def run_tune(copy_gbps, dtype, quick, only=None):
                     print(f"    {cfg} splits={splits}: {type(e).__name__}", file=sys.stderr)
                     continue
                 finally:
-                    attn._launch_config = default_cfg_fn
+                    launch.launch_config = default_cfg_fn
                 is_default = (cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], splits, fused) == (
                     base["BLOCK_N"], base["num_warps"], base["num_stages"], d_splits, d_fused)  # fmt: skip
                 row = dict(config=name, B=B, prefix=prefix, T=T, block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"],

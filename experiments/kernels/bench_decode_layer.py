@@ -54,7 +54,7 @@ from specdec.bench.timing import time_graph as _time_graph  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import kernels_triton.attention as attn  # noqa: E402
+import kernels_triton.attention_launch as launch  # noqa: E402
 from kernels_triton.activation import silu_mul, silu_mul_ref  # noqa: E402
 from kernels_triton.attention import paged_attention, write_kv_  # noqa: E402
 from kernels_triton.norm import rms_norm  # noqa: E402
@@ -106,18 +106,18 @@ def count_kernels(fn):
 @contextlib.contextmanager
 def min_split_tiles(n):
     """Temporarily set the split rule's per-split minimum (to reproduce the previous rule)."""
-    saved = attn.MIN_SPLIT_TILES
-    attn.MIN_SPLIT_TILES = n
+    saved = launch.MIN_SPLIT_TILES
+    launch.MIN_SPLIT_TILES = n
     try:
         yield
     finally:
-        attn.MIN_SPLIT_TILES = saved
+        launch.MIN_SPLIT_TILES = saved
 
 
 def default_splits(B, capacity, min_tiles, dtype):
-    cfg = attn._launch_config(1, HQ // HKV, D, dtype)
+    cfg = launch.launch_config(1, HQ // HKV, D, dtype)
     with min_split_tiles(min_tiles):
-        return attn._default_num_splits(B, HKV, D, 1, capacity, cfg, torch.device(DEVICE))
+        return launch.default_num_splits(B, HKV, D, 1, capacity, cfg, torch.device(DEVICE))
 
 
 # ------------------------------------------------------------------------------------- the layer
@@ -237,7 +237,7 @@ class Stack:
 def run_case(B, ctx, capacity, n_layers, dtype, split_sweep):
     stack = Stack(n_layers, B, ctx, capacity, dtype, seed=B * 100003 + ctx)
     old_splits = default_splits(B, capacity, OLD_MIN_SPLIT_TILES, dtype)
-    new_splits = default_splits(B, capacity, attn.MIN_SPLIT_TILES, dtype)
+    new_splits = default_splits(B, capacity, launch.MIN_SPLIT_TILES, dtype)
     step_old = lambda: stack.step(stack.layer_old, num_splits=old_splits)  # noqa: E731
     step_new = lambda: stack.step(stack.layer_new)  # noqa: E731
 

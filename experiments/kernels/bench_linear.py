@@ -7,7 +7,7 @@ F 14336, 32/8 heads d128, V 128256), bf16, M in {1, 17, 64} rows (batch-1 decode
 verify, batch 64).
 
 Ops ("fused": the kernels_triton/linear.py launcher, whatever rows / weight size; "unfused": the model's
-path through specdec.models.ops with SPECDEC_FUSED_LINEAR=0):
+path through specdec.models.ops with the kernel option fused_linear=False):
   qkv      RMSNorm(x + r) -> wqkv -> RoPE -> K/V into a paged cache
   wo       o @ wo^T
   mlp_in   RMSNorm(x + r) -> w13 -> silu(gate) * up
@@ -47,6 +47,7 @@ from specdec.bench.timing import copy_bandwidth_gbps, time_graph  # noqa: E402
 from specdec.models import ops  # noqa: E402
 
 from kernels_triton import linear as lin  # noqa: E402
+from kernels_triton import options  # noqa: E402
 from kernels_triton.rope import rope_tables  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -139,12 +140,9 @@ def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
 
 def timed(fn, fused: bool) -> float:
     """us per call in a graph of back-to-back calls; ``fused=False`` switches the ops path to cuBLAS."""
-    os.environ["SPECDEC_FUSED_LINEAR"] = "1" if fused else "0"
-    try:
+    with options.use(fused_linear=fused):
         fn()  # compile outside the capture
         return time_graph(fn, calls=50 if CUDA else 1, replays=20 if CUDA else 1)
-    finally:
-        os.environ.pop("SPECDEC_FUSED_LINEAR", None)
 
 
 def main():

@@ -12,7 +12,7 @@ alternating. Timing: bench_attention's rotating timing (a CUDA graph of back-to-
 >= 256 MB of distinct KV); max |err| against the torch reference.
 
 Part 2: graphed batch-1 decode steps (random bf16 weights, context 512, profile_decode_step) with
-the default rule (_default_l2d) vs row sums everywhere, alternating in one process.
+the default rule (default_l2d) vs row sums everywhere, alternating in one process.
 
 Run (H200, ~2 min):  python experiments/kernels/exp_attention_l2d.py | tee OUT.txt
       python experiments/kernels/exp_attention_l2d.py --quick   (CPU smoke run, timings meaningless)
@@ -33,6 +33,7 @@ sys.path[:0] = [str(REPO), str(REPO / "experiments"), str(REPO / "experiments" /
 from bench_attention import Pool, n_pools, time_rotating  # noqa: E402
 
 import kernels_triton.attention as attn  # noqa: E402
+import kernels_triton.attention_launch as launch  # noqa: E402
 from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
 
 SHAPES = [((9, 3, 64), 64, 1024, 16), ((9, 3, 64), 32, 1024, 16), ((9, 3, 64), 128, 1024, 16),
@@ -51,7 +52,7 @@ def part1(quick, copy):
         pools = [Pool(B, prefix, (HQ, HKV, D), dtype, T, seed=i) for i in range(n_pools(kv_bytes))]
         batches = [p.batch(T, seed=1) for p in pools]
         ref = attn.paged_attention_ref(**batches[0]).float()
-        cfg = attn._launch_config(T, HQ // HKV, D, dtype)
+        cfg = launch.launch_config(T, HQ // HKV, D, dtype)
         line = f"{HQ}q/{HKV}kv d{D} B={B:3d} p={prefix:5d} T={T:2d} BLOCK_M={cfg['BLOCK_M']:3d}:"
         for label, l2d in (("rows", False), ("l2d", True), ("rows", False), ("l2d", True)):
             out = attn.paged_attention(**batches[0], max_q_len=T, l2d=l2d).float()
@@ -67,7 +68,7 @@ def part2(quick):
     from specdec.models.llama import LlamaModel
     from specdec.engine.engine import Engine, EngineConfig
 
-    orig = attn._default_l2d
+    orig = launch.default_l2d
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for shape in ("llama8b", "smollm2"):
         cfg = (dict(load_target_yaml(REPO / "conf/target/llama31_8b_random.yaml")["config"]) if shape == "llama8b"
@@ -77,7 +78,7 @@ def part2(quick):
         model = LlamaModel.random(llama_config_from_dict(cfg), device=dev,
                               dtype=torch.bfloat16 if dev == "cuda" else torch.float32, seed=0)
         for label in ("rows", "default", "rows", "default")[: 2 if quick else 4]:
-            attn._default_l2d = orig if label == "default" else (lambda cfg: False)
+            launch.default_l2d = orig if label == "default" else (lambda cfg: False)
             try:
                 eng = Engine(model, EngineConfig(max_batch_size=1, graph_buckets=(1,), kv_cache_tokens=8192,
                                                  max_seq_len=4096, page_size=16))
@@ -85,7 +86,7 @@ def part2(quick):
                 print(f"step {shape:8s} {label:8s} {min(ms):.4f} ms {[round(m, 4) for m in ms]}", flush=True)
                 del eng
             finally:
-                attn._default_l2d = orig
+                launch.default_l2d = orig
         del model
         if dev == "cuda":
             torch.cuda.empty_cache()

@@ -1,5 +1,5 @@
 """EXPERIMENT (run at 7f65cf4; results/kernels/exp_decode_block_n_7f65cf4.txt): decode and short-chain
-tiles (BLOCK_M <= 32) with BLOCK_N = 64 (d128; 128 at d64) instead of _launch_config's 32 (d128; 64 at
+tiles (BLOCK_M <= 32) with BLOCK_N = 64 (d128; 128 at d64) instead of launch_config's 32 (d128; 64 at
 d64), in isolation (rotating timing, page table as wide as prefix + T, so the split count follows).
 
 Answer (H200, bf16): not as a default. Decode slows at most shapes (32q/8kv B=1 prefix 512: 9.2 ->
@@ -17,15 +17,16 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "experiments" / "kernels")]
 from bench_attention import Pool, n_pools, time_rotating
 import kernels_triton.attention as attn
+import kernels_triton.attention_launch as launch
 from specdec.bench.timing import copy_bandwidth_gbps
-orig = attn._launch_config
+orig = launch.launch_config
 def patch(over):
     def lc(max_q_len, G, D, dtype=torch.bfloat16):
         c = orig(max_q_len, G, D, dtype)
         if c["BLOCK_M"] <= 32 and over:
             c.update(over)
         return c
-    attn._launch_config = lc
+    launch.launch_config = lc
 copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f}")
 V = [("base", None), ("BN64 st3", dict(BLOCK_N=64, num_stages=3)), ("BN64 st4", dict(BLOCK_N=64, num_stages=4)), ("base", None)]
@@ -46,6 +47,6 @@ for heads in ((32, 8, 128), (9, 3, 64)):
                     err = (attn.paged_attention(**bs[0], max_q_len=T).float() - ref).abs().max().item()
                     us = time_rotating([lambda b=b: attn.paged_attention(**b, max_q_len=T) for b in bs])
                     line += f" | {label} {us:6.1f} ({100*kvb/(us*1e-6)/1e9/copy:3.0f}%){' ERR' if err > 0.02 else ''}"
-                attn._launch_config = orig
+                launch.launch_config = orig
                 print(line, flush=True)
                 del pools, bs; torch.cuda.empty_cache()

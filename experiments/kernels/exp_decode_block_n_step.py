@@ -15,11 +15,11 @@ from profile_step import SMOLLM2  # noqa
 from specdec.bench.targets import llama_config_from_dict, load_target_yaml
 from specdec.models.llama import LlamaModel
 from specdec.engine.engine import Engine, EngineConfig
-import kernels_triton.attention as attn
+import kernels_triton.attention_launch as launch
 shape = sys.argv[1] if len(sys.argv) > 1 else "llama8b"
 cfg = dict(load_target_yaml(REPO / "conf/target/llama31_8b_random.yaml")["config"]) if shape == "llama8b" else SMOLLM2
 model = LlamaModel.random(llama_config_from_dict(cfg), device="cuda", dtype=torch.bfloat16, seed=0)
-orig_lc, orig_ns = attn._launch_config, attn._default_num_splits
+orig_lc, orig_ns = launch.launch_config, launch.default_num_splits
 
 def variant(lc_over=None, splits=None):
     def lc(max_q_len, G, D, dtype=torch.bfloat16):
@@ -27,8 +27,8 @@ def variant(lc_over=None, splits=None):
         if lc_over and c["BLOCK_M"] <= 32:
             c.update(lc_over)
         return c
-    attn._launch_config = lc
-    attn._default_num_splits = (lambda *a, **k: splits) if splits else orig_ns
+    launch.launch_config = lc
+    launch.default_num_splits = (lambda *a, **k: splits) if splits else orig_ns
 
 V = [("base", None, None), ("BN64 st3", dict(BLOCK_N=64, num_stages=3), None), ("BN64 st4", dict(BLOCK_N=64, num_stages=4), None),
      ("BN16 st5", dict(BLOCK_N=16, num_stages=5), None), ("splits 16", None, 16), ("splits 8", None, 8),

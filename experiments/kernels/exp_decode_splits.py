@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "experiments" / "kernels")]
 from bench_attention import Pool, n_pools, time_rotating
 import kernels_triton.attention as attn
+import kernels_triton.attention_launch as launch
 from specdec.bench.timing import copy_bandwidth_gbps
 copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f}")
@@ -25,9 +26,9 @@ for heads in ((9, 3, 64), (32, 8, 128)):
             kvb = B * (prefix + T) * HKV * D * 4
             pools = [Pool(B, prefix, heads, torch.bfloat16, T, seed=i) for i in range(n_pools(kvb))]
             bs = [p.batch(T, seed=1) for p in pools]
-            cfg = attn._launch_config(T, HQ // HKV, D, torch.bfloat16)
+            cfg = launch.launch_config(T, HQ // HKV, D, torch.bfloat16)
             cap = bs[0]["page_table"].shape[1] * 16
-            d, _ = attn.default_split_count(B, HKV, D, 1, cap, cfg, bs[0]["q"].device, torch.bfloat16)
+            d, _ = launch.default_split_count(B, HKV, D, 1, cap, cfg, bs[0]["q"].device, torch.bfloat16)
             line = f"{HQ}q/{HKV}kv B={B:2d} p={prefix:5d} default={d}"
             for s in sorted({d, min(64, 2 * d), min(64, 4 * d)}):
                 for fused in (None,):

@@ -1,6 +1,6 @@
 """EXPERIMENT: launch shape of the mma.sync attention tiles (BLOCK_M <= 32: decode, short chains):
 num_warps 1 / 2 / 8 vs 4, and BLOCK_N / num_stages around the default (kernels_triton/attention.py
-_launch_config), with the default split count and L2D.
+launch_config), with the default split count and L2D.
 
 Question: each decode program is bound by its own dependent chain (Nsight Compute: 5-7 cycles per
 issued instruction), and with 4 warps a score tile's columns are spread over the warps, so the row
@@ -18,13 +18,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "experiments" / "kernels")]
 from bench_attention import Pool, n_pools, time_rotating  # noqa: E402
 import kernels_triton.attention as attn  # noqa: E402
+import kernels_triton.attention_launch as launch  # noqa: E402
 from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
 if not torch.cuda.is_available():
     sys.exit("exp_decode_warps.py times CUDA kernels: no GPU here")
 dtype = torch.bfloat16
 copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s")
-orig = attn._launch_config
+orig = launch.launch_config
 def patched(over):
     def lc(max_q_len, G, D, dtype=torch.bfloat16):
         c = orig(max_q_len, G, D, dtype)
@@ -45,7 +46,7 @@ for (HQ, HKV, D), B, prefix, T in shapes:
     ref = attn.paged_attention_ref(**batches[0]).float()
     line = f"{HQ}q/{HKV}kv d{D} B={B:3d} p={prefix:5d} T={T}:"
     for label, over in V[D] + [V[D][0]]:
-        attn._launch_config = patched(over)
+        launch.launch_config = patched(over)
         try:
             err = (attn.paged_attention(**batches[0], max_q_len=T).float() - ref).abs().max().item()
             us = time_rotating([lambda b=b: attn.paged_attention(**b, max_q_len=T) for b in batches])
@@ -53,5 +54,5 @@ for (HQ, HKV, D), B, prefix, T in shapes:
         except Exception as e:
             line += f" | {label} {type(e).__name__}"
         finally:
-            attn._launch_config = orig
+            launch.launch_config = orig
     print(line, flush=True)

@@ -5,7 +5,7 @@ Answer (H200, bf16): not at the tree headline (one split 23.5 us; 2 splits with 
 folding one partial per step and a 168-register cap 25.2 us, vs 33.7 us uncapped and 42.4 us with
 the merge kernel), nor at B=88 or at 32q/8kv B=64 prefix 1024; yes at long prefixes: 9q/3kv B=64
 prefix 4096 61.2 us vs 70.7 us (78.5% vs 68.0% of copy). That became the tree-tile occupancy plan
-(attention._occupancy_splits), swept wider in exp_tree_splits.py.
+(attention_launch.occupancy_splits), swept wider in exp_tree_splits.py.
 
 Question: the tree tile (BLOCK_M = 64, 9q/3kv d64) uses 168 registers per thread without split-KV
 (3 programs per SM on sm_90) but 203 with the merge kernel and 230-244 with the fused merge (2 per

@@ -4,7 +4,7 @@ each re-reading its KV head's tiles, mostly from L2) than as one BLOCK_M = 64 wg
 
 Answer (H200, bf16): no. Tree headline (9q/3kv d64, B=64, prefix 1024): 23.9 us as one block vs
 36.7-37.9 us as 32- or 16-row blocks; at 32q/8kv B=64 prefix 1024: 86.2 vs 163.1 us. Only T=8
-(already 32-row tiles) is unchanged. Variants replace _launch_config (BLOCK_M, BLOCK_T, BLOCK_N,
+(already 32-row tiles) is unchanged. Variants replace launch_config (BLOCK_M, BLOCK_T, BLOCK_N,
 warps, stages) for the call.
 
 Run (H200, ~1 min):  python experiments/kernels/exp_tree_qblocks.py
@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "experiments" / "kernels")]
 from bench_attention import Pool, n_pools, time_rotating
 import kernels_triton.attention as attn
+import kernels_triton.attention_launch as launch
 from specdec.bench.timing import copy_bandwidth_gbps
-orig = attn._launch_config
+orig = launch.launch_config
 
 @contextlib.contextmanager
 def cfg(over):
@@ -28,11 +29,11 @@ def cfg(over):
         c = orig(max_q_len, G, D, dtype)
         c.update(over)
         return c
-    attn._launch_config = lc
+    launch.launch_config = lc
     try:
         yield
     finally:
-        attn._launch_config = orig
+        launch.launch_config = orig
 
 def V(bm, bt, bn=64, w=4, st=5):
     return dict(BLOCK_M=bm, BLOCK_T=bt, BLOCK_N=bn, num_warps=w, num_stages=st)

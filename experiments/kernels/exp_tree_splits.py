@@ -1,14 +1,14 @@
-"""EXPERIMENT: the tree-tile occupancy plan (kernels_triton/attention.py _occupancy_splits) vs the
+"""EXPERIMENT: the tree-tile occupancy plan (kernels_triton/attention_launch.py occupancy_splits) vs the
 split counts around it, for tree verification (T=16) over a grid of batch sizes and prefixes.
 
 Question: one tree program (BLOCK_M = 64) walks its KV tiles as a dependent chain and is bound by
 that chain, not by DRAM (the ablation at the end: the tree headline with every K/V read hitting L2
 vs from DRAM). Does splitting the KV range until ~3 programs per SM (d64, with a 168-register cap and
 the fused merge folding one partial per step; 2 per SM at d128) beat filling the SMs once (the
-split count _default_num_splits gives, used by the tree tile before the plan)?
+split count default_num_splits gives, used by the tree tile before the plan)?
 
 Columns (us, % of the copy bandwidth measured in the same run): "default" (the plan where it
-applies), "fill once" (_default_num_splits' count with its default merge: the previous default),
+applies), "fill once" (default_num_splits' count with its default merge: the previous default),
 "1 split", and 2 / 4 / 8 splits under the plan's launch options. max |diff| against "default" is
 checked (ERR marks a difference > 0.02).
 
@@ -34,12 +34,13 @@ sys.path[:0] = [str(REPO), str(REPO / "experiments" / "kernels")]
 from bench_attention import Pool, n_pools, time_rotating  # noqa: E402
 
 import kernels_triton.attention as attn  # noqa: E402
+import kernels_triton.attention_launch as launch  # noqa: E402
 from specdec.bench.timing import copy_bandwidth_gbps  # noqa: E402
 
 
 def plan_kw(splits, D):
     kw = dict(num_splits=splits, fused_merge=True, merge_chunk=1)
-    return kw | (dict(maxnreg=attn.TREE_MAXNREG) if D <= 64 else {})
+    return kw | (dict(maxnreg=launch.TREE_MAXNREG) if D <= 64 else {})
 
 
 def main():
@@ -62,11 +63,11 @@ def main():
         kv_bytes = B * (prefix + T) * HKV * D * 2 * dtype.itemsize
         pools = [Pool(B, prefix, (HQ, HKV, D), dtype, T, seed=i) for i in range(n_pools(kv_bytes))]
         batches = [p.batch(T, seed=1) for p in pools]
-        cfg = attn._launch_config(T, HQ // HKV, D, dtype)
+        cfg = launch.launch_config(T, HQ // HKV, D, dtype)
         cap = batches[0]["page_table"].shape[1] * pools[0].k_cache.shape[1]
         dev = batches[0]["q"].device
-        fill = attn._default_num_splits(B, HKV, D, 1, cap, cfg, dev)
-        plan = attn._occupancy_splits(B, HKV, D, 1, cap, cfg, dev, dtype)
+        fill = launch.default_num_splits(B, HKV, D, 1, cap, cfg, dev)
+        plan = launch.occupancy_splits(B, HKV, D, 1, cap, cfg, dev, dtype)
         variants = [("default", {}), (f"fill once ({fill})", dict(num_splits=fill)), ("1 split", dict(num_splits=1))]
         variants += [(f"{s} splits", plan_kw(s, D)) for s in (2, 4, 8)]
         if args.quick:

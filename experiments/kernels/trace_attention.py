@@ -83,7 +83,7 @@ def run(label, B, prefix, T, heads=(9, 3, 64), PS=16, lens=None, **kw):
 
     pool = Pool(B, prefix, heads, torch.bfloat16, max_T=T)
     pools = [Pool(B, prefix, heads, torch.bfloat16, max_T=T, seed=s) for s in range(1, 1 + n_pools(pool.k_cache.numel() * 4))]
-    trace = torch.zeros(B * heads[1] * attn.MAX_SPLITS * T * 6, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(B * heads[1] * launch.MAX_SPLITS * T * 6, dtype=torch.int64, device="cuda")
     attn.TRACE[0] = trace
     batches = [inputs(p) for p in pools]
     us = time_rotating([lambda a=a: attn.paged_attention(**a, max_q_len=T, **kw) for a in batches])

@@ -122,7 +122,8 @@ class DecodeState:
         Returns (meta, logical slots [B, n] int64) -- the logical slot is also the RoPE position of
         a causal block, so callers that need it don't recompute it.
         """
-        from ..models.ops import AttentionMeta, block_meta
+        from ..models.ops import AttentionMeta
+        from .step_ops import block_meta
 
         slot, pos, cu, kv_lens = block_meta(start, valid, self.page_table[:B], n, self.page_size, offset)
         meta = AttentionMeta(cu_q_lens=cu, kv_lens=kv_lens, page_table=self.page_table[:B], slot_mapping=slot,
@@ -133,7 +134,8 @@ class DecodeState:
         """AttentionMeta plus target inputs for verifying trees of n = tokens.shape[1] nodes per row:
         node j at logical slot start[b] + j, RoPE position start[b] + depth[b, j]. One launch on the GPU.
         Returns (meta, input ids [B*n] int64, positions [B*n] int64); padding rows get ids/positions 0."""
-        from ..models.ops import AttentionMeta, tree_meta
+        from ..models.ops import AttentionMeta
+        from .step_ops import tree_meta
 
         slot, pos, ids, cu, kv_lens = tree_meta(start, valid, self.page_table[:B], tokens, depth, self.page_size)
         meta = AttentionMeta(cu_q_lens=cu, kv_lens=kv_lens, page_table=self.page_table[:B], slot_mapping=slot,

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpecdecError
-from ..models import ops
 from ..models.ops import AttentionMeta
 from ..spec.base import preparer
 from ..spec.tree import DraftTree, single_node_tree
+from . import step_ops
 from .kv_cache import KVCache
 from .state import DecodeState
 
@@ -79,7 +79,7 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     logits = model.logits(out.hidden).view(B, T, -1)  # [B, T, V]
     be = model.backend
     uniforms = state.uniform[:B, :T] if temperature > 0 else None
-    accept_len, nodes, out_tokens = ops.verify_accept(logits, tree.tokens, tree.parents, temperature,
+    accept_len, nodes, out_tokens = step_ops.verify_accept(logits, tree.tokens, tree.parents, temperature,
                                                       uniforms, backend=be)
     if marks:
         marks("verify")
@@ -88,7 +88,7 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     # Padding rows of a bucket hold stale state (a finished request's page table, whose pages live
     # requests may own now) and garbage logits: whatever verify accepted there, ``valid`` makes them
     # commit nothing (sampled -1, seq_lens and pending unchanged).
-    ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len, out_tokens, valid,
+    step_ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len, out_tokens, valid,
                  (state.seq_lens[:B], state.pending[:B], state.sampled[:B, :T]), backend=be)
     if drafter is not None:
         drafter.extend_(state, B, T, valid, seq_old, out.captured, nodes, out_tokens, accept_len, (meta, pos))

@@ -1,4 +1,7 @@
-"""The model's view of the hot kernels: one call per op, Triton or the torch reference behind it.
+"""The model's view of the hot kernels: one call per layer op, Triton or the torch reference behind it.
+
+The step's addressing and commit kernels are dispatched in ``specdec/engine/step_ops.py``, the draft
+tree's in ``specdec/spec/tree_ops.py``; both choose their backend with :func:`use_triton` below.
 
 ``backend="auto"`` uses the Triton kernels on CUDA tensors and the torch references on CPU;
 ``"triton"`` forces the kernels (on CPU that needs ``TRITON_INTERPRET=1``: slow, for tests);
@@ -49,7 +52,8 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def _triton(backend: str, t: torch.Tensor) -> bool:
+def use_triton(backend: str, t: torch.Tensor) -> bool:
+    """Whether an op on tensor t runs its Triton kernel under ``backend`` (else its torch reference)."""
     if backend == "auto":
         return t.is_cuda
     if backend == "triton":
@@ -63,21 +67,21 @@ def _triton(backend: str, t: torch.Tensor) -> bool:
 def rms_norm(x, weight, eps, residual=None, *, backend="auto"):
     from kernels_triton import norm
 
-    fn = norm.rms_norm if _triton(backend, x) else norm.rms_norm_ref
+    fn = norm.rms_norm if use_triton(backend, x) else norm.rms_norm_ref
     return fn(x, weight, eps, residual)
 
 
 def rope(q, k, positions, cos, sin, *, backend="auto"):
     from kernels_triton import rope as rope_mod
 
-    fn = rope_mod.rope if _triton(backend, q) else rope_mod.rope_ref
+    fn = rope_mod.rope if use_triton(backend, q) else rope_mod.rope_ref
     return fn(q, k, positions, cos, sin)
 
 
 def write_kv_(k_cache, v_cache, k, v, slot_mapping, *, backend="auto") -> None:
     from kernels_triton import attention
 
-    fn = attention.write_kv_ if _triton(backend, k) else attention.write_kv_ref_
+    fn = attention.write_kv_ if use_triton(backend, k) else attention.write_kv_ref_
     fn(k_cache, v_cache, k, v, slot_mapping)
 
 
@@ -85,7 +89,7 @@ def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping,
     """RoPE on q and k, rotated k and v written to the cache slots (in place); returns rotated q."""
     from kernels_triton import rope as rope_mod
 
-    fn = rope_mod.rope_write_kv_ if _triton(backend, q) else rope_mod.rope_write_kv_ref_
+    fn = rope_mod.rope_write_kv_ if use_triton(backend, q) else rope_mod.rope_write_kv_ref_
     return fn(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
 
 
@@ -93,7 +97,7 @@ def silu_mul(x, *, backend="auto"):
     """SwiGLU of a fused [..., 2F] gate|up projection: silu(gate) * up, [..., F]."""
     from kernels_triton import activation
 
-    fn = activation.silu_mul if _triton(backend, x) else activation.silu_mul_ref
+    fn = activation.silu_mul if use_triton(backend, x) else activation.silu_mul_ref
     return fn(x)
 
 
@@ -115,13 +119,15 @@ FUSED_MAX_WEIGHT_BYTES = 16 << 20
 
 def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: bool = False,
            swiglu: bool = False) -> bool:
-    """Small-M fused layers for decode / draft rows on the Triton backend. SPECDEC_FUSED_LINEAR=0 falls
-    back to the unfused kernels + cuBLAS (an A/B switch for benchmarks). ``one_row_any_size``: a
+    """Small-M fused layers for decode / draft rows on the Triton backend. The kernel option
+    fused_linear=False (kernels_triton/options.py) falls back to the unfused kernels + cuBLAS (an A/B
+    switch for benchmarks). ``one_row_any_size``: a
     single row goes to the fused GEMV whatever the weight size (output widths up to
     kernels_triton.linear.GEMV_MAX_COLUMNS; wider ones, LM heads, keep the limits)."""
     from kernels_triton import linear as lin
+    from kernels_triton import options
 
-    if not _triton(backend, x) or os.environ.get("SPECDEC_FUSED_LINEAR", "1") == "0":
+    if not use_triton(backend, x) or not options.get().fused_linear:
         return False
     if one_row_any_size and x.shape[0] == 1 and w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS:
         return True
@@ -190,112 +196,12 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     return q, s
 
 
-def topk_logprobs(logits, k: int, *, backend="auto", out=None):
-    """(log_softmax(logits) top-k values fp32, their ids int64), descending, ties lowest id first;
-    written into ``out`` = (values, ids) when given."""
-    from kernels_triton import topk
-
-    if _triton(backend, logits) and logits.shape[-1] <= topk.MAX_V:
-        return topk.topk_logprobs(logits, k, out=out)
-    return topk.topk_logprobs_ref(logits, k, out=out)
-
-
-def _step_kernel(backend: str, t: torch.Tensor) -> bool:
-    """The step's addressing and tree helpers (block_meta, ancestor_masks, tree_expand, tree_select) run as
-    Triton kernels wherever the Triton backend runs: they replace ~12, ~8-per-level, ~20-per-round and ~25
-    small torch kernels per call (H200, graphed batch-1 steps: plain 1.028 -> 1.006 ms, 16-node tree
-    1.676 -> 1.493 ms with the first two, -> 1.368 ms with the tree kernels; profile_step results).
-    SPECDEC_STEP_KERNELS=0 keeps the torch versions (an A/B switch for benchmarks); =1 forces the kernels
-    with backend "auto" on the CPU too, under the interpreter (tests of the engine loop)."""
-    flag = os.environ.get("SPECDEC_STEP_KERNELS")
-    if flag == "0":
-        return False
-    if flag == "1" and backend == "auto" and os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return _triton(backend, t)
-
-
-def block_meta(start, valid, page_table, n: int, page_size: int, offset: int = 0, *, backend="auto"):
-    """(slot [B*n] int64, pos [B, n] int64, cu_q_lens [B+1] int32, kv_lens [B] int32) of a block of
-    n new tokens per row at logical slots start + offset .. start + offset + n - 1 (padding rows: slot -1, T_b = 0)."""
-    from kernels_triton import paging
-
-    fn = paging.block_meta if _step_kernel(backend, start) else paging.block_meta_ref
-    return fn(start, valid, page_table, n, page_size, offset)
-
-
-def tree_meta(start, valid, page_table, tokens, depth, page_size: int, *, backend="auto"):
-    """(slot [B*n], pos [B, n], ids [B*n] int64, cu_q_lens [B+1], kv_lens [B] int32) of a verify block:
-    tree node j of row b at logical slot start + j, RoPE position start + depth, input id its token
-    (padding rows: slot -1, position 0, id 0, T_b = 0); kernels_triton/paging.py."""
-    from kernels_triton import paging
-
-    fn = paging.tree_meta if _step_kernel(backend, start) else paging.tree_meta_ref
-    return fn(start, valid, page_table, tokens, depth, page_size)
-
-
-def ancestor_masks(parents, max_depth: int, *, backend="auto"):
-    """[B, T] tree parents -> [B, T] int64 ancestor-or-self bitmasks."""
-    from kernels_triton import tree_mask
-
-    fn = tree_mask.ancestor_masks if _step_kernel(backend, parents) else tree_mask.ancestor_masks_ref
-    return fn(parents, max_depth)
-
-
-def new_tree_candidates(B: int, C: int, device):
-    """Candidate buffers of a growing draft tree (kernels_triton/tree_grow.py)."""
-    from kernels_triton import tree_grow
-
-    return tree_grow.new_candidates(B, C, device)
-
-
-def tree_expand(cand, cand_off, depth, lp, cid, d2t, score=None, fcid=None, rows=None, h_front=None, valid=None,
-                seq=None, *, backend="auto"):
-    """One EAGLE-2 growth round: candidates written, next frontier and next draft rows (tree_grow.py)."""
-    from kernels_triton import tree_grow
-
-    fn = tree_grow.tree_expand if _step_kernel(backend, lp) else tree_grow.tree_expand_ref
-    return fn(cand, cand_off, depth, lp, cid, d2t, score, fcid, rows, h_front, valid, seq)
-
-
-def tree_select(root, cand, n: int, max_depth: int, *, backend="auto"):
-    """The draft tree of the n best candidates: (tokens, parents, depth, ancestor masks) [B, n + 1]."""
-    from kernels_triton import tree_grow
-
-    fn = tree_grow.tree_select if _step_kernel(backend, cand[0]) else tree_grow.tree_select_ref
-    return fn(root, cand, n, max_depth)
-
-
-def topk(x, k: int, *, backend="auto"):
-    """(k largest values of the last dim as fp32, their ids int64), descending, ties lowest id first."""
-    from kernels_triton import topk as topk_mod
-
-    if _triton(backend, x) and x.shape[-1] <= topk_mod.MAX_V:
-        return topk_mod.topk(x, k)
-    return topk_mod.topk_ref(x, k)
-
-
 def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, backend="auto"):
     from kernels_triton import attention
 
-    if _triton(backend, q):
+    if use_triton(backend, q):
         return attention.paged_attention(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
                                          meta.kv_lens, meta.tree_mask, sm_scale,
                                          max_q_len=meta.max_q_len, tree_window=meta.tree_window)
     return attention.paged_attention_ref(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
                                          meta.kv_lens, meta.tree_mask, sm_scale, meta.tree_window)
-
-
-def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_probs=None, *, backend="auto"):
-    from kernels_triton import verify_accept as va
-
-    fn = va.verify_accept if _triton(backend, logits) else va.verify_accept_ref
-    return fn(logits, tokens, parents, temperature, uniforms, draft_probs)
-
-
-def kv_sync_(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens, valid=None, into=None, *,
-             backend="auto"):
-    from kernels_triton import kv_sync
-
-    fn = kv_sync.kv_sync_ if _triton(backend, seq_lens) else kv_sync.kv_sync_ref_
-    return fn(caches, page_table, seq_lens, accepted_nodes, accept_len, out_tokens, valid, into)

@@ -7,7 +7,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.ops import AttentionMeta
-from ..models import ops
+from . import tree_ops as ops  # the draft tree's kernels
 from .tree import DraftTree, bit, grow_tree
 
 

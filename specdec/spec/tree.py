@@ -13,8 +13,8 @@ log-probability and keep the best ``topk`` as the next frontier; finally keep th
 depth penalty breaks exact ties), so the kept set is closed under ancestors. ``topk = 1`` gives a
 chain of ``steps`` tokens. Everything here is batched tensor work: no host sync. ``grow_tree`` over
 torch ops is the readable form; the EAGLE-3 drafter grows the same trees with one Triton launch per
-round and one for the selection (``kernels_triton/tree_grow.py``, through ``ops.tree_expand`` /
-``ops.tree_select``), and tests check the two agree.
+round and one for the selection (``kernels_triton/tree_grow.py``, through ``tree_ops.tree_expand`` /
+``tree_ops.tree_select``), and tests check the two agree.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import ops
+from . import tree_ops
 
 MAX_TREE_NODES = 64  # one int64 ancestor bitmask per node
 
@@ -48,7 +48,7 @@ def bit(i: torch.Tensor) -> torch.Tensor:
 def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """[B, T] parents (root -1, topological) -> [B, T] int64 ancestor-or-self bitmasks (one launch
     on the GPU: kernels_triton/tree_mask.py; ``max_depth`` bounds the walk, depth <= steps)."""
-    return ops.ancestor_masks(parents, max_depth)
+    return tree_ops.ancestor_masks(parents, max_depth)
 
 
 def single_node_tree(root: torch.Tensor, consts=None) -> DraftTree:
@@ -84,7 +84,7 @@ def topk_of(logp: torch.Tensor, k: int):
 def select_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
                 cand_parents: torch.Tensor, cand_depth: torch.Tensor, num_draft_tokens: int,
                 max_depth: int) -> DraftTree:
-    """Keep the best ``num_draft_tokens`` candidates as a tree (``ops.tree_select``: score minus a
+    """Keep the best ``num_draft_tokens`` candidates as a tree (``tree_ops.tree_select``: score minus a
     tiny depth penalty, ties to the lower candidate id, kept in candidate order).
 
     cand_*: [B, C] over all grown candidates in round order (a parent's index is lower than its
@@ -96,7 +96,7 @@ def select_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torc
         raise ValueError(f"num_draft_tokens={num_draft_tokens}: a tree holds at most {MAX_TREE_NODES - 1}")
     cand = (cand_tokens.long().contiguous(), cand_scores.float().contiguous(), cand_parents.int().contiguous(),
             cand_depth.int().contiguous())
-    return DraftTree(*ops.tree_select(root, cand, n, max_depth))
+    return DraftTree(*tree_ops.tree_select(root, cand, n, max_depth))
 
 
 def grow_tree(root: torch.Tensor, first, expand, *, topk: int, steps: int,
@@ -128,7 +128,7 @@ def grow_tree(root: torch.Tensor, first, expand, *, topk: int, steps: int,
         child_tok = to_target(cid).reshape(B, topk * topk)
         child_par = front_ids[:, :, None].expand(B, topk, topk).reshape(B, topk * topk)
         cands.append((child_tok, child_scores, child_par, torch.full_like(child_tok, r + 1)))
-        scores, best = ops.topk(child_scores, topk)  # next frontier [B, k] (one launch, no sort)
+        scores, best = tree_ops.topk(child_scores, topk)  # next frontier [B, k] (one launch, no sort)
         front_tok = child_tok.gather(1, best)
         front_ids = n_cand + best
         parent_slot = best // topk

@@ -1,0 +1,164 @@
+"""Kernel research switches: one options object, read by the launchers at launch time.
+
+Every switch here selects between kernels (or launch modes) that compute the same values; they
+exist for A/B measurements. Defaults are the measured winners (see docs/kernel_notes.md). The
+object is process-global: ``get()`` returns the options in force, ``set_(**fields)`` replaces the
+named fields (validated) and returns the previous options, and ``use(**fields)`` does the same for
+a ``with`` block. Launchers read it on every call, so a change takes effect at the next launch
+(Triton compiles one variant per constexpr value and caches each). Launches already recorded in a
+CUDA graph keep the options they were captured with: set the options before building an engine.
+
+specdec applies the ``kernels`` config group (conf/kernels/default.yaml) through ``set_`` at the
+start of every run and records ``as_dict()`` in the run's metrics.json; the experiment scripts take
+the same switches as flags (``add_flags`` / ``set_from_flags_``: ``--pdl off``, ``--fused-linear false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+PDL_MODES = ("late", "early", "off")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The research switches and their defaults.
+
+    pdl: programmatic dependent launch of the step kernels (attention, split-KV merge, fused
+        linear) on sm_90+ (never elsewhere, e.g. under the CPU interpreter): "late" lets the next
+        kernel launch once the main loop is done, "early" at the kernel's start, "off" not at all.
+    fused_linear: the small-M fused layer kernels (kernels_triton/linear.py) for decode / draft
+        rows on the Triton backend; False: the unfused kernels + cuBLAS composition.
+    step_kernels: the step's addressing and tree kernels (paging.py, tree_mask.py, tree_grow.py)
+        instead of their torch versions. None: wherever the Triton backend runs; True: also on CPU
+        tensors under backend "auto" when TRITON_INTERPRET=1 (tests of the engine loop); False:
+        the torch versions everywhere.
+    fused_merge: split-KV attention merges its partials in the kernel (the last split of a group)
+        instead of a second launch. None: the measured default per launch
+        (attention_launch.default_fused_merge, and the tree occupancy plan); True / False: forced.
+    attn_prewait: with PDL, attention reads its lengths and prefetches its cached prefix into L2
+        before it waits for its predecessor.
+    pdl_qkv_early: with PDL, the qkv kernel (RoPE epilogue) lets the attention launch at its start.
+        None: when its weights are at most linear.QKV_EARLY_MAX_BYTES; True / False: always / never.
+    """
+
+    pdl: str = "late"
+    fused_linear: bool = True
+    step_kernels: bool | None = None
+    fused_merge: bool | None = None
+    attn_prewait: bool = True
+    pdl_qkv_early: bool | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
+_BOOL = ("fused_linear", "attn_prewait")
+_TRISTATE = ("step_kernels", "fused_merge", "pdl_qkv_early")
+
+_current = KernelOptions()
+
+
+def _validated(name: str, value):
+    if name == "pdl":
+        if value is True:  # `kernels.pdl=true` / `false` from a command line
+            return "late"
+        if value is False:
+            return "off"
+        if value not in PDL_MODES:
+            raise ValueError(f"kernel option pdl={value!r}; valid: {', '.join(PDL_MODES)} (or true = late, "
+                             "false = off)")
+        return value
+    if name in _BOOL:
+        if not isinstance(value, bool):
+            raise ValueError(f"kernel option {name}={value!r}; valid: true, false")
+        return value
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"kernel option {name}={value!r}; valid: null (the measured default), true, false")
+    return value
+
+
+def validate(**fields) -> KernelOptions:
+    """The options in force with ``fields`` replaced, checked; raises ValueError naming a bad field or value."""
+    unknown = sorted(set(fields) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown kernel option(s) {', '.join(unknown)}; valid: {', '.join(FIELDS)}")
+    return dataclasses.replace(_current, **{k: _validated(k, v) for k, v in fields.items()})
+
+
+def get() -> KernelOptions:
+    """The kernel options in force."""
+    return _current
+
+
+def set_(**fields) -> KernelOptions:
+    """Replace the named fields of the process-wide options (all validated first); returns the previous options."""
+    global _current
+    new = validate(**fields)
+    old, _current = _current, new
+    return old
+
+
+def reset_() -> KernelOptions:
+    """Back to the defaults; returns the previous options."""
+    global _current
+    old, _current = _current, KernelOptions()
+    return old
+
+
+@contextlib.contextmanager
+def use(**fields):
+    """``with options.use(fused_linear=False): ...``: the named fields replaced inside the block."""
+    global _current
+    old = set_(**fields)
+    try:
+        yield _current
+    finally:
+        _current = old
+
+
+_WORDS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False, "null": None, "auto": None,
+          "none": None}
+
+
+def parse_value(name: str, text: str):
+    """A command-line word as the value of option ``name`` (true/false/on/off/1/0, null/auto for the
+    tri-state ones, late/early/off for pdl), validated."""
+    word = text.strip().lower()
+    if name == "pdl" and word in PDL_MODES:
+        return word
+    if word not in _WORDS:
+        raise ValueError(f"kernel option {name}={text!r}; valid: "
+                         + ("late, early, off" if name == "pdl" else "true, false"
+                            + (", null (the measured default)" if name in _TRISTATE else "")))
+    return _validated(name, _WORDS[word])
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
+    ``--attn-prewait``, ``--pdl-qkv-early``); unset flags keep the defaults."""
+    group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
+    doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
+           "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false"}
+    for name in FIELDS:
+        group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
+                           help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")
+
+
+def set_from_flags_(args: argparse.Namespace) -> KernelOptions:
+    """Apply the flags of ``add_flags`` that were given (exits with a usage message on a bad value);
+    returns the options now in force."""
+    fields = {}
+    for name in FIELDS:
+        text = getattr(args, "kernel_" + name, None)
+        if text is not None:
+            try:
+                fields[name] = parse_value(name, text)
+            except ValueError as e:
+                raise SystemExit(f"error: --{name.replace('_', '-')}: {e}") from None
+    set_(**fields)
+    return _current

@@ -1,0 +1,157 @@
+"""kernels_triton/options.py: the kernel research switches are validated, flip in-process, and reach
+the launchers at launch time (the other path runs). Attention's switches are checked in
+test_attention.py (test_pdl_modes_and_cuda_only, test_kernel_options_reach_attention_launch), the
+fused layers end to end in test_linear.py (test_model_routes_one_row_to_gemv_at_any_weight_size)."""
+
+import argparse
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_defaults_and_validation(kernel_options):
+    o = kernel_options.get()
+    assert o.as_dict() == dict(pdl="late", fused_linear=True, step_kernels=None, fused_merge=None,
+                               attn_prewait=True, pdl_qkv_early=None)
+    for name, bad, needle in (("fused_linear", "yes", "true, false"), ("attn_prewait", None, "true, false"),
+                              ("step_kernels", "on", "null (the measured default), true, false"),
+                              ("fused_merge", 1, "null"), ("pdl", "sometimes", "late, early, off")):
+        with pytest.raises(ValueError, match=name) as e:
+            kernel_options.set_(**{name: bad})
+        assert needle in str(e.value)
+    with pytest.raises(ValueError, match="unknown kernel option.*warp_size.*valid: pdl, fused_linear"):
+        kernel_options.set_(warp_size=4)
+    with pytest.raises(ValueError):  # one bad field: nothing is applied
+        kernel_options.set_(fused_linear=False, pdl="sometimes")
+    assert kernel_options.get() == o
+
+
+def test_set_and_use_restore(kernel_options):
+    old = kernel_options.set_(fused_linear=False)
+    assert old.fused_linear and not kernel_options.get().fused_linear
+    with kernel_options.use(pdl="off", fused_merge=True) as inside:
+        assert (inside.pdl, inside.fused_merge, inside.fused_linear) == ("off", True, False)
+        assert kernel_options.get() is inside
+    assert kernel_options.get() == kernel_options.KernelOptions(fused_linear=False)
+    with pytest.raises(RuntimeError):
+        with kernel_options.use(step_kernels=False):
+            raise RuntimeError("the block fails")
+    assert kernel_options.get().step_kernels is None  # restored on the way out
+    assert kernel_options.set_(pdl=False).pdl == "late" and kernel_options.get().pdl == "off"  # bools name modes
+
+
+def test_command_line_flags(kernel_options):
+    ap = argparse.ArgumentParser()
+    kernel_options.add_flags(ap)
+    opts = kernel_options.set_from_flags_(ap.parse_args(["--pdl", "early", "--step-kernels", "false",
+                                                         "--fused-merge", "null", "--pdl-qkv-early", "on"]))
+    assert (opts.pdl, opts.step_kernels, opts.fused_merge, opts.pdl_qkv_early) == ("early", False, None, True)
+    assert opts.fused_linear and opts.attn_prewait  # flags not given keep their values
+    with pytest.raises(SystemExit, match="--fused-linear: kernel option fused_linear='maybe'"):
+        kernel_options.set_from_flags_(ap.parse_args(["--fused-linear", "maybe"]))
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
+def test_step_kernels_option_switches_the_dispatch(monkeypatch, kernel_options):
+    # backend "triton": the step kernels by default; step_kernels=False: the torch versions, same
+    # values. backend "auto" on CPU tensors: the torch versions, unless step_kernels=True (interpreter).
+    from kernels_triton import paging, tree_mask
+    from specdec.engine import step_ops
+    from specdec.spec import tree_ops
+
+    calls = []
+    for mod, name in ((paging, "block_meta"), (paging, "block_meta_ref"), (tree_mask, "ancestor_masks"),
+                      (tree_mask, "ancestor_masks_ref")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    parents = torch.tensor([[-1, 0, 0, 1, 3], [-1, 0, 1, 1, 2]], dtype=torch.int32, device=DEVICE)
+    start = torch.tensor([5, 17], dtype=torch.int32, device=DEVICE)
+    valid = torch.tensor([True, True], device=DEVICE)
+    table = torch.arange(16, dtype=torch.int32, device=DEVICE).reshape(2, 8)
+
+    def run(backend):
+        calls.clear()
+        masks = tree_ops.ancestor_masks(parents, 4, backend=backend)
+        meta = step_ops.block_meta(start, valid, table, 3, 4, backend=backend)
+        return calls[:], masks, meta
+
+    kernels, refs = ["ancestor_masks", "block_meta"], ["ancestor_masks_ref", "block_meta_ref"]
+    want = {(None, "triton"): kernels, (False, "triton"): refs, (None, "auto"): refs, (True, "auto"): kernels}
+    if DEVICE == "cuda":  # "auto" on CUDA tensors is the Triton backend
+        want[None, "auto"] = want[True, "auto"] = kernels
+    results = {}
+    for (flag, backend), names in want.items():
+        kernel_options.set_(step_kernels=flag)
+        got, masks, meta = run(backend)
+        assert got == names, (flag, backend, got)
+        results[flag, backend] = (masks, meta)
+    base_masks, base_meta = results[False, "triton"]
+    for masks, meta in results.values():  # every path computes the same values
+        assert torch.equal(masks, base_masks)
+        for a, b in zip(meta, base_meta):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
+def test_pdl_qkv_early_option_sets_the_qkv_trigger(monkeypatch, kernel_options):
+    # Under PDL (forced here: the CPU interpreter has none), the qkv kernel's trigger is early for small
+    # weights by default, late above QKV_EARLY_MAX_BYTES, and always / never with pdl_qkv_early.
+    from kernels_triton import linear as lin
+    from kernels_triton.attention_launch import PDL_EARLY, PDL_LATE
+
+    seen = []
+
+    class Recorder:  # stands in for the kernel: records the launch's PDL mode, computes nothing
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw["USE_PDL"])
+
+    monkeypatch.setattr(lin, "pdl_mode", lambda device: PDL_LATE)
+    monkeypatch.setattr(lin, "_fused_linear_kernel", Recorder())
+    HQ, HKV, D, K = 2, 1, 16, 32
+    x = torch.randn(1, K, device=DEVICE)
+    w = torch.randn((HQ + 2 * HKV) * D, K, device=DEVICE)
+    nw = torch.ones(K, device=DEVICE)
+    kc = torch.zeros(4, 4, HKV, D, device=DEVICE)
+    from kernels_triton.rope import rope_tables
+
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    pos = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+
+    def trigger():
+        seen.clear()
+        lin.norm_qkv_rope_write_kv_(x, None, nw, 1e-5, w, HQ, HKV, pos, cos, sin, kc, kc.clone(), slots)
+        assert seen and len(set(seen)) == 1
+        return seen[0]
+
+    assert trigger() == PDL_EARLY  # 6 KB of weights
+    monkeypatch.setattr(lin, "QKV_EARLY_MAX_BYTES", 100)
+    assert trigger() == PDL_LATE
+    kernel_options.set_(pdl_qkv_early=True)
+    assert trigger() == PDL_EARLY
+    monkeypatch.setattr(lin, "QKV_EARLY_MAX_BYTES", 1 << 30)
+    kernel_options.set_(pdl_qkv_early=False)
+    assert trigger() == PDL_LATE
+    seen.clear()
+    lin.linear(x, w)  # other projections keep the late trigger
+    assert seen == [PDL_LATE]
+
+
+def test_run_applies_the_kernels_group(kernel_options):
+    # specdec.run / specdec.train set every field from cfg.kernels (missing ones: defaults, so an
+    # earlier job of a multirun in the same process leaves nothing behind); bad values are ConfigErrors.
+    from omegaconf import OmegaConf
+
+    from specdec.errors import ConfigError
+    from specdec.run import apply_kernel_options
+
+    kernel_options.set_(fused_linear=False, fused_merge=True)
+    got = apply_kernel_options(OmegaConf.create({"kernels": {"pdl": "early", "step_kernels": False}}))
+    assert got == dict(kernel_options.KernelOptions(pdl="early", step_kernels=False).as_dict())
+    assert kernel_options.get().as_dict() == got
+    with pytest.raises(ConfigError, match="kernels: kernel option attn_prewait='no'"):
+        apply_kernel_options(OmegaConf.create({"kernels": {"attn_prewait": "no"}}))
