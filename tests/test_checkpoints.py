@@ -276,7 +276,6 @@ def test_committed_draft_config_resolves_from_any_directory(tmp_path):
             "    cfg = compose('config', overrides=['draft=eagle3_smollm2'])\n"
             "print(cfg.draft.path)\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("SPECDEC_DRAFT", None)
     proc = subprocess.run([sys.executable, "-c", "import specdec\n" + code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -30,7 +30,7 @@ def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
         if not Path(path).is_dir():
             raise ConfigError(f"draft checkpoint {path} not found: train one with `python -m "
                               "specdec.train +experiment=train_eagle3_smollm2 train.output_dir=DIR`, "
-                              "or point draft.path (or $SPECDEC_DRAFT) at an EAGLE-3 checkpoint")
+                              "or point draft.path at an EAGLE-3 checkpoint")
         head = Eagle3Head.load(path, device=device, dtype=dtype if dtype is not None else target.dtype,
                                backend=backend, target=target.config)
         return Eagle3Drafter(head, target, topk=int(cfg.topk), steps=int(cfg.steps),
