@@ -287,6 +287,7 @@ def smollm2_dir() -> Path:
     """Path of the converted SmolLM2-135M-Instruct directory, fetching and converting it if needed
     (also when the entry is incomplete, e.g. its weights were deleted)."""
     final = cache_dir() / SMOLLM2
+    remove_stale_tmp_(final.parent, final.name)  # also when complete: a killed fetch's ~94 MB
     if smollm2_complete(final):
         return final
 
@@ -312,6 +313,7 @@ def prompts_complete(d: Path) -> bool:
 def prompts_dir() -> Path:
     """Directory holding humaneval.jsonl and mt_bench.jsonl, fetching them if needed."""
     final = cache_dir() / "prompts"
+    remove_stale_tmp_(final.parent, final.name)
     if prompts_complete(final):
         return final
 

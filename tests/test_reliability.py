@@ -155,7 +155,7 @@ def run_with_fault(model, inject, *, overlap, drafter=None, ks=(0,), k=0, policy
         engine.check()
         step += 1
     engine.check()
-    assert engine.kv.num_free == engine.kv.num_pages and not engine._unread
+    assert engine.kv.num_free == engine.kv.num_pages and engine._inflight is None
     return prompts, reqs, raised
 
 

@@ -100,7 +100,7 @@ def soak(model, refs, prompts, n_requests, *, drafter, overlap, seed):
         step += 1
     engine.check()
     assert engine.kv.num_free == engine.kv.num_pages, "pages leaked"
-    assert not engine._unread and engine.state.num_rows == 0
+    assert engine._inflight is None and engine.state.num_rows == 0
     n_aborted = 0
     for r, i, n in good:
         assert r.finished and r.error is None, (r.id, r.error)
