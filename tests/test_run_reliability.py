@@ -191,3 +191,18 @@ def test_signal_mid_run_exits_with_its_code_and_keeps_records(tmp_path, sig, cod
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["partial"] is True and metrics["stopped_by"] == signal.Signals(sig).name
     assert metrics["requests"] == len(records)
+
+
+def test_steps_jsonl_flushed_while_running(tmp_path):
+    """steps.jsonl reaches the disk as the run goes (at most FLUSH_S late), not only at close."""
+    from specdec.bench.metrics import StepTrace
+
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    trace.FLUSH_S = 0.0
+    rec = dict(step=0, decode_bs=1, bucket=1, k=0, prefill_tokens=0, prefill_reqs=0, decode_ms=1.0,
+               prefill_ms=0.0, step_ms=1.0, committed=1)
+    trace(rec)
+    trace(dict(rec, step=1))
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]
+    trace.close()
