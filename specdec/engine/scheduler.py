@@ -344,13 +344,16 @@ class Scheduler:
     def _outcome(self, req: Request, toks: list[int]) -> tuple[int, str | None, str | None]:
         """(tokens of ``toks`` to append, finish reason or None, error or None) for one row; reads
         ``req`` only. Tokens committed after EOS / a stop in the same step are dropped."""
-        out = list(req.output_ids)
+        # Only the output's tail matters (stop strings): no copy of the whole output per step.
+        width = max(len(s) for s in req.stop) + 4 if req.stop else 0  # tokens: each decodes to >= 1 char
+        tail = req.output_ids[-width:] if width else []
+        n_out = len(req.output_ids)
         for j, t in enumerate(toks):
-            out.append(t)
+            tail.append(t)
             try:
-                reason = self._finish_reason(req, out, t)
+                reason = self._finish_reason(req, tail[-width:] if width else tail, n_out + j + 1, t)
             except Exception as e:  # noqa: BLE001 - this request's stop check: it alone fails
-                return j, "error", (f"stop-string check failed on output token {len(out) - 1} "
+                return j, "error", (f"stop-string check failed on output token {n_out + j} "
                                     f"(id {t}): {type(e).__name__}: {e}")
             if reason is not None:
                 return j + 1, reason, None
@@ -364,16 +367,14 @@ class Scheduler:
         return done
 
     # -- internals --------------------------------------------------------------------------------
-    def _finish_reason(self, req: Request, out: list[int], tok: int) -> str | None:
-        """Why ``req`` finishes once its output is ``out`` (last token ``tok``), or None."""
+    def _finish_reason(self, req: Request, tail: list[int], n_out: int, tok: int) -> str | None:
+        """Why ``req`` finishes once its output has ``n_out`` tokens, the last ``tok`` and the
+        last few ``tail`` (enough for its stop strings), or None."""
         if tok in req.eos_ids and not req.ignore_eos:
             return "eos"
-        if req.stop:
-            width = max(len(s) for s in req.stop) + 4  # tokens: every token decodes to >= 1 char
-            tail = self.detokenize(out[-width:])
-            if any(s in tail for s in req.stop):
-                return "stop"
-        if len(out) >= req.max_new_tokens:
+        if req.stop and any(s in self.detokenize(tail) for s in req.stop):
+            return "stop"
+        if n_out >= req.max_new_tokens:
             return "length"
         return None
 
