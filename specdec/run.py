@@ -324,6 +324,8 @@ def run(cfg: DictConfig) -> dict:
             # Interrupted, or the engine stopped: keep what finished, say so, exit non-zero.
             trace.close()
             stream.close()
+            if isinstance(e, SpecdecError) and not stream.records:
+                raise  # bad input found before any request ran: its message is the whole story
             why = "SIGINT" if type(e) is KeyboardInterrupt else (
                 e.args[0] if isinstance(e, Interrupted) else f"{type(e).__name__}: {e}")
             metrics = run_facts(summarize(stream.records, time.perf_counter() - t0, trace))
