@@ -44,15 +44,15 @@ def tiny():
 
 # -- admission ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad,needle", [
-    ([5, VOCAB, 7], f"token id {VOCAB} at position 1"),
-    ([5, 6, -1], "token id -1 at position 2"),
-    ([5, 6.0, 7], "position 1 is 6.0 (float)"),
-    ([5, 6, 7.9], "position 2 is 7.9 (float)"),
-    ([True, 6], "position 0 is True (bool)"),
-    ([5, "7"], "position 1 is '7' (str)"),
+@pytest.mark.parametrize("bad,needle,overlap", [
+    ([5, VOCAB, 7], f"token id {VOCAB} at position 1", False),
+    ([5, VOCAB, 7], f"token id {VOCAB} at position 1", True),
+    ([5, 6, -1], "token id -1 at position 2", False),
+    ([5, 6.0, 7], "position 1 is 6.0 (float)", True),
+    ([5, 6, 7.9], "position 2 is 7.9 (float)", False),
+    ([True, 6], "position 0 is True (bool)", False),
+    ([5, "7"], "position 1 is '7' (str)", False),
 ])
-@pytest.mark.parametrize("overlap", [False, True])
 def test_bad_token_ids_rejected_at_admission_by_name(tiny, bad, needle, overlap, monkeypatch):
     """An id outside the vocabulary (or not an integer) is refused when the request arrives, with
     the id and its position named, and never reaches a forward; the others match the reference."""
