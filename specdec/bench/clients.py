@@ -19,14 +19,18 @@ import random
 import time
 from typing import Callable, Sequence
 
+from ..errors import ConfigError
+
 Submit = Callable[[object, float | None], object]
 
 
 def closed_loop(engine, prompts: Sequence, concurrency: int | None, submit: Submit,
                 on_finish: Callable[[object], None] | None = None) -> list:
     """Keep ``concurrency`` requests in flight (None: all prompts at once) until all are done."""
-    if concurrency is not None and int(concurrency) < 1:
-        raise ValueError(f"workload.concurrency must be >= 1 or null, got {concurrency}")
+    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                    or concurrency < 1):
+        raise ConfigError(f"workload.concurrency={concurrency!r}: must be an integer >= 1, or null "
+                          "(every prompt at once)")
     todo = iter(prompts)
     first = len(prompts) if concurrency is None else min(int(concurrency), len(prompts))
     for _ in range(first):
@@ -48,8 +52,8 @@ def poisson_arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
     """Arrival offsets in seconds of n requests at ``rate`` per second (None or inf: all at 0)."""
     if rate is None or rate == float("inf"):
         return [0.0] * n
-    if rate <= 0:
-        raise ValueError(f"workload.rate must be > 0 requests/s (or null for all at once), got {rate}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+        raise ConfigError(f"workload.rate={rate!r}: must be > 0 requests/s, or null (every prompt at once)")
     rng = random.Random(seed)
     t, out = 0.0, []
     for _ in range(n):

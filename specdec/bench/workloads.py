@@ -36,10 +36,19 @@ class Prompt:
 def read_jsonl_prompts(path: str | Path) -> list[tuple[str, str | None, list[dict] | None]]:
     """Lines ``{"id", "prompt"}`` or ``{"id", "messages"}`` -> (id, prompt, messages)."""
     path = Path(path)
+    if path.is_dir():
+        raise WorkloadError(f"workload file {path} is a directory; workload.path must name a JSONL file")
     if not path.is_file():
         raise WorkloadError(f"workload file {path} does not exist")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        raise WorkloadError(f"{path}:{lineno}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                            f"{e.start}); workload files must be UTF-8 encoded JSONL") from None
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -156,4 +165,13 @@ def load_prompts(workload_cfg, tokenizer) -> list[Prompt]:
             else:
                 ids = tokenizer.encode(text)
             prompts.append(Prompt(pid, text, messages, ids))
+    seen, dups = set(), []
+    for p in prompts:
+        if p.id in seen and p.id not in dups:
+            dups.append(p.id)
+        seen.add(p.id)
+    if dups:
+        shown = ", ".join(repr(d) for d in dups[:10]) + (f" and {len(dups) - 10} more" if len(dups) > 10 else "")
+        raise WorkloadError(f"duplicate prompt ids in the workload: {shown}; every request needs its own id "
+                            "(records and aborts are keyed by it)")
     return prompts

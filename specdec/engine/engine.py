@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -75,24 +76,69 @@ class EngineConfig:
 
     @classmethod
     def from_cfg(cls, engine_cfg, *, temperature: float = 0.0, seed: int = 0) -> "EngineConfig":
-        """From the Hydra ``engine`` group (keys this class lacks, e.g. max_new_tokens, are skipped)."""
+        """From the Hydra ``engine`` group (keys this class lacks, e.g. max_new_tokens, are skipped).
+        A value of the wrong type is a ConfigError naming the key."""
         get = engine_cfg.get
-        buckets = get("graph_buckets")
+
+        def num(key, default, kind=int, minimum=None):
+            return config_number(f"engine.{key}", get(key, default), kind, minimum)
+
+        def ints(key, default, minimum=1):
+            v = get(key, default)
+            if v is None:
+                return None
+            try:
+                items = list(v)
+            except TypeError:
+                raise ConfigError(f"engine.{key}={v!r}: must be a list of integers") from None
+            return tuple(config_number(f"engine.{key}", b, int, minimum) for b in items)
+
         return cls(
-            max_batch_size=int(get("max_batch_size", 256)),
-            page_size=int(get("page_size", 16)),
-            kv_cache_tokens=None if get("kv_cache_tokens") is None else int(get("kv_cache_tokens")),
-            kv_memory_fraction=float(get("kv_memory_fraction", 0.5)),
-            prefill_chunk=int(get("prefill_chunk", 2048)),
+            max_batch_size=num("max_batch_size", 256, minimum=1),
+            page_size=num("page_size", 16, minimum=1),
+            kv_cache_tokens=num("kv_cache_tokens", None, minimum=1),
+            kv_memory_fraction=num("kv_memory_fraction", 0.5, float),
+            prefill_chunk=num("prefill_chunk", 2048, minimum=1),
             cuda_graphs=get("cuda_graphs", "auto"),
-            graph_buckets=None if buckets is None else tuple(int(b) for b in buckets),
-            max_seq_len=None if get("max_seq_len") is None else int(get("max_seq_len")),
-            prefill_buckets=tuple(int(b) for b in get("prefill_graph_tokens", cls.prefill_buckets) or ()),
-            prefill_requests=tuple(int(r) for r in get("prefill_graph_requests", cls.prefill_requests) or (1,)),
+            graph_buckets=ints("graph_buckets", None),
+            max_seq_len=num("max_seq_len", None, minimum=1),
+            prefill_buckets=ints("prefill_graph_tokens", cls.prefill_buckets) or (),
+            prefill_requests=ints("prefill_graph_requests", cls.prefill_requests) or (1,),
             overlap=get("overlap", "auto"),
-            temperature=float(temperature),
-            seed=int(seed),
+            temperature=config_number("sampling.temperature", temperature, float, 0),
+            seed=config_number("seed", seed, int),
         )
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first field out of range (the engine calls this)."""
+        for key, minimum in (("max_batch_size", 1), ("page_size", 1), ("prefill_chunk", 1),
+                             ("kv_cache_tokens", 1), ("max_seq_len", 1)):
+            config_number(f"engine.{key}", getattr(self, key), int, minimum)
+        if not 0 < float(self.kv_memory_fraction) <= 1:
+            raise ConfigError(f"engine.kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
+
+
+def config_number(key: str, value, kind=int, minimum=None):
+    """``value`` as ``kind`` (int or float) at least ``minimum``; None stays None. Strings that
+    spell a number are accepted (command-line overrides); anything else, a float where an int is
+    wanted, or a value below ``minimum`` is a ConfigError naming ``key``."""
+    if value is None:
+        return None
+    want = "an integer" if kind is int else "a number"
+    if minimum is not None:
+        want += f" >= {minimum}"
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        if kind is int:
+            v = int(value) if isinstance(value, str) else operator.index(value)
+        else:
+            v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r}: must be {want}") from None
+    if minimum is not None and v < minimum:
+        raise ConfigError(f"{key}={value!r}: must be {want}")
+    return v
 
 
 def _use_graphs(setting, model) -> bool:
@@ -142,6 +188,7 @@ class Engine:
                  trace: Callable[[dict], None] | None = None, drafter=None, policy=None,
                  ks: Iterable[int] = (0,)):
         cfg = self.config = dataclasses.replace(config or EngineConfig())  # a copy: adjusted below
+        cfg.validate()
         # Every k a policy may pick is known up front: its tree size is reserved and graphed now.
         self.policy = policy
         self.ks = sorted({0, *(int(k) for k in ks), *(policy.ks if policy is not None else ())})
@@ -172,9 +219,16 @@ class Engine:
                                  max_tree_nodes=cfg.max_tree_tokens)
         if drafter is not None:  # its KV pool mirrors the target's pages; its row state follows rows
             drafter.bind_(self.state, num_pages, cfg.page_size)
+        # Prompt ids are checked at admission against the target's vocabulary (and a draft head's,
+        # which embeds target ids: a smaller one would read past its table).
+        vocab, vocab_name = int(model.config.vocab_size), "the target's"
+        head_cfg = getattr(getattr(drafter, "head", None), "config", None)
+        if head_cfg is not None and int(getattr(head_cfg, "vocab_size", vocab)) < vocab:
+            vocab, vocab_name = int(head_cfg.vocab_size), "the draft head's"
         self.scheduler = Scheduler(self.kv, self.state, max_batch_size=cfg.max_batch_size,
                                    prefill_chunk=cfg.prefill_chunk, max_seq_len=self.max_seq_len,
-                                   max_tree_tokens=ahead, detokenize=detokenize)
+                                   max_tree_tokens=ahead, detokenize=detokenize,
+                                   vocab_size=vocab, vocab_name=vocab_name)
         buckets = make_buckets(cfg.max_batch_size, cfg.graph_buckets)
 
         state, kv = self.state, self.kv  # not self: a closure over the engine would make a reference
@@ -210,7 +264,9 @@ class Engine:
         self._timer = PhaseTimer(model.device)
         self._pending_trace: dict[int, dict] = {}
         self._step_no = 0
-        self._inflight = None  # overlapped decoding: the launched step not yet read back
+        # Launched steps not yet committed, oldest first: with overlapped decoding the one in
+        # flight; a step stays here until its commit has succeeded (see step()).
+        self._unread: list = []
         self._ids = itertools.count()
         # A policy that learns from step times gets each decode step's duration in its StepStats.
         self._policy_times = wants_step_ms(policy)
@@ -222,14 +278,20 @@ class Engine:
     def add_request(self, prompt_ids: list[int], max_new_tokens: int, *, request_id: str | None = None,
                     stop: Iterable[str] = (), ignore_eos: bool = False,
                     arrival_s: float | None = None) -> Request:
-        """Queue a request. One that can never fit comes back finished with ``error`` set (and is
-        also returned by the next ``step()``); the others are unaffected.
+        """Queue a request. One that can never run (a token id that is not an integer of the
+        vocabulary, a duplicate id, too long for the cache) comes back finished with ``error`` set
+        naming the bad input (and is also returned by the next ``step()``); it never reaches a
+        forward, and the others are unaffected.
 
         ``arrival_s`` (a time.perf_counter() value, default now) is when the request is deemed to
         have arrived: open-loop drivers pass the scheduled arrival time, so queueing counts in TTFT.
         """
+        try:  # integers only (a float is refused at admission, not truncated)
+            max_new_tokens = operator.index(max_new_tokens) if not isinstance(max_new_tokens, bool) else max_new_tokens
+        except TypeError:
+            pass
         req = Request(id=str(next(self._ids)) if request_id is None else str(request_id),
-                      prompt_ids=[int(t) for t in prompt_ids], max_new_tokens=int(max_new_tokens),
+                      prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                       eos_ids=self.eos_ids, stop=tuple(stop), ignore_eos=bool(ignore_eos),
                       arrival_s=time.perf_counter() if arrival_s is None else float(arrival_s))
         self.scheduler.add_(req)
@@ -240,7 +302,12 @@ class Engine:
         return self.scheduler.abort_(str(request_id), time.perf_counter())
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.finished) or self._inflight is not None
+        return self.scheduler.has_work() or bool(self.scheduler.finished) or bool(self._unread)
+
+    @property
+    def _inflight(self):
+        """The launched step not yet committed (overlapped decoding), or None."""
+        return self._unread[-1] if self._unread else None
 
     @property
     def num_running(self) -> int:
@@ -253,7 +320,16 @@ class Engine:
     # -- iterations -----------------------------------------------------------------------------
     def step(self, k: int | None = None) -> list[Request]:
         """One iteration (prefill chunks + one decode step with k draft tokens); returns requests
-        finished in it. k None: the policy decides (from decode rows only), else 0."""
+        finished in it. k None: the policy decides (from decode rows only), else 0.
+
+        A step commits for every row or for none. If it raises (a launch, the drafter, verify, the
+        policy's update, the host commit), the engine is left consistent: a launched step whose
+        tokens were not committed stays queued (with overlapped decoding the step in flight is
+        never dropped) and the next call commits it before anything else, so the caller may step
+        again (every request's tokens come out as if nothing had happened) or stop, keeping what
+        finished. Only a failure inside the device commit (kv_sync, the drafter's extend) leaves
+        the device ahead of the host: a device error; stop then. A request whose own stop-string
+        check raises fails alone (finish_reason "error")."""
         sched, no = self.scheduler, self._step_no
         self._step_no += 1
         timed = self.trace is not None  # CUDA events only when someone reads them
@@ -261,6 +337,11 @@ class Engine:
             raise ConfigError(f"k={k} was not configured for this engine (ks={self.ks}); every "
                               "speculation length must be known at start-up so its graphs exist")
         t_start = time.perf_counter()
+        committed: list[tuple[int, list[list[int]]]] = []  # (k, token lists) of the steps committed here
+        # A step whose commit raised in an earlier call commits first (the host catches up with the
+        # device before anything else changes); with overlapped decoding the newest stays in flight.
+        while len(self._unread) > (1 if self.overlap else 0):
+            committed.append(self._commit_oldest_())
         preempted = sched.ensure_decode_capacity_()
         sched.admit_(t_start)
         plan = sched.plan_prefill()
@@ -279,14 +360,13 @@ class Engine:
                           rows=tuple(r.id for r in sched.rows)))
             if k not in self.ks:
                 raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
-        committed: list[tuple[int, list[list[int]]]] = []  # (k, token lists) of the steps committed here
         needs_context = k > 0 and drafter_needs_context(self.drafter)
-        if self._inflight is not None and needs_context:
+        if self._unread and needs_context:
             # This drafter drafts from the host's committed tokens: commit the step in flight first,
             # so it sees them (a speculative step of such a drafter runs synchronously; its k = 0
             # steps stay overlapped). Evictions may move rows: look the new rows up again.
-            drained, self._inflight = self._inflight, None
-            committed.append(self._commit_step_(drained))
+            while self._unread:
+                committed.append(self._commit_oldest_())
             row_of = {id(r): i for i, r in enumerate(sched.rows)}
             ready = [(r, row_of[id(r)]) for r, _ in ready]
         if self.drafter is not None and ready:
@@ -297,20 +377,17 @@ class Engine:
         n = self.state.num_rows
         context = [r.tokens for r in sched.rows] if n and needs_context else None
         launched = (lambda: self._timer.stop(no, "decode")) if timed else None
-        # The step whose tokens this iteration commits: this one, or with overlapped decoding the
-        # previous one, read while the GPU runs this one.
-        done_step, self._inflight = self._inflight, None
         if n:
             if timed:
                 self._timer.start(no, "decode")
+            # If the launch raises, nothing is queued and the step in flight stays queued.
             step = self.stepper.launch_(k, launched, context, timed=self._policy_times)
             step.rows = [(r, r.row_epoch) for r in sched.rows]
-            if self.overlap:
-                self._inflight = step
-            else:
-                done_step = step
-        if done_step is not None:
-            committed.append(self._commit_step_(done_step))
+            self._unread.append(step)
+        # The steps whose tokens this iteration commits: this one, or with overlapped decoding the
+        # previous one, read while the GPU runs this one (with no rows launched: all of them).
+        while len(self._unread) > (1 if self.overlap and n else 0):
+            committed.append(self._commit_oldest_())
         now = time.perf_counter()
         finished = sched.pop_finished()
         if timed:
@@ -325,15 +402,22 @@ class Engine:
             self._emit_trace(wait=False)
         return finished
 
-    def _commit_step_(self, step) -> tuple[int, list[list[int]]]:
-        """Read a launched step's tokens (waits for it), feed the policy, commit them; returns
-        (its k, the token lists committed: rows still in the batch)."""
-        tokens = self.stepper.collect_(step)
-        if self.policy is not None:
+    def _commit_oldest_(self) -> tuple[int, list[list[int]]]:
+        """Read the oldest launched step's tokens (waits for it), feed the policy, commit them, and
+        only then drop it from the queue (a commit that raises is retried by the next step());
+        returns (its k, the token lists committed: rows still in the batch)."""
+        step = self._unread[0]
+        if step.tokens is None:
+            step.tokens = self.stepper.collect_(step)
+        tokens = step.tokens
+        if self.policy is not None and not step.policy_fed:
             self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
                                          rows=[r.id for r, _ in step.rows],
                                          step_ms=self.stepper.step_ms(step)))
-        return step.k, self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter())
+            step.policy_fed = True
+        kept = self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter())
+        self._unread.pop(0)
+        return step.k, kept
 
     def run_until_done(self) -> list[Request]:
         """Step until every queued request has finished; returns them in finishing order."""

@@ -17,7 +17,15 @@ iteration (see :meth:`specdec.engine.engine.Engine.step`):
 5. The engine runs the decode step, then ``commit_tokens_`` appends the committed tokens and
    finishes requests on EOS, max_new_tokens or a stop string; their rows leave the batch and their
    pages return to the pool. With overlapped decoding the engine queues the step and commits the
-   previous one, and max_tree_tokens covers two steps.
+   previous one, and max_tree_tokens covers two steps. The commit is all or nothing: every row's
+   outcome is worked out before any request changes, so an exception leaves every request as it
+   was (the engine commits the same step again); a request whose own stop-string check raises
+   fails alone (finish_reason "error"), the others commit.
+
+A request is checked once, when it arrives (``rejection``): its prompt must be integer token ids
+of the target's vocabulary (and the drafter's, where it has its own), its id unique among the
+requests queued or running. A rejected request finishes at once with ``error`` naming the bad
+input, and never reaches a forward.
 
 Prefill and decode run as two forwards per iteration (prefill eager over the packed chunks, decode
 through the CUDA graph of its batch bucket) rather than one mixed forward: the decode stays a fixed
@@ -29,10 +37,12 @@ from __future__ import annotations
 
 import enum
 import itertools
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..errors import ConfigError
 from .kv_cache import KVCache, OutOfPages, pages_for
 from .state import DecodeState
 from .step import PrefillChunk
@@ -92,13 +102,17 @@ class Scheduler:
         max_tree_tokens: slots a decode row holds past its committed tokens: what one step writes
             (k = 0: 1, the pending token), twice that with overlapped decoding (a step in flight).
         detokenize: ids -> text, needed only for stop strings.
+        vocab_size: prompt ids must lie in 0 .. vocab_size - 1 (None: unchecked).
+        vocab_name: what that vocabulary is, for the error message.
     """
 
     def __init__(self, kv: KVCache, state: DecodeState, *, max_batch_size: int, prefill_chunk: int,
                  max_seq_len: int, max_tree_tokens: int = 1,
-                 detokenize: Callable[[list[int]], str] | None = None):
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 vocab_size: int | None = None, vocab_name: str = "the target's"):
         if prefill_chunk < 1:
-            raise ValueError(f"engine.prefill_chunk must be >= 1, got {prefill_chunk}")
+            raise ConfigError(f"engine.prefill_chunk={prefill_chunk}: must be an integer >= 1 "
+                              "(prompt tokens per prefill forward)")
         self.kv, self.state = kv, state
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
@@ -111,13 +125,42 @@ class Scheduler:
         self.finished: list[Request] = []  # finished since the engine last collected them
         self.num_preemptions = 0
         self._ids = itertools.count()
+        self.vocab_size, self.vocab_name = vocab_size, vocab_name
+        self._live: dict[str, Request] = {}  # id -> request, queued or running (ids are unique here)
 
     # -- requests in and out ----------------------------------------------------------------------
+    def check_ids(self, prompt_ids) -> tuple[list[int], str | None]:
+        """(the prompt as a list of ints, why it is invalid or None). Integers only: a float, bool
+        or string id is refused, not truncated; each must lie in 0 .. vocab_size - 1 (a negative id
+        would silently read another embedding row, one past the end fails every later forward)."""
+        try:
+            raw = list(prompt_ids)
+        except TypeError:
+            return [], f"prompt_ids must be a list of integer token ids, got {type(prompt_ids).__name__}"
+        ids = []
+        V = self.vocab_size
+        for pos, t in enumerate(raw):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                v = operator.index(t)  # ints, numpy / torch integers; not floats, not strings
+            except TypeError:
+                return raw, (f"prompt token at position {pos} is {t!r} ({type(t).__name__}): token ids "
+                             "must be integers")
+            if v < 0 or (V is not None and v >= V):
+                valid = "0 or more" if V is None else f"0 .. {V - 1}"
+                return raw, (f"prompt token id {v} at position {pos} is outside {self.vocab_name} "
+                             f"vocabulary of {V} ids (valid: {valid})")
+            ids.append(v)
+        return ids, None
+
     def rejection(self, prompt_ids: list[int], max_new_tokens: int, stop) -> str | None:
         """Why a request can never run, or None. Checked once, when it arrives."""
         n = len(prompt_ids)
         if n == 0:
             return "empty prompt: a request needs at least one prompt token"
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            return f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1"
         if max_new_tokens < 1:
             return f"max_new_tokens={max_new_tokens}: must be >= 1"
         if n + max_new_tokens > self.max_seq_len:
@@ -134,12 +177,21 @@ class Scheduler:
         return None
 
     def add_(self, req: Request) -> None:
-        """Queue ``req``; a request that can never fit finishes at once with ``error`` set."""
-        why = self.rejection(req.prompt_ids, req.max_new_tokens, req.stop)
+        """Queue ``req``; a request that can never run (bad token ids, a duplicate id, too long)
+        finishes at once with ``error`` set."""
+        req.prompt_ids, why = self.check_ids(req.prompt_ids)
+        if why is None and req.id in self._live:
+            why = (f"duplicate request id {req.id!r}: a request with this id is already queued or "
+                   "running (ids must be unique)")
+        if why is None:
+            why = self.rejection(req.prompt_ids, req.max_new_tokens, req.stop)
         if why is not None:
-            self._finish_(req, "error", req.arrival_s)
             req.error = why
+            req.status = Status.FINISHED
+            req.finish_reason, req.finish_s = "error", req.arrival_s
+            self.finished.append(req)
             return
+        self._live[req.id] = req
         self.waiting.append(req)
 
     def abort_(self, request_id: str, now: float) -> bool:
@@ -261,33 +313,51 @@ class Scheduler:
         seq_lens. With overlapped decoding the batch may have changed since the launch: tokens of
         a request that finished, was aborted or preempted (or re-admitted: a new epoch) since are
         dropped; that step's work for it was wasted, and stayed within its pages (the scheduler
-        reserves two steps ahead). Returns the token lists it committed (rows still in the batch)."""
+        reserves two steps ahead). Returns the token lists it committed (rows still in the batch).
+
+        All or nothing: each row's outcome (tokens kept, finish reason) is worked out first and
+        only then applied, so an exception leaves every request unchanged and the same step can be
+        committed again. A request whose stop-string check raises (its detokenizer failing on its
+        tokens) is the exception: it alone finishes with reason "error"."""
         row_of = {id(r): i for i, r in enumerate(self.rows)}
-        done, kept = [], []
+        plan = []  # (row, request, tokens, tokens kept, finish reason or None, error or None)
         for (req, epoch), toks in zip(launched_rows, tokens):
             i = row_of.get(id(req))
             if i is None or req.row_epoch != epoch:
                 continue
+            plan.append((i, req, toks, *self._outcome(req, toks)))
+        done, kept = [], []
+        for i, req, toks, take, reason, error in plan:  # nothing below raises
             self.state.seq_lens_host[i] += len(toks)
             kept.append(toks)
-            if self._commit_(req, toks, now):
+            req.seq_len += len(toks)
+            req.output_ids.extend(toks[:take])
+            req.token_times.extend([now] * take)
+            if req.first_token_s is None and take:
+                req.first_token_s = now
+            if reason is not None:
+                req.finish_reason, req.error = reason, error
                 done.append(req)
         self._evict_done_(done, now)
         return kept
 
-    def _commit_(self, req: Request, toks: list[int], now: float) -> bool:
-        """Append one row's committed tokens to its request; True if it finished."""
-        req.seq_len += len(toks)
-        for t in toks:
-            req.output_ids.append(t)
-            req.token_times.append(now)
-            if req.first_token_s is None:
-                req.first_token_s = now
-            reason = self._finish_reason(req, t)
+    def _outcome(self, req: Request, toks: list[int]) -> tuple[int, str | None, str | None]:
+        """(tokens of ``toks`` to append, finish reason or None, error or None) for one row; reads
+        ``req`` only. Tokens committed after EOS / a stop in the same step are dropped."""
+        # Only the output's tail matters (stop strings): no copy of the whole output per step.
+        width = max(len(s) for s in req.stop) + 4 if req.stop else 0  # tokens: each decodes to >= 1 char
+        tail = req.output_ids[-width:] if width else []
+        n_out = len(req.output_ids)
+        for j, t in enumerate(toks):
+            tail.append(t)
+            try:
+                reason = self._finish_reason(req, tail[-width:] if width else tail, n_out + j + 1, t)
+            except Exception as e:  # noqa: BLE001 - this request's stop check: it alone fails
+                return j, "error", (f"stop-string check failed on output token {n_out + j} "
+                                    f"(id {t}): {type(e).__name__}: {e}")
             if reason is not None:
-                req.finish_reason = reason
-                return True  # tokens committed after EOS / a stop in the same step are dropped
-        return False
+                return j + 1, reason, None
+        return len(toks), None, None
 
     def _evict_done_(self, done: list[Request], now: float) -> list[Request]:
         if done:
@@ -297,15 +367,14 @@ class Scheduler:
         return done
 
     # -- internals --------------------------------------------------------------------------------
-    def _finish_reason(self, req: Request, tok: int) -> str | None:
+    def _finish_reason(self, req: Request, tail: list[int], n_out: int, tok: int) -> str | None:
+        """Why ``req`` finishes once its output has ``n_out`` tokens, the last ``tok`` and the
+        last few ``tail`` (enough for its stop strings), or None."""
         if tok in req.eos_ids and not req.ignore_eos:
             return "eos"
-        if req.stop:
-            width = max(len(s) for s in req.stop) + 4  # tokens: every token decodes to >= 1 char
-            tail = self.detokenize(req.output_ids[-width:])
-            if any(s in tail for s in req.stop):
-                return "stop"
-        if len(req.output_ids) >= req.max_new_tokens:
+        if req.stop and any(s in self.detokenize(tail) for s in req.stop):
+            return "stop"
+        if n_out >= req.max_new_tokens:
             return "length"
         return None
 
@@ -330,6 +399,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _finish_(self, req: Request, reason: str, now: float) -> None:
+        if self._live.get(req.id) is req:
+            del self._live[req.id]
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_s = now

@@ -262,6 +262,8 @@ class LaunchedStep:
     done: object | None  # CUDA event after the device -> host copy (None: already complete)
     rows: list = None  # (request, row_epoch) per row at launch, filled in by the engine
     times: object = None  # timed launches: (start, end) CUDA events, or wall ms on the CPU
+    tokens: list | None = None  # the committed tokens once read back (a retried commit reuses them)
+    policy_fed: bool = False  # the policy has seen this step's stats (not fed twice on a retry)
 
 
 class PhaseTimer:
