@@ -111,7 +111,7 @@ def test_git_commit_without_stamp(monkeypatch):
 @pytest.mark.parametrize("override,needles", [
     ("kernels.pdl=sometimes", ("pdl='sometimes'", "late, early, off")),
     ("kernels.fused_linear=maybe", ("fused_linear='maybe'", "true, false")),
-    ("+kernels.warp_specialize=true", ("unknown kernel option", "warp_specialize", "fused_merge")),
+    ("+kernels.warp_specialize=true", ("unknown config key", "warp_specialize", "fused_merge")),
 ])
 def test_bad_kernel_option_fails_cleanly(tmp_path, override, needles):
     _assert_clean_error(run_cli(override, "logger=none", "device=cpu", tmp_path=tmp_path, timeout=120), *needles)
