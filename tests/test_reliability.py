@@ -16,7 +16,7 @@ from specdec.engine.engine import Engine, EngineConfig
 from specdec.errors import ConfigError
 from specdec.models import ops
 from specdec.policy import StepStats
-from specdec.spec.drafters import Eagle3Drafter, NgramDrafter
+from specdec.spec import Eagle3Drafter, NgramDrafter
 
 
 class Injected(RuntimeError):

@@ -17,7 +17,7 @@ from test_spec import tiny_head
 
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.reference import generate_reference
-from specdec.spec.drafters import Eagle3Drafter, NgramDrafter
+from specdec.spec import Eagle3Drafter, NgramDrafter
 
 SOAK_REQUESTS = 10_000
 MAX_POS = 128
