@@ -14,7 +14,7 @@ from test_spec import repetitive_prompts, tiny_head
 
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.errors import ConfigError
-from specdec.models import ops
+from specdec.engine import step_ops as ops
 from specdec.policy import StepStats
 from specdec.spec import Eagle3Drafter, NgramDrafter
 
