@@ -56,6 +56,10 @@ class DecodeState:
         self.generator = torch.Generator(device=dev).manual_seed(int(seed))
         self.num_rows = 0
         self.seq_lens_host: list[int] = []  # mirror of seq_lens[:num_rows]
+        # Per row, the tokens whose draft KV is written (drafters that catch up after k = 0 steps;
+        # see Engine.step): equal to seq_lens_host while in sync, behind it by the backlog of tokens
+        # committed while speculation was off. Maintained by the host only (no device copy).
+        self.draft_lens_host: list[int] = []
 
     def append_rows_(self, pending: list[int], seq_lens: list[int], pages: list[list[int]]) -> list[int]:
         """Append rows for requests that became decode-ready; returns their row indices.
@@ -78,6 +82,7 @@ class DecodeState:
         self.page_table[r0 : r0 + m] = table.to(self.device, non_blocking=True)
         self.num_rows += m
         self.seq_lens_host.extend(seq_lens)
+        self.draft_lens_host.extend(seq_lens)  # a row's prefill wrote its draft KV too
         return list(range(r0, r0 + m))
 
     def keep_rows_(self, keep: list[int]) -> None:
@@ -97,6 +102,7 @@ class DecodeState:
             for buf in self.row_buffers.values():
                 buf[:m] = buf[idx]
         self.seq_lens_host = [self.seq_lens_host[r] for r in keep]
+        self.draft_lens_host = [self.draft_lens_host[r] for r in keep]
         self.num_rows = m
 
     def set_pages_(self, rows: list[int], cols: list[int], pages: list[int]) -> None:

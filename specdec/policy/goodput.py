@@ -46,6 +46,7 @@ class Goodput:
     name = "goodput"
 
     wants_step_ms = True
+    wants_rows = True
 
     def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 32,
                  profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01):
