@@ -375,7 +375,7 @@ def test_step_kernels_keep_greedy_and_draft_kv(tiny, monkeypatch):
         pytest.skip("the tiny model lives on the CPU: its kernels need the interpreter (CUDA runs cover the GPU)")
     monkeypatch.setenv("SPECDEC_STEP_KERNELS", "1")
     test_eagle3_greedy_identical(tiny, 3, 2, 8)
-    test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle=True, pad=True)
+    test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle=True, pad=True, sync=False)
     assert calls["block_meta"] > 0 and calls["ancestor_masks"] > 0
 
 

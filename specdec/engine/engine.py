@@ -39,7 +39,7 @@ import torch
 
 from ..errors import ConfigError
 from ..policy.base import BatchView, StepStats, wants_rows, wants_step_ms
-from ..spec.base import capturable, catches_up, extends_at_k0
+from ..spec.base import capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
 from . import profiling
 from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets
@@ -306,7 +306,7 @@ class Engine:
             committed.append(self._commit_step_(drained))
             row_of = {id(r): i for i, r in enumerate(sched.rows)}
             ready = [(r, row_of[id(r)]) for r, _ in ready]
-        if self.drafter is not None and ready:
+        if prefills(self.drafter) and ready:
             # Each new decode row takes the draft state of its request's last prefill chunk.
             chunk_of = {id(req): i for i, (req, _) in enumerate(plan)}
             self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready],

@@ -58,5 +58,7 @@ def build_policy(cfg, sizes=None):
         return Goodput(ks, ema=float(cfg.get("ema", 0.1)),
                        margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 32)),
                        profile_context=int(cfg.get("profile_context", 512)), time_ema=float(cfg.get("time_ema", 0.1)),
-                       prior_ema=float(cfg.get("prior_ema", 0.01)))
+                       prior_ema=float(cfg.get("prior_ema", 0.01)),
+                       explore_backoff=float(cfg.get("explore_backoff", 1.0)),
+                       explore_max=int(cfg.get("explore_max", 1024)))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput")

@@ -28,13 +28,13 @@ class Eagle3Drafter:
     """EAGLE-3 drafting: trees grown by the draft head over its own paged KV cache.
 
     Draft row j pairs the target's feature at position j with the token at j + 1 and sits in draft
-    KV slot j (the target's page table addresses both pools). Invariant after every commit (with
-    ``sync_while_off``, the default; without it, after every drafting step's commit only): the
-    draft KV covers slots 0 .. seq_len - 1 like the target's and ``root_hidden`` holds the output of
-    row seq_len - 1. Its best ``topk`` children (``root_top``/``root_ids``: log-probs, draft ids),
-    which predict the token after the pending one (the first tree level), are computed when a step
-    drafts, at the start of ``propose``: a k = 0 step (speculation off) only extends the draft KV and
-    runs no draft lm_head. Only the best children of a node can enter a tree, so no step
+    KV slot j (the target's page table addresses both pools). Invariant when a step drafts (after
+    the engine's catch-up, the default; with ``sync_while_off`` after every commit): the draft KV
+    covers slots 0 .. seq_len - 1 like the target's and ``root_hidden`` holds the output of row
+    seq_len - 1. Its best ``topk`` children (``root_top``/``root_ids``: log-probs, draft ids), which
+    predict the token after the pending one (the first tree level), are computed when a step
+    drafts, at the start of ``propose``: a k = 0 step (speculation off) runs no draft work at all
+    (catch-up) or only extends the draft KV (sync_while_off), never the draft lm_head. Only the best children of a node can enter a tree, so no step
     materialises a full draft distribution: the lm_head runs on the frontier rows only and one
     top-k kernel returns their log-probs.
 
