@@ -135,13 +135,13 @@ def test_catch_up_after_random_schedules_equals_fresh_prefill(tiny, seed, pad, o
     max_new = [rng.randint(10, 26) for _ in prompts]
     want = [reference(tiny, p, m) for p, m in zip(prompts, max_new)]
     drafter = Eagle3Drafter(tiny_head(tiny, seed=seed), tiny, topk=2, steps=3, num_draft_tokens=5)
-    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=160, prefill_chunk=8,
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=96, prefill_chunk=8,
                                        pad_eager=pad, graph_buckets=(1, 2, 4), prefill_buckets=(8,),
                                        overlap=overlap),
                     drafter=drafter, ks=(5,))
     assert (engine.stepper.catch_up_runner is not None) == pad
     reqs, arrive = [None] * len(prompts), {i: rng.randint(0, 12) for i in range(len(prompts))}
-    step, drafting = 0, 0
+    step, drafting, forced = 0, 0, 0
     while step < 400 and (engine.has_work() or any(r is None for r in reqs)):
         for i, at in arrive.items():
             if at == step:
@@ -149,6 +149,12 @@ def test_catch_up_after_random_schedules_equals_fresh_prefill(tiny, seed, pad, o
         k = 5 if rng.random() < 0.35 else 0
         engine.step(k)
         engine.check()
+        backlog = [r for i, r in enumerate(engine.scheduler.rows)
+                   if engine.state.draft_lens_host[i] < engine.state.seq_lens_host[i]]
+        if not k and backlog and (not forced or rng.random() < 0.15):  # preempt a row while its draft is behind
+            engine.scheduler._preempt_(backlog[-1])  # (what the scheduler does when pages run out)
+            engine.check()
+            forced += 1
         if k and engine.state.num_rows:
             if engine._inflight is not None:  # overlapped: commit the step in flight (as a drain does)
                 engine._commit_step_(engine._inflight)
