@@ -89,7 +89,8 @@ def main() -> None:
     model = LlamaModel.from_pretrained(args.smollm2, device=device)
     tok = Tokenizer(args.smollm2)
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
-    prompts = [tok.encode_chat([{"role": "user", "content": r["prompt"]}]) for r in rows]
+    # humaneval.jsonl rows carry "prompt", mt_bench.jsonl rows "turns" (the first turn is sent)
+    prompts = [tok.encode_chat([{"role": "user", "content": r.get("prompt") or r["turns"][0]}]) for r in rows]
     Cs = [1, 2] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128, 256]
     if args.concurrency:
         Cs = sorted(int(c) for c in args.concurrency.split(","))
@@ -191,7 +192,7 @@ def main() -> None:
         for r in results:
             w.writerow({**r, **stamp})
     lines = [f"# Speculation policies under load ({stamp['device']}, commit {stamp['commit']}, {stamp['date']}, "
-             f"{stamp['dtype']}, SmolLM2-135M-Instruct, HumanEval prompts, greedy, {max_new} new tokens, "
+             f"{stamp['dtype']}, SmolLM2-135M-Instruct, {Path(args.prompts).stem} prompts, greedy, {max_new} new tokens, "
              f"{drafter_name}; batch_threshold off above {args.off_above}, on at {args.on_at})", "",
              "| config | C | output tok/s | vs never | vs max(never, always) | steps speculating | k held at full load "
              "(settle steps) | mean accepted length | identical to never |",
