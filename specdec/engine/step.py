@@ -61,7 +61,7 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
               then the drafter extends its own KV over the committed tokens (at T = 1 only if it
               ``extends_at_k0``; otherwise a T = 1 step is plain decoding's body, drafter or not)
     Rows >= state.num_active are padding: T_b = 0, no KV read or written, nothing committed.
-    Writes state.sampled[:B, :T] (committed tokens then -1) and commits in place; no host sync,
+    Writes state.sampled_for(T)[:B] (committed tokens then -1) and commits in place; no host sync,
     so a CUDA graph can capture it per (bucket B, tree size T). ``marks(phase)``, when given (eager
     profiling only), is called as the draft, verify and commit phases end.
     """
@@ -95,7 +95,7 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     # requests may own now) and garbage logits: whatever verify accepted there, ``valid`` makes them
     # commit nothing (sampled -1, seq_lens and pending unchanged).
     ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len, out_tokens, valid,
-                 (state.seq_lens[:B], state.pending[:B], state.sampled[:B, :T]), backend=be)
+                 (state.seq_lens[:B], state.pending[:B], state.sampled_for(T)[:B]), backend=be)
     if drafter is not None:
         drafter.extend_(state, B, T, valid, seq_old, out.captured, nodes, out_tokens, accept_len, (meta, pos))
     if marks:
@@ -257,7 +257,7 @@ class Stepper:
         t1 = (_record() if cuda else time.perf_counter()) if timed else None
         if launched is not None:
             launched()
-        src = st.sampled[:n, :T]
+        src = st.sampled_for(T)[:n]  # contiguous: one copy
         if not cuda:  # the step has already run
             return LaunchedStep(n, k, src.clone(), None, times=None if t0 is None else (t1 - t0) * 1e3)
         self._flip ^= 1
