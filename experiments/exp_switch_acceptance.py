@@ -1,5 +1,7 @@
 """Experiment: does acceptance hold when speculation switches back on? The draft KV kept in sync
-during k = 0 steps (what specdec does) vs left behind (an engine that skips the draft while off).
+during k = 0 steps (draft.sync_while_off=true) vs caught up on resume (the default: no draft work
+while off, the backlog extended in one chunked forward before the first tree) vs left behind (an
+engine that skips the draft while off and never catches up).
 
 SmolLM2-135M-Instruct with the committed EAGLE-3 head (checkpoints/eagle3-smollm2-135m, trees of 16
 nodes: topk 4, depth 5), HumanEval prompts (chat template), greedy. Speculation follows a fixed
@@ -8,10 +10,13 @@ drafters side by side:
 
     always      k = 16 every step (the acceptance to expect)
     in_sync     the schedule; while off, every k = 0 step still extends the draft KV and root
-                state over the committed token (Eagle3Drafter as shipped)
-    left_behind the schedule; k = 0 steps skip the drafter (draft.sync_while_off=false: its KV
-                keeps holes over the tokens committed while off, and its root state is the one of
-                the last drafting step)
+                state over the committed token (draft.sync_while_off=true)
+    catch_up    the schedule; k = 0 steps run no draft work; before the first speculative step
+                after them the engine recomputes the target's features over each row's backlog and
+                extends the draft KV over it (the default: draft.catch_up=true)
+    left_behind the schedule; k = 0 steps skip the drafter and nothing catches up
+                (draft.catch_up=false: its KV keeps holes over the tokens committed while off, and
+                its root state is the one of the last drafting step)
 
 Reports the mean accepted length (tokens committed per speculative step and row: accepted drafts +
 1) over the first speculative step after each off period, and over the other speculative steps, and
@@ -112,15 +117,17 @@ def main() -> None:
     head = Eagle3Head.load(args.head, device=args.device, dtype=model.dtype, backend=model.backend,
                            target=model.config)
 
-    def drafter(sync):
-        return Eagle3Drafter(head, model, topk=4, steps=5, num_draft_tokens=K, sync_while_off=sync)
+    def drafter(mode):
+        return Eagle3Drafter(head, model, topk=4, steps=5, num_draft_tokens=K, sync_while_off=mode == "sync",
+                             catch_up=mode == "catch_up")
 
     plain = run(model, prompts, args.max_new, None, None)
     results = []
-    for name, sync, on, off in (("always", True, 1, 0), ("in_sync", True, args.on, args.off),
-                                ("left_behind", False, args.on, args.off)):
+    for name, mode, on, off in (("always", "sync", 1, 0), ("in_sync", "sync", args.on, args.off),
+                                ("catch_up", "catch_up", args.on, args.off),
+                                ("left_behind", "left_behind", args.on, args.off)):
         pol = Schedule(on, off)
-        out = run(model, prompts, args.max_new, drafter(sync), pol)
+        out = run(model, prompts, args.max_new, drafter(mode), pol)
         first = [a for pos, a in pol.log if pos == 0 and off]
         other = [a for pos, a in pol.log if pos > 0 or not off]
         by_pos = [mean([a for pos, a in pol.log if pos == j]) for j in range(args.on)] if off else []

@@ -1,11 +1,14 @@
-"""What does speculation-off cost with an EAGLE-3 drafter? The graphed k = 0 step (plain decoding)
-of an engine without a drafter vs one whose EAGLE-3 drafter extends its KV over every committed
-token (its draft layer runs every step so that acceptance holds when speculation switches back on),
-and vs the same drafter through its general extend path (the path a drafting step takes: gathered
-features, clamps, its own block metadata, a root gather) instead of the k = 0 one.
+"""What does speculation-off cost with a drafter? The graphed k = 0 step (plain decoding) of an
+engine without a drafter vs one with the n-gram drafter, one with the EAGLE-3 drafter in its
+default catch-up mode (no draft work while off: the k = 0 graph must equal plain decoding's, kernel
+for kernel), one whose EAGLE-3 drafter extends its KV over every committed token
+(draft.sync_while_off=true: its draft layer runs every step), and the same through its general
+extend path (the path a drafting step takes: gathered features, clamps, its own block metadata, a
+root gather) instead of the k = 0 one. Pass criterion of the catch-up and n-gram rows: step ms
+within 1% of `none` (and the same kernel count) at every B.
 
 SmolLM2-135M shapes with RANDOM bf16 weights (step time does not depend on the values), the
-committed head checkpoints/eagle3-smollm2-135m, context 512, batch B in {1, 64, 128}. Per engine
+committed head checkpoints/eagle3-smollm2-135m, context 512, batch B in {1, 16, 64, 256}. Per engine
 and B: device ms per step (100 back-to-back steps, best of 3, `Engine.profile_decode_step`), then
 the kernels of 20 graph replays under torch.profiler (launches per step, device us per step).
 `none` runs first and last, to show drift within the process.
@@ -30,7 +33,7 @@ from specdec.bench.targets import llama_config_from_dict  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.eagle3 import Eagle3Head  # noqa: E402
-from specdec.spec import Eagle3Drafter  # noqa: E402
+from specdec.spec import Eagle3Drafter, NgramDrafter  # noqa: E402
 
 
 class GeneralExtend(Eagle3Drafter):
@@ -52,13 +55,20 @@ def main() -> None:
     print(f"# k0_step_cost.py at {git_commit()}, {device_name()}, SmolLM2-135M shapes (random bf16), context 512, "
           f"kernel options {options.get().as_dict()}")
     summary = []
-    for name in ("none", "eagle3", "eagle3_general_extend", "none"):
+    batches = (1, 16, 64, 256)
+    for name in ("none", "ngram", "eagle3_catch_up", "eagle3_sync", "eagle3_general_extend", "none"):
         cls = GeneralExtend if name == "eagle3_general_extend" else Eagle3Drafter
-        drafter = None if name == "none" else cls(head, model, topk=4, steps=5, num_draft_tokens=16)
-        eng = Engine(model, EngineConfig(max_batch_size=128, graph_buckets=(1, 64, 128), kv_cache_tokens=128 * 1024,
+        if name == "none":
+            drafter = None
+        elif name == "ngram":
+            drafter = NgramDrafter(chains=[4])
+        else:
+            drafter = cls(head, model, topk=4, steps=5, num_draft_tokens=16, sync_while_off=name != "eagle3_catch_up")
+        k = 0 if drafter is None else (4 if name == "ngram" else 16)
+        eng = Engine(model, EngineConfig(max_batch_size=256, graph_buckets=batches, kv_cache_tokens=256 * 1024,
                                          max_seq_len=2048, page_size=16, prefill_buckets=(16,)),
-                     drafter=drafter, ks=(16,) if drafter else (0,))
-        for B in (1, 64, 128):
+                     drafter=drafter, ks=(k,))
+        for B in batches:
             ms = min(eng.profile_decode_step(B, 512, iters=100) for _ in range(3))
             owners = [object() for _ in range(B)]
             pages = [eng.kv.reserve_(o, 700) for o in owners]

@@ -22,6 +22,11 @@ Default report, each part only when the runs hold it:
   same way. No such run: "-".
 - Throughput vs concurrency: closed-loop runs at two or more ``workload.concurrency`` values; one
   row per config, one column per C (output tok/s), and a plot of tok/s against C (log2 axis).
+- Policy envelope: closed-loop sweeps holding policy=never and policy=always runs of one drafter
+  at two or more C: per C, each policy's tok/s over the envelope max(never, always) (a table per
+  workload x target x drafter, and a plot of tok/s against C with the envelope dashed), and for
+  every run the k it held at full load, the share of steps at it, its switches and settle steps
+  (steps from the load change until the held k holds; see ``bench.metrics.k_choice``).
 - Runs: every config with its headline numbers.
 - One accepted-length histogram plot per speculative run, and for a run whose k changed during the
   run (an adaptive policy: ``batch_threshold``, ``goodput``) a plot of its decode batch and chosen
@@ -579,6 +584,119 @@ def concurrency_table(runs: list[Run]) -> tuple[Table, list[tuple[str, list, lis
     return table, series, ", ".join(shared)
 
 
+def _k_choice(run: Run) -> dict:
+    """k_choice numbers of a run: from metrics.json, else from its steps.jsonl."""
+    if "steady_k" in run.metrics:
+        return run.metrics
+    path = run.path / "steps.jsonl"
+    if not path.is_file():
+        return {}
+    from .bench.metrics import k_choice
+
+    try:
+        return k_choice([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SpecdecError(f"{path}: unreadable step records ({e})") from None
+
+
+def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, list]], str]]:
+    """Per study (workload x target x drafter x temperature x other settings, swept over C): each
+    policy's tok/s divided by the envelope max(never, always) at every C, plus the k each run held.
+    Returns (table, plot series incl. the envelope, plot title) per study with both never and always."""
+    swept = [r for r in runs if _concurrency(r) is not None and r.get("draft.name", "none") != "none"]
+    if not swept:
+        return []
+    extras = [k for k in distinguishing_keys(swept, ignore=("workload.concurrency",)) if not k.startswith("policy.")]
+
+    def study_key(r: Run) -> tuple:
+        d = descriptors(r)
+        return (d["Workload"], d["Target"], d["Drafter"], d["T"], *(_h(r.get(k)) for k in extras))
+
+    out = []
+    for key, rs in _merge(swept, study_key):
+        by = {}  # policy label -> {C: mean tok/s}
+        names = {}
+        for r in rs:
+            by.setdefault(policy_label(r), {}).setdefault(_concurrency(r), []).append(r.metrics.get("output_tok_per_s"))
+            names[policy_label(r)] = r.get("policy.name", "never")
+        tok = {p: {c: _mean(v) for c, v in cs.items()} for p, cs in by.items()}
+        never = [p for p in tok if names[p] == "never"]
+        always = [p for p in tok if names[p] == "always"]
+        cs = sorted({c for v in tok.values() for c in v})
+        if not never or not always or len(cs) < 2:
+            continue
+        env = {}
+        for c in cs:
+            vals = [tok[p].get(c) for p in never + always if tok[p].get(c) is not None]
+            env[c] = max(vals) if vals else None
+        order = sorted(tok, key=lambda p: (names[p] not in ("never", "always"), names[p] != "never", p))
+        columns = [Column("Policy", None, "l")] + [Column(f"C={c}", str(c), "r") for c in cs] + [
+            Column("min", None, "r"), Column("max", None, "r")]
+        rows = []
+        for p in order:
+            ratios = [None if tok[p].get(c) is None or not env[c] else tok[p][c] / env[c] for c in cs]
+            got = [x for x in ratios if x is not None]
+            rows.append([p] + [f"{x:.3f}" if x is not None else "-" for x in ratios]
+                        + [f"{min(got):.3f}" if got else "-", f"{max(got):.3f}" if got else "-"])
+        rows.append(["envelope tok/s"] + format_column([env[c] for c in cs]) + ["", ""])
+        label = f"{key[0]}, {key[1]}, {key[2]}" + (f", T = {key[3]}" if key[3] not in ("0.0", "0") else "")
+        label += "".join(f", {k}={json.loads(v) if v != 'null' else None}" for k, v in zip(extras, key[4:]))
+        caption = (f"Policy envelope ({label}): output tok/s of each policy over max(never, always) at closed-loop "
+                   "concurrency C; min / max over C. Target: >= 0.98 at every C and >= 1.05 somewhere.")
+        table = Table(f"Policy envelope: {label}", caption, f"envelope{len(out) + 1}", columns, rows)
+        series = [(p, cs, [tok[p].get(c) for c in cs]) for p in order]
+        series.append(("envelope max(never, always)", cs, [env[c] for c in cs]))
+        # What each adaptive run held at full load, and how fast it got there.
+        kcols = [Column("Policy", None, "l"), Column("C", "$C$", "r"), Column("held k", None, "r"),
+                 Column("share", None, "r"), Column("switches", None, "r"), Column("settle steps", None, "r"),
+                 Column("k shares", None, "l")]
+        krows = []
+        for r in sorted(rs, key=lambda r: (order.index(policy_label(r)), _concurrency(r))):
+            if names[policy_label(r)] in ("never",):
+                continue
+            kc = _k_choice(r)
+            if not kc:
+                continue
+            shares = " ".join(f"{k}:{v:.2f}" for k, v in (kc.get("k_step_fraction") or {}).items())
+            krows.append([policy_label(r), str(_concurrency(r)), str(kc.get("steady_k", "-")),
+                          f"{kc.get('steady_k_share', 0):.2f}", str(kc.get("k_switches", "-")),
+                          str(kc.get("k_settle_steps", "-")), shares])
+        ktable = None
+        if krows:
+            ktable = Table(f"k chosen at full load: {label}", f"k held in the steady window (decode batch >= 90% of "
+                           f"its peak) per run ({label}): its share of the window's steps, switches, steps from the "
+                           "load change until it held; k shares over all decode steps.", f"kchoice{len(out) + 1}",
+                           kcols, krows)
+        out.append((table, series, label, ktable))
+    return out
+
+
+def plot_envelope(series, out: Path, title: str, stem: str) -> list[str] | None:
+    fig = _figure()
+    if fig is None:
+        return None
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    ax = fig.add_subplot()
+    all_c = sorted({c for _, cs, _ in series for c in cs})
+    for label, cs, vals in series:
+        pts = [(c, v) for c, v in zip(cs, vals) if v is not None]
+        env = label.startswith("envelope")
+        ax.plot([c for c, _ in pts], [v for _, v in pts], marker=None if env else "o", label=label,
+                linestyle="--" if env else "-", color="black" if env else None, linewidth=2.0 if env else 1.2)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(all_c))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(c) for c in all_c])
+    ax.set_xlabel("concurrency C (requests in flight)")
+    ax.set_ylabel("output tok/s")
+    ax.grid(alpha=0.3)
+    ax.set_title("\n".join(textwrap.wrap("Policies vs the envelope: " + title, 70)), fontsize=8)
+    ax.legend(fontsize=7)
+    return _save(fig, out, stem)
+
+
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -815,6 +933,16 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
                 plots_skipped = True
             else:
                 figures.append(("Output tok/s against concurrency C", names[0]))
+                plot_files += names
+        for i, (table, series, label, ktable) in enumerate(envelope_tables(runs), 1):
+            tables.append(table)
+            if ktable is not None:
+                tables.append(ktable)
+            names = plot_envelope(series, out, label, f"policy_envelope_{i:02d}_" + _slug(label))
+            if names is None:
+                plots_skipped = True
+            else:
+                figures.append((f"Policies vs the envelope: {label}", names[0]))
                 plot_files += names
         tables.append(overview_table(runs))
         for i, (label, run) in enumerate(spec[1] if spec else [], 1):

@@ -203,11 +203,15 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -
     from .policy import build_policy
     from .spec import build_drafter
 
+    from .spec.base import sizes
+
     drafter = build_drafter(cfg.draft, model, device=model.device, backend=model.backend)
+    # Policies pick among the drafter's configured sizes (one key for the tree size: the draft config).
+    policy = build_policy(cfg.policy, sizes=sizes(drafter))
     engine = Engine(model, EngineConfig.from_cfg(cfg.engine, temperature=float(cfg.sampling.temperature),
                                                  seed=int(cfg.seed)),
                     eos_ids=eos, detokenize=None if ids_only else tokenizer.decode, trace=trace,
-                    drafter=drafter, policy=build_policy(cfg.policy))
+                    drafter=drafter, policy=policy)
     order: dict[int, int] = {}  # id(request) -> prompt index
     by_index: dict[int, dict] = {}
 

@@ -212,3 +212,58 @@ def test_profile_decode_step_with_draft_tokens_returns_pages(tiny):
     while engine.has_work():
         engine.step(4)
     assert r.output_ids == reference(tiny, prompt, 6)
+
+
+def test_goodput_picks_the_best_of_several_tree_sizes_per_batch():
+    """ks = every configured size (chain 3, trees 8, 16, 32): the step-time table and the acceptance
+    of each k decide per batch; k = 0 where speculation is slower than plain decoding at any size."""
+    table = {0: {1: 1.0, 8: 1.1, 32: 1.5, 256: 3.0},
+             3: {1: 1.1, 8: 1.3, 32: 2.0, 256: 7.0},
+             8: {1: 1.15, 8: 1.6, 32: 2.8, 256: 10.0},
+             16: {1: 1.2, 8: 2.0, 32: 4.0, 256: 16.0},
+             32: {1: 1.3, 8: 3.0, 32: 7.0, 256: 30.0}}
+    accept = {3: 2.2, 8: 2.8, 16: 3.3, 32: 3.6}  # tokens committed per row and step
+    pol = build_policy(OmegaConf.create({"name": "goodput", "ks": None, "margin": 0.0, "explore_every": 0}),
+                       sizes=(3, 8, 16, 32))
+    assert pol.ks == (0, 3, 8, 16, 32)
+    pol.set_table(table)
+    for k in (3, 8, 16, 32):
+        run_k(pol, k, [accept[k]] * 2)
+
+    def best(b):
+        rate = {k: (accept.get(k, 1.0)) / pol.step_ms(k, b) for k in pol.ks}
+        return max(rate, key=rate.get)
+
+    # tokens per row-ms: B=1: 3.6 / 1.3 = 2.77 (32) > 3.3 / 1.2 = 2.75 (16); B=8: 2.8 / 1.6 = 1.75 (8)
+    # > 2.2 / 1.3 = 1.69 (3); B=32: 2.2 / 2.0 = 1.1 (3) > 1 / 1.5; B=256: 1 / 3.0 (0) > 2.2 / 7.0 (3).
+    got = [pol.choose(view(b)) for b in (1, 8, 32, 256)]
+    assert got == [best(b) for b in (1, 8, 32, 256)] == [32, 8, 3, 0]
+    slow = Goodput([3, 8, 16, 32], margin=0.0, explore_every=0)
+    slow.set_table({k: {b: ms * (2.0 if k else 1.0) for b, ms in v.items()} for k, v in table.items()})
+    for k in (3, 8, 16, 32):
+        run_k(slow, k, [accept[k]] * 2)
+    assert [slow.choose(view(b)) for b in (1, 8, 32, 256)] == [32, 0, 0, 0]
+
+
+def test_goodput_rows_fast_path_matches_the_direct_sum():
+    pol = Goodput([2], ema=0.5, margin=0.0, explore_every=0)
+    pol.set_table(TABLE)
+    rows = tuple(f"r{i}" for i in range(40))
+    pol.choose(BatchView(40, 0, rows=rows))
+    pol.update(StepStats(k=2, num_decode=40, committed=[1 + i % 3 for i in range(40)], rows=list(rows)))
+    rows2 = rows[5:] + ("new1", "new2")
+    pol.choose(BatchView(len(rows2), 0, rows=rows2))
+    assert pol.expected(2, len(rows2), rows2) == pytest.approx(pol.expected(2, len(rows2), tuple(rows2)))
+    assert set(pol.row_accept[2]) == set(rows[5:])
+
+
+def test_goodput_retries_back_off_while_speculation_keeps_losing():
+    pol = Goodput([2], margin=0.0, explore_every=2, explore_backoff=2.0, explore_max=8)
+    pol.set_table(TABLE)
+    run_k(pol, 2, [1] * 64)  # a(2) = 1: k = 0 wins at 64 rows
+    seen = [pol.choose(view(64)) for _ in range(24)]
+    retries = [i for i, k in enumerate(seen) if k]
+    # gaps of 2, then 4, then 8 (the cap), 8, ... k = 0 steps between re-tries
+    assert [b - a - 1 for a, b in zip(retries, retries[1:])] == [3, 7, 7][: len(retries) - 1]
+    pol.accept[2] = 3.0  # speculation now wins on merit at 8 rows: the gap resets
+    assert pol.choose(view(8)) == 2 and pol.explore_gap == 2.0

@@ -336,3 +336,34 @@ def test_report_on_a_real_run(tmp_path):
     assert col(rows, "speedup") == ["-"] and float(col(rows, "tok/s")[0]) > 0
     assert float(col(rows, "acc. len")[0]) >= 1.0 and col(rows, "spec. steps") == ["100%"]
     assert (tmp_path / "out" / "report.md").exists() and (tmp_path / "out" / "report.tex").exists()
+
+
+def test_policy_envelope_ratios_and_k_choice(tmp_path):
+    """A drafter x policy x C sweep: each policy's tok/s over max(never, always) per C, the envelope
+    drawn, and the k a run held at full load with its settle steps (from steps.jsonl)."""
+    tok = {"never": [100.0, 190.0, 350.0], "always": [150.0, 200.0, 300.0], "goodput": [147.0, 210.0, 350.0]}
+    for policy, vals in tok.items():
+        for c, v in zip([1, 2, 4], vals):
+            run = make_run(tmp_path / "sweep" / f"{policy}_{c}", tok_s=v, draft="ngram", policy=policy,
+                           concurrency=c, k=8)
+            if policy == "goodput" and c == 4:  # ramp to 4 rows, k = 8 for 3 full-load steps, then 0
+                bs = [1, 2, 4] + [4] * 20 + [2, 1]
+                ks = [8, 8, 8, 8, 8, 8] + [0] * 19
+                (run / "steps.jsonl").write_text("".join(
+                    json.dumps({"step": i, "decode_bs": b, "k": k, "prefill_reqs": 0}) + "\n"
+                    for i, (b, k) in enumerate(zip(bs, ks))))
+    md, files = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out")
+    title = next(line[3:] for line in md.splitlines() if line.startswith("## Policy envelope"))
+    rows = table(md, title)
+    assert rows[0] == ["Policy", "C=1", "C=2", "C=4", "min", "max"]
+    by = {r[0].split()[0]: r for r in rows[1:]}
+    assert by["never"][1:4] == ["0.667", "0.950", "1.000"]
+    assert by["always"][1:4] == ["1.000", "1.000", "0.857"]
+    assert by["goodput"][1:] == ["0.980", "1.050", "1.000", "0.980", "1.050"]
+    assert [float(x) for x in by["envelope"][1:4]] == [150.0, 200.0, 350.0]
+    k_rows = table(md, next(line[3:] for line in md.splitlines() if line.startswith("## k chosen at full load")))
+    held = {(r[0].split()[0], r[1]): r for r in k_rows[1:]}
+    g4 = held[("goodput", "4")]
+    # steady window = the 21 steps at >= 90% of 4 rows (from step 2): k = 8 for its first 4, then 0
+    assert g4[2:6] == ["0", "0.81", "1", "4"]
+    assert any(f.startswith("policy_envelope_01_") and f.endswith(".png") for f in files)

@@ -183,15 +183,19 @@ def draft_prefill_kv(drafter, model, tokens, with_hidden=False):
     return (kv, h[n - 1]) if with_hidden else kv
 
 
-@pytest.mark.parametrize("oracle,pad", [(False, False), (True, False), (True, True)])
-def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle, pad):
+@pytest.mark.parametrize("oracle,pad,sync", [(False, False, True), (True, False, True), (True, True, True),
+                                             (False, False, False), (True, True, False)])
+def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle, pad, sync):
+    """sync: every k = 0 step extends the draft KV (in sync after every step); else (catch-up, the
+    default) k = 0 steps leave a backlog that the next drafting step catches up first (in sync after
+    every drafting step)."""
     prompts = rand_prompts([7, 12], seed=11)
     want = [reference(tiny, p, 18) for p in prompts]
     if oracle:  # multi-token accepted paths through the real draft extend
         drafter = OracleEagle({tuple(p): w for p, w in zip(prompts, want)}, head=tiny_head(tiny),
-                              target=tiny, topk=2, steps=2, num_draft_tokens=4)
+                              target=tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=sync)
     else:
-        drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
+        drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=sync)
     trace = []
     # pad: prefill one chunk at a time through the padded static-buffer path a CUDA graph replays.
     engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024, pad_eager=pad,
@@ -216,7 +220,10 @@ def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle, pad):
 
     for k in [4, 0, 0, 4, 4, 0]:
         engine.step(k)
-    check_in_sync()  # after a k = 0 step
+    if sync:
+        check_in_sync()  # after a k = 0 step
+    else:  # a backlog of one token per row, caught up by the next drafting step
+        assert [d + 1 for d in engine.state.draft_lens_host] == engine.state.seq_lens_host
     engine.step(4)
     engine.flush_trace()
     if oracle:
@@ -228,12 +235,13 @@ def test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle, pad):
 
 
 def test_draft_left_behind_while_off_stays_greedy_identical(tiny):
-    """sync_while_off=False: k = 0 steps leave the draft KV and root state alone (the holes an
+    """sync_while_off=False, catch_up=False: k = 0 steps leave the draft KV and root state alone (the holes an
     engine without the sync has); output is still plain greedy, and the draft KV of a token
     committed by a k = 0 step is not written."""
     prompts = rand_prompts([7, 12], seed=5)
     want = [reference(tiny, p, 16) for p in prompts]
-    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=False)
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=False,
+                            catch_up=False)
     engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024), drafter=drafter, ks=(4,))
     reqs = [engine.add_request(p, 16) for p in prompts]
     engine.step(4)  # prefill + a drafting step
@@ -367,7 +375,7 @@ def test_step_kernels_keep_greedy_and_draft_kv(tiny, monkeypatch, kernel_options
         pytest.skip("the tiny model lives on the CPU: its kernels need the interpreter (CUDA runs cover the GPU)")
     kernel_options.set_(step_kernels=True)
     test_eagle3_greedy_identical(tiny, 3, 2, 8)
-    test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle=True, pad=True)
+    test_alternating_k_keeps_draft_kv_in_sync(tiny, oracle=True, pad=True, sync=False)
     assert calls["block_meta"] > 0 and calls["ancestor_masks"] > 0
 
 

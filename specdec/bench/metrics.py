@@ -149,7 +149,33 @@ class StepTrace:
             "p50_decode_step_ms": percentile([s["decode_ms"] for s in dec], 50),
             # median decode step per graph bucket: the step-time table a goodput policy needs
             "decode_step_ms_by_bucket": {str(b): percentile(v, 50) for b, v in sorted(by_bucket.items())},
+            **k_choice(steps),
         }
+
+
+def k_choice(steps: list[dict], hold_steps: int = 8) -> dict:
+    """How a policy chose k over a run's step records: the share of decode steps at each k, and in
+    the steady window (decode batch >= 90% of its peak: a closed loop at full concurrency) the k
+    that held (the most frequent one over the window's second half), its share of the window, the
+    number of k switches, and the settle time: decode steps from the window's start (the load
+    change from empty to C) until the first step at the held k that the next ``hold_steps`` steps
+    keep (0: held from the start)."""
+    dec = [(s["decode_bs"], int(s.get("k", 0))) for s in steps if s["decode_bs"]]
+    if not dec:
+        return {}
+    share: dict[str, float] = {}
+    for _, k in dec:
+        share[str(k)] = share.get(str(k), 0.0) + 1.0 / len(dec)
+    top = max(b for b, _ in dec)
+    idx = [i for i, (b, _) in enumerate(dec) if b >= 0.9 * top]
+    window = [k for _, k in dec[idx[0]:idx[-1] + 1]]
+    half = window[len(window) // 2:]
+    held = max(sorted(set(half)), key=half.count)
+    settle = next((j for j in range(len(window)) if all(k == held for k in window[j:j + hold_steps + 1])),
+                  len(window))
+    return {"k_step_fraction": dict(sorted(share.items(), key=lambda kv: int(kv[0]))),
+            "steady_k": held, "steady_k_share": window.count(held) / len(window),
+            "k_switches": sum(a != b for a, b in zip(window, window[1:])), "k_settle_steps": settle}
 
 
 class LiveProgress:

@@ -39,15 +39,15 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ConfigError
-from ..policy.base import BatchView, StepStats, wants_step_ms
-from ..spec.base import capturable
+from ..policy.base import BatchView, StepStats, wants_rows, wants_step_ms
+from ..spec.base import capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
 from . import profiling
 from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets
 from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
 from .state import DecodeState
-from .step import PhaseTimer, Stepper, prefill_body_, step_body_
+from .step import PhaseTimer, PrefillChunk, Stepper, catch_up_body_, prefill_body_, step_body_
 
 
 @dataclass
@@ -260,6 +260,11 @@ class Engine:
             self.stepper.prefill_runner = PaddedPrefill(prefill, model.device, prefill_buckets,
                                                         max_pages, graphed=runner.graphed,
                                                         request_buckets=cfg.prefill_requests)
+            if catches_up(drafter):  # the draft catch-up after k = 0 steps replays the same shapes
+                catch_up = functools.partial(catch_up_body_, model, self.kv, drafter)
+                self.stepper.catch_up_runner = PaddedPrefill(catch_up, model.device, prefill_buckets,
+                                                             max_pages, graphed=runner.graphed,
+                                                             request_buckets=cfg.prefill_requests)
             self.startup_s += time.perf_counter() - t0
         self._timer = PhaseTimer(model.device)
         self._pending_trace: dict[int, dict] = {}
@@ -268,8 +273,14 @@ class Engine:
         # flight; a step stays here until its commit has succeeded (see step()).
         self._unread: list = []
         self._ids = itertools.count()
-        # A policy that learns from step times gets each decode step's duration in its StepStats.
+        # A policy that learns from step times gets each decode step's duration in its StepStats;
+        # only a policy that reads request ids gets them (a tuple of B ids per step is host work).
         self._policy_times = wants_step_ms(policy)
+        self._policy_rows = wants_rows(policy)
+        self._catches_up = catches_up(drafter)
+        self._synced_at_k0 = drafter is None or extends_at_k0(drafter)
+        self.num_catch_ups = 0  # catch-up forwards run (draft KV extended over a backlog)
+        self.catch_up_tokens = 0  # backlog tokens caught up
         if policy is not None:
             profiling.calibrate_policy_(self)
         self.t0 = time.perf_counter()
@@ -342,7 +353,9 @@ class Engine:
         # device before anything else changes); with overlapped decoding the newest stays in flight.
         while len(self._unread) > (1 if self.overlap else 0):
             committed.append(self._commit_oldest_())
-        preempted = sched.ensure_decode_capacity_()
+        # Pages for a k = 0 step (plus what a step in flight may still write); a speculative step tops
+        # them up below, so rows hold no tree's slots while speculation is off.
+        preempted = sched.ensure_decode_capacity_(self._ahead(0))
         sched.admit_(t_start)
         plan = sched.plan_prefill()
         if plan:
@@ -357,11 +370,15 @@ class Engine:
         if k is None:
             k = 0 if self.policy is None else self.policy.choose(
                 BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting),
-                          rows=tuple(r.id for r in sched.rows)))
+                          rows=tuple(r.id for r in sched.rows) if self._policy_rows else None))
             if k not in self.ks:
                 raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
         needs_context = k > 0 and drafter_needs_context(self.drafter)
-        if self._unread and needs_context:
+        # A drafter that catches up needs the exact backlog of every row before its first drafting
+        # step after k = 0 steps: the host knows it once the k = 0 step in flight is committed
+        # (one synchronous step per switch back on; steady speculation stays overlapped).
+        resume = k > 0 and self._catches_up and self._inflight is not None and self._inflight.k == 0
+        if self._unread and (needs_context or resume):
             # This drafter drafts from the host's committed tokens: commit the step in flight first,
             # so it sees them (a speculative step of such a drafter runs synchronously; its k = 0
             # steps stay overlapped). Evictions may move rows: look the new rows up again.
@@ -369,11 +386,15 @@ class Engine:
                 committed.append(self._commit_oldest_())
             row_of = {id(r): i for i, r in enumerate(sched.rows)}
             ready = [(r, row_of[id(r)]) for r, _ in ready]
-        if self.drafter is not None and ready:
+        if prefills(self.drafter) and ready:
             # Each new decode row takes the draft state of its request's last prefill chunk.
             chunk_of = {id(req): i for i, (req, _) in enumerate(plan)}
             self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready],
                                      [row for _, row in ready])
+        if k > 0:  # the tree's slots (may preempt: rows are looked up afresh below)
+            preempted += sched.ensure_decode_capacity_(self._ahead(k))
+            if self._catches_up:
+                self._catch_up_()
         n = self.state.num_rows
         context = [r.tokens for r in sched.rows] if n and needs_context else None
         launched = (lambda: self._timer.stop(no, "decode")) if timed else None
@@ -412,10 +433,11 @@ class Engine:
         tokens = step.tokens
         if self.policy is not None and not step.policy_fed:
             self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
-                                         rows=[r.id for r, _ in step.rows],
+                                         rows=[r.id for r, _ in step.rows] if self._policy_rows else None,
                                          step_ms=self.stepper.step_ms(step)))
             step.policy_fed = True
-        kept = self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter())
+        kept = self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter(),
+                                             drafted=step.k > 0 or self._synced_at_k0)
         self._unread.pop(0)
         return step.k, kept
 
@@ -461,6 +483,50 @@ class Engine:
             assert self.kv.num_free == self.kv.num_pages, "pages leaked after all requests finished"
 
     # -- internals ------------------------------------------------------------------------------
+    def _ahead(self, k: int) -> int:
+        """Slots a decode row needs past its host-known committed tokens for a step with k draft
+        tokens: its tree, plus the tree of the step in flight (overlapped decoding: the host does not
+        know yet what that one commits)."""
+        inflight = self._inflight
+        return self.stepper.num_nodes(k) + (self.stepper.num_nodes(inflight.k) if inflight is not None else 0)
+
+    def _catch_up_(self) -> None:
+        """Extend the draft KV of every row with a backlog (tokens committed by k = 0 steps, whose
+        target KV exists but draft KV does not) over it, before a drafting step: the target's
+        features recomputed over the backlog, then the drafter's prefill over them, chunk by chunk
+        (at most prefill_chunk tokens per forward; each row's last chunk sets its root state).
+        Host-side: needs the host mirror exact (no k = 0 step in flight; see ``step``)."""
+        st, sched, budget = self.state, self.scheduler, self.config.prefill_chunk
+        todo = [(i, st.draft_lens_host[i], st.seq_lens_host[i]) for i in range(st.num_rows)
+                if st.draft_lens_host[i] < st.seq_lens_host[i]]
+        if not todo:
+            return
+        ps = self.kv.page_size
+        runner = self.stepper.catch_up_runner  # at most its largest request bucket per forward
+        max_chunks = runner.r_max if runner is not None else len(todo)
+        forwards, chunks, rows_last, used = [], [], [], 0
+        for row, start, end in todo:
+            req = sched.rows[row]
+            toks, pages = req.tokens, self.kv.pages(req)
+            while start < end:
+                if used == budget or len(chunks) == max_chunks:
+                    forwards.append((chunks, rows_last))
+                    chunks, rows_last, used = [], [], 0
+                n = min(end - start, budget - used)
+                chunks.append(PrefillChunk(toks[start:start + n], start, list(pages[:pages_for(start + n, ps)]),
+                                           next_token=toks[start + n]))
+                rows_last.append(row if start + n == end else -1)  # the row's last chunk: its root
+                used += n
+                start += n
+            st.draft_lens_host[row] = end  # queued: the device has it before the next step runs
+        forwards.append((chunks, rows_last))
+        self.catch_up_tokens += sum(e - s for _, s, e in todo)
+        for chunks, rows_last in forwards:
+            roots = self.stepper.catch_up_(chunks)
+            self.num_catch_ups += 1
+            last = [(c, r) for c, r in enumerate(rows_last) if r >= 0]
+            self.drafter.stage_rows_(roots, [c for c, _ in last], [r for _, r in last])
+
     def _bucket(self, n: int) -> int:
         if n == 0 or not (self.graphed or self.config.pad_eager):
             return n

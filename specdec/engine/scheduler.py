@@ -3,8 +3,9 @@
 The scheduler owns every :class:`Request` and is the only code that changes one. Per engine
 iteration (see :meth:`specdec.engine.engine.Engine.step`):
 
-1. ``ensure_decode_capacity_``: every decode row gets pages for seq_len + max_tree_tokens slots, so
-   the step itself never allocates. If the pool runs dry, the most recently admitted request is
+1. ``ensure_decode_capacity_(ahead)``: every decode row gets pages for seq_len + ahead slots (what
+   this iteration's step and a step still in flight can write: 1 per step at k = 0, the tree at
+   k > 0), so the step itself never allocates. If the pool runs dry, the most recently admitted request is
    preempted: its pages are freed, and it waits at the head of the queue to be recomputed later
    (re-prefill of prompt + generated tokens; its output so far is kept). The oldest request is
    never preempted for a newer one, so the batch always makes progress.
@@ -99,8 +100,11 @@ class Scheduler:
         max_batch_size: most admitted requests (prefilling + decoding) at once.
         prefill_chunk: prompt tokens per prefill forward.
         max_seq_len: longest prompt + output a request may have (position bound).
-        max_tree_tokens: slots a decode row holds past its committed tokens: what one step writes
-            (k = 0: 1, the pending token), twice that with overlapped decoding (a step in flight).
+        max_tree_tokens: the most slots a decode row may hold past its committed tokens: the
+            largest step (k = 0: 1, the pending token), twice that with overlapped decoding (a step
+            in flight); bounds what a request needs (``rejection``). Rows hold only what the
+            current steps need (``ensure_decode_capacity_``'s ``ahead``), so speculation that is
+            configured but off holds no extra pages.
         detokenize: ids -> text, needed only for stop strings.
         vocab_size: prompt ids must lie in 0 .. vocab_size - 1 (None: unchecked).
         vocab_name: what that vocabulary is, for the error message.
@@ -216,10 +220,11 @@ class Scheduler:
         return out
 
     # -- per-iteration protocol -------------------------------------------------------------------
-    def ensure_decode_capacity_(self) -> int:
-        """Give every decode row pages for its next step, preempting if needed; returns preemptions."""
+    def ensure_decode_capacity_(self, ahead: int | None = None) -> int:
+        """Give every decode row pages for ``ahead`` slots past its committed tokens (default
+        max_tree_tokens), preempting if needed; returns preemptions."""
         preempted = 0
-        ps, t = self.kv.page_size, self.max_tree_tokens
+        ps, t = self.kv.page_size, self.max_tree_tokens if ahead is None else int(ahead)
         while True:
             rows, cols, pages = [], [], []
             short = False
@@ -228,7 +233,7 @@ class Scheduler:
                 if req.seq_len + t <= held * ps:
                     continue  # the common case: a page boundary is crossed once every ps tokens
                 try:
-                    new = self.kv.reserve_(req, req.seq_len + self.max_tree_tokens)
+                    new = self.kv.reserve_(req, req.seq_len + t)
                 except OutOfPages:
                     short = True
                     break
@@ -248,8 +253,9 @@ class Scheduler:
         n = 0
         while self.waiting and len(self.admitted) < self.max_batch_size:
             req = self.waiting[0]
-            # Pages for every committed token but the pending one, plus the first step's slots.
-            slots = req.num_tokens - 1 + self.max_tree_tokens
+            # Pages for every committed token but the pending one, plus a k = 0 step's slot (a
+            # speculative step tops it up: ensure_decode_capacity_ before it launches).
+            slots = req.num_tokens - 1 + 1
             if self.kv.pages_needed(req, slots) > self.kv.num_free:
                 break  # FCFS: later requests do not overtake the head
             self.kv.reserve_(req, slots)
@@ -307,7 +313,7 @@ class Scheduler:
         return list(zip(ready, rows))
 
     def commit_tokens_(self, launched_rows: list[tuple[Request, int]], tokens: list[list[int]],
-                       now: float) -> list[list[int]]:
+                       now: float, drafted: bool = True) -> list[list[int]]:
         """Commit the tokens of a step launched over ``launched_rows`` ((request, row_epoch) per
         row at launch): append them, finish and evict done requests, advance the host mirror of
         seq_lens. With overlapped decoding the batch may have changed since the launch: tokens of
@@ -318,7 +324,10 @@ class Scheduler:
         All or nothing: each row's outcome (tokens kept, finish reason) is worked out first and
         only then applied, so an exception leaves every request unchanged and the same step can be
         committed again. A request whose stop-string check raises (its detokenizer failing on its
-        tokens) is the exception: it alone finishes with reason "error"."""
+        tokens) is the exception: it alone finishes with reason "error". ``drafted``: the step extended
+        the draft KV over its tokens (a drafting step, or any step of a drafter that syncs while off),
+        so each row's draft length follows its seq_len; else (a k = 0 step of a drafter that catches
+        up) it stays behind."""
         row_of = {id(r): i for i, r in enumerate(self.rows)}
         plan = []  # (row, request, tokens, tokens kept, finish reason or None, error or None)
         for (req, epoch), toks in zip(launched_rows, tokens):
@@ -329,6 +338,8 @@ class Scheduler:
         done, kept = [], []
         for i, req, toks, take, reason, error in plan:  # nothing below raises
             self.state.seq_lens_host[i] += len(toks)
+            if drafted:
+                self.state.draft_lens_host[i] = self.state.seq_lens_host[i]
             kept.append(toks)
             req.seq_len += len(toks)
             req.output_ids.extend(toks[:take])

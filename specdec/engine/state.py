@@ -46,6 +46,10 @@ class DecodeState:
         self.uniform = torch.zeros(max_rows, max_tree_nodes, 2, dtype=torch.float32, device=dev)
         # [R, T] step output: committed tokens of each row (accepted drafts + bonus), then -1
         self.sampled = torch.full((max_rows, max_tree_nodes), -1, dtype=torch.int64, device=dev)
+        # The same storage as a contiguous [R, T] view per tree size T (``sampled_for``): a step's
+        # output rows [:n] are one dense block, so the k = 0 read-back is a plain copy of n tokens
+        # whatever the largest tree (a [:n, :1] column of [R, 17] is strided: another copy path).
+        self._sampled_flat = self.sampled.view(-1)
         # The k = 0 tree's constant parents / depth / mask per row (viewed, never written).
         self.root_tree_consts = (torch.full((max_rows, 1), -1, dtype=torch.int32, device=dev),
                                  torch.zeros(max_rows, 1, dtype=torch.int32, device=dev),
@@ -56,6 +60,14 @@ class DecodeState:
         self.generator = torch.Generator(device=dev).manual_seed(int(seed))
         self.num_rows = 0
         self.seq_lens_host: list[int] = []  # mirror of seq_lens[:num_rows]
+        # Per row, the tokens whose draft KV is written (drafters that catch up after k = 0 steps;
+        # see Engine.step): equal to seq_lens_host while in sync, behind it by the backlog of tokens
+        # committed while speculation was off. Maintained by the host only (no device copy).
+        self.draft_lens_host: list[int] = []
+
+    def sampled_for(self, T: int) -> torch.Tensor:
+        """[max_rows, T] contiguous view of the step-output buffer for steps of T-node trees."""
+        return self._sampled_flat[: self.max_rows * T].view(self.max_rows, T)
 
     def append_rows_(self, pending: list[int], seq_lens: list[int], pages: list[list[int]]) -> list[int]:
         """Append rows for requests that became decode-ready; returns their row indices.
@@ -78,6 +90,7 @@ class DecodeState:
         self.page_table[r0 : r0 + m] = table.to(self.device, non_blocking=True)
         self.num_rows += m
         self.seq_lens_host.extend(seq_lens)
+        self.draft_lens_host.extend(seq_lens)  # a row's prefill wrote its draft KV too
         return list(range(r0, r0 + m))
 
     def keep_rows_(self, keep: list[int]) -> None:
@@ -97,6 +110,7 @@ class DecodeState:
             for buf in self.row_buffers.values():
                 buf[:m] = buf[idx]
         self.seq_lens_host = [self.seq_lens_host[r] for r in keep]
+        self.draft_lens_host = [self.draft_lens_host[r] for r in keep]
         self.num_rows = m
 
     def set_pages_(self, rows: list[int], cols: list[int], pages: list[int]) -> None:

@@ -19,6 +19,7 @@ nothing else on this path waits for the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import torch
 
 from ..errors import SpecdecError
 from ..models.ops import AttentionMeta
-from ..spec.base import preparer
+from ..spec.base import extends_at_k0, preparer, prefills
 from ..spec.tree import DraftTree, single_node_tree
 from . import step_ops
 from .kv_cache import KVCache
@@ -57,12 +58,17 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
       verify  one target forward over every node, KV written to scratch slots seq_lens + i
       accept  verify_accept: accepted path + bonus token per row (greedy or exact sampling)
       commit  kv_sync_: accepted KV moved into place, seq_lens += accepted + 1, pending = bonus;
-              then the drafter extends its own KV over the committed tokens (ALWAYS, also at T = 1)
+              then the drafter extends its own KV over the committed tokens (at T = 1 only if it
+              ``extends_at_k0``; otherwise a T = 1 step is plain decoding's body, drafter or not)
     Rows >= state.num_active are padding: T_b = 0, no KV read or written, nothing committed.
-    Writes state.sampled[:B, :T] (committed tokens then -1) and commits in place; no host sync,
+    Writes state.sampled_for(T)[:B] (committed tokens then -1) and commits in place; no host sync,
     so a CUDA graph can capture it per (bucket B, tree size T). ``marks(phase)``, when given (eager
     profiling only), is called as the draft, verify and commit phases end.
     """
+    if T == 1 and not extends_at_k0(drafter):
+        # Speculation off: a drafter that does no work at k = 0 (n-gram; EAGLE-3 with catch-up) is
+        # not even seen, so this step is exactly plain decoding's (no feature capture, no extend).
+        drafter = None
     valid = state.row_ids[:B] < state.num_active  # [B] bool
     root = state.pending[:B]
     if T == 1:
@@ -89,7 +95,7 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     # requests may own now) and garbage logits: whatever verify accepted there, ``valid`` makes them
     # commit nothing (sampled -1, seq_lens and pending unchanged).
     step_ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len, out_tokens, valid,
-                 (state.seq_lens[:B], state.pending[:B], state.sampled[:B, :T]), backend=be)
+                      (state.seq_lens[:B], state.pending[:B], state.sampled_for(T)[:B]), backend=be)
     if drafter is not None:
         drafter.extend_(state, B, T, valid, seq_old, out.captured, nodes, out_tokens, accept_len, (meta, pos))
     if marks:
@@ -98,11 +104,25 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
 
 def prefill_body_(model, kv: KVCache, drafter, ids, pos, meta, next_ids):
     """Target forward over prefill tokens (KV written) + the drafter's prefill (its root state per
-    chunk, or None without a drafter); device ops only."""
+    chunk, or None without a drafter or with one that keeps no prompt state); device ops only."""
+    if not prefills(drafter):
+        drafter = None
     capture = drafter.capture_layers if drafter is not None else ()
     out = model(ids, pos, meta, kv.k, kv.v, capture_layers=capture)
     if drafter is None:
         return None
+    return drafter.prefill_(ids, pos, meta, out.captured, next_ids)
+
+
+def catch_up_body_(model, kv: KVCache, drafter, ids, pos, meta, next_ids):
+    """Draft catch-up over tokens committed while speculation was off (the rows' backlog): the
+    target forward over them recomputes the features the drafter pairs with each token, writing
+    no target KV (slot -1: the k = 0 steps already wrote it, and rewriting it from a batched
+    forward could change its last bits), then the drafter's prefill extends its KV over them at
+    their real slots. Returns the drafter's root state per chunk; device ops only (the same padded
+    shapes as prefill, so it replays as a CUDA graph where prefill does)."""
+    no_write = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
+    out = model(ids, pos, no_write, kv.k, kv.v, capture_layers=drafter.capture_layers)
     return drafter.prefill_(ids, pos, meta, out.captured, next_ids)
 
 
@@ -154,6 +174,7 @@ class Stepper:
         self.temperature = float(temperature)
         self.drafter = drafter
         self.prefill_runner = None  # PaddedPrefill, set by the engine when it pads / graphs prefill
+        self.catch_up_runner = None  # the same over catch_up_body_ (drafters that catch up)
         # Two pinned buffers for the steps' tokens: a launch never overwrites tokens not yet read.
         self._readback = ([torch.empty(state.sampled.numel(), dtype=state.sampled.dtype, pin_memory=True)
                            for _ in range(2)] if state.device.type == "cuda" else None)
@@ -169,14 +190,29 @@ class Stepper:
         """
         if not chunks:
             return None
-        # The token after each prefill token: only a drafter reads it (row j pairs with token j + 1).
-        next_ids = ([t for c in chunks for t in c.token_ids[1:] + [c.next_token]]
-                    if self.drafter is not None else None)
+        # The token after each prefill token: only a drafter with prompt state reads it (row j pairs
+        # with token j + 1); n-gram does not, so its prefill builds no per-token list.
+        next_ids = _next_ids(chunks) if prefills(self.drafter) else None
         if self.prefill_runner is not None and self.prefill_runner.fits(chunks):
             return self.prefill_runner.run_(chunks, self.kv.page_size, next_ids)
         ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
         nxt = None if next_ids is None else torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
         return self.prefill_body(ids, pos, meta, nxt)
+
+    def catch_up_(self, chunks: list[PrefillChunk]):
+        """Extend the draft KV over backlog chunks (tokens whose target KV exists but whose draft KV
+        does not: committed while speculation was off); returns the drafter's root state per chunk.
+        Padded (graph-replayed where prefill is) through ``catch_up_runner`` when the chunks fit its
+        shapes, else eager."""
+        if not chunks:
+            return None
+        next_ids = _next_ids(chunks)
+        runner = self.catch_up_runner
+        if runner is not None and runner.fits(chunks):
+            return runner.run_(chunks, self.kv.page_size, next_ids)
+        ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
+        nxt = torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
+        return catch_up_body_(self.model, self.kv, self.drafter, ids, pos, meta, nxt)
 
     def prefill_body(self, ids, pos, meta, next_ids):
         """Target forward over prefill tokens (KV written) + the drafter's prefill; device ops only."""
@@ -221,7 +257,7 @@ class Stepper:
         t1 = (_record() if cuda else time.perf_counter()) if timed else None
         if launched is not None:
             launched()
-        src = st.sampled[:n, :T]
+        src = st.sampled_for(T)[:n]  # contiguous: one copy
         if not cuda:  # the step has already run
             return LaunchedStep(n, k, src.clone(), None, times=None if t0 is None else (t1 - t0) * 1e3)
         self._flip ^= 1
@@ -244,6 +280,11 @@ class Stepper:
         if isinstance(step.times, tuple):
             return step.times[0].elapsed_time(step.times[1])
         return step.times
+
+
+def _next_ids(chunks) -> list[int]:
+    """The committed token after each chunk token (what a draft row pairs with its feature)."""
+    return [t for c in chunks for t in c.token_ids[1:] + [c.next_token]]
 
 
 def _record():

@@ -17,18 +17,48 @@ __all__ = ["Always", "BatchThreshold", "BatchView", "Goodput", "Never", "Policy"
            "build_policy"]
 
 
-def build_policy(cfg):
+def _size(cfg, key: str, sizes) -> int:
+    """policy.<key> (a draft length): null -> the drafter's largest configured size; an explicit one
+    must be a configured size."""
+    k = cfg.get(key)
+    if k is None:
+        if not sizes:
+            raise ConfigError(f"policy {cfg.name}: policy.{key} is null and the drafter lists no sizes; "
+                              f"set policy.{key}")
+        return max(sizes)
+    k = int(k)
+    if sizes is not None and k not in sizes:
+        raise ConfigError(f"policy.{key}={k} is not a size the drafter is configured for; configured sizes: "
+                          f"{list(sizes)} (EAGLE-3: draft.trees num_draft_tokens; n-gram: draft.chains)")
+    return k
+
+
+def build_policy(cfg, sizes=None):
+    """From the Hydra ``policy`` group. ``sizes``: the drafter's configured draft lengths (None: any)
+    -- always / batch_threshold default to the largest, goodput's ks to all of them."""
     name = cfg.get("name", "never")
     if name == "never":
         return Never()
     if name == "always":
-        return Always(int(cfg.k))
+        return Always(_size(cfg, "k", sizes))
     if name == "batch_threshold":
         on = cfg.get("on_at_or_below")
-        return BatchThreshold(int(cfg.k), int(cfg.off_above), None if on is None else int(on))
+        return BatchThreshold(_size(cfg, "k", sizes), int(cfg.off_above), None if on is None else int(on))
     if name == "goodput":
-        return Goodput([int(k) for k in cfg.ks], ema=float(cfg.get("ema", 0.1)),
+        ks = cfg.get("ks")
+        if ks is None:
+            if not sizes:
+                raise ConfigError("policy goodput: policy.ks is null and the drafter lists no sizes; set policy.ks")
+            ks = list(sizes)
+        ks = [int(k) for k in ks]
+        bad = [k for k in ks if sizes is not None and k not in sizes]
+        if bad:
+            raise ConfigError(f"policy.ks={ks}: {bad} not sizes the drafter is configured for; configured sizes: "
+                              f"{list(sizes)} (EAGLE-3: draft.trees num_draft_tokens; n-gram: draft.chains)")
+        return Goodput(ks, ema=float(cfg.get("ema", 0.1)),
                        margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 32)),
                        profile_context=int(cfg.get("profile_context", 512)), time_ema=float(cfg.get("time_ema", 0.1)),
-                       prior_ema=float(cfg.get("prior_ema", 0.01)))
+                       prior_ema=float(cfg.get("prior_ema", 0.01)),
+                       explore_backoff=float(cfg.get("explore_backoff", 1.0)),
+                       explore_max=int(cfg.get("explore_max", 1024)))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput")

@@ -35,6 +35,8 @@ class Policy(Protocol):
 
     Optional hooks, used when a policy has them (the engine looks them up once at start-up):
       wants_step_ms: bool       True: the engine times every step and fills StepStats.step_ms
+      wants_rows: bool          True: BatchView.rows / StepStats.rows carry the rows' request ids
+                                (else None: building B ids per step is host work nobody reads)
       calibrate_(profile, batches)
                                 called once at start-up with the engine's graphed-step profiler
                                 ``profile(batch, k) -> ms`` and its decode graph buckets
@@ -51,6 +53,10 @@ class Policy(Protocol):
 
 def wants_step_ms(policy) -> bool:
     return bool(getattr(policy, "wants_step_ms", False))
+
+
+def wants_rows(policy) -> bool:
+    return bool(getattr(policy, "wants_rows", False))
 
 
 def calibrator(policy) -> Callable[[Callable[[int, int], float], Iterable[int]], None] | None:

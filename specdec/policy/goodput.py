@@ -33,7 +33,9 @@ class Goodput:
                while it runs alone but does not carry over to the next one. Without row ids (a
                BatchView / StepStats without ``rows``) every row takes the prior. A k not yet run
                is tried once first (its prior is unknown), and while k = 0 is chosen a k > 0 is
-               re-tried every ``explore_every`` steps (0: never), so that acceptance tracks the
+               re-tried every ``explore_every`` steps (0: never; a re-try after which k = 0 still wins
+               multiplies the gap by ``explore_backoff``, up to ``explore_max``; a k > 0 chosen on
+               its merits resets it), so that acceptance tracks the
                workload (the draft KV stays in sync meanwhile, so a re-try costs one step's draft).
     A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
     near the crossover does not flip every step. Decode rows only: prefills never count.
@@ -46,9 +48,11 @@ class Goodput:
     name = "goodput"
 
     wants_step_ms = True
+    wants_rows = True
 
     def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 32,
-                 profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01):
+                 profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01,
+                 explore_backoff: float = 1.0, explore_max: int = 1024):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -59,7 +63,14 @@ class Goodput:
                               f"(got ema={ema}, prior_ema={prior_ema}, time_ema={time_ema}, margin={margin}, "
                               f"explore_every={explore_every}, profile_context={profile_context})")
         self.ks = (0, *ks)
+        if explore_backoff < 1.0 or explore_max < explore_every:
+            raise ConfigError(f"policy goodput: need explore_backoff >= 1 and explore_max >= explore_every (got "
+                              f"explore_backoff={explore_backoff}, explore_max={explore_max}, "
+                              f"explore_every={explore_every})")
         self.ema, self.margin, self.explore_every = float(ema), float(margin), int(explore_every)
+        self.explore_backoff, self.explore_max = float(explore_backoff), int(explore_max)
+        self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
+        self._explored = False  # the previous choice was a re-try
         self.prior_ema = float(prior_ema)
         self.time_ema = float(time_ema)
         self.observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of served step ms
@@ -67,6 +78,7 @@ class Goodput:
         self.table: dict[int, list[tuple[int, float]]] | None = None  # k -> [(batch, ms)], batch ascending
         self.accept: dict[int, float | None] = {k: None for k in ks}  # prior: all requests' rows
         self.row_accept: dict[int, dict] = {k: {} for k in ks}  # k -> {request id: its own a(k)}
+        self._rows = None  # the row ids of the last choose(), whose estimates row_accept holds
         self.last = 0  # k of the previous choice
         self.off_steps = 0  # consecutive k = 0 choices
 
@@ -109,6 +121,8 @@ class Goodput:
         if rows is None:
             return batch * prior
         own = self.row_accept[k]
+        if rows is self._rows:  # choose()'s batch: own holds only its rows (pruned), summed in C
+            return sum(own.values()) + (batch - len(own)) * prior
         return sum(own.get(r, prior) for r in rows)
 
     def rate(self, k: int, batch: int, rows=None) -> float | None:
@@ -122,11 +136,11 @@ class Goodput:
         B = view.num_decode
         if B == 0:
             return self.last
-        rows = view.rows
-        if rows is not None:  # forget the requests that left the batch
+        rows = self._rows = view.rows
+        if rows is not None:  # forget the requests that left the batch (set ops: no per-row Python loop)
             live = set(rows)
             for own in self.row_accept.values():
-                for r in [r for r in own if r not in live]:
+                for r in own.keys() - live:
                     del own[r]
         untried = [k for k in self.ks[1:] if self.accept[k] is None]
         if untried:
@@ -136,8 +150,17 @@ class Goodput:
             k = max(rates, key=rates.get)
             if k != self.last and rates[k] <= rates[self.last] * (1.0 + self.margin):
                 k = self.last  # not enough gain to switch
-            if k == 0 and self.explore_every and self.off_steps + 1 >= self.explore_every:
+            # A re-try that did not turn speculation on widens the gap to the next one (backoff):
+            # under load every re-try costs a speculative step and the draft's catch-up over the
+            # off period, so re-trying every explore_every steps forever costs a fixed share.
+            if k > 0:
+                self.explore_gap = float(self.explore_every)
+            elif self._explored:
+                self.explore_gap = min(self.explore_gap * self.explore_backoff, float(self.explore_max))
+            self._explored = False
+            if k == 0 and self.explore_every and self.off_steps + 1 >= self.explore_gap:
                 k = max(self.ks[1:], key=rates.get)  # re-measure the best speculative k once
+                self._explored = True
         self.off_steps = self.off_steps + 1 if k == 0 else 0
         self.last = k
         return k

@@ -14,8 +14,17 @@ One interface (used by :func:`specdec.engine.step.step_body_`):
     stage_rows_(...)        hand that root state to the decode rows the chunks became
     propose(state, B, T, valid, context) -> DraftTree
     extend_(state, B, T, valid, seq_old, captured, nodes, out_tokens, accept_len, verify)
-                            after EVERY step (also k = 0): extend over the committed tokens;
-                            verify = the target's (AttentionMeta, positions) of the step's tree
+                            after every drafting step (and every k = 0 step if extends_at_k0):
+                            extend over the committed tokens; verify = the target's
+                            (AttentionMeta, positions) of the step's tree
+    sizes                   the draft lengths k it is configured for (EAGLE-3: its trees'
+                            num_draft_tokens; n-gram: its chain lengths), or None (any k)
+    extends_at_k0           True: k = 0 steps run extend_ (and capture target features); False:
+                            a k = 0 step runs exactly plain decoding's step body (default True)
+    catches_up              True: the engine calls catch-up (target features recomputed over the
+                            tokens committed while off, the drafter's prefill_ over them) before
+                            the first drafting step after k = 0 steps (default False)
+    prefills                False: prefill_ does nothing (the prefill forward skips it; default True)
 """
 
 from __future__ import annotations
@@ -60,3 +69,23 @@ def capturable(drafter) -> bool:
 def preparer(drafter):
     """The drafter's host-side prepare_ hook, or None."""
     return getattr(drafter, "prepare_", None)
+
+
+def sizes(drafter) -> tuple[int, ...] | None:
+    """The draft lengths k the drafter is configured for (None: any k, or no drafter)."""
+    return None if drafter is None else getattr(drafter, "sizes", None)
+
+
+def extends_at_k0(drafter) -> bool:
+    """True if a k = 0 step must run the drafter (extend_ over the committed token)."""
+    return drafter is not None and bool(getattr(drafter, "extends_at_k0", True))
+
+
+def catches_up(drafter) -> bool:
+    """True if the engine must catch the drafter up over the tokens committed while k = 0."""
+    return drafter is not None and bool(getattr(drafter, "catches_up", False))
+
+
+def prefills(drafter) -> bool:
+    """True if the prefill forward must run the drafter's prefill_ (and capture target features)."""
+    return drafter is not None and bool(getattr(drafter, "prefills", True))

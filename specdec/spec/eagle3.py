@@ -11,17 +11,30 @@ from . import tree_ops as ops  # the draft tree's kernels
 from .tree import DraftTree, bit, grow_tree
 
 
+def _tree_tuple(shape) -> tuple:
+    """(topk, steps, num_draft_tokens) from a tuple or a mapping (a draft config's ``trees`` entry)."""
+    if hasattr(shape, "get"):
+        missing = [k for k in ("topk", "steps", "num_draft_tokens") if shape.get(k) is None]
+        if missing:
+            raise ConfigError(f"draft.trees entry {dict(shape)} lacks {missing}; each entry needs topk, steps "
+                              "and num_draft_tokens")
+        return shape["topk"], shape["steps"], shape["num_draft_tokens"]
+    if len(shape) != 3:
+        raise ConfigError(f"draft tree {shape!r}: need (topk, steps, num_draft_tokens)")
+    return tuple(shape)
+
+
 class Eagle3Drafter:
     """EAGLE-3 drafting: trees grown by the draft head over its own paged KV cache.
 
     Draft row j pairs the target's feature at position j with the token at j + 1 and sits in draft
-    KV slot j (the target's page table addresses both pools). Invariant after every commit (with
-    ``sync_while_off``, the default; without it, after every drafting step's commit only): the
-    draft KV covers slots 0 .. seq_len - 1 like the target's and ``root_hidden`` holds the output of
-    row seq_len - 1. Its best ``topk`` children (``root_top``/``root_ids``: log-probs, draft ids),
-    which predict the token after the pending one (the first tree level), are computed when a step
-    drafts, at the start of ``propose``: a k = 0 step (speculation off) only extends the draft KV and
-    runs no draft lm_head. Only the best children of a node can enter a tree, so no step
+    KV slot j (the target's page table addresses both pools). Invariant when a step drafts (after
+    the engine's catch-up, the default; with ``sync_while_off`` after every commit): the draft KV
+    covers slots 0 .. seq_len - 1 like the target's and ``root_hidden`` holds the output of row
+    seq_len - 1. Its best ``topk`` children (``root_top``/``root_ids``: log-probs, draft ids), which
+    predict the token after the pending one (the first tree level), are computed when a step
+    drafts, at the start of ``propose``: a k = 0 step (speculation off) runs no draft work at all
+    (catch-up) or only extends the draft KV (sync_while_off), never the draft lm_head. Only the best children of a node can enter a tree, so no step
     materialises a full draft distribution: the lm_head runs on the frontier rows only and one
     top-k kernel returns their log-probs.
 
@@ -35,31 +48,67 @@ class Eagle3Drafter:
     needs_context = False
     capturable = True
 
-    def __init__(self, head, target, *, topk: int, steps: int, num_draft_tokens: int, sync_while_off: bool = True):
-        if topk < 1 or steps < 1 or num_draft_tokens < 1:
-            raise ConfigError(f"draft.topk={topk}, draft.steps={steps}, draft.num_draft_tokens="
-                              f"{num_draft_tokens}: all must be >= 1")
-        if steps * topk > 63:
-            raise ConfigError(f"draft.steps x draft.topk = {steps * topk} scratch nodes; at most 63")
+    def __init__(self, head, target, *, trees=None, topk: int | None = None, steps: int | None = None,
+                 num_draft_tokens: int | None = None, sync_while_off: bool = False, catch_up: bool = True):
+        # The tree shapes a policy may pick from, each (topk, steps, num_draft_tokens); its size k is
+        # num_draft_tokens (verify width k + 1). One place configures them (the draft config's
+        # ``trees``); the single-shape keywords are the one-tree shorthand.
+        if trees is None:
+            if None in (topk, steps, num_draft_tokens):
+                raise ConfigError("Eagle3Drafter needs trees=[(topk, steps, num_draft_tokens), ...] or all of "
+                                  "topk, steps and num_draft_tokens")
+            trees = [(topk, steps, num_draft_tokens)]
+        self.trees: dict[int, tuple[int, int, int]] = {}
+        for shape in trees:
+            t, s, n = (int(x) for x in _tree_tuple(shape))
+            if t < 1 or s < 1 or n < 1:
+                raise ConfigError(f"draft tree topk={t}, steps={s}, num_draft_tokens={n}: all must be >= 1")
+            if s * t > 63:
+                raise ConfigError(f"draft tree topk={t}, steps={s}: {s * t} scratch nodes; at most 63")
+            most = t + (s - 1) * t * t  # candidates a growth of this shape produces
+            if n > most or n + 1 > 64:
+                raise ConfigError(f"draft tree topk={t}, steps={s}, num_draft_tokens={n}: the growth yields "
+                                  f"{most} candidates and a tree holds at most 63 drafts; lower num_draft_tokens")
+            if n in self.trees:
+                raise ConfigError(f"draft.trees lists two shapes of {n} draft tokens ({self.trees[n]} and "
+                                  f"{(t, s, n)}): a policy picks a tree by its size, so sizes must differ")
+            self.trees[n] = (t, s, n)
+        if not self.trees:
+            raise ConfigError("draft.trees is empty: list at least one (topk, steps, num_draft_tokens) shape")
+        self.sizes = tuple(sorted(self.trees))
         self.head, self.target = head, target
         # Draft positions reach the target's limit, whatever the head's max_position_embeddings says.
         head.ensure_rope_(target.config.max_position_embeddings)
-        self.topk, self.steps, self.num_draft_tokens = topk, steps, num_draft_tokens
-        # False: k = 0 steps skip the draft layer (no cost while speculation is off; the draft KV keeps
-        # holes over those tokens and the root state goes stale, so the first tree after switching
-        # back on is drafted from stale state: experiments/exp_switch_acceptance.py measures it).
+        self.topk = max(t for t, _, _ in self.trees.values())  # root children kept (the widest tree's)
+        # While speculation is off (k = 0 steps), one of three behaviours:
+        #   sync_while_off  every k = 0 step runs the draft layer over the committed token (extend), so
+        #                   the draft KV is always in sync; costs a draft layer per off step;
+        #   catch_up        (default) k = 0 steps run no draft work at all (the step is plain decoding's);
+        #                   before the first drafting step after an off period the engine recomputes the
+        #                   target's features over each row's backlog and extends the draft KV over it
+        #                   in chunked forwards (specdec.engine.step.catch_up_body_), so the tree is
+        #                   drafted from in-sync state;
+        #   neither         left behind: the draft KV keeps holes over the tokens committed while off and
+        #                   the root state goes stale (experiments/exp_switch_acceptance.py measures it).
         self.sync_while_off = bool(sync_while_off)
+        self.catches_up = bool(catch_up) and not self.sync_while_off
         self.capture_layers = tuple(head.config.target_layers)
         self.k_cache = self.v_cache = None
         self.root_hidden = self.root_top = self.root_ids = None
 
+    @property
+    def extends_at_k0(self) -> bool:
+        """True if a k = 0 step runs this drafter's extend (sync_while_off); else it runs no draft work."""
+        return self.sync_while_off
+
     # -- sizes ---------------------------------------------------------------------------------
     def shape_for(self, k: int) -> tuple[int, int, int]:
-        """(topk, steps, kept draft nodes) of the tree for a budget of k draft tokens."""
-        steps = min(self.steps, k)
-        topk = min(self.topk, k)
-        candidates = topk + (steps - 1) * topk * topk
-        return topk, steps, min(k, candidates)
+        """(topk, steps, kept draft nodes) of the configured tree of k draft tokens."""
+        shape = self.trees.get(int(k))
+        if shape is None:
+            raise ConfigError(f"k={k} is not a configured EAGLE-3 tree size; configured sizes (draft.trees "
+                              f"num_draft_tokens): {list(self.sizes)}")
+        return shape
 
     def num_nodes(self, k: int) -> int:
         return 1 + self.shape_for(k)[2]
@@ -97,11 +146,18 @@ class Eagle3Drafter:
     def stage_rows_(self, roots, chunk_idx: list[int], rows: list[int]) -> None:
         """Copy each chunk's root hidden into its decode row (-1: no prefill row, e.g. a 1-token
         prompt: zero state, so that row's drafts are arbitrary until its first step commits)."""
-        for c, r in zip(chunk_idx, rows):
-            if roots is None or c < 0:
-                self.root_hidden[r].zero_()
-            else:
-                self.root_hidden[r].copy_(roots[c])
+        # Two launches whatever the number of rows (a zero fill and one indexed copy), not one per row.
+        if not rows:
+            return
+        dev = self.root_hidden.device
+        have = [(c, r) for c, r in zip(chunk_idx, rows) if roots is not None and c >= 0]
+        none = [r for c, r in zip(chunk_idx, rows) if roots is None or c < 0]
+        if none:
+            self.root_hidden.index_fill_(0, torch.tensor(none, device=dev), 0)
+        if have:
+            src = torch.tensor([c for c, _ in have], device=dev)
+            dst = torch.tensor([r for _, r in have], device=dev)
+            self.root_hidden.index_copy_(0, dst, roots.index_select(0, src).to(self.root_hidden.dtype))
 
     # -- per step --------------------------------------------------------------------------------
     def _root_children_(self, B: int) -> None:
@@ -183,7 +239,7 @@ class Eagle3Drafter:
         its slot and position are the target's (``verify``: the target's meta and positions), so
         that step runs the draft layer with no gather, clamp or second block-meta launch."""
         if T == 1 and not self.sync_while_off:
-            return
+            return  # the step body skips the drafter at k = 0 then; kept for direct callers
         if T == 1 and verify is not None:
             meta, pos = verify
             # After the commit, pending = the committed token of every live row (padding rows keep an

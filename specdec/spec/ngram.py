@@ -21,14 +21,25 @@ class NgramDrafter:
     capture_layers: tuple[int, ...] = ()
     needs_context = True
     capturable = True
+    extends_at_k0 = False  # no draft state: a k = 0 step is plain decoding's step
+    prefills = False  # no draft state over the prompt either: prefill is the target's alone
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, chains=None):
         if not 1 <= min_ngram <= max_ngram:
             raise ConfigError(f"draft.min_ngram={min_ngram}, draft.max_ngram={max_ngram}: need "
                               "1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        # The chain lengths a policy may pick from (draft.chains); None: any k (direct construction).
+        if chains is not None:
+            chains = sorted({int(c) for c in chains})
+            if not chains or chains[0] < 1 or chains[-1] > 63:
+                raise ConfigError(f"draft.chains={chains}: list chain lengths in 1..63")
+        self.sizes = None if chains is None else tuple(chains)
 
     def num_nodes(self, k: int) -> int:
+        if self.sizes is not None and k not in self.sizes:
+            raise ConfigError(f"k={k} is not a configured n-gram chain length; configured (draft.chains): "
+                              f"{list(self.sizes)}")
         return k + 1
 
     def bind_(self, state, num_pages: int, page_size: int) -> None:

@@ -1,0 +1,214 @@
+"""Speculation off is free, and the draft catches up on resume.
+
+- A k = 0 step of an engine with a drafter (n-gram; EAGLE-3 with catch-up, the default) runs exactly
+  the torch calls of the same step without a drafter: no draft call, no feature capture (checked on
+  the call sequence; an EAGLE-3 drafter that syncs while off fails the same check).
+- Rows hold no tree's slots while speculation is off (the same free pages as without a drafter).
+- After random on/off schedules (rows joining and leaving at different times, preemptions in
+  between, catch-up chunked over several forwards, padded shapes) the draft KV over every row's
+  committed slots and its root state equal a from-scratch draft prefill of the same tokens after
+  every drafting step, and greedy output equals plain greedy.
+- The trees drafted after a catch-up are the trees an always-in-sync draft drafts (fp32, CPU).
+"""
+
+import random
+
+import pytest
+import torch
+from test_engine import rand_prompts, reference, tiny_model
+from test_spec import draft_prefill_kv, repetitive_prompts, tiny_head
+from torch.overrides import TorchFunctionMode
+
+from specdec.engine.engine import Engine, EngineConfig
+from specdec.errors import ConfigError
+from specdec.spec import Eagle3Drafter, NgramDrafter
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(layers=2)
+
+
+class CallLog(TorchFunctionMode):
+    """Names of the torch functions / tensor methods called (the step body's device work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def k0_calls(model, drafter, prompts, steps=3):
+    """Torch calls of each of ``steps`` k = 0 decode steps (prefill done first, outside the log),
+    plus the drafter methods called during them."""
+    engine = Engine(model, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=drafter, ks=(0,) if drafter is None else (4,))
+    drafted = []
+    if drafter is not None:
+        for name in ("propose", "extend_", "prefill_", "prepare_"):
+            if hasattr(drafter, name):
+                real = getattr(drafter, name)
+                setattr(drafter, name, lambda *a, _real=real, _name=name, **kw: drafted.append(_name) or _real(*a, **kw))
+    for p in prompts:
+        engine.add_request(p, 16)
+    engine.step(0)  # prefill (+ a first k = 0 step)
+    drafted.clear()
+    logs = []
+    run = engine.stepper.runner.run_
+    for _ in range(steps):
+        log = CallLog()
+        engine.stepper.runner.run_ = lambda n, T, ctx, _log=log: _run_logged(run, _log, n, T, ctx)
+        engine.step(0)
+        logs.append(log.calls)
+    return logs, drafted, engine
+
+
+def _run_logged(run, log, n, T, ctx):
+    with log:
+        return run(n, T, ctx)
+
+
+def test_k0_step_with_a_drafter_runs_the_plain_step_body(tiny):
+    prompts = rand_prompts([6, 11, 9], seed=2)
+    plain, _, _ = k0_calls(tiny, None, prompts)
+    assert plain and all(plain)
+    for drafter in (Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4),  # catch-up
+                    NgramDrafter()):
+        logs, drafted, _ = k0_calls(tiny, drafter, prompts)
+        assert logs == plain, f"{drafter.name}: the k = 0 step does work a plain step does not"
+        assert drafted == [], f"{drafter.name}: drafter called at k = 0: {drafted}"
+    # Mutation check: a drafter that extends at k = 0 (sync_while_off) is caught by both checks.
+    synced = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=True)
+    logs, drafted, _ = k0_calls(tiny, synced, prompts)
+    assert logs != plain and len(logs[0]) > len(plain[0])
+    assert drafted.count("extend_") == 3
+
+
+def test_speculation_off_holds_no_tree_slots(tiny):
+    """A drafter with 16-node trees configured but off: rows hold the pages plain decoding holds."""
+    prompts = rand_prompts([5, 14, 9, 21], seed=4)
+    free = {}
+    for name, drafter in (("none", None), ("ngram", NgramDrafter(chains=[15])),
+                          ("eagle3", Eagle3Drafter(tiny_head(tiny), tiny, topk=4, steps=4, num_draft_tokens=15))):
+        engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024, overlap=True),
+                        drafter=drafter, ks=(0,) if drafter is None else (15,))
+        for p in prompts:
+            engine.add_request(p, 12)
+        seen = []
+        for _ in range(6):
+            engine.step(0)
+            seen.append(engine.kv.num_free)
+        free[name] = seen
+        while engine.has_work():
+            engine.step(0)
+        engine.check()
+    assert free["ngram"] == free["none"] and free["eagle3"] == free["none"]
+
+
+def check_draft_in_sync(engine, drafter, model):
+    """Every row's draft KV over its committed slots and its root state equal a fresh draft prefill."""
+    ps = engine.kv.page_size
+    assert engine.state.draft_lens_host == engine.state.seq_lens_host
+    for row, req in enumerate(engine.scheduler.rows):
+        s = req.seq_len
+        if s == 0:
+            continue
+        pages = engine.kv.pages(req)
+        slots = torch.tensor([pages[j // ps] * ps + j % ps for j in range(s)])
+        live_k = drafter.k_cache[0].reshape(-1, *drafter.k_cache.shape[-2:])[slots]
+        fresh, root = draft_prefill_kv(drafter, model, req.tokens[: s + 1], with_hidden=True)
+        torch.testing.assert_close(live_k, fresh, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(drafter.root_hidden[row], root, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed,pad,overlap", [(0, False, False), (1, True, True), (2, False, True)])
+def test_catch_up_after_random_schedules_equals_fresh_prefill(tiny, seed, pad, overlap):
+    """Random on/off schedules over rows that join and leave at different times (so their backlogs
+    differ), in a KV pool small enough to preempt, with catch-up chunked over forwards of at most 8
+    tokens (pad: through the padded static-buffer runner a CUDA graph replays)."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(3, 20) for _ in range(6)]
+    prompts = rand_prompts(lengths, seed=seed + 10)
+    max_new = [rng.randint(10, 26) for _ in prompts]
+    want = [reference(tiny, p, m) for p, m in zip(prompts, max_new)]
+    drafter = Eagle3Drafter(tiny_head(tiny, seed=seed), tiny, topk=2, steps=3, num_draft_tokens=5)
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=96, prefill_chunk=8,
+                                       pad_eager=pad, graph_buckets=(1, 2, 4), prefill_buckets=(8,),
+                                       overlap=overlap),
+                    drafter=drafter, ks=(5,))
+    assert (engine.stepper.catch_up_runner is not None) == pad
+    reqs, arrive = [None] * len(prompts), {i: rng.randint(0, 12) for i in range(len(prompts))}
+    step, drafting, forced = 0, 0, 0
+    while step < 400 and (engine.has_work() or any(r is None for r in reqs)):
+        for i, at in arrive.items():
+            if at == step:
+                reqs[i] = engine.add_request(prompts[i], max_new[i])
+        k = 5 if rng.random() < 0.35 else 0
+        engine.step(k)
+        engine.check()
+        backlog = [r for i, r in enumerate(engine.scheduler.rows)
+                   if engine.state.draft_lens_host[i] < engine.state.seq_lens_host[i]]
+        if not k and backlog and (not forced or rng.random() < 0.15):  # preempt a row while its draft is behind
+            engine.scheduler._preempt_(backlog[-1])  # (what the scheduler does when pages run out)
+            engine.check()
+            forced += 1
+        if k and engine.state.num_rows:
+            if engine._inflight is not None:  # overlapped: commit the step in flight (as a drain does)
+                engine._commit_step_(engine._inflight)
+                engine._inflight = None
+            check_draft_in_sync(engine, drafter, tiny)  # after a drafting step's commit
+            drafting += 1
+        step += 1
+    assert drafting > 3 and engine.num_catch_ups > 3 and engine.scheduler.num_preemptions > 0
+    assert [r.output_ids for r in reqs] == want
+
+
+def test_first_trees_after_resume_match_an_always_in_sync_draft(tiny):
+    """fp32 on the CPU: the trees drafted by the catch-up drafter after each off period, and what
+    they accept, are the in-sync (sync_while_off) drafter's."""
+    prompts = repetitive_prompts(4, seed=9)
+    head = tiny_head(tiny, seed=3)
+    schedule = ([4] * 2 + [0] * 5) * 6
+    runs = {}
+    for name, sync in (("sync", True), ("catch_up", False)):
+        drafter = Eagle3Drafter(head, tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=sync)
+        trees = []
+        real = drafter.propose
+        drafter.propose = lambda *a, _real=real, **kw: trees.append(_real(*a, **kw)) or trees[-1]
+        trace = []
+        engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                        drafter=drafter, ks=(4,), trace=trace.append)
+        reqs = [engine.add_request(p, 30) for p in prompts]
+        for k in schedule:
+            if engine.has_work():
+                engine.step(k)
+        engine.flush_trace()
+        runs[name] = ([t.tokens.clone() for t in trees], [rec["accepted"] for rec in trace if rec["k"]],
+                      [r.output_ids for r in reqs])
+    (t_sync, a_sync, o_sync), (t_cu, a_cu, o_cu) = runs["sync"], runs["catch_up"]
+    assert len(t_sync) == len(t_cu) > 6
+    for a, b in zip(t_sync, t_cu):
+        assert torch.equal(a, b)
+    assert a_sync == a_cu and o_sync == o_cu
+
+
+def test_unconfigured_sizes_are_config_errors(tiny):
+    from omegaconf import OmegaConf
+
+    from specdec.policy import build_policy
+
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, trees=[(1, 3, 3), (2, 3, 6)])
+    assert drafter.sizes == (3, 6) and drafter.num_nodes(6) == 7
+    with pytest.raises(ConfigError, match=r"configured sizes.*\[3, 6\]"):
+        Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=256), drafter=drafter, ks=(5,))
+    assert build_policy(OmegaConf.create({"name": "always", "k": None}), sizes=drafter.sizes).k == 6
+    assert build_policy(OmegaConf.create({"name": "goodput", "ks": None}), sizes=drafter.sizes).ks == (0, 3, 6)
+    with pytest.raises(ConfigError, match=r"policy.k=5 .*configured sizes: \[3, 6\]"):
+        build_policy(OmegaConf.create({"name": "always", "k": 5}), sizes=drafter.sizes)
+    with pytest.raises(ConfigError, match="two shapes of 6"):
+        Eagle3Drafter(tiny_head(tiny), tiny, trees=[(2, 3, 6), (3, 2, 6)])
+    with pytest.raises(ConfigError, match=r"chain length.*\[3\]"):
+        NgramDrafter(chains=[3]).num_nodes(4)
