@@ -143,7 +143,8 @@ def find_run_dirs(paths) -> list[Path]:
             raise SpecdecError(f"{p}: not a directory; pass run directories (holding metrics.json) "
                                "or folders above them, e.g. outputs/ or multirun/NAME/")
         if (p / "metrics.json").is_file():
-            dirs = [p]  # a run directory is a leaf: nothing below it is another run
+            # A run directory is a leaf, apart from the plain baseline a compare_plain run serves first.
+            dirs = [p / "plain", p] if (p / "plain" / "metrics.json").is_file() else [p]
         else:
             dirs = sorted({m.parent for m in p.rglob("metrics.json")}, key=_path_sort_key)
         if not dirs:
@@ -613,9 +614,7 @@ def step_floor_table(runs: list[Run]) -> Table | None:
                Column("step ms", None, "r"), Column("floor ms", None, "r"), Column("of floor", None, "r"),
                Column("of floor (bytes read)", None, "r"), Column("copy GB/s", None, "r"),
                Column("weights GB", None, "r"), Column("TPOT ms (C=1)", None, "r")]
-    cells = [format_column(cols["step"] + cols["floor"])]
-    n = len(keys)
-    formatted = [cells[0][:n], cells[0][n:], format_column(cols["frac_all"], "percent_of"),
+    formatted = [format_column(cols["step"]), format_column(cols["floor"]), format_column(cols["frac_all"], "percent_of"),
                  format_column(cols["frac_read"], "percent_of"), format_column(cols["gbps"]),
                  format_column(cols["gb"]), format_column(cols["tpot"])]
     rows = [[key[0], str(key[1]), _show(key[2])] + [c[i] for c in formatted] for i, key in enumerate(keys)]
