@@ -635,11 +635,11 @@ def switch_table(runs: list[Run]) -> Table | None:
     if not sched:
         return None
     def mode(r):
-        off = int(r.get("policy.off", 0) or 0)
+        off = int(r.get("policy.off_steps", 0) or 0)
         if off == 0:
             return "always on (off = 0)"
         return "in sync" if r.get("draft.sync_while_off", True) else "left behind"
-    groups = _merge(sched, lambda r: (drafter_label(r), f"{r.get('policy.on')} on / {r.get('policy.off')} off",
+    groups = _merge(sched, lambda r: (drafter_label(r), f"{r.get('policy.on_steps')} on / {r.get('policy.off_steps')} off",
                                       mode(r), _concurrency(r)))
     rows = []
     for key, rs in groups:

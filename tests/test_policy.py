@@ -218,7 +218,7 @@ def test_schedule_pattern_and_window_positions():
     """on steps at k, off steps at 0, repeated over decode steps only; each speculative step's
     committed tokens are kept by its position in the window (0: first after an off period), also
     when update comes one step late (overlapped decoding)."""
-    pol = build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on": 2, "off": 3}))
+    pol = build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on_steps": 2, "off_steps": 3}))
     assert pol.ks == (0, 3)
     ks = []
     for i in range(11):
@@ -235,11 +235,11 @@ def test_schedule_pattern_and_window_positions():
     assert st["first_after_off_tokens_per_step"] == pytest.approx(2.0)
     assert st["other_tokens_per_step"] == pytest.approx(2.5)
     assert st["by_position"] == pytest.approx([2.0, 2.5])
-    always = build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on": 4, "off": 0}))
+    always = build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on_steps": 4, "off_steps": 0}))
     assert all(always.choose(view(1)) == 3 for _ in range(9))
     assert always.describe()["first_after_off_steps"] == 0 and always.describe()["by_position"] == []
     with pytest.raises(ConfigError, match="on >= 1"):
-        build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on": 0, "off": 2}))
+        build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on_steps": 0, "off_steps": 2}))
 
 
 @pytest.mark.parametrize("sync", [True, False])

@@ -349,7 +349,7 @@ def test_switch_acceptance_table(tmp_path):
     """policy=schedule runs: one row per mode (draft KV in sync / left behind / always on) with the
     tokens per step of the first speculative step after an off period, from metrics' policy_state."""
     def state(first, other, by_pos, off=6):
-        return {"k": 16, "on": 2, "off": off, "spec_steps": 10, "first_after_off_tokens_per_step": first,
+        return {"k": 16, "on_steps": 2, "off_steps": off, "spec_steps": 10, "first_after_off_tokens_per_step": first,
                 "first_after_off_steps": 0 if first is None else 4, "other_tokens_per_step": other,
                 "tokens_per_spec_step": other if first is None else (first + other) / 2,
                 "by_position": by_pos}
@@ -359,7 +359,7 @@ def test_switch_acceptance_table(tmp_path):
                                       ("always", True, 0, state(None, 2.8, [], off=0), 0.5)):
         p = make_run(tmp_path / name, tok_s=100.0, draft="eagle3", policy="schedule", policy_state=st,
                      outputs_identical_to_plain=same)
-        _edit_config(p, draft={"sync_while_off": sync, "topk": 4}, policy={"on": 2, "off": off})
+        _edit_config(p, draft={"sync_while_off": sync, "topk": 4}, policy={"on_steps": 2, "off_steps": off})
     md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
     rows = table(md, "Acceptance after switching back on")
     head, body = rows[0], {r[2]: dict(zip(rows[0], r)) for r in rows[1:]}

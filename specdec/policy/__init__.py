@@ -33,5 +33,5 @@ def build_policy(cfg):
                        profile_context=int(cfg.get("profile_context", 512)), time_ema=float(cfg.get("time_ema", 0.1)),
                        prior_ema=float(cfg.get("prior_ema", 0.01)))
     if name == "schedule":
-        return Schedule(int(cfg.k), int(cfg.on), int(cfg.off))
+        return Schedule(int(cfg.k), int(cfg.on_steps), int(cfg.off_steps))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")

@@ -1,7 +1,7 @@
 """schedule: a fixed on/off pattern of speculative steps, for switching studies.
 
-Speculation follows the decode step count, not the batch: ``on`` steps with k draft tokens, then
-``off`` steps at k = 0, repeated (``off = 0``: every step speculates, as ``always``). Iterations
+Speculation follows the decode step count, not the batch: ``on_steps`` steps with k draft tokens,
+then ``off_steps`` steps at k = 0, repeated (``off_steps = 0``: every step speculates, as ``always``). Iterations
 without decode rows do not advance the schedule. The question it serves (conf/experiment/
 switch_acceptance.yaml): does acceptance hold on the first speculative step after an off period,
 when the draft KV was kept in sync over the tokens committed while off (``draft.sync_while_off:
@@ -17,7 +17,8 @@ from .base import BatchView, StepStats
 
 
 class Schedule:
-    """k for ``on`` decode steps, then 0 for ``off`` decode steps, repeated.
+    """k for ``on`` decode steps, then 0 for ``off`` decode steps, repeated (config: on_steps,
+    off_steps; ``on`` / ``off`` as YAML keys would read as booleans).
 
     Records, for every speculative step, its position in the on-window (0: the first step after an
     off period) and the tokens it committed per row (accepted drafts + 1); ``describe()`` gives the
@@ -64,7 +65,7 @@ class Schedule:
         first = self._committed.get(0, []) if self.off else []
         other = [a for p, xs in self._committed.items() for a in xs if p > 0 or not self.off]
         every = [a for xs in self._committed.values() for a in xs]
-        return {"k": self.k, "on": self.on, "off": self.off,
+        return {"k": self.k, "on_steps": self.on, "off_steps": self.off,
                 "spec_steps": len(every),
                 "first_after_off_tokens_per_step": mean(first), "first_after_off_steps": len(first),
                 "other_tokens_per_step": mean(other), "other_steps": len(other),
