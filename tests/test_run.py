@@ -1,4 +1,5 @@
-"""The Hydra entry: every config composes, the quickstart runs, bad input fails cleanly."""
+"""The Hydra entry: every config composes, the quickstart runs (plain vs EAGLE-3 + goodput, compared),
+run options (compare_plain, engine.profile_steps) reach metrics.json, bad input fails cleanly."""
 
 import json
 import os
@@ -58,6 +59,13 @@ def test_quickstart_writes_real_outputs(tmp_path):
     assert sum(w.strip(".,!?:;\"'()").isalpha() for w in words) >= 0.7 * len(words)
     assert json.loads((run_dir / "config.json").read_text())["engine"]["max_new_tokens"] == 12
     assert list((run_dir / "wandb").glob("offline-run-*"))  # W&B wrote its offline run
+    # The mission in one table: plain decoding and EAGLE-3 + a dynamic policy on the same prompts.
+    plain = json.loads((run_dir / "plain" / "metrics.json").read_text())
+    assert plain["requests"] == 4 and plain["speculating_step_fraction"] == 0.0
+    assert metrics["outputs_identical_to_plain"] == 1.0  # greedy: speculation changes no token
+    assert metrics["speedup_over_plain"] == pytest.approx(metrics["output_tok_per_s"] / plain["output_tok_per_s"])
+    assert metrics["speculating_step_fraction"] > 0 and metrics["tokens_per_row_step"] >= 1.0
+    assert "plain decoding vs eagle3 + policy goodput" in proc.stdout and "4/4" in proc.stdout
 
 
 def test_jsonl_workload_and_overrides(tmp_path):
