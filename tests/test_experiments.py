@@ -30,7 +30,7 @@ PICK = {"policy_sweep": {"policy": "goodput"}, "eagle3_table": {"+method": "eagl
         "switch_acceptance": {"policy.off_steps": "2", "draft.sync_while_off": "false"}}
 # Llama-3.1-8B structure at tiny sizes (random-weight targets).
 TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 1024}
+               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096}
 # Scripts without a CPU smoke mode: they time CUDA kernels or drive Nsight Compute.
 NO_QUICK = "no --quick mode: it times CUDA kernels or drives Nsight tools, so it needs a GPU"
 
