@@ -17,6 +17,12 @@
     + 128 output tokens, EOS ignored, 4 requests per client, at least 16): where does throughput
     stop rising?
 
+The Hydra form of these studies (no Hugging Face peer): ``python -m specdec.run --multirun
++experiment=serving_smollm2`` (a), ``+experiment=step_floor`` (b), ``+experiment=baseline_concurrency``
+(c), tabled by ``python -m specdec.report multirun/NAME``; (b) here calls the same
+``engine/profiling.step_time_vs_floor`` as ``engine.profile_steps``. This script stays for a bare GPU
+machine without Hydra and for the Hugging Face ``generate`` peers.
+
 Outputs under --out: bench_serving.csv (one row per number: commit, device, date, part, metric,
 value, unit, peer, peer value, ratio), bench_serving_curve.csv (one row per C), bench_serving.md
 (the tables). A short table is printed last.
@@ -57,6 +63,7 @@ from specdec.bench.clients import closed_loop  # noqa: E402
 from specdec.bench.metrics import StepTrace, request_record, summarize_requests  # noqa: E402
 from specdec.bench.targets import RANDOM_WEIGHTS_LABEL, llama_config_from_dict, load_target_yaml  # noqa: E402
 from specdec.bench.workloads import synthetic_prompts  # noqa: E402
+from specdec.engine import profiling  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
 
@@ -281,19 +288,17 @@ def part_b(res: Results, args, copy_gbps: float) -> None:
     log(f"b: engine ready in {engine.startup_s:.1f} s (graphs {'on' if engine.graphed else 'off'})")
     if CUDA:
         warm_up_small(engine, config.vocab_size)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    read_bytes = param_bytes - model.embed.numel() * model.embed.element_size() * (1 if model.lm_head is not None else 0)
     ctx = 512
-    step_ms = engine.profile_decode_step(1, ctx, iters=5 if args.quick else 100)
-    floor_all = param_bytes / (copy_gbps * 1e9) * 1e3
-    floor_read = read_bytes / (copy_gbps * 1e9) * 1e3
+    # The same measurement as `specdec.run ... engine.profile_steps=[1]` (experiment step_floor).
+    prof = profiling.step_time_vs_floor(engine, [1], ctx, iters=5 if args.quick else 100, copy_gbps=copy_gbps)
+    step_ms, param_bytes = prof["step_ms"]["1"], prof["weight_bytes"]
     res.add("b", f"{label} batch-1 decode step (device)", step_ms, "ms",
             note=(f"context {ctx}, {param_bytes / 1e9:.2f} GB of bf16 params"
                   + f", pdl={options.get().pdl}") if CUDA else "quick shapes")
-    res.add("b", "  weight-bandwidth floor (all params)", floor_all, "ms",
+    res.add("b", "  weight-bandwidth floor (all params)", prof["floor_ms_all"], "ms",
             note=f"{param_bytes / 1e9:.2f} GB / {copy_gbps:.0f} GB/s copy")
-    res.add("b", "  fraction of floor (all params; gpt-fast 72%)", floor_all / step_ms, "fraction")
-    res.add("b", "  fraction of floor (bytes read: embedding excluded)", floor_read / step_ms, "fraction")
+    res.add("b", "  fraction of floor (all params; gpt-fast 72%)", prof["floor_fraction_all"]["1"], "fraction")
+    res.add("b", "  fraction of floor (bytes read: embedding excluded)", prof["floor_fraction_read"]["1"], "fraction")
     prompt = synthetic_prompts(1, ctx, 2, config.vocab_size)[0].prompt_ids
     n = 8 if args.quick else 128
     (r,), _ = engine_requests(engine, [prompt], n, ignore_eos=True)

@@ -3,10 +3,13 @@ during k = 0 steps (draft.sync_while_off=true) vs caught up on resume (the defau
 while off, the backlog extended in one chunked forward before the first tree) vs left behind (an
 engine that skips the draft while off and never catches up).
 
-SmolLM2-135M-Instruct with the committed EAGLE-3 head (checkpoints/eagle3-smollm2-135m, trees of 16
-nodes: topk 4, depth 5), HumanEval prompts (chat template), greedy. Speculation follows a fixed
-schedule: --on steps with k = 16, then --off steps with k = 0, repeated (decode steps only). Three
-drafters side by side:
+The Hydra form of this study is ``python -m specdec.run --multirun +experiment=switch_acceptance``
+(conf/experiment/switch_acceptance.yaml; ``python -m specdec.report multirun/switch_acceptance``
+tables it). This script is a thin wrapper over the same pieces (policy ``Schedule``, drafter
+``sync_while_off``) for a machine without Hydra: SmolLM2-135M-Instruct with the committed EAGLE-3
+head (trees of 16 nodes: topk 4, depth 5), HumanEval prompts (chat template) in one batch, greedy.
+Speculation follows a fixed schedule: --on steps with k = 16, then --off steps with k = 0, repeated
+(decode steps only). Three modes side by side:
 
     always      k = 16 every step (the acceptance to expect)
     in_sync     the schedule; while off, every k = 0 step still extends the draft KV and root
@@ -18,20 +21,18 @@ drafters side by side:
                 (draft.catch_up=false: its KV keeps holes over the tokens committed while off, and
                 its root state is the one of the last drafting step)
 
-Reports the mean accepted length (tokens committed per speculative step and row: accepted drafts +
-1) over the first speculative step after each off period, and over the other speculative steps, and
-whether each run's outputs equal plain greedy decoding (they must: verification is exact whatever
-the drafts). Acceptance does not depend on the device, so this runs anywhere (fp32 on the CPU by
-default; `--device cuda` for bf16, where near-ties may round differently).
+Reports the tokens committed per row on the first speculative step after each off period, on the
+other speculative steps, and whether each run's outputs equal plain greedy decoding (they must).
+Acceptance does not depend on the device, so this runs anywhere (fp32 on the CPU by default).
 
     python experiments/exp_switch_acceptance.py --smollm2 $SPECDEC_CACHE/smollm2-135m-instruct \\
         --prompts $SPECDEC_CACHE/prompts/humaneval.jsonl --out experiments/results/spec
+    python experiments/exp_switch_acceptance.py --quick --out /tmp/switch   (2 prompts, 8 tokens)
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import json
 import sys
@@ -47,37 +48,10 @@ from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.eagle3 import Eagle3Head  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.models.tokenizer import Tokenizer  # noqa: E402
-from specdec.policy import BatchView, StepStats  # noqa: E402
+from specdec.policy import Schedule  # noqa: E402
 from specdec.spec import Eagle3Drafter  # noqa: E402
 
 K = 16
-
-
-class Schedule:
-    """k = K for `on` decode steps, then 0 for `off` (on = all: always); logs each speculative step's
-    mean committed tokens per row with its position in the on-window (0: first after an off period)."""
-
-    name = "schedule"
-
-    def __init__(self, on: int, off: int):
-        self.on, self.off, self.ks = on, off, (0, K)
-        self.i = 0
-        self.phases = collections.deque()  # on-window position of each launched speculative step
-        self.log: list[tuple[int, float]] = []
-
-    def choose(self, view: BatchView) -> int:
-        if view.num_decode == 0:  # no decode step this iteration: the schedule does not advance
-            return 0
-        pos = self.i % (self.on + self.off) if self.off else self.i  # off = 0: always on
-        self.i += 1
-        if pos < self.on or not self.off:
-            self.phases.append(pos)
-            return K
-        return 0
-
-    def update(self, stats: StepStats) -> None:
-        if stats.k > 0:
-            self.log.append((self.phases.popleft(), sum(stats.committed) / len(stats.committed)))
 
 
 def run(model, prompts, max_new, drafter, policy):
@@ -91,14 +65,14 @@ def run(model, prompts, max_new, drafter, policy):
     return out
 
 
-def mean(xs):
-    return sum(xs) / len(xs) if xs else float("nan")
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smollm2", required=True, help="Hugging Face directory of SmolLM2-135M-Instruct")
-    ap.add_argument("--prompts", required=True, help="humaneval.jsonl from the asset cache")
+    ap.add_argument("--smollm2", help="Hugging Face directory of SmolLM2-135M-Instruct (--quick: the asset cache)")
+    ap.add_argument("--prompts", help="humaneval.jsonl from the asset cache (--quick: the asset cache)")
     ap.add_argument("--head", default=str(REPO / "checkpoints" / "eagle3-smollm2-135m"))
     ap.add_argument("--out", default="experiments/results/spec")
     ap.add_argument("--device", default="cpu")
@@ -107,8 +81,17 @@ def main() -> None:
     ap.add_argument("--on", type=int, default=4, help="speculative steps per window")
     ap.add_argument("--off", type=int, default=6, help="k = 0 steps between windows")
     options.add_flags(ap)  # --pdl, --fused-linear, ... (kernels_triton/options.py)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 8 new tokens, 2 on / 2 off")
     args = ap.parse_args()
     options.set_from_flags_(args)
+    if args.quick:
+        from specdec.assets import prompts_dir, smollm2_dir
+
+        args.smollm2 = args.smollm2 or str(smollm2_dir())
+        args.prompts = args.prompts or str(prompts_dir() / "humaneval.jsonl")
+        args.n, args.max_new, args.on, args.off = 2, 8, 2, 2
+    if not args.smollm2 or not args.prompts:
+        raise SystemExit("--smollm2 DIR and --prompts FILE are required (or --quick: the asset cache)")
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     model = LlamaModel.from_pretrained(args.smollm2, device=args.device, dtype=dtype)
     tok = Tokenizer(args.smollm2)
@@ -126,14 +109,13 @@ def main() -> None:
     for name, mode, on, off in (("always", "sync", 1, 0), ("in_sync", "sync", args.on, args.off),
                                 ("catch_up", "catch_up", args.on, args.off),
                                 ("left_behind", "left_behind", args.on, args.off)):
-        pol = Schedule(on, off)
+        pol = Schedule(K, on, off)
         out = run(model, prompts, args.max_new, drafter(mode), pol)
-        first = [a for pos, a in pol.log if pos == 0 and off]
-        other = [a for pos, a in pol.log if pos > 0 or not off]
-        by_pos = [mean([a for pos, a in pol.log if pos == j]) for j in range(args.on)] if off else []
-        results.append(dict(drafter=name, spec_steps=len(pol.log), first_after_off=mean(first),
-                            first_steps=len(first), other=mean(other), all=mean([a for _, a in pol.log]),
-                            by_pos=by_pos, identical=sum(o == p for o, p in zip(out, plain)) / len(plain)))
+        st = pol.describe()
+        results.append(dict(drafter=name, spec_steps=st["spec_steps"], first_after_off=st["first_after_off_tokens_per_step"],
+                            first_steps=st["first_after_off_steps"], other=st["other_tokens_per_step"],
+                            all=st["tokens_per_spec_step"], by_pos=st["by_position"],
+                            identical=sum(o == p for o, p in zip(out, plain)) / len(plain)))
         print(results[-1], flush=True)
     stamp = (f"commit {git_commit()}, {args.device} ({dtype}), {datetime.date.today()}, SmolLM2-135M-Instruct + "
              f"{Path(args.head).name}, trees of {K} nodes, {len(prompts)} HumanEval prompts in one batch, greedy, "
@@ -144,8 +126,8 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     for r in results:
         first = "-" if r["first_steps"] == 0 else f"{r['first_after_off']:.2f} ({r['first_steps']} steps)"
-        pos = " / ".join(f"{a:.2f}" for a in r["by_pos"]) or "-"
-        lines.append(f"| {r['drafter']} | {r['spec_steps']} | {first} | {r['other']:.2f} | {r['all']:.2f} | "
+        pos = " / ".join("-" if a is None else f"{a:.2f}" for a in r["by_pos"]) or "-"
+        lines.append(f"| {r['drafter']} | {r['spec_steps']} | {first} | {fmt(r['other'])} | {fmt(r['all'])} | "
                      f"{pos} | {r['identical']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

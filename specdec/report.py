@@ -27,6 +27,11 @@ Default report, each part only when the runs hold it:
   workload x target x drafter, and a plot of tok/s against C with the envelope dashed), and for
   every run the k it held at full load, the share of steps at it, its switches and settle steps
   (steps from the load change until the held k holds; see ``bench.metrics.k_choice``).
+- Step time vs weight-bandwidth floor: runs with ``engine.profile_steps`` (metrics ``step_floor``):
+  one row per target x decode batch: graphed step ms, the floor (weight bytes / measured copy
+  bandwidth) and the fraction of it reached.
+- Acceptance after switching back on: ``policy=schedule`` runs: tokens per step of the first
+  speculative step after an off period, per mode (draft KV in sync or left behind while off).
 - Runs: every config with its headline numbers.
 - One accepted-length histogram plot per speculative run, and for a run whose k changed during the
   run (an adaptive policy: ``batch_threshold``, ``goodput``) a plot of its decode batch and chosen
@@ -143,7 +148,8 @@ def find_run_dirs(paths) -> list[Path]:
             raise SpecdecError(f"{p}: not a directory; pass run directories (holding metrics.json) "
                                "or folders above them, e.g. outputs/ or multirun/NAME/")
         if (p / "metrics.json").is_file():
-            dirs = [p]  # a run directory is a leaf: nothing below it is another run
+            # A run directory is a leaf, apart from the plain baseline a compare_plain run serves first.
+            dirs = [p / "plain", p] if (p / "plain" / "metrics.json").is_file() else [p]
         else:
             dirs = sorted({m.parent for m in p.rglob("metrics.json")}, key=_path_sort_key)
         if not dirs:
@@ -328,6 +334,8 @@ def format_column(values: list, kind: str = "num") -> list[str]:
         return [f"{v:.2f}" if v is not None else "-" for v in values]
     if kind == "percent":
         return [f"{v:.0f}%" if v is not None else "-" for v in values]
+    if kind == "percent_of":  # a fraction (0.889) shown as a percentage with one decimal
+        return [f"{100 * v:.1f}%" if v is not None else "-" for v in values]
     if kind == "speedup":
         return [f"{v:.2f}×" if v is not None else "-" for v in values]
     if nums and all(isinstance(v, int) and not isinstance(v, bool) for v in nums):
@@ -695,6 +703,86 @@ def plot_envelope(series, out: Path, title: str, stem: str) -> list[str] | None:
     ax.set_title("\n".join(textwrap.wrap("Policies vs the envelope: " + title, 70)), fontsize=8)
     ax.legend(fontsize=7)
     return _save(fig, out, stem)
+def step_floor_table(runs: list[Run]) -> Table | None:
+    """Graphed plain step time against the weight-bandwidth floor (runs with ``engine.profile_steps``):
+    one row per target x decode batch (repeats averaged)."""
+    prof = [r for r in runs if isinstance(r.metrics.get("step_floor"), dict)]
+    if not prof:
+        return None
+    groups: dict[tuple, list[tuple[Run, str]]] = {}
+    for r in prof:
+        for b in r.metrics["step_floor"].get("step_ms", {}):
+            groups.setdefault((target_label(r), int(b), r.metrics["step_floor"].get("context")), []).append((r, b))
+    cols = {"step": [], "floor": [], "frac_all": [], "frac_read": [], "gbps": [], "gb": [], "tpot": []}
+    keys = sorted(groups, key=lambda k: _sort_key(list(k)))
+    for key in keys:
+        members = groups[key]
+        sf = [r.metrics["step_floor"] for r, _ in members]
+        cols["step"].append(_mean(f["step_ms"][b] for f, (_, b) in zip(sf, members)))
+        cols["floor"].append(_mean(f.get("floor_ms_all") for f in sf))
+        cols["frac_all"].append(_mean(f["floor_fraction_all"][b] for f, (_, b) in zip(sf, members)))
+        cols["frac_read"].append(_mean(f["floor_fraction_read"][b] for f, (_, b) in zip(sf, members)))
+        cols["gbps"].append(_mean(f.get("copy_gbps") for f in sf))
+        cols["gb"].append(_mean(f.get("weight_bytes", 0) / 1e9 for f in sf))
+        cols["tpot"].append(_mean((r.metrics.get("p50_tpot_s") or math.nan) * 1e3 for r, _ in members
+                                  if _concurrency(r) == 1))
+    columns = [Column("Target"), Column("batch", None, "r"), Column("context", None, "r"),
+               Column("step ms", None, "r"), Column("floor ms", None, "r"), Column("of floor", None, "r"),
+               Column("of floor (bytes read)", None, "r"), Column("copy GB/s", None, "r"),
+               Column("weights GB", None, "r"), Column("TPOT ms (C=1)", None, "r")]
+    formatted = [format_column(cols["step"]), format_column(cols["floor"]), format_column(cols["frac_all"], "percent_of"),
+                 format_column(cols["frac_read"], "percent_of"), format_column(cols["gbps"]),
+                 format_column(cols["gb"]), format_column(cols["tpot"])]
+    rows = [[key[0], str(key[1]), _show(key[2])] + [c[i] for c in formatted] for i, key in enumerate(keys)]
+    context, _ = _context(prof)
+    caption = ("Graphed plain decode step (device time of back-to-back replays) against the "
+               "weight-bandwidth floor: weight bytes / copy bandwidth (read + written, measured in the "
+               "same run); \"of floor\" = floor / step (1 = at the floor), all parameters or the bytes "
+               "a step reads (an untied embedding table only by its rows); TPOT = median time per output "
+               "token at one request in flight" + (f"; {context}" if context else "") + ".")
+    return Table("Step time vs weight-bandwidth floor", caption, "step-floor", columns, rows)
+
+
+def switch_table(runs: list[Run]) -> Table | None:
+    """Acceptance after switching speculation back on (``policy=schedule`` runs): tokens committed per
+    row on the first speculative step after an off period, on the other speculative steps, and by
+    position in the on-window; one row per drafter mode (draft KV in sync or left behind while off)."""
+    sched = [r for r in runs if r.get("policy.name") == "schedule" and isinstance(r.metrics.get("policy_state"), dict)]
+    if not sched:
+        return None
+    def mode(r):
+        off = int(r.get("policy.off_steps", 0) or 0)
+        if off == 0:
+            return "always on (off = 0)"
+        return "in sync" if r.get("draft.sync_while_off", True) else "left behind"
+    groups = _merge(sched, lambda r: (drafter_label(r), f"{r.get('policy.on_steps')} on / {r.get('policy.off_steps')} off",
+                                      mode(r), _concurrency(r)))
+    rows = []
+    for key, rs in groups:
+        st = [r.metrics["policy_state"] for r in rs]
+        first = _mean(s.get("first_after_off_tokens_per_step") for s in st)
+        nfirst = sum(s.get("first_after_off_steps", 0) for s in st)
+        by_pos = [s.get("by_position") or [] for s in st]
+        width = max(map(len, by_pos), default=0)
+        pos = " / ".join(format_column([_mean(p[j] for p in by_pos if j < len(p)) for j in range(width)],
+                                       "fixed2")) or "-"
+        same = _mean(r.metrics.get("outputs_identical_to_plain") for r in rs)
+        rows.append([key[0], key[1], key[2],
+                     str(sum(s.get("spec_steps", 0) for s in st)),
+                     "-" if first is None else f"{first:.2f} ({nfirst} steps)",
+                     format_column([_mean(s.get("other_tokens_per_step") for s in st)], "fixed2")[0],
+                     format_column([_mean(s.get("tokens_per_spec_step") for s in st)], "fixed2")[0],
+                     pos, format_column([None if same is None else 100 * same], "percent")[0]])
+    columns = [Column("Drafter"), Column("schedule"), Column("draft KV while off"), Column("spec steps", None, "r"),
+               Column("first step after off", None, "r"), Column("other spec steps", None, "r"),
+               Column("all spec steps", None, "r"), Column("by position in window"),
+               Column("outputs = plain", None, "r")]
+    context, _ = _context(sched)
+    caption = ("Acceptance after switching speculation back on: tokens committed per row and speculative "
+               "step (accepted drafts + 1) on the first step after an off period, on the other speculative "
+               "steps, on all, and by position in the on-window; share of outputs token-identical to plain "
+               "decoding of the same prompts (compare_plain)" + (f"; {context}" if context else "") + ".")
+    return Table("Acceptance after switching back on", caption, "switch-acceptance", columns, rows)
 
 
 def _is_num(v) -> bool:
@@ -944,6 +1032,9 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
             else:
                 figures.append((f"Policies vs the envelope: {label}", names[0]))
                 plot_files += names
+        for extra in (step_floor_table(runs), switch_table(runs)):
+            if extra is not None:
+                tables.append(extra)
         tables.append(overview_table(runs))
         for i, (label, run) in enumerate(spec[1] if spec else [], 1):
             c = _concurrency(run)

@@ -9,6 +9,12 @@ it finishes, and the file is rewritten in prompt order once all have. On Ctrl-C 
 the engine stops on a failure no request can be blamed for, ``metrics.json`` is written for the
 requests that finished, marked ``"partial": true``, and the exit code says why: 130 (SIGINT), 143
 (SIGTERM), 1 (engine failure), 2 (bad input, with a message naming it).
+
+Run options beyond serving: ``compare_plain: true`` first serves the same prompts with plain
+decoding (into ``RUN_DIR/plain/``, a run directory of its own) and adds the comparison (speed-up,
+tokens per step, outputs identical) to metrics.json and the printed table; ``engine.profile_steps``
+records the graphed plain step time at those decode batches beside the weight-bandwidth floor
+(metrics.json ``step_floor``).
 """
 
 from __future__ import annotations
@@ -178,13 +184,14 @@ def _truncate_at_stop(text: str, stop) -> str:
     return text if cut < 0 else text[:cut]
 
 
-def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -> list[dict]:
+def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, profile=True) -> list[dict]:
     """Serve every prompt through the engine; records come back in prompt order.
 
     Load shape from ``cfg.workload``: ``mode: closed`` keeps ``concurrency`` requests in flight
     (null: all at once), ``mode: open`` sends Poisson arrivals at ``rate`` per second. A request that
     cannot run is reported in its record (``error``), never fatal to the others. ``trace`` (a
-    bench.metrics.StepTrace) receives one record per engine step, plus run-level facts in ``meta``.
+    bench.metrics.StepTrace) receives one record per engine step, plus run-level facts in ``meta``;
+    with ``profile`` also the step-time profiles the run asks for (``engine.profile_steps``).
     """
     from .bench.clients import closed_loop, open_loop
     from .bench.metrics import request_record
@@ -251,6 +258,15 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None) -
         state = describe(engine.policy)  # e.g. goodput: its step-time table and acceptance
         if state is not None:
             trace.meta["policy_state"] = state
+        batches = list(cfg.engine.get("profile_steps") or [])
+        if batches and profile:
+            # Graphed plain step at the asked batches beside the weight-bandwidth floor (after serving:
+            # the kernels are compiled and the engine is idle).
+            from .engine import profiling
+
+            ctx = min(int(cfg.engine.get("profile_steps_context", 512)), engine.max_seq_len // 2)
+            trace.meta["step_floor"] = profiling.step_time_vs_floor(
+                engine, batches, ctx, iters=int(cfg.engine.get("profile_steps_iters", 100)))
     return [by_index[i] for i in range(len(by_index))]
 
 
@@ -298,8 +314,97 @@ def print_table(records: list[dict], metrics: dict, max_rows: int = 20) -> None:
     console.print(line)
 
 
-def run(cfg: DictConfig) -> dict:
+def plain_config(resolved: dict, run_dir: Path) -> dict:
+    """The run's resolved config with plain decoding (draft none, policy never) into ``run_dir``:
+    the baseline ``compare_plain`` serves first. Everything else is kept, so the report matches
+    the two as a speculative run and its plain baseline."""
+    plain = json.loads(json.dumps(resolved))  # a deep copy
+    plain.update(draft={"name": "none"}, policy={"name": "never"}, run_dir=str(run_dir))
+    return plain
+
+
+def serve(cfg: DictConfig, model, tokenizer, prompts, device: str, run_dir: Path, title: str, facts,
+          profile: bool = True) -> tuple[list[dict], dict]:
+    """Serve the workload once into ``run_dir``: steps.jsonl (flushed as it goes), requests.jsonl
+    (one line per request as it finishes, rewritten in prompt order at the end) and metrics.json
+    (``facts`` adds the run's provenance). If serving stops early (Ctrl-C, SIGTERM, an engine
+    failure), metrics.json is written for what finished, marked ``"partial": true``, and the
+    exception propagates."""
     from .bench.metrics import LiveProgress, StepTrace
+
+    t0 = time.perf_counter()
+    trace = StepTrace(run_dir / "steps.jsonl")  # one line per engine step
+    stream = RecordStream(run_dir / "requests.jsonl")
+    try:
+        with LiveProgress(len(prompts), f"{title} ({device})") as live:
+            trace.listeners.append(live.on_step)
+
+            def on_request(rec):
+                stream.write_(rec)
+                live.on_request(rec)
+
+            records = generate_all(model, tokenizer, prompts, cfg, on_request, trace=trace, profile=profile)
+    except BaseException as e:
+        # Interrupted, or the engine stopped: keep what finished, say so, exit non-zero.
+        trace.close()
+        stream.close()
+        if isinstance(e, SpecdecError) and not stream.records:
+            raise  # bad input found before any request ran: its message is the whole story
+        why = "SIGINT" if type(e) is KeyboardInterrupt else (
+            e.args[0] if isinstance(e, Interrupted) else f"{type(e).__name__}: {e}")
+        metrics = facts(summarize(stream.records, time.perf_counter() - t0, trace))
+        metrics.update(partial=True, stopped_by=why, prompts=len(prompts))
+        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        if not isinstance(e, SpecdecError):
+            print(f"stopped ({why}) after {len(stream.records)} of {len(prompts)} requests; their "
+                  f"records are in {run_dir / 'requests.jsonl'}, partial metrics in metrics.json",
+                  file=sys.stderr)
+        raise
+    finally:
+        trace.close()
+        stream.close()
+    stream.finalize_(records)
+    metrics = facts(summarize(records, time.perf_counter() - t0, trace))
+    metrics["partial"] = False
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return records, metrics
+
+
+def compare(plain: tuple[list[dict], dict], spec: tuple[list[dict], dict]) -> dict:
+    """The configured run against plain decoding of the same prompts: tokens per step, speed-up,
+    share of steps speculating, and how many outputs are token-identical (greedy: all must be)."""
+    (p_rec, p_met), (s_rec, s_met) = plain, spec
+    same = sum("error" not in a and "error" not in b and a["output_ids"] == b["output_ids"]
+               for a, b in zip(p_rec, s_rec))
+    p_tps, s_tps = p_met["output_tok_per_s"], s_met["output_tok_per_s"]
+    return {"plain_output_tok_per_s": p_tps, "plain_tokens_per_row_step": p_met.get("tokens_per_row_step"),
+            "speedup_over_plain": s_tps / p_tps if p_tps else None,
+            "outputs_identical_to_plain": same / len(s_rec) if s_rec else None,
+            "outputs_identical_count": same}
+
+
+def print_comparison(cfg: DictConfig, plain: dict, spec: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"plain decoding vs {cfg.draft.name} + policy {cfg.policy.name}, same prompts")
+    for col in ("decoding", "tok/s", "tokens per step", "speed-up", "steps speculating", "outputs identical"):
+        table.add_column(col, justify="left" if col == "decoding" else "right")
+    n = spec["requests"]
+
+    def row(name, m, speedup, same):
+        tps = m.get("tokens_per_row_step")
+        table.add_row(name, f"{m['output_tok_per_s']:.1f}", "-" if tps is None else f"{tps:.2f}",
+                      f"{speedup:.2f}x", f"{100 * m.get('speculating_step_fraction', 0.0):.0f}%", same)
+
+    row("plain", plain, 1.0, "-")
+    greedy = float(cfg.sampling.temperature) == 0.0
+    same = f"{spec['outputs_identical_count']}/{n}" + ("" if greedy else " (sampling: need not match)")
+    row(f"{cfg.draft.name} + {cfg.policy.name}", spec, spec["speedup_over_plain"] or 0.0, same)
+    Console().print(table)
+
+
+def run(cfg: DictConfig) -> dict:
     from .bench.targets import RANDOM_WEIGHTS_LABEL
 
     check_config_keys(cfg)
@@ -313,6 +418,10 @@ def run(cfg: DictConfig) -> dict:
     if cfg.draft.name == "none" and cfg.policy.name != "never":
         raise ConfigError(f"policy={cfg.policy.name} speculates but draft=none; choose a drafter "
                           "(draft=ngram or draft=eagle3_smollm2 / eagle3) or policy=never")
+    compare_plain = bool(cfg.get("compare_plain", False))
+    if compare_plain and cfg.draft.name == "none":
+        raise ConfigError("compare_plain=true compares a drafter with plain decoding, but draft=none; "
+                          "choose a drafter (draft=ngram, eagle3_smollm2, eagle3) or compare_plain=false")
 
     apply_kernel_options(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -338,50 +447,31 @@ def run(cfg: DictConfig) -> dict:
         raise Interrupted(signum)
 
     old_term = signal.signal(signal.SIGTERM, on_signal)
-    stream = RecordStream(run_dir / "requests.jsonl")
+    plain = None
     try:
-        t0 = time.perf_counter()
-        trace = StepTrace(run_dir / "steps.jsonl")  # one line per engine step
-        try:
-            with LiveProgress(len(prompts), f"generating ({device})") as live:
-                trace.listeners.append(live.on_step)
-
-                def on_request(rec):
-                    stream.write_(rec)
-                    live.on_request(rec)
-
-                records = generate_all(model, tokenizer, prompts, cfg, on_request, trace=trace)
-        except BaseException as e:
-            # Interrupted, or the engine stopped: keep what finished, say so, exit non-zero.
-            trace.close()
-            stream.close()
-            if isinstance(e, SpecdecError) and not stream.records:
-                raise  # bad input found before any request ran: its message is the whole story
-            why = "SIGINT" if type(e) is KeyboardInterrupt else (
-                e.args[0] if isinstance(e, Interrupted) else f"{type(e).__name__}: {e}")
-            metrics = run_facts(summarize(stream.records, time.perf_counter() - t0, trace))
-            metrics.update(partial=True, stopped_by=why, prompts=len(prompts))
+        if compare_plain:
+            # Plain decoding first, as its own run directory inside this one (config.json +
+            # metrics.json: specdec.report finds it and matches it as this run's baseline).
+            plain_dir = run_dir / "plain"
+            plain_dir.mkdir(exist_ok=True)
+            pcfg = plain_config(resolved, plain_dir)
+            (plain_dir / "config.json").write_text(json.dumps(pcfg, indent=2))
+            plain = serve(OmegaConf.create(pcfg), model, tokenizer, prompts, device, plain_dir,
+                          "plain decoding", run_facts, profile=False)
+        records, metrics = serve(cfg, model, tokenizer, prompts, device, run_dir, "generating", run_facts)
+        if plain is not None:
+            metrics.update(compare(plain, (records, metrics)))
             (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-            if not isinstance(e, SpecdecError):
-                print(f"stopped ({why}) after {len(stream.records)} of {len(prompts)} requests; their "
-                      f"records are in {run_dir / 'requests.jsonl'}, partial metrics in metrics.json",
-                      file=sys.stderr)
-            raise
-        finally:
-            trace.close()
-            signal.signal(signal.SIGTERM, old_term)
-        stream.finalize_(records)
-        metrics = run_facts(summarize(records, time.perf_counter() - t0, trace))
-        metrics["partial"] = False
-        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         logger.log_summary(stamp)
         logger.log_table("requests", ["id", "output_tokens", "output"],
                          [[r["id"], r.get("output_tokens", 0), r.get("output", "")] for r in records])
     finally:
-        stream.close()
+        signal.signal(signal.SIGTERM, old_term)
         logger.finish()
     print_table(records, metrics)
+    if plain is not None:
+        print_comparison(cfg, plain[1], metrics)
     print(f"run directory: {run_dir}")
     return metrics
 

@@ -16,6 +16,18 @@ import pytest  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def pytest_collection_modifyitems(config, items):
+    """The GPU selection (``-m gpu``, a few minutes on a fresh H200, Triton compiles included): the
+    tests marked ``gpu`` by hand (CUDA graphs, and one test per integer-only kernel) plus every test
+    parametrized over bfloat16, the dtype the GPU serves in. Kernel tests add their bf16 case only on
+    CUDA (the interpreter's bf16 tl.dot is wrong), so on a GPU ``-m gpu`` runs every kernel in bf16
+    once, without repeating their fp32 / fp16 cases."""
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is not None and any(v is torch.bfloat16 for v in spec.params.values()):
+            item.add_marker(pytest.mark.gpu)
+
+
 @pytest.fixture
 def poison(monkeypatch):
     """torch.empty returns garbage-filled tensors (floats NaN, integers -777), so an output element a

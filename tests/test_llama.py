@@ -130,6 +130,7 @@ def test_mismatched_tensor_shape_is_rejected(random_llama3_dir, tmp_path):
 
 # The padding row's attention output is unwritten memory by contract: the interpreter's numpy may
 # overflow on it in later layers; only request rows are compared.
+@pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:overflow encountered")
 def test_triton_layer_composition_matches_torch_references():
     # The model's Triton path (fused rope + KV write, silu_mul, norm, paged attention; under the

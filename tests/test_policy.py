@@ -8,7 +8,7 @@ from test_spec import repetitive_prompts, run_engine, tiny_head
 
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.errors import ConfigError
-from specdec.policy import BatchView, Goodput, StepStats, build_policy
+from specdec.policy import BatchView, Goodput, Schedule, StepStats, build_policy
 from specdec.spec import Eagle3Drafter, NgramDrafter
 
 # ms per step: speculation pays at small batches (cheap verify), not at 64 rows.
@@ -267,3 +267,48 @@ def test_goodput_retries_back_off_while_speculation_keeps_losing():
     assert [b - a - 1 for a, b in zip(retries, retries[1:])] == [3, 7, 7][: len(retries) - 1]
     pol.accept[2] = 3.0  # speculation now wins on merit at 8 rows: the gap resets
     assert pol.choose(view(8)) == 2 and pol.explore_gap == 2.0
+
+
+def test_schedule_pattern_and_window_positions():
+    """on steps at k, off steps at 0, repeated over decode steps only; each speculative step's
+    committed tokens are kept by its position in the window (0: first after an off period), also
+    when update comes one step late (overlapped decoding)."""
+    pol = build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on_steps": 2, "off_steps": 3}))
+    assert pol.ks == (0, 3)
+    ks = []
+    for i in range(11):
+        if i == 4:
+            assert pol.choose(view(0)) == 0  # no decode rows: the schedule does not advance
+        ks.append(pol.choose(view(2)))
+    assert ks == [3, 3, 0, 0, 0, 3, 3, 0, 0, 0, 3]
+    committed = iter([[1, 3], [2, 2], [4, 2], [3, 3], [1, 1]])  # per speculative step, in launch order
+    for k in ks:
+        pol.update(StepStats(k=k, num_decode=2, committed=next(committed) if k else [1, 1]))
+    st = pol.describe()
+    # positions 0, 1, 0, 1, 0 -> first-after-off means of [2, 3, 1], others of [2, 3]
+    assert st["spec_steps"] == 5 and st["first_after_off_steps"] == 3 and st["other_steps"] == 2
+    assert st["first_after_off_tokens_per_step"] == pytest.approx(2.0)
+    assert st["other_tokens_per_step"] == pytest.approx(2.5)
+    assert st["by_position"] == pytest.approx([2.0, 2.5])
+    always = build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on_steps": 4, "off_steps": 0}))
+    assert all(always.choose(view(1)) == 3 for _ in range(9))
+    assert always.describe()["first_after_off_steps"] == 0 and always.describe()["by_position"] == []
+    with pytest.raises(ConfigError, match="on >= 1"):
+        build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on_steps": 0, "off_steps": 2}))
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_schedule_switching_stays_greedy_identical(tiny, sync):
+    """EAGLE-3 trees switched on and off by the schedule, the draft KV kept in sync while off or
+    left behind: outputs equal plain greedy either way (verification is exact whatever the drafts),
+    and the policy saw every speculative step the engine ran."""
+    prompts = repetitive_prompts(3, seed=2)
+    want = [reference(tiny, p, 16) for p in prompts]
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=sync)
+    pol = Schedule(4, on=2, off=2)
+    got, engine = run_engine(tiny, prompts, 16, drafter=drafter, policy=pol, max_batch=4)
+    assert got == want
+    st = pol.describe()
+    assert st["spec_steps"] == st["first_after_off_steps"] + st["other_steps"] > 0
+    assert 1.0 <= st["tokens_per_spec_step"] <= 3.0  # a 2-deep tree commits 1..3 tokens per row
+    engine.check()

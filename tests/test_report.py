@@ -367,3 +367,56 @@ def test_policy_envelope_ratios_and_k_choice(tmp_path):
     # steady window = the 21 steps at >= 90% of 4 rows (from step 2): k = 8 for its first 4, then 0
     assert g4[2:6] == ["0", "0.81", "1", "4"]
     assert any(f.startswith("policy_envelope_01_") and f.endswith(".png") for f in files)
+
+
+def _edit_config(path: Path, **sections) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in sections.items():
+        cfg[key].update(value)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_switch_acceptance_table(tmp_path):
+    """policy=schedule runs: one row per mode (draft KV in sync / left behind / always on) with the
+    tokens per step of the first speculative step after an off period, from metrics' policy_state."""
+    def state(first, other, by_pos, off=6):
+        return {"k": 16, "on_steps": 2, "off_steps": off, "spec_steps": 10, "first_after_off_tokens_per_step": first,
+                "first_after_off_steps": 0 if first is None else 4, "other_tokens_per_step": other,
+                "tokens_per_spec_step": other if first is None else (first + other) / 2,
+                "by_position": by_pos}
+
+    for name, sync, off, st, same in (("in_sync", True, 6, state(2.5, 2.75, [2.5, 2.75]), 1.0),
+                                      ("left", False, 6, state(1.25, 2.5, [1.25, 2.5]), 1.0),
+                                      ("always", True, 0, state(None, 2.8, [], off=0), 0.5)):
+        p = make_run(tmp_path / name, tok_s=100.0, draft="eagle3", policy="schedule", policy_state=st,
+                     outputs_identical_to_plain=same)
+        _edit_config(p, draft={"sync_while_off": sync, "topk": 4}, policy={"on_steps": 2, "off_steps": off})
+    md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    rows = table(md, "Acceptance after switching back on")
+    head, body = rows[0], {r[2]: dict(zip(rows[0], r)) for r in rows[1:]}
+    assert head[:3] == ["Drafter", "schedule", "draft KV while off"]
+    assert set(body) == {"in sync", "left behind", "always on (off = 0)"}
+    assert body["in sync"]["first step after off"] == "2.50 (4 steps)"
+    assert body["left behind"]["first step after off"] == "1.25 (4 steps)"
+    assert body["left behind"]["by position in window"] == "1.25 / 2.50"
+    assert body["always on (off = 0)"]["first step after off"] == "-"
+    assert body["always on (off = 0)"]["other spec steps"] == "2.80"
+    assert body["always on (off = 0)"]["outputs = plain"] == "50%"
+    assert body["in sync"]["schedule"] == "2 on / 6 off"
+
+
+def test_step_floor_table(tmp_path):
+    """Runs with engine.profile_steps: one row per target x batch, floor / step as the fraction."""
+    sf = {"step_ms": {"1": 4.0, "8": 5.0}, "context": 512, "iters": 100, "graphed": True, "copy_gbps": 4000.0,
+          "weight_bytes": 16e9, "weight_bytes_read": 15e9, "floor_ms_all": 4.0 * 0.9, "floor_ms_read": 3.375,
+          "floor_fraction_all": {"1": 0.9, "8": 0.72}, "floor_fraction_read": {"1": 0.84375, "8": 0.675}}
+    make_run(tmp_path / "a", tok_s=200.0, target="llama-3.1-8b-shape (random weights)", random_weights=True,
+             concurrency=1, step_floor=sf, p50_tpot_s=0.0045)
+    make_run(tmp_path / "b", tok_s=100.0, concurrency=64)  # no profile: not in the table
+    md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    rows = table(md, "Step time vs weight-bandwidth floor")
+    body = [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert [(r["batch"], r["step ms"], r["of floor"], r["of floor (bytes read)"]) for r in body] == [
+        ("1", "4.00", "90.0%", "84.4%"), ("8", "5.00", "72.0%", "67.5%")]
+    assert all(r["Target"] == "llama-3.1-8b-shape (random weights)" and r["weights GB"] == "16.0" for r in body)
+    assert body[0]["TPOT ms (C=1)"] == "4.50"

@@ -1,4 +1,5 @@
-"""The Hydra entry: every config composes, the quickstart runs, bad input fails cleanly."""
+"""The Hydra entry: every config composes, the quickstart runs (plain vs EAGLE-3 + goodput, compared),
+run options (compare_plain, engine.profile_steps) reach metrics.json, bad input fails cleanly."""
 
 import json
 import os
@@ -58,6 +59,13 @@ def test_quickstart_writes_real_outputs(tmp_path):
     assert sum(w.strip(".,!?:;\"'()").isalpha() for w in words) >= 0.7 * len(words)
     assert json.loads((run_dir / "config.json").read_text())["engine"]["max_new_tokens"] == 12
     assert list((run_dir / "wandb").glob("offline-run-*"))  # W&B wrote its offline run
+    # The mission in one table: plain decoding and EAGLE-3 + a dynamic policy on the same prompts.
+    plain = json.loads((run_dir / "plain" / "metrics.json").read_text())
+    assert plain["requests"] == 4 and plain["speculating_step_fraction"] == 0.0
+    assert metrics["outputs_identical_to_plain"] == 1.0  # greedy: speculation changes no token
+    assert metrics["speedup_over_plain"] == pytest.approx(metrics["output_tok_per_s"] / plain["output_tok_per_s"])
+    assert metrics["speculating_step_fraction"] > 0 and metrics["tokens_per_row_step"] >= 1.0
+    assert "plain decoding vs eagle3 + policy goodput" in proc.stdout and "4/4" in proc.stdout
 
 
 def test_run_records_provenance_and_kernel_options(tmp_path):
@@ -163,3 +171,55 @@ def test_malformed_jsonl_line_fails_cleanly(tmp_path):
 
 def test_missing_required_path_fails_cleanly(tmp_path):
     _assert_clean_error(run_cli("workload=jsonl", "logger=none", tmp_path=tmp_path), "workload.path")
+
+
+# Llama-3.1-8B structure at tiny sizes: the random-weight target path without 16 GB of weights.
+TINY_RANDOM = ["target=llama31_8b_random", "target.config.hidden_size=64", "target.config.intermediate_size=96",
+               "target.config.num_hidden_layers=2", "target.config.num_attention_heads=4",
+               "target.config.num_key_value_heads=2", "target.config.head_dim=16", "target.config.vocab_size=512",
+               "target.config.max_position_embeddings=512", "engine.dtype=float32"]
+
+
+def test_compare_plain_and_profile_steps(tmp_path):
+    """compare_plain serves the prompts with plain decoding first, into RUN_DIR/plain (a run
+    directory the report matches as the baseline); engine.profile_steps records the graphed step
+    beside the weight-bandwidth floor of the target's actual parameter bytes."""
+    from specdec.run import run
+
+    overrides = TINY_RANDOM + [
+        "workload=synthetic", "workload.concurrency=2", "workload.sources.0.num_prompts=3",
+        "workload.sources.0.prompt_len=12", "workload.sources.0.output_len=6", "engine.kv_cache_tokens=1024",
+        "logger=none", "draft=ngram", "policy=always", "compare_plain=true", "engine.profile_steps=[1,2]",
+        "engine.profile_steps_context=32", "engine.profile_steps_iters=2", f"run_dir={tmp_path}/run"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    m = run(cfg)
+    run_dir = tmp_path / "run"
+    plain_cfg = json.loads((run_dir / "plain" / "config.json").read_text())
+    assert plain_cfg["draft"] == {"name": "none"} and plain_cfg["policy"] == {"name": "never"}
+    assert plain_cfg["workload"] == json.loads((run_dir / "config.json").read_text())["workload"]
+    plain = json.loads((run_dir / "plain" / "metrics.json").read_text())
+    assert plain["speculating_step_fraction"] == 0.0 and plain["tokens_per_row_step"] == 1.0
+    assert m["outputs_identical_to_plain"] == 1.0 and m["outputs_identical_count"] == 3
+    assert m["speedup_over_plain"] == pytest.approx(m["output_tok_per_s"] / plain["output_tok_per_s"])
+    assert m["plain_output_tok_per_s"] == plain["output_tok_per_s"]
+    assert json.loads((run_dir / "metrics.json").read_text())["speedup_over_plain"] == m["speedup_over_plain"]
+    sf = m["step_floor"]
+    H, I, L, V, hd = 64, 96, 2, 512, 16
+    layer = H * 4 * hd + 2 * H * 2 * hd + 4 * hd * H + 3 * H * I + 2 * H  # q, k + v, o, MLP, two norms
+    params = 2 * V * H + L * layer + H  # untied embedding + lm_head, final norm
+    assert sf["weight_bytes"] == 4 * params and sf["weight_bytes_read"] == 4 * (params - V * H)
+    assert sf["floor_ms_all"] == pytest.approx(sf["weight_bytes"] / (sf["copy_gbps"] * 1e9) * 1e3)
+    assert set(sf["step_ms"]) == {"1", "2"} and all(ms > 0 for ms in sf["step_ms"].values())
+    assert sf["floor_fraction_all"]["2"] == pytest.approx(sf["floor_ms_all"] / sf["step_ms"]["2"])
+
+    from specdec import report
+
+    md, _ = report.build_report(report.load_runs([run_dir]), tmp_path / "report")
+    assert "## Speculation" in md and "## Step time vs weight-bandwidth floor" in md
+    spec_row = next(ln for ln in md.split("## Speculation\n", 1)[1].splitlines() if "ngram" in ln)
+    assert f"{m['speedup_over_plain']:.2f}×" in spec_row  # the plain sub-run is the matched baseline
+
+
+def test_compare_plain_needs_a_drafter(tmp_path):
+    _assert_clean_error(run_cli("compare_plain=true", "logger=none", tmp_path=tmp_path), "compare_plain", "draft=none")

@@ -33,6 +33,7 @@ def random_round(g, B, F, K, Vd, first):
 
 @pytest.mark.parametrize("first,F,K,n,d2t", [(True, 1, 4, 0, True), (False, 4, 4, 4, True), (False, 3, 3, 9, False),
                                              (False, 2, 2, 6, True), (False, 4, 4, 12, True), (False, 8, 8, 48, True)])
+@pytest.mark.gpu
 def test_tree_expand_matches_reference(first, F, K, n, d2t):
     """One round: candidates, next frontier and the next round's K rows (tokens, positions, masks =
     parent's mask | own bit n_done + i, parent hidden) equal the reference; n = scratch rows so far."""
@@ -80,6 +81,7 @@ def grown_candidates(g, B, K, steps, Vd):
     return cand
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("K,steps,n", [(4, 5, 16), (8, 6, 32), (8, 7, 48), (1, 5, 5), (3, 3, 20), (2, 4, 1)])
 def test_tree_select_matches_reference_and_is_a_tree(K, steps, n):
     g = torch.Generator().manual_seed(K * 100 + steps)

@@ -8,6 +8,8 @@ so the engine is exactly as it was afterwards (tests check the page accounting).
     decode_step_ms(engine, B, ctx, k=k)   device ms of one step (graph replays, no host sync)
     step_phases(engine, B, ctx, k)        {draft, verify, commit} ms of eager steps with marks
     calibrate_policy_(engine)             fill the policy's table: decode_step_ms per k and bucket
+    step_time_vs_floor(engine, batches, ctx)  graphed k = 0 step ms per batch beside the target's
+                                          weight-bandwidth floor (the run option engine.profile_steps)
 """
 
 from __future__ import annotations
@@ -171,3 +173,38 @@ def calibrate_policy_(engine) -> None:
     t0 = time.perf_counter()
     calibrate(profile, batches)
     engine.startup_s += time.perf_counter() - t0
+
+
+def weight_bytes(model) -> dict:
+    """Bytes of the target's parameters: ``all`` of them, and ``read`` by one decode step (every
+    matrix once; of an untied embedding table a step reads only its rows, so it is left out)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed.numel() * model.embed.element_size()
+    return {"all": total, "read": total - (embed if model.lm_head is not None else 0)}
+
+
+def step_time_vs_floor(engine, batches, context_len: int, iters: int = 100, copy_gbps: float | None = None) -> dict:
+    """Device ms of the graphed plain (k = 0) step at each decode batch in ``batches``, at
+    ``context_len`` tokens of context, beside the weight-bandwidth floor: the time to stream the
+    target's weights once at the device's copy bandwidth (bytes read + written per second of a large
+    device-to-device copy, measured here unless given), the bound a memory-bound decode step cannot
+    beat. ``floor_ms_all`` counts every parameter (as gpt-fast's published fraction does),
+    ``floor_ms_read`` what a step reads (see weight_bytes). Batches above the engine's
+    max_batch_size are an error. On the CPU the numbers only keep smoke runs going."""
+    from ..bench.timing import copy_bandwidth_gbps
+
+    batches = [int(b) for b in batches]
+    bad = [b for b in batches if not 1 <= b <= engine.config.max_batch_size]
+    if bad:
+        raise ConfigError(f"engine.profile_steps={batches}: batches must be in 1..engine.max_batch_size "
+                          f"({engine.config.max_batch_size})")
+    gbps = float(copy_gbps) if copy_gbps is not None else copy_bandwidth_gbps(engine.model.device)
+    nbytes = weight_bytes(engine.model)
+    floor_all = nbytes["all"] / (gbps * 1e9) * 1e3
+    floor_read = nbytes["read"] / (gbps * 1e9) * 1e3
+    step_ms = {str(b): decode_step_ms(engine, b, context_len, iters=iters) for b in batches}
+    return {"step_ms": step_ms, "context": context_len, "iters": iters, "graphed": engine.graphed,
+            "copy_gbps": gbps, "weight_bytes": nbytes["all"], "weight_bytes_read": nbytes["read"],
+            "floor_ms_all": floor_all, "floor_ms_read": floor_read,
+            "floor_fraction_all": {b: floor_all / ms for b, ms in step_ms.items()},
+            "floor_fraction_read": {b: floor_read / ms for b, ms in step_ms.items()}}

@@ -1,6 +1,6 @@
 """Speculation policies: choose k (draft tokens per step) from the decode batch, learn from results.
 
-One file per policy (never, always, batch_threshold, goodput) over the types and protocol in
+One file per policy (never, always, batch_threshold, goodput, schedule) over the types and protocol in
 :mod:`.base`. A new policy is a new file plus one line in ``build_policy``.
 """
 
@@ -12,9 +12,10 @@ from .base import BatchView, Policy, StepStats
 from .batch_threshold import BatchThreshold
 from .goodput import SERVED_OUTLIER, Goodput
 from .never import Never
+from .schedule import Schedule
 
-__all__ = ["Always", "BatchThreshold", "BatchView", "Goodput", "Never", "Policy", "SERVED_OUTLIER", "StepStats",
-           "build_policy"]
+__all__ = ["Always", "BatchThreshold", "BatchView", "Goodput", "Never", "Policy", "SERVED_OUTLIER", "Schedule",
+           "StepStats", "build_policy"]
 
 
 def _size(cfg, key: str, sizes) -> int:
@@ -61,4 +62,6 @@ def build_policy(cfg, sizes=None):
                        prior_ema=float(cfg.get("prior_ema", 0.01)),
                        explore_backoff=float(cfg.get("explore_backoff", 1.0)),
                        explore_max=int(cfg.get("explore_max", 1024)))
-    raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput")
+    if name == "schedule":
+        return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
+    raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")

@@ -1,0 +1,146 @@
+"""Every study runs: each conf/experiment file through its entry (``specdec.run --multirun`` or
+``specdec.train``) in a tiny smoke mode, and each experiments/ script's ``--quick`` mode, on CPU.
+
+Slow (minutes each on 2 cores): ``python -m pytest -q -m slow tests/test_experiments.py``.
+Smoke mode keeps the experiment's own settings and sweep structure and shrinks only the size: a
+handful of prompts and tokens, each swept key pinned to one value (its first, or the one in PICK),
+random-weight targets at tiny shapes, training experiments through their ``_smoke`` variant.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "experiments").rglob("*.py"))
+
+# The swept value a smoke run takes where the first one would cover less (a drafter over plain).
+PICK = {"policy_sweep": {"policy": "goodput"}, "eagle3_table": {"+method": "eagle3_tree16"},
+        "eagle3_humaneval_full": {"+method": "eagle3_tree16"},
+        "switch_acceptance": {"policy.off_steps": "2", "draft.sync_while_off": "false"}}
+# Llama-3.1-8B structure at tiny sizes (random-weight targets).
+TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096}
+# Scripts without a CPU smoke mode: they time CUDA kernels or drive Nsight Compute.
+NO_QUICK = "no --quick mode: it times CUDA kernels or drives Nsight tools, so it needs a GPU"
+
+
+def _env():
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    env.pop("TRITON_INTERPRET", None)  # entries and scripts set it themselves where they need it
+    return env
+
+
+def _sweep(name: str) -> dict:
+    exp = yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text())
+    return ((exp.get("hydra") or {}).get("sweeper") or {}).get("params") or {}
+
+
+def smoke_overrides(name: str) -> list[str]:
+    """Overrides that make experiment ``name`` tiny: one value per swept key, few prompts/tokens."""
+    pinned = {k: PICK.get(name, {}).get(k, str(v).split(",")[0].strip()) for k, v in _sweep(name).items()}
+    out = [f"{k}={v}" for k, v in pinned.items()]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"+experiment={name}"] + out)
+    for i, src in enumerate(cfg.workload.sources):
+        if src.kind == "synthetic":
+            out += [f"workload.sources.{i}.num_prompts=2", f"workload.sources.{i}.prompt_len=8",
+                    f"workload.sources.{i}.output_len=4"]
+        else:
+            out.append(f"workload.sources.{i}.limit=1")
+    if cfg.target.get("random_weights"):
+        out += [f"target.config.{k}={v}" for k, v in TINY_SHAPES.items()] + ["engine.dtype=float32"]
+    out += ["engine.max_new_tokens=4", "engine.profile_iters=1", "engine.profile_steps_iters=2",
+            "engine.profile_steps_context=32", "device=cpu"]
+    if cfg.engine.get("profile_steps"):
+        out.append("engine.profile_steps=[1]")
+    if cfg.engine.get("kv_cache_tokens") is None or cfg.engine.kv_cache_tokens > 8192:
+        out.append("engine.kv_cache_tokens=4096")
+    if cfg.policy.name == "goodput":
+        out.append("policy.profile_context=32")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_smoke(name, tmp_path, smollm2_path, prompts_path):
+    if name.startswith("train_"):
+        smoke = name if name.endswith("_smoke") else f"{name}_smoke"
+        assert (CONF / "experiment" / f"{smoke}.yaml").is_file(), f"{name} needs a {smoke} variant"
+        cmd = ["-m", "specdec.train", f"+experiment={smoke}", "logger=none", "device=cpu",
+               f"hydra.run.dir={tmp_path}/run"]
+    else:
+        cmd = ["-m", "specdec.run", "--multirun", f"+experiment={name}", *smoke_overrides(name),
+               "logger=none", f"hydra.sweep.dir={tmp_path}/sweep"]
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if name.startswith("train_"):
+        assert list((tmp_path / "run").rglob("metrics.json"))
+        return
+    runs = sorted((tmp_path / "sweep").rglob("metrics.json"))
+    assert runs, f"{name}: no run wrote metrics.json"
+    for m in runs:
+        metrics = json.loads(m.read_text())
+        assert metrics["failed_requests"] == 0 and metrics["output_tokens"] > 0, m
+    cfg = OmegaConf.load(next((tmp_path / "sweep").rglob("config.json")))
+    if cfg.get("compare_plain"):  # the study's comparison reached metrics.json
+        spec = [json.loads(m.read_text()) for m in runs if m.parent.name != "plain"]
+        assert all("speedup_over_plain" in s and s["outputs_identical_to_plain"] == 1.0 for s in spec)
+    if cfg.engine.get("profile_steps"):
+        assert all("step_floor" in json.loads(m.read_text()) for m in runs if m.parent.name != "plain")
+    # ... and the report renders the sweep
+    rep = subprocess.run([sys.executable, "-m", "specdec.report", str(tmp_path / "sweep"), "--out",
+                          str(tmp_path / "report")], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+
+
+def _script_args(script: str, tmp_path: Path, smollm2_path: Path, prompts_path: Path) -> list[str] | None:
+    src = (ROOT / script).read_text()
+    if "--quick" not in src:
+        return None
+    args = ["--quick"]
+    if re.search(r"""add_argument\(\s*["']--out["']""", src):
+        args += ["--out", str(tmp_path / "out")]
+    if re.search(r"""["']--smollm2["'], required=True""", src):
+        args += ["--smollm2", str(smollm2_path)]
+    if re.search(r"""["']--prompts["'], required=True""", src):
+        args += ["--prompts", str(prompts_path / "humaneval.jsonl")]
+    return args
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_quick(script, tmp_path, smollm2_path, prompts_path):
+    args = _script_args(script, tmp_path, smollm2_path, prompts_path)
+    if args is None:
+        pytest.skip(f"{script}: {NO_QUICK}")
+    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_every_experiment_has_a_smoke_mode():
+    """Fast check (default selection): each experiment composes with its smoke overrides, and every
+    training experiment has a _smoke variant."""
+    for name in EXPERIMENTS:
+        if name.startswith("train_"):
+            assert name.endswith("_smoke") or f"{name}_smoke" in EXPERIMENTS, name
+            continue
+        overrides = smoke_overrides(name)
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("config", overrides=[f"+experiment={name}"] + overrides)
+        assert cfg.engine.max_new_tokens == 4
+        for key in _sweep(name):  # every swept key pinned to one value
+            assert any(o.startswith(f"{key}=") and "," not in o for o in overrides), (name, key)
