@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_full_study_composes_to_the_sweep_it_promises():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["+experiment=policy_envelope"], return_hydra_config=True)
+        cfg = compose("config", overrides=["+experiment=policy_envelope", "policy=always"], return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     assert params["draft"] == "eagle3_smollm2_trees,ngram_chains"
     assert params["workload"] == "humaneval,mt_bench"

@@ -324,7 +324,7 @@ def test_report_on_a_real_run(tmp_path):
     run_dir = tmp_path / "multirun" / "spec" / "0"
     proc = subprocess.run(
         [sys.executable, "-m", "specdec.run", "+experiment=baseline_concurrency", "draft=ngram", "policy=always",
-         "policy.k=3", "workload.concurrency=1", "workload.sources.0.prompt_len=8",
+         "policy.k=3", "draft.chains=[3]", "workload.concurrency=1", "workload.sources.0.prompt_len=8",
          "workload.sources.0.output_len=4", "workload.sources.0.requests_per_client=1",
          "workload.sources.0.min_prompts=1", "device=cpu", f"hydra.run.dir={run_dir}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
