@@ -30,7 +30,9 @@ def test_run_then_report(tmp_path, smollm2):
     assert (run_dir / "metrics.json").is_file()
     proc = cli("report", str(run_dir), "--out", str(tmp_path / "rep"))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"1 run from {run_dir}." in (tmp_path / "rep" / "report.md").read_text()
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert f"2 runs from {run_dir}" in text  # the quickstart and its compare_plain baseline (run/plain)
+    assert "plain" in text
 
 
 def test_unknown_experiment_fails_naming_it():
