@@ -135,8 +135,9 @@ class StepTrace:
             "mean_accepted_drafts": _mean(accepted),
             "mean_accepted_length": _mean(a + 1 for a in accepted),
             # tokens committed per decode row and step, over every decode step (1 for plain decoding)
+            # (None for step records written before the engine logged ``committed``)
             "tokens_per_row_step": (sum(s["committed"] for s in steps) / sum(s["decode_bs"] for s in dec)
-                                    if dec else None),
+                                    if dec and all("committed" in s for s in steps) else None),
             "accepted_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
             "mean_spec_step_ms": _mean(s["decode_ms"] for s in spec),
             "mean_plain_step_ms": _mean(s["decode_ms"] for s in dec if s.get("k", 0) == 0),
