@@ -284,6 +284,7 @@ def run_train(*overrides, tmp_path, timeout=600):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # the suite's longest CPU test (two specdec.train runs); -m slow runs it
 def test_train_entry_smoke_writes_a_loadable_checkpoint(tmp_path, smollm2):
     # Data once (train.data.only), then a training run that reuses it.
     data_dir = tmp_path / "data"
