@@ -46,6 +46,6 @@ def test_policy_envelope_smoke_runs_and_reports(tmp_path):
     md = (tmp_path / "rep" / "report.md").read_text()
     section = md.split("## Policy envelope", 1)[1].split("\n## ", 1)[0]
     rows = [ln for ln in section.splitlines() if ln.startswith("| ")]
-    assert rows[0].startswith("| Policy | C=1 | C=2 |")
+    assert [c.strip() for c in rows[0].split("|")[1:4]] == ["Policy", "C=1", "C=2"]
     names = [ln.split("|")[1].strip().split()[0] for ln in rows[2:]]
     assert names == ["never", "always", "goodput", "envelope"]
