@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from . import ops
-from .loading import SHARD_BYTES, CheckpointError, LlamaConfig, resolve_dtype, write_safetensors
+from .loading import (SHARD_BYTES, CheckpointError, LlamaConfig, read_json_object, resolve_dtype,
+                      write_safetensors)
 
 ARCH = "LlamaForCausalLMEagle3"
 # Keys that identify the EAGLE-3 layout (the EAGLE repository's own training configs say
@@ -245,12 +246,7 @@ class Eagle3Head(nn.Module):
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError(f"draft checkpoint {path} has no config.json")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+        raw = read_json_object(cfg_path, "the draft's config")
         sd = _read_state_dict(path)
         config = Eagle3Config.from_hf(raw, str(cfg_path), keys=sd.keys())
         if target is not None:

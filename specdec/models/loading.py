@@ -29,6 +29,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
     return DTYPES[dtype]
 
 
+
+def read_json_object(path: Path, what: str = "file") -> dict:
+    """A JSON object from ``path`` ({} when the file does not exist); errors name the file."""
+    if not path.is_file():
+        return {}
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object ({what}), got {type(obj).__name__}")
+    return obj
+
 @dataclass
 class LlamaConfig:
     hidden_size: int

@@ -21,20 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .loading import CheckpointError
-
-
-def read_json_object(path: Path, what: str = "file") -> dict:
-    """A JSON object from ``path`` ({} when the file does not exist); errors name the file."""
-    if not path.is_file():
-        return {}
-    try:
-        obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: expected a JSON object ({what}), got {type(obj).__name__}")
-    return obj
+from .loading import CheckpointError, read_json_object
 
 
 def _named_templates(value, source: str) -> dict[str, str]:
