@@ -157,7 +157,9 @@ def apply_kernel_options(cfg: DictConfig) -> dict:
 
 
 def build_target(cfg: DictConfig, device: str):
+    """The target (under tensor parallelism: this rank's shard) and its tokenizer."""
     from .assets import smollm2_dir
+    from .dist.runner import shard_for_run
     from .models.llama import load_target
     from .models.tokenizer import Tokenizer
 
@@ -169,19 +171,43 @@ def build_target(cfg: DictConfig, device: str):
         config = llama_config_from_dict(OmegaConf.to_container(cfg.target.config, resolve=True))
         model = LlamaModel.random(config, device=device, dtype=cfg.engine.dtype, seed=int(cfg.seed),
                                   backend=cfg.engine.kernels)
-        return model, IdsOnlyTokenizer(config.vocab_size)
+        return shard_for_run(model, cfg), IdsOnlyTokenizer(config.vocab_size)
     path = cfg.target.path
     if path is None:
         if cfg.target.name != "smollm2-135m-instruct":
             raise ConfigError(f"target {cfg.target.name!r} needs target.path=DIR")
         path = smollm2_dir()
     model = load_target(path, device=device, dtype=cfg.engine.dtype, backend=cfg.engine.kernels)
-    return model, Tokenizer(path)
+    return shard_for_run(model, cfg), Tokenizer(path)
 
 
 def _truncate_at_stop(text: str, stop) -> str:
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
     return text if cut < 0 else text[:cut]
+
+
+def build_engine(model, tokenizer, cfg, trace=None):
+    """The engine for one serve of ``cfg`` (drafter, policy, engine config). Under tensor parallelism
+    every rank builds it (rank 0 announces it first), the policy decides on rank 0 only, and rank 0
+    gets a LeaderEngine (specdec/dist/plan.py); without, the hooks change nothing."""
+    from .dist import runner as tp
+    from .engine.engine import Engine, EngineConfig
+    from .policy import build_policy
+    from .spec import build_drafter
+    from .spec.base import sizes
+
+    tp.announce_engine_(cfg)
+    eos = set(model.config.eos_token_id)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    ids_only = getattr(tokenizer, "is_ids_only", False)
+    drafter = build_drafter(cfg.draft, model, device=model.device, backend=model.backend)
+    # Policies pick among the drafter's configured sizes (one key for the tree size: the draft config).
+    policy = tp.wrap_policy(build_policy(cfg.policy, sizes=sizes(drafter)))
+    ecfg = EngineConfig.from_cfg(cfg.engine, temperature=float(cfg.sampling.temperature), seed=int(cfg.seed))
+    engine = Engine(model, tp.agree_engine_config(ecfg, model), eos_ids=eos,
+                    detokenize=None if ids_only else tokenizer.decode, trace=trace, drafter=drafter, policy=policy)
+    return tp.wrap_engine(engine)
 
 
 def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, profile=True) -> list[dict]:
@@ -195,30 +221,15 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     """
     from .bench.clients import closed_loop, open_loop
     from .bench.metrics import request_record
-    from .engine.engine import Engine, EngineConfig
+    from .dist.plan import run_everywhere
 
     from .engine.engine import config_number
 
     max_new = config_number("engine.max_new_tokens", cfg.engine.max_new_tokens, int, 1)
-    eos = set(model.config.eos_token_id)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
     wl = cfg.workload
     ignore_eos = bool(wl.get("ignore_eos", False))
     stop = list(cfg.engine.get("stop") or [])
-    ids_only = getattr(tokenizer, "is_ids_only", False)
-    from .policy import build_policy
-    from .spec import build_drafter
-
-    from .spec.base import sizes
-
-    drafter = build_drafter(cfg.draft, model, device=model.device, backend=model.backend)
-    # Policies pick among the drafter's configured sizes (one key for the tree size: the draft config).
-    policy = build_policy(cfg.policy, sizes=sizes(drafter))
-    engine = Engine(model, EngineConfig.from_cfg(cfg.engine, temperature=float(cfg.sampling.temperature),
-                                                 seed=int(cfg.seed)),
-                    eos_ids=eos, detokenize=None if ids_only else tokenizer.decode, trace=trace,
-                    drafter=drafter, policy=policy)
+    engine = build_engine(model, tokenizer, cfg, trace)
     order: dict[int, int] = {}  # id(request) -> prompt index
     by_index: dict[int, dict] = {}
 
@@ -265,8 +276,8 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
             from .engine import profiling
 
             ctx = min(int(cfg.engine.get("profile_steps_context", 512)), engine.max_seq_len // 2)
-            trace.meta["step_floor"] = profiling.step_time_vs_floor(
-                engine, batches, ctx, iters=int(cfg.engine.get("profile_steps_iters", 100)))
+            trace.meta["step_floor"] = run_everywhere(
+                engine, profiling.step_time_vs_floor, batches, ctx, iters=int(cfg.engine.get("profile_steps_iters", 100)))
     return [by_index[i] for i in range(len(by_index))]
 
 
@@ -413,8 +424,11 @@ def run(cfg: DictConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(int(cfg.seed))
     device = resolve_device(cfg.device)
-    if int(cfg.tp.size) != 1:
-        raise ConfigError(f"tp.size={cfg.tp.size}: this build runs on one device only (tp=tp1)")
+    from .dist import current as tp_group
+    from .dist.runner import run_tp, tp_settings
+
+    if tp_settings(cfg)[0] > 1 and tp_group() is None:
+        return run_tp(cfg)  # starts tp.size ranks; rank 0 comes back here with its group set
     if cfg.draft.name == "none" and cfg.policy.name != "never":
         raise ConfigError(f"policy={cfg.policy.name} speculates but draft=none; choose a drafter "
                           "(draft=ngram or draft=eagle3_smollm2 / eagle3) or policy=never")
