@@ -130,3 +130,16 @@ def serve_rank(group, shape: dict, reqs, kwargs: dict):
                     drafter=drafter, ks=ks)
     follow(engine, group)
     return None
+
+
+def serve_many_rank(group, shape: dict, reqs, scenarios):
+    """serve_rank over several scenarios in one launch (one engine each, in turn)."""
+    return [serve_rank(group, shape, reqs, kw) for kw in scenarios]
+
+
+def desync_rank(group, shape: dict):
+    """Rank 0 serves with a 2048-slot pool, the follower builds a 1024-slot one: out of step."""
+    reqs = [(p, 4) for p in prompts(2)]
+    if group.is_leader:
+        return serve_rank(group, shape, reqs, {})
+    return serve_rank(group, shape, reqs, {"kv_tokens": 1024})

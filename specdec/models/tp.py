@@ -54,14 +54,14 @@ def check_tp_shapes(config, size: int, what: str = "the target") -> None:
     valid = [d for d in divisors(HQ) if F % d == 0 and (HKV % d == 0 or d % HKV == 0)]
     problems = []
     if HQ % size:
-        problems.append(f"{what}'s {HQ} query heads")
+        problems.append(f"its {HQ} query heads")
     if HKV % size and size % HKV:
-        problems.append(f"{what}'s {HKV} KV heads (nor is it a multiple of them)")
+        problems.append(f"its {HKV} KV heads (nor is it a multiple of them)")
     if F % size:
-        problems.append(f"{what}'s FFN width {F}")
+        problems.append(f"its FFN width {F}")
     if problems:
-        raise ConfigError(f"tp.size={size} does not divide {' and '.join(problems)}; valid tp sizes for "
-                          f"{what}: {', '.join(map(str, valid))}")
+        raise ConfigError(f"tp.size={size} does not fit {what}: it does not divide {', '.join(problems)}; "
+                          f"valid tp sizes for {what}: {', '.join(map(str, valid))}")
 
 
 class TPLlamaModel(nn.Module):
