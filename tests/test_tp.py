@@ -190,3 +190,19 @@ def test_fused_norm_allreduce_world_size_1_is_the_norm():
     assert torch.equal(out, want_out) and torch.equal(s, want_s)
     with pytest.raises(ValueError, match="residual must be like x"):
         fused_norm_allreduce(parts[0], res[:, :10], weight, 1e-6)
+
+
+def test_fused_boundary_wiring_world_size_1():
+    """The model's fused-boundary branch (kernel-normed input, norm-free projections, s carried as the
+    residual) computes the model's logits; run on CPU through the kernel's world-size-1 path under the
+    interpreter (the CUDA check is what keeps users off it on CPU, so the test sets the buffer itself)."""
+    from kernels_triton.fused_norm_allreduce import SymmBuffer
+    from specdec.dist import TPGroup
+
+    full = w.tiny_llama()
+    want, want_cap = w.forward_logits(full, IDS)
+    model = TPLlamaModel(full, TPGroup(rank=0, size=1, device=torch.device("cpu")))
+    model._symm = SymmBuffer(16, full.config.hidden_size, torch.float32, "cpu")
+    got, got_cap = w.forward_logits(model, IDS)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(got_cap, want_cap, atol=1e-5, rtol=1e-5)

@@ -80,7 +80,7 @@ def _drafter(kind, model, seed=0):
         from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 
         cfg = Eagle3Config.for_target(model.config, VOCAB, target_layers=(0, 1, 1))
-        head = Eagle3Head(cfg, backend="torch").init_weights_(seed)
+        head = Eagle3Head(cfg, backend=model.backend).init_weights_(seed)
         head.set_vocab_(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[: cfg.draft_vocab_size])
         return Eagle3Drafter(head.to_device(model.device, torch.float32), model, topk=2, steps=3, num_draft_tokens=6), (6,)
     return None, (0,)
