@@ -33,14 +33,14 @@ def test_tp_logits_equal_tp1(size, shape):
 
 
 SCENARIOS = [dict(), dict(drafter_kind="ngram", k_cycle=(0, 4, 4)), dict(drafter_kind="eagle3", k_cycle=(0, 6)),
-             dict(kv_tokens=64, aborts=((3, 1),)), dict(temperature=1.0, drafter_kind="ngram", k_cycle=(4,))]
+             dict(kv_tokens=48, aborts=((3, 1),)), dict(temperature=1.0, drafter_kind="ngram", k_cycle=(4,))]
 
 
 def test_tp2_serving_token_identical_to_tp1():
     """One launch, five engines in turn: greedy plain, n-gram and EAGLE-3 (random head) switching k,
     a pool small enough to preempt plus an abort mid-run, and seeded sampling with speculation."""
     shape = dict(heads=4, kv_heads=2)
-    reqs = [(p, 10) for p in w.prompts(6, seed=1, repeat=True)]
+    reqs = [(p, 8) for p in w.prompts(4, seed=1, repeat=True)]
     want = [w.serve(w.tiny_llama(**shape), reqs, **kw) for kw in SCENARIOS]
     got = launch(w.serve_many_rank, 2, "cpu", shape, reqs, SCENARIOS)
     for kw, g, e in zip(SCENARIOS, got, want):
@@ -103,8 +103,16 @@ def test_cli_bad_tp_fails_cleanly(tmp_path):
 
     proc = run_cli(*TINY_RANDOM, "tp=tp8", "workload=synthetic", "logger=none", tmp_path=tmp_path)
     assert proc.returncode == 2 and "tp.size=8 does not fit" in proc.stderr and "valid tp sizes" in proc.stderr
-    proc = run_cli(*TINY_RANDOM, "tp=tp2", "tp.allreduce=ring", "logger=none", tmp_path=tmp_path)
-    assert proc.returncode == 2 and "tp.allreduce='ring'" in proc.stderr
+    from hydra import compose, initialize_config_dir
+    from test_run import CONF
+
+    from specdec.run import run
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY_RANDOM, "tp=tp2", "tp.allreduce=ring", "logger=none",
+                                           f"run_dir={tmp_path}/ring"])
+    with pytest.raises(ConfigError, match="tp.allreduce='ring'; valid: nccl, fused"):
+        run(cfg)
 
 
 def test_cli_tp2_end_to_end(tmp_path):
@@ -206,3 +214,18 @@ def test_fused_boundary_wiring_world_size_1():
     got, got_cap = w.forward_logits(model, IDS)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got_cap, want_cap, atol=1e-5, rtol=1e-5)
+
+
+def test_launch_under_torchrun_env(monkeypatch):
+    """Under torchrun (its env vars set) launch joins the group in this process instead of spawning,
+    and a tp.size other than the processes torchrun started is an error naming both."""
+    from specdec.dist import current
+    from specdec.dist.launch import _free_port
+
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    got = launch(lambda group, x: (group.rank, group.size, group.backend, current() is group, x), 1, "cpu", 7)
+    assert got == (0, 1, "gloo", True, 7) and current() is None
+    with pytest.raises(ConfigError, match="tp.size=2 but torchrun started 1 processes"):
+        launch(lambda group: None, 2, "cpu")
