@@ -221,10 +221,10 @@ class SymmBuffer:
         handle = symm_mem.rendezvous(self.tensor, name)
         self.handle = handle
         self.world, self.rank = handle.world_size, handle.rank
-        need = 2 * MAX_PROGRAMS * self.world * 4
-        if handle.signal_pad_size < need:
-            raise RuntimeError(f"symmetric-memory signal pad holds {handle.signal_pad_size} bytes, the kernel "
-                               f"needs {need}")
+        need = 2 * MAX_PROGRAMS * self.world * 4  # bytes: two barriers x programs x peers, int32 slots
+        have = getattr(handle, "signal_pad_size", None) or symm_mem.get_signal_pad_size()
+        if have < need:
+            raise RuntimeError(f"symmetric-memory signal pad holds {have} bytes, the kernel needs {need}")
         self.buf_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)  # [W]
         self.pad_ptrs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)  # [W]
         handle.get_signal_pad(self.rank, (need // 4,), dtype=torch.int32).zero_()

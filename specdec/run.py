@@ -424,11 +424,6 @@ def run(cfg: DictConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(int(cfg.seed))
     device = resolve_device(cfg.device)
-    from .dist import current as tp_group
-    from .dist.runner import run_tp, tp_settings
-
-    if tp_settings(cfg)[0] > 1 and tp_group() is None:
-        return run_tp(cfg)  # starts tp.size ranks; rank 0 comes back here with its group set
     if cfg.draft.name == "none" and cfg.policy.name != "never":
         raise ConfigError(f"policy={cfg.policy.name} speculates but draft=none; choose a drafter "
                           "(draft=ngram or draft=eagle3_smollm2 / eagle3) or policy=never")
@@ -436,6 +431,11 @@ def run(cfg: DictConfig) -> dict:
     if compare_plain and cfg.draft.name == "none":
         raise ConfigError("compare_plain=true compares a drafter with plain decoding, but draft=none; "
                           "choose a drafter (draft=ngram, eagle3_smollm2, eagle3) or compare_plain=false")
+    from .dist import current as tp_group
+    from .dist.runner import run_tp, tp_settings
+
+    if tp_settings(cfg)[0] > 1 and tp_group() is None:
+        return run_tp(cfg)  # starts tp.size ranks; rank 0 comes back here with its group set
 
     apply_kernel_options(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
