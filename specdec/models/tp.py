@@ -27,7 +27,10 @@ Layer boundaries (``allreduce``): ``"nccl"`` all-reduces the partial sum with th
 collective (NCCL on GPU, gloo on CPU) and keeps the single-device layer ops (norm fused into the next
 projection); ``"fused"`` writes the partial sum into a symmetric-memory buffer and runs
 ``kernels_triton.fused_norm_allreduce`` (peer reads + residual add + RMSNorm, one launch), then the next
-projection without a norm. At world size 1 ``"fused"`` is the kernel's no-communication path.
+projection without a norm. At world size 1 ``"fused"`` is the kernel's no-communication path, used
+wherever the single-device step runs a standalone add + RMSNorm (the final norm, and forwards too large
+for the fused GEMV: prefill, tree verify, large batches); where the next projection's GEMV fuses the add
++ norm itself (decode at <= 16 rows), that stays, so the world-size-1 step launches no extra kernel.
 """
 
 from __future__ import annotations
@@ -161,13 +164,19 @@ class TPLlamaModel(nn.Module):
         part = ops.linear(hidden, w, backend=self.backend)  # [N, H] @ [H, V/W] -> [N, V/W]
         return self.group.all_gather_cols(part)[:, : self.config.vocab_size]  # [N, V]
 
-    def _boundary(self, h, residual, weight, eps):
+    def _boundary(self, h, residual, weight, eps, next_w=None, swiglu=False):
         """Layer boundary over a partial sum h [N, H]. Fused kernel: (RMSNorm(s) * weight, s, True)
         with s = sum over ranks of h + residual. Otherwise (sum over ranks of h, residual, False):
         the next op fuses the residual add and the norm into its projection, as on one device."""
         N = h.shape[0]
         if self._symm is not None and N <= self._symm.rows:
             from kernels_triton.fused_norm_allreduce import fused_norm_allreduce
+
+            if (self.group.size == 1 and next_w is not None
+                    and ops._fused(self.backend, h, next_w, one_row_any_size=True, swiglu=swiglu)):
+                # World size 1, few rows: the next projection's GEMV fuses the add + norm itself (one
+                # launch fewer than kernel + GEMV); with nothing to all-reduce that is the cheaper boundary.
+                return h, residual, False
 
             y, s = fused_norm_allreduce(h, residual, weight, eps, self._symm)
             return y, s, True
@@ -196,14 +205,15 @@ class TPLlamaModel(nn.Module):
                 captured.append(residual)  # [N, H]: the full residual stream entering layer i
             o = ops.paged_attention(q, k_cache[i], v_cache[i], meta, backend=be)  # [N, HQ/W, D]
             h = ops.linear(o.reshape(N, HQ * D), self.wo[i], backend=be)  # [N, H] partial sum
-            h, residual, normed = self._boundary(h, residual, self.mlp_norm[i], eps)
+            h, residual, normed = self._boundary(h, residual, self.mlp_norm[i], eps, self.w13[i], swiglu=True)
             if normed:
                 x, _ = ops.norm_swiglu(h, None, None, eps, self.w13[i], backend=be)  # [N, F/W]
             else:
                 x, residual = ops.norm_swiglu(h, residual, self.mlp_norm[i], eps, self.w13[i], backend=be)
             h = ops.linear(x, self.w2[i], backend=be)  # [N, F/W] @ [F/W, H] -> [N, H] partial sum
-            nxt = self.attn_norm[i + 1] if i + 1 < c.num_hidden_layers else self.norm
-            h, residual, normed = self._boundary(h, residual, nxt, eps)
+            last = i + 1 == c.num_hidden_layers
+            h, residual, normed = self._boundary(h, residual, self.norm if last else self.attn_norm[i + 1], eps,
+                                                 None if last else self.wqkv[i + 1])
         if normed:
             out = h
         else:
