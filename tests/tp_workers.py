@@ -46,7 +46,6 @@ def prompts(n, seed=0, lo=3, hi=12, vocab=VOCAB, repeat=False):
 
 def forward_logits(model, ids, page_size=4):
     """Logits of one prompt's prefill forward (fresh KV pool): [T, V]."""
-    from specdec.engine.reference import generate_reference  # noqa: F401  (same addressing as the engine)
     from specdec.models.ops import AttentionMeta
 
     T = len(ids)
