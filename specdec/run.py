@@ -39,7 +39,7 @@ from .policy.base import describe
 
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("target", "draft", "tp", "policy", "workload", "engine", "kernels", "logger", "sampling")
+GROUPS = ("target", "draft", "tp", "policy", "workload", "engine", "kernels", "logger", "sampling", "acceptance")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -215,10 +215,13 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     drafter = build_drafter(cfg.draft, model, device=model.device, backend=model.backend)
     # Policies pick among the drafter's configured sizes (one key for the tree size: the draft config).
     policy = build_policy(cfg.policy, sizes=sizes(drafter))
+    from .acceptance import build_acceptance
+
+    acceptance = build_acceptance(cfg.get("acceptance"), seed=int(cfg.seed))
     engine = Engine(model, EngineConfig.from_cfg(cfg.engine, temperature=float(cfg.sampling.temperature),
                                                  seed=int(cfg.seed)),
                     eos_ids=eos, detokenize=None if ids_only else tokenizer.decode, trace=trace,
-                    drafter=drafter, policy=policy)
+                    drafter=drafter, policy=policy, acceptance=acceptance)
     order: dict[int, int] = {}  # id(request) -> prompt index
     by_index: dict[int, dict] = {}
 
@@ -248,6 +251,8 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
         trace.meta.update(serve_wall_s=time.perf_counter() - t0, engine_startup_s=engine.startup_s,
                           cuda_graphs=engine.graphed, kv_pages=engine.kv.num_pages,
                           page_size=engine.kv.page_size, max_batch_size=engine.config.max_batch_size)
+        if acceptance is not None:  # replayed: the label, the trace and the sizes it drew from
+            trace.meta.update(acceptance.describe())
         # Draft / verify / commit split of one step per configured k, measured after serving
         # (served steps run as whole CUDA graphs) at the run's mean decode batch and 256 tokens.
         mean_bs = max(1, round(trace.summary().get("mean_batch_size") or 1))
@@ -319,7 +324,7 @@ def plain_config(resolved: dict, run_dir: Path) -> dict:
     the baseline ``compare_plain`` serves first. Everything else is kept, so the report matches
     the two as a speculative run and its plain baseline."""
     plain = json.loads(json.dumps(resolved))  # a deep copy
-    plain.update(draft={"name": "none"}, policy={"name": "never"}, run_dir=str(run_dir))
+    plain.update(draft={"name": "none"}, policy={"name": "never"}, acceptance={"name": "real"}, run_dir=str(run_dir))
     return plain
 
 
@@ -434,13 +439,16 @@ def run(cfg: DictConfig) -> dict:
                      "chat_template_source": getattr(tokenizer, "chat_template_source", None)}
     resolved["workload"]["chat_resolved"] = prompt_format["chat"]
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
-    logger = make_logger(cfg.logger, run_dir, run_dir.name, {**resolved, "provenance": stamp})
+    replayed = (cfg.get("acceptance") or {}).get("name", "real") == "replay"
+    logger = make_logger(cfg.logger, run_dir, run_dir.name,
+                         {**resolved, "provenance": stamp, "acceptance_label": "replayed" if replayed else "real"})
 
     def run_facts(metrics: dict) -> dict:
         metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
                        workload=cfg.workload.name, **prompt_format,
                        weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained",
                        **stamp)
+        metrics.setdefault("acceptance", "real")  # replayed runs carry "replayed" from the engine's trace meta
         return metrics
 
     def on_signal(signum, frame):

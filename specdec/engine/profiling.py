@@ -75,6 +75,9 @@ def decode_step_ms(engine, batch_size: int, context_len: int, iters: int = 50, w
     context = [[7] * context_len for _ in range(batch_size)] if T > 1 and needs_context(drafter) else None
 
     with borrowed_rows(engine, batch_size, context_len, total, "profile_decode_step") as st:
+        if T > 1 and getattr(engine, "acceptance", None) is not None:
+            engine.acceptance.fill_(batch_size, k)  # replayed: rows commit the trace's mean length
+
         def run():
             if engine.config.temperature > 0:
                 st.uniform[:batch_size, :T].uniform_(generator=st.generator)
@@ -133,7 +136,11 @@ def step_phases(engine, batch_size: int, context_len: int, k: int, iters: int = 
             mark("start")
             if T > 1 and prepare is not None:
                 prepare(st, B, T, context)
-            step_body_(engine.model, st, engine.kv, B, T, engine.config.temperature, engine.drafter, context, mark)
+            acceptance = getattr(engine, "acceptance", None) if T > 1 else None
+            if acceptance is not None:
+                acceptance.fill_(B, k)  # replayed: rows commit the trace's mean length
+            step_body_(engine.model, st, engine.kv, B, T, engine.config.temperature, engine.drafter, context, mark,
+                       acceptance=acceptance)
             if cuda:
                 marks[-1][1].synchronize()
             if it == 0:
