@@ -18,7 +18,7 @@ Traces (``acceptance.trace=PATH``):
     a run kept only its ``metrics.json``, its ``accepted_histogram`` if the run used one k only;
   * a trace file written by ``python -m specdec.acceptance build-trace RUN_DIRS -o trace.json``
     (only the accepted-length data of several runs: small enough to commit), or a steps.jsonl;
-  * ``acceptance.parametric.mean=M`` instead of a trace: a geometric per-depth acceptance, labelled
+  * ``acceptance.parametric.mean=M`` (instead of the trace, when set): a geometric per-depth acceptance, labelled
     "parametric": each level of the path is accepted with probability p, so P(a >= i) = p^i up to
     the tree's depth D, and p is solved so that a tree of depth ``parametric.depth`` has a mean
     accepted length (drafts + bonus) of M. Shallower trees get the same p, truncated at their depth.
@@ -393,9 +393,7 @@ def build_acceptance(cfg, *, seed: int = 0):
         raise ConfigError(f"acceptance={name!r}; valid: real, replay")
     par = cfg.get("parametric") or {}
     trace_path = cfg.get("trace")
-    if par.get("mean") is not None:
-        if trace_path:
-            raise ConfigError("acceptance=replay takes acceptance.trace=PATH or acceptance.parametric.mean=M, not both")
+    if par.get("mean") is not None:  # wins over a trace, so one sweep can cover both (mean=null,6)
         trace = parametric_trace(float(par["mean"]), int(par.get("depth") or 7))
     elif trace_path:
         trace = build_trace([trace_path])
@@ -412,6 +410,32 @@ def label_of(metrics: dict) -> str:
     return REPLAYED_LABEL if metrics.get("acceptance") == REPLAYED_LABEL else REAL_LABEL
 
 
+def request_lengths(paths) -> dict:
+    """{"source", "sets": {workload name: [{id, prompt_len, output_len}]}} from the requests.jsonl of the
+    run directories below ``paths`` (first record of each id per workload; failed requests skipped)."""
+    sets: dict[str, dict[str, dict]] = {}
+    srcs = []
+    for raw in paths:
+        for d in run_dirs(Path(raw)):
+            req, cfg = d / "requests.jsonl", d / "config.json"
+            if not req.is_file():
+                continue
+            name = json.loads(cfg.read_text()).get("workload", {}).get("name", "workload") if cfg.is_file() else "workload"
+            srcs.append(str(d))
+            rows = sets.setdefault(name, {})
+            for line in req.read_text().splitlines():
+                if not line.strip():
+                    continue
+                r = json.loads(line)
+                rid = _base_id(r.get("id", ""))
+                if "error" in r or rid in rows:
+                    continue
+                rows[rid] = {"id": rid, "prompt_len": int(r["prompt_tokens"]), "output_len": int(r["output_tokens"])}
+    if not sets:
+        raise ConfigError(f"no requests.jsonl below {[str(p) for p in paths]}")
+    return {"source": ", ".join(srcs), "sets": {k: list(v.values()) for k, v in sets.items()}}
+
+
 # -- CLI ------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specdec.acceptance", description=__doc__,
@@ -421,6 +445,10 @@ def main(argv=None) -> int:
     b.add_argument("paths", nargs="+", type=Path)
     b.add_argument("-o", "--out", type=Path, required=True)
     b.add_argument("--no-requests", action="store_true", help="keep only the histograms (a smaller file)")
+    ln = sub.add_parser("lengths", help="prompt / output lengths of run directories' requests.jsonl -> a lengths "
+                                        "file for workload sources {kind: synthetic, lengths: FILE, set: NAME}")
+    ln.add_argument("paths", nargs="+", type=Path)
+    ln.add_argument("-o", "--out", type=Path, required=True)
     s = sub.add_parser("show", help="tree sizes, counts and mean accepted lengths of a trace")
     s.add_argument("path", type=Path)
     p = sub.add_parser("parametric", help="the parametric trace's distribution at each depth")
@@ -438,6 +466,11 @@ def main(argv=None) -> int:
             print(f"wrote {args.out}: " + ", ".join(f"k={k}: {s.count} row-steps, mean accepted length "
                                                      f"{s.mean_length():.2f}, {len(s.requests)} request sequences"
                                                      for k, s in sorted(tr.sizes.items())))
+        elif args.cmd == "lengths":
+            doc = request_lengths(args.paths)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+            print(f"wrote {args.out}: " + ", ".join(f"{k}: {len(v)} prompts" for k, v in doc["sets"].items()))
         elif args.cmd == "show":
             tr = build_trace([args.path])
             print(f"{tr.kind}: {tr.label()}")
