@@ -271,6 +271,9 @@ def acceptance_label(run: Run) -> str:
 
 def drafter_label(run: Run) -> str:
     d = run.config.get("draft") or {}
+    if d.get("random"):  # draft=eagle3_random: its shape follows the target; the label says random
+        skip = ("name", "path", "random", "draft_vocab_size", "target_layers", "logit_std")
+        return f"{d.get('name', 'none')} (random head) {_params(d, skip)}".strip()
     return f"{d.get('name', 'none')} {_params(d)}".strip()
 
 
@@ -785,6 +788,36 @@ def crossover_tables(runs: list[Run]) -> list[tuple[Table, Table, list, str]]:
     return out
 
 
+def step_breakdown_table(runs: list[Run]) -> Table | None:
+    """The speculative step per k split into draft / verify / commit beside the plain step (runs with
+    ``engine.profile_spec_steps``; experiment=step_8b), with the speed-up replayed acceptance implies."""
+    prof = [r for r in runs if isinstance(r.metrics.get("step_breakdown"), dict)]
+    if not prof:
+        return None
+    cols = [Column("Target", None, "l"), Column("batch", None, "r"), Column("k", None, "r"),
+            Column("plain ms", None, "r"), Column("step ms", None, "r"), Column("step / plain", None, "r"),
+            Column("draft ms", None, "r"), Column("per round", None, "r"), Column("verify ms", None, "r"),
+            Column("commit ms", None, "r"), Column("τ", r"$\tau$", "r"), Column("implied speed-up", None, "r")]
+    rows = []
+    for r in prof:
+        sb = r.metrics["step_breakdown"]
+        for b, row in sorted(sb.get("batches", {}).items(), key=lambda kv: int(kv[0])):
+            for k, e in sorted(row.get("k", {}).items(), key=lambda kv: int(kv[0])):
+                tau, sp = e.get("mean_accepted_length"), e.get("implied_speedup")
+                rows.append([target_label(r), b, k, f"{row['plain_ms']:.2f}", f"{e['step_ms']:.2f}",
+                             f"{e['step_over_plain']:.2f}", f"{e['draft_ms']:.2f}",
+                             f"{e['draft_round_ms']:.3f} x {e['draft_rounds']}", f"{e['verify_ms']:.2f}",
+                             f"{e['commit_ms']:.2f}", "-" if tau is None else f"{tau:.2f}",
+                             "-" if sp is None else f"{sp:.2f}x"])
+    ctx = {r.metrics["step_breakdown"].get("context") for r in prof}
+    graphed = all(r.metrics["step_breakdown"].get("graphed") for r in prof)
+    caption = (f"The speculative step per k ({'graphed' if graphed else 'EAGER (not graphed)'}, context "
+               f"{', '.join(map(str, sorted(ctx)))}) split into the draft rounds, verify (target forward over the tree + "
+               "verify_accept) and commit (kv_sync + draft extend), beside the plain step; implied speed-up = "
+               "τ x plain / step with τ the mean accepted length of the replayed acceptance (labelled in Target).")
+    return Table("Step breakdown", caption, "stepbreakdown", cols, rows)
+
+
 def step_floor_table(runs: list[Run]) -> Table | None:
     """Graphed plain step time against the weight-bandwidth floor (runs with ``engine.profile_steps``):
     one row per target x decode batch (repeats averaged)."""
@@ -1122,7 +1155,7 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
             else:
                 figures.append((f"Crossover, replayed acceptance: {label}", names[0]))
                 plot_files += names
-        for extra in (step_floor_table(runs), switch_table(runs)):
+        for extra in (step_breakdown_table(runs), step_floor_table(runs), switch_table(runs)):
             if extra is not None:
                 tables.append(extra)
         tables.append(overview_table(runs))

@@ -272,6 +272,14 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
             ctx = min(int(cfg.engine.get("profile_steps_context", 512)), engine.max_seq_len // 2)
             trace.meta["step_floor"] = profiling.step_time_vs_floor(
                 engine, batches, ctx, iters=int(cfg.engine.get("profile_steps_iters", 100)))
+        spec_batches = list(cfg.engine.get("profile_spec_steps") or [])
+        if spec_batches and profile:
+            # Each configured k's graphed step split into draft / verify / commit beside the plain step.
+            from .engine import profiling
+
+            ctx = min(int(cfg.engine.get("profile_steps_context", 512)), engine.max_seq_len // 2)
+            trace.meta["step_breakdown"] = profiling.step_breakdown(
+                engine, spec_batches, ctx, iters=int(cfg.engine.get("profile_steps_iters", 100)))
     return [by_index[i] for i in range(len(by_index))]
 
 
