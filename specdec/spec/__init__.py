@@ -101,6 +101,9 @@ def random_eagle3_head(target, draft_vocab="auto", target_layers=None, *, device
     layers = None if target_layers is None else [int(i) for i in target_layers]
     if layers is not None and (len(layers) != 3 or not all(0 <= i < tc.num_hidden_layers for i in layers)):
         raise ConfigError(f"draft.target_layers={layers}: three layer indices in 0..{tc.num_hidden_layers - 1}")
+    if layers is None:  # 2, L//2, L-3, kept inside a shallow (test-sized) target
+        L = tc.num_hidden_layers
+        layers = [min(2, L - 1), L // 2, max(L - 3, 0)]
     cfg = Eagle3Config.for_target(tc, random_draft_vocab(int(tc.vocab_size), draft_vocab), layers)
     with torch.device(device):  # parameters allocated where they are drawn: no host copy of 8B-shape weights
         head = Eagle3Head(cfg, backend=backend)
