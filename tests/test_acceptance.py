@@ -281,14 +281,14 @@ def test_replay_on_smollm2_reproduces_the_recorded_mean_and_is_labelled(tmp_path
     "replayed"."""
     proc = run_cli("draft=eagle3_random", "policy=always16", "acceptance=replay", f"acceptance.trace={RECORDED}",
                    "workload=humaneval", "workload.sources.0.limit=4", "workload.concurrency=4",
-                   "engine.max_new_tokens=40", "workload.chat=false", "+workload.ignore_eos=true",
+                   "engine.max_new_tokens=32", "workload.chat=false", "+workload.ignore_eos=true", "engine.profile_iters=1",
                    "logger=none", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads((tmp_path / "run/metrics.json").read_text())
     assert m["acceptance"] == "replayed" and str(RECORDED) in m["acceptance_trace"]
     recorded = json.loads((RECORDED / "metrics.json").read_text())["mean_accepted_length"]  # 3.293
     n = sum(m["accepted_histogram"].values())
-    assert n >= 30
+    assert n >= 25
     # per-row std of the recorded distribution is ~1.8: 4 standard errors at n rows
     assert abs(m["mean_accepted_length"] - recorded) < 4 * 1.8 / n ** 0.5, (m["mean_accepted_length"], n)
     from specdec.report import build_report, load_runs
