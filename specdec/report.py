@@ -74,7 +74,7 @@ SPEC_ONLY = ("draft.", "policy.")
 # Metrics that describe the machine, compared like config entries.
 CONTEXT_METRICS = ("device", "dtype")
 # Keys shown by the descriptor columns (Workload, Target, Drafter, Policy, T) of every table.
-DESCRIBED = ("workload.name", "target.name", "sampling.temperature", "policy.", "draft.name")
+DESCRIBED = ("workload.name", "target.name", "sampling.temperature", "policy.", "draft.name", "acceptance.")
 
 # key -> (markdown header, LaTeX header, scale, kind); kind picks the number format.
 METRICS = {
@@ -245,11 +245,35 @@ def target_label(run: Run) -> str:
         tag = run.metrics.get("weights") or "random weights"
         if tag not in label:  # llama31_8b_random already says it in its name
             label += f" ({tag})"
-    return label
+    acc = acceptance_label(run)
+    return f"{label}, {acc}" if acc else label
+
+
+def is_replayed(run: Run) -> bool:
+    """The run's accepted lengths were replayed from a trace (specdec.acceptance), not the target's."""
+    return run.metrics.get("acceptance") == "replayed" or (run.config.get("acceptance") or {}).get("name") == "replay"
+
+
+def acceptance_label(run: Run) -> str:
+    """"replayed acceptance (SOURCE)" for a replayed run, naming its trace briefly; "" otherwise."""
+    if not is_replayed(run):
+        return ""
+    acc = run.config.get("acceptance") or {}
+    par = acc.get("parametric") or {}
+    if par.get("mean") is not None:
+        src = f"parametric, mean {par['mean']:g} at depth {par.get('depth', 7)}"
+    elif acc.get("trace"):
+        src = Path(str(acc["trace"])).name or str(acc["trace"])
+    else:
+        src = str(run.metrics.get("acceptance_trace", "trace"))
+    return f"replayed acceptance ({src})"
 
 
 def drafter_label(run: Run) -> str:
     d = run.config.get("draft") or {}
+    if d.get("random"):  # draft=eagle3_random: its shape follows the target; the label says random
+        skip = ("name", "path", "random", "draft_vocab_size", "target_layers", "logit_std")
+        return f"{d.get('name', 'none')} (random head) {_params(d, skip)}".strip()
     return f"{d.get('name', 'none')} {_params(d)}".strip()
 
 
@@ -703,6 +727,97 @@ def plot_envelope(series, out: Path, title: str, stem: str) -> list[str] | None:
     ax.set_title("\n".join(textwrap.wrap("Policies vs the envelope: " + title, 70)), fontsize=8)
     ax.legend(fontsize=7)
     return _save(fig, out, stem)
+def crossover_tables(runs: list[Run]) -> list[tuple[Table, Table, list, str]]:
+    """Where speculation starts to lose, per study of replayed-acceptance runs swept over C (workload x
+    target x drafter x trace): tok/s of each policy at every C beside the envelope max(never, every
+    always), then per policy its ratio to the envelope (min over C, at the top C) and, for each always,
+    the first C where it falls below never and its ratio to never at the top C. Returns (tok/s table,
+    summary table, plot series, label) per study that has both never and always runs."""
+    swept = [r for r in runs if _concurrency(r) is not None and is_replayed(r)
+             and r.get("draft.name", "none") != "none"]
+    out = []
+    for key, rs in _merge(swept, lambda r: tuple(descriptors(r)[c] for c in ("Workload", "Target", "Drafter", "T"))):
+        tok: dict[str, dict[int, float]] = {}
+        names = {}
+        for r in rs:
+            tok.setdefault(policy_label(r), {}).setdefault(_concurrency(r), []).append(r.metrics.get("output_tok_per_s"))
+            names[policy_label(r)] = r.get("policy.name", "never")
+        tok = {p: {c: _mean(v) for c, v in cs.items()} for p, cs in tok.items()}
+        never = [p for p in tok if names[p] == "never"]
+        always = [p for p in tok if names[p] == "always"]
+        cs = sorted({c for v in tok.values() for c in v})
+        if not never or not always or len(cs) < 2:
+            continue
+        env = {c: max((tok[p][c] for p in never + always if tok[p].get(c) is not None), default=None) for c in cs}
+        order = sorted(tok, key=lambda p: (names[p] not in ("never", "always"), names[p] != "never", p))
+        label = f"{key[0]}, {key[1]}, {key[2]}" + (f", T = {key[3]}" if key[3] not in ("0.0", "0") else "")
+        columns = [Column("Policy", None, "l")] + [Column(f"C={c}", str(c), "r") for c in cs]
+        flat = format_column([tok[p].get(c) for p in order for c in cs] + [env[c] for c in cs])
+        n = len(cs)
+        rows = [[p] + flat[i * n:(i + 1) * n] for i, p in enumerate(order)]
+        rows.append(["envelope max(never, always)"] + flat[len(order) * n:])
+        top = cs[-1]
+        ref = tok[never[0]]
+        caption = (f"Crossover ({label}): output tok/s per policy at closed-loop concurrency C, REPLAYED ACCEPTANCE "
+                   "(accepted lengths drawn from the trace named; committed tokens are tree tokens, not the "
+                   "target's greedy output); envelope = max(never, every always) at each C.")
+        table = Table(f"Crossover, replayed acceptance: {label}", caption, f"crossover{len(out) + 1}", columns, rows,
+                      span=("output tok/s at concurrency $C$", 1))
+        scols = [Column("Policy", None, "l"), Column("min / envelope", None, "r"),
+                 Column(f"at C={top} / envelope", None, "r"), Column("first C below never", None, "r"),
+                 Column(f"at C={top} / never", None, "r")]
+        srows = []
+        for p in order:
+            if names[p] == "never":
+                continue
+            ratios = [tok[p][c] / env[c] for c in cs if tok[p].get(c) is not None and env[c]]
+            at_top = tok[p].get(top) / env[top] if tok[p].get(top) is not None and env[top] else None
+            below = next((c for c in cs if tok[p].get(c) is not None and ref.get(c) is not None
+                          and tok[p][c] < ref[c]), None)
+            vs_never = tok[p][top] / ref[top] if tok[p].get(top) is not None and ref.get(top) else None
+            srows.append([p, f"{min(ratios):.3f}" if ratios else "-", "-" if at_top is None else f"{at_top:.3f}",
+                          "never" if below is None else str(below), "-" if vs_never is None else f"{vs_never:.2f}x"])
+        summary = Table(f"Crossover summary, replayed acceptance: {label}",
+                        f"Crossover summary ({label}), replayed acceptance: each policy's tok/s over the envelope (min "
+                        f"over C, and at the top C = {top}); the first C where it falls below never, and its tok/s "
+                        "over never's at the top C. Targets: always below never somewhere; a dynamic policy >= 0.98 "
+                        "of the envelope at every C.", f"crossoversummary{len(out) + 1}", scols, srows)
+        series = [(p, cs, [tok[p].get(c) for c in cs]) for p in order]
+        series.append(("envelope max(never, always)", cs, [env[c] for c in cs]))
+        out.append((table, summary, series, label))
+    return out
+
+
+def step_breakdown_table(runs: list[Run]) -> Table | None:
+    """The speculative step per k split into draft / verify / commit beside the plain step (runs with
+    ``engine.profile_spec_steps``; experiment=step_8b), with the speed-up replayed acceptance implies."""
+    prof = [r for r in runs if isinstance(r.metrics.get("step_breakdown"), dict)]
+    if not prof:
+        return None
+    cols = [Column("Target", None, "l"), Column("batch", None, "r"), Column("k", None, "r"),
+            Column("plain ms", None, "r"), Column("step ms", None, "r"), Column("step / plain", None, "r"),
+            Column("draft ms", None, "r"), Column("per round", None, "r"), Column("verify ms", None, "r"),
+            Column("commit ms", None, "r"), Column("τ", r"$\tau$", "r"), Column("implied speed-up", None, "r")]
+    rows = []
+    for r in prof:
+        sb = r.metrics["step_breakdown"]
+        for b, row in sorted(sb.get("batches", {}).items(), key=lambda kv: int(kv[0])):
+            for k, e in sorted(row.get("k", {}).items(), key=lambda kv: int(kv[0])):
+                tau, sp = e.get("mean_accepted_length"), e.get("implied_speedup")
+                rows.append([target_label(r), b, k, f"{row['plain_ms']:.2f}", f"{e['step_ms']:.2f}",
+                             f"{e['step_over_plain']:.2f}", f"{e['draft_ms']:.2f}",
+                             f"{e['draft_round_ms']:.3f} x {e['draft_rounds']}", f"{e['verify_ms']:.2f}",
+                             f"{e['commit_ms']:.2f}", "-" if tau is None else f"{tau:.2f}",
+                             "-" if sp is None else f"{sp:.2f}x"])
+    ctx = {r.metrics["step_breakdown"].get("context") for r in prof}
+    graphed = all(r.metrics["step_breakdown"].get("graphed") for r in prof)
+    caption = (f"The speculative step per k ({'graphed' if graphed else 'EAGER (not graphed)'}, context "
+               f"{', '.join(map(str, sorted(ctx)))}) split into the draft rounds, verify (target forward over the tree + "
+               "verify_accept) and commit (kv_sync + draft extend), beside the plain step; implied speed-up = "
+               "τ x plain / step with τ the mean accepted length of the replayed acceptance (labelled in Target).")
+    return Table("Step breakdown", caption, "stepbreakdown", cols, rows)
+
+
 def step_floor_table(runs: list[Run]) -> Table | None:
     """Graphed plain step time against the weight-bandwidth floor (runs with ``engine.profile_steps``):
     one row per target x decode batch (repeats averaged)."""
@@ -1032,7 +1147,15 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
             else:
                 figures.append((f"Policies vs the envelope: {label}", names[0]))
                 plot_files += names
-        for extra in (step_floor_table(runs), switch_table(runs)):
+        for i, (table, summary, series, label) in enumerate(crossover_tables(runs), 1):
+            tables += [table, summary]
+            names = plot_envelope(series, out, label, f"crossover_{i:02d}_" + _slug(label))
+            if names is None:
+                plots_skipped = True
+            else:
+                figures.append((f"Crossover, replayed acceptance: {label}", names[0]))
+                plot_files += names
+        for extra in (step_breakdown_table(runs), step_floor_table(runs), switch_table(runs)):
             if extra is not None:
                 tables.append(extra)
         tables.append(overview_table(runs))

@@ -39,7 +39,7 @@ from .policy.base import describe
 
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("target", "draft", "tp", "policy", "workload", "engine", "kernels", "logger", "sampling")
+GROUPS = ("target", "draft", "tp", "policy", "workload", "engine", "kernels", "logger", "sampling", "acceptance")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -204,9 +204,14 @@ def build_engine(model, tokenizer, cfg, trace=None):
     drafter = build_drafter(cfg.draft, model, device=model.device, backend=model.backend)
     # Policies pick among the drafter's configured sizes (one key for the tree size: the draft config).
     policy = tp.wrap_policy(build_policy(cfg.policy, sizes=sizes(drafter)))
+    from .acceptance import build_acceptance
+
+    # Every rank seeds the same replay stream, so replayed accepted lengths agree across ranks.
+    acceptance = build_acceptance(cfg.get("acceptance"), seed=int(cfg.seed))
     ecfg = EngineConfig.from_cfg(cfg.engine, temperature=float(cfg.sampling.temperature), seed=int(cfg.seed))
     engine = Engine(model, tp.agree_engine_config(ecfg, model), eos_ids=eos,
-                    detokenize=None if ids_only else tokenizer.decode, trace=trace, drafter=drafter, policy=policy)
+                    detokenize=None if ids_only else tokenizer.decode, trace=trace, drafter=drafter, policy=policy,
+                    acceptance=acceptance)
     return tp.wrap_engine(engine)
 
 
@@ -259,6 +264,8 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
         trace.meta.update(serve_wall_s=time.perf_counter() - t0, engine_startup_s=engine.startup_s,
                           cuda_graphs=engine.graphed, kv_pages=engine.kv.num_pages,
                           page_size=engine.kv.page_size, max_batch_size=engine.config.max_batch_size)
+        if acceptance is not None:  # replayed: the label, the trace and the sizes it drew from
+            trace.meta.update(acceptance.describe())
         # Draft / verify / commit split of one step per configured k, measured after serving
         # (served steps run as whole CUDA graphs) at the run's mean decode batch and 256 tokens.
         mean_bs = max(1, round(trace.summary().get("mean_batch_size") or 1))
@@ -278,6 +285,14 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
             ctx = min(int(cfg.engine.get("profile_steps_context", 512)), engine.max_seq_len // 2)
             trace.meta["step_floor"] = run_everywhere(
                 engine, profiling.step_time_vs_floor, batches, ctx, iters=int(cfg.engine.get("profile_steps_iters", 100)))
+        spec_batches = list(cfg.engine.get("profile_spec_steps") or [])
+        if spec_batches and profile:
+            # Each configured k's graphed step split into draft / verify / commit beside the plain step.
+            from .engine import profiling
+
+            ctx = min(int(cfg.engine.get("profile_steps_context", 512)), engine.max_seq_len // 2)
+            trace.meta["step_breakdown"] = run_everywhere(
+                engine, profiling.step_breakdown, spec_batches, ctx, iters=int(cfg.engine.get("profile_steps_iters", 100)))
     return [by_index[i] for i in range(len(by_index))]
 
 
@@ -330,7 +345,7 @@ def plain_config(resolved: dict, run_dir: Path) -> dict:
     the baseline ``compare_plain`` serves first. Everything else is kept, so the report matches
     the two as a speculative run and its plain baseline."""
     plain = json.loads(json.dumps(resolved))  # a deep copy
-    plain.update(draft={"name": "none"}, policy={"name": "never"}, run_dir=str(run_dir))
+    plain.update(draft={"name": "none"}, policy={"name": "never"}, acceptance={"name": "real"}, run_dir=str(run_dir))
     return plain
 
 
@@ -448,13 +463,16 @@ def run(cfg: DictConfig) -> dict:
                      "chat_template_source": getattr(tokenizer, "chat_template_source", None)}
     resolved["workload"]["chat_resolved"] = prompt_format["chat"]
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))
-    logger = make_logger(cfg.logger, run_dir, run_dir.name, {**resolved, "provenance": stamp})
+    replayed = (cfg.get("acceptance") or {}).get("name", "real") == "replay"
+    logger = make_logger(cfg.logger, run_dir, run_dir.name,
+                         {**resolved, "provenance": stamp, "acceptance_label": "replayed" if replayed else "real"})
 
     def run_facts(metrics: dict) -> dict:
         metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
                        workload=cfg.workload.name, **prompt_format,
                        weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained",
                        **stamp)
+        metrics.setdefault("acceptance", "real")  # replayed runs carry "replayed" from the engine's trace meta
         return metrics
 
     def on_signal(signum, frame):

@@ -53,7 +53,9 @@ def smoke_overrides(name: str) -> list[str]:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"+experiment={name}"] + out)
     for i, src in enumerate(cfg.workload.sources):
-        if src.kind == "synthetic":
+        if src.kind == "synthetic" and src.get("lengths"):  # a real prompt set's lengths
+            out += [f"workload.sources.{i}.limit=2", f"workload.sources.{i}.output_len=4"]
+        elif src.kind == "synthetic":
             out += [f"workload.sources.{i}.num_prompts=2", f"workload.sources.{i}.prompt_len=8",
                     f"workload.sources.{i}.output_len=4"]
         else:
@@ -64,6 +66,8 @@ def smoke_overrides(name: str) -> list[str]:
             "engine.profile_steps_context=32", "device=cpu"]
     if cfg.engine.get("profile_steps"):
         out.append("engine.profile_steps=[1]")
+    if cfg.engine.get("profile_spec_steps"):
+        out.append("engine.profile_spec_steps=[1]")
     if cfg.engine.get("kv_cache_tokens") is None or cfg.engine.kv_cache_tokens > 8192:
         out.append("engine.kv_cache_tokens=4096")
     if cfg.policy.name == "goodput":

@@ -420,3 +420,36 @@ def test_step_floor_table(tmp_path):
         ("1", "4.00", "90.0%", "84.4%"), ("8", "5.00", "72.0%", "67.5%")]
     assert all(r["Target"] == "llama-3.1-8b-shape (random weights)" and r["weights GB"] == "16.0" for r in body)
     assert body[0]["TPOT ms (C=1)"] == "4.50"
+
+
+def test_crossover_table_for_replayed_acceptance(tmp_path):
+    """Replayed-acceptance runs over C: tok/s per policy beside the envelope, where each always
+    falls below never, the ratios at the top C, and the label in the tables (replayed, the trace)."""
+    tok = {("never", None): [100.0, 300.0, 900.0], ("always", 3): [180.0, 350.0, 700.0],
+           ("always", 16): [250.0, 280.0, 400.0], ("goodput", None): [245.0, 345.0, 890.0]}
+    for (policy, k), vals in tok.items():
+        for c, v in zip([1, 4, 16], vals):
+            run = make_run(tmp_path / "sweep" / f"{policy}{k}_{c}", tok_s=v, draft="eagle3", policy=policy,
+                           concurrency=c, k=k, target="llama-3.1-8b-shape (random weights)", random_weights=True,
+                           acceptance="replayed", acceptance_trace="parametric")
+            _edit_config(run, policy={"k": k} if policy == "always" else {})
+            cfg = json.loads((run / "config.json").read_text())
+            cfg["acceptance"] = {"name": "replay", "trace": None, "parametric": {"mean": 6, "depth": 7}}
+            (run / "config.json").write_text(json.dumps(cfg))
+    md, files = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out")
+    title = next(line[3:] for line in md.splitlines() if line.startswith("## Crossover, replayed acceptance"))
+    assert "replayed acceptance (parametric, mean 6 at depth 7)" in title
+    rows = table(md, title)
+    assert rows[0] == ["Policy", "C=1", "C=4", "C=16"]
+    by = {r[0]: r[1:] for r in rows[1:]}
+    assert [float(x) for x in by["envelope max(never, always)"]] == [250.0, 350.0, 900.0]
+    summary = table(md, next(line[3:] for line in md.splitlines() if line.startswith("## Crossover summary")))
+    s = {r[0]: r[1:] for r in summary[1:]}
+    # always k=3 falls below never at C = 16 (700 < 900): 0.78x there; k=16 already at C = 4 (280 < 300)
+    assert s["always k=3"][2:] == ["16", "0.78x"] and s["always k=16"][2:] == ["4", "0.44x"]
+    g = next(v for p, v in s.items() if p.startswith("goodput"))
+    assert g[:3] == ["0.980", "0.989", "16"]  # min over C, at C = 16, and below never there (890 < 900)
+    assert any(f.startswith("crossover_01_") and f.endswith(".png") for f in files)
+    # every table names the replay in its Target column
+    runs_rows = table(md, "Runs")
+    assert all("replayed acceptance" in r[runs_rows[0].index("Target")] for r in runs_rows[1:])

@@ -9,6 +9,11 @@ asking for exactly ``output_len`` tokens (set ``ignore_eos: true`` on the worklo
 end them early): fixed shapes for throughput studies, and the only workload a random-weight target
 (no tokenizer) can run. ``num_prompts: null`` scales with the closed-loop concurrency C
 (``requests_per_client`` x C, at least ``min_prompts``) so every C runs in steady state.
+``kind: synthetic`` with ``lengths: FILE`` and ``set: NAME`` takes the prompt (and, unless
+``output_len`` is set, output) lengths and the ids of a real prompt set from a lengths file
+(``experiments/results/acceptance/prompt_lengths_smollm2.json``: HumanEval and MT-bench as SmolLM2's
+chat template tokenises them), with random ids of the target's vocabulary: real-length requests for
+a random-weight target, whose ids match a replayed acceptance trace's per-request sequences.
 """
 
 from __future__ import annotations
@@ -117,6 +122,37 @@ def synthetic_prompts(num_prompts: int, prompt_len: int, output_len: int, vocab_
             for i, row in enumerate(ids)]
 
 
+def length_prompts(src, vocab_size: int) -> list[Prompt]:
+    """Synthetic prompts with a real prompt set's lengths and ids (``lengths: FILE``, ``set: NAME``;
+    ``limit``; ``output_len``: null = the file's, else this for every prompt; ``seed``)."""
+    import torch
+
+    path = Path(str(src["lengths"]))
+    if not path.is_file():
+        raise WorkloadError(f"workload lengths file {src['lengths']} does not exist (write one with "
+                            "`python -m specdec.acceptance lengths RUN_DIRS -o FILE`)")
+    try:
+        sets = json.loads(path.read_text())["sets"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise WorkloadError(f"{path}: not a lengths file ({e}); expected {{\"sets\": {{NAME: [{{id, prompt_len, "
+                            "output_len}}, ...]}}}}") from None
+    name = src.get("set")
+    if name not in sets:
+        raise WorkloadError(f"workload lengths set {name!r} is not in {path}; sets: {sorted(sets)}")
+    rows = sets[name][: src.get("limit")] if src.get("limit") is not None else sets[name]
+    low = SYNTHETIC_LOW_ID if vocab_size > 2 * SYNTHETIC_LOW_ID else 0
+    gen = torch.Generator().manual_seed(int(src.get("seed") or 0))
+    out_len = src.get("output_len")
+    prompts = []
+    for r in rows:
+        n, m = int(r["prompt_len"]), int(out_len if out_len is not None else r.get("output_len") or 128)
+        if n < 1 or m < 1:
+            raise WorkloadError(f"{path}: set {name}, id {r.get('id')}: prompt_len and output_len must be >= 1")
+        ids = torch.randint(low, vocab_size, (n,), generator=gen).tolist()
+        prompts.append(Prompt(str(r["id"]), f"<{n} random tokens: the length of {r['id']}>", None, ids, m))
+    return prompts
+
+
 def _synthetic_count(src: dict, workload_cfg) -> int:
     n = src.get("num_prompts")
     if n is not None:
@@ -150,6 +186,9 @@ def load_prompts(workload_cfg, tokenizer) -> list[Prompt]:
             vocab = getattr(tokenizer, "vocab_size", None)
             if vocab is None:
                 raise WorkloadError("workload kind synthetic needs the target's vocabulary size")
+            if src.get("lengths"):
+                prompts += length_prompts(src, int(vocab))
+                continue
             prompts += synthetic_prompts(_synthetic_count(src, workload_cfg), int(src["prompt_len"]),
                                          int(src["output_len"]), int(vocab), int(src.get("seed", 0)))
             continue

@@ -186,7 +186,7 @@ class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, eos_ids: Iterable[int] = (),
                  detokenize: Callable[[list[int]], str] | None = None,
                  trace: Callable[[dict], None] | None = None, drafter=None, policy=None,
-                 ks: Iterable[int] = (0,)):
+                 ks: Iterable[int] = (0,), acceptance=None):
         cfg = self.config = dataclasses.replace(config or EngineConfig())  # a copy: adjusted below
         cfg.validate()
         # Every k a policy may pick is known up front: its tree size is reserved and graphed now.
@@ -219,6 +219,12 @@ class Engine:
                                  max_tree_nodes=cfg.max_tree_tokens)
         if drafter is not None:  # its KV pool mirrors the target's pages; its row state follows rows
             drafter.bind_(self.state, num_pages, cfg.page_size)
+        # Replayed acceptance (specdec.acceptance): each speculative row accepts a drawn length.
+        self.acceptance = acceptance
+        if acceptance is not None:
+            if drafter is None:
+                raise ConfigError("acceptance=replay replays what a drafter's trees accept, but draft=none")
+            acceptance.bind_(self.state, drafter, self.ks)
         # Prompt ids are checked at admission against the target's vocabulary (and a draft head's,
         # which embeds target ids: a smaller one would read past its table).
         vocab, vocab_name = int(model.config.vocab_size), "the target's"
@@ -236,7 +242,7 @@ class Engine:
         # alive after `del engine` until the cyclic garbage collector runs
 
         def body(B: int, T: int, context) -> None:
-            step_body_(model, state, kv, B, T, cfg.temperature, drafter, context)
+            step_body_(model, state, kv, B, T, cfg.temperature, drafter, context, acceptance=acceptance)
 
         t0 = time.perf_counter()
         if use_graphs:
@@ -348,7 +354,7 @@ class Engine:
             raise ConfigError(f"k={k} was not configured for this engine (ks={self.ks}); every "
                               "speculation length must be known at start-up so its graphs exist")
         t_start = time.perf_counter()
-        committed: list[tuple[int, list[list[int]]]] = []  # (k, token lists) of the steps committed here
+        committed: list[tuple[int, list[list[int]], list[str]]] = []  # (k, token lists, request ids) of the steps committed here
         # A step whose commit raised in an earlier call commits first (the host catches up with the
         # device before anything else changes); with overlapped decoding the newest stays in flight.
         while len(self._unread) > (1 if self.overlap else 0):
@@ -401,6 +407,8 @@ class Engine:
         if n:
             if timed:
                 self._timer.start(no, "decode")
+            if k > 0 and self.acceptance is not None:  # the rows' replayed lengths, before the launch
+                self.acceptance.prepare_(self.state, n, k, [r.id for r in sched.rows])
             # If the launch raises, nothing is queued and the step in flight stays queued.
             step = self.stepper.launch_(k, launched, context, timed=self._policy_times)
             step.rows = [(r, r.row_epoch) for r in sched.rows]
@@ -416,17 +424,18 @@ class Engine:
                 step=no, t_s=t_start - self.t0, step_ms=(now - t_start) * 1e3,
                 decode_bs=n, bucket=self._bucket(n), k=k,
                 prefill_tokens=sum(c for _, c in plan), prefill_reqs=len(plan),
-                committed=sum(len(t) for _, toks in committed for t in toks), finished=len(finished),
-                preempted=preempted, accepted=[len(t) - 1 for kc, toks in committed if kc > 0 for t in toks],
+                committed=sum(len(t) for _, toks, _ in committed for t in toks), finished=len(finished),
+                preempted=preempted, accepted=[len(t) - 1 for kc, toks, _ in committed if kc > 0 for t in toks],
+                accepted_ids=[i for kc, _, ids in committed if kc > 0 for i in ids],
                 running=len(sched.admitted), waiting=len(sched.waiting), free_pages=self.kv.num_free,
                 prefill_ms=0.0, decode_ms=0.0)
             self._emit_trace(wait=False)
         return finished
 
-    def _commit_oldest_(self) -> tuple[int, list[list[int]]]:
+    def _commit_oldest_(self) -> tuple[int, list[list[int]], list[str]]:
         """Read the oldest launched step's tokens (waits for it), feed the policy, commit them, and
         only then drop it from the queue (a commit that raises is retried by the next step());
-        returns (its k, the token lists committed: rows still in the batch)."""
+        returns (its k, the token lists committed: rows still in the batch, their request ids)."""
         step = self._unread[0]
         if step.tokens is None:
             step.tokens = self.stepper.collect_(step)
@@ -436,10 +445,13 @@ class Engine:
                                          rows=[r.id for r, _ in step.rows] if self._policy_rows else None,
                                          step_ms=self.stepper.step_ms(step)))
             step.policy_fed = True
+        # The rows commit_tokens_ keeps (still in the batch, same epoch): their ids go to the step trace.
+        live = {id(r) for r in self.scheduler.rows} if self.trace is not None and step.k > 0 else ()
+        ids = [r.id for r, e in step.rows if id(r) in live and r.row_epoch == e]
         kept = self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter(),
                                              drafted=step.k > 0 or self._synced_at_k0)
         self._unread.pop(0)
-        return step.k, kept
+        return step.k, kept, ids
 
     def run_until_done(self) -> list[Request]:
         """Step until every queued request has finished; returns them in finishing order."""

@@ -75,6 +75,9 @@ def decode_step_ms(engine, batch_size: int, context_len: int, iters: int = 50, w
     context = [[7] * context_len for _ in range(batch_size)] if T > 1 and needs_context(drafter) else None
 
     with borrowed_rows(engine, batch_size, context_len, total, "profile_decode_step") as st:
+        if T > 1 and getattr(engine, "acceptance", None) is not None:
+            engine.acceptance.fill_(batch_size, k)  # replayed: rows commit the trace's mean length
+
         def run():
             if engine.config.temperature > 0:
                 st.uniform[:batch_size, :T].uniform_(generator=st.generator)
@@ -133,7 +136,11 @@ def step_phases(engine, batch_size: int, context_len: int, k: int, iters: int = 
             mark("start")
             if T > 1 and prepare is not None:
                 prepare(st, B, T, context)
-            step_body_(engine.model, st, engine.kv, B, T, engine.config.temperature, engine.drafter, context, mark)
+            acceptance = getattr(engine, "acceptance", None) if T > 1 else None
+            if acceptance is not None:
+                acceptance.fill_(B, k)  # replayed: rows commit the trace's mean length
+            step_body_(engine.model, st, engine.kv, B, T, engine.config.temperature, engine.drafter, context, mark,
+                       acceptance=acceptance)
             if cuda:
                 marks[-1][1].synchronize()
             if it == 0:
@@ -208,3 +215,97 @@ def step_time_vs_floor(engine, batches, context_len: int, iters: int = 100, copy
             "floor_ms_all": floor_all, "floor_ms_read": floor_read,
             "floor_fraction_all": {b: floor_all / ms for b, ms in step_ms.items()},
             "floor_fraction_read": {b: floor_read / ms for b, ms in step_ms.items()}}
+
+
+class _StopStep(Exception):
+    """Raised by a phase mark to end a step body after that phase (step prefixes, below)."""
+
+
+def _prefix_ms(engine, B: int, T: int, stop: str, iters: int, warmup: int = 2) -> float:
+    """Device ms of step_body_ run up to the end of phase ``stop`` (draft | verify): a CUDA graph of
+    that prefix replayed ``iters`` times when the engine is graphed (the capture ends where the mark
+    raises, so the graph holds exactly the prefix's kernels), else eager wall time. A prefix commits
+    nothing (no seq_lens advance), so replays repeat the same work on the same rows."""
+    acceptance = getattr(engine, "acceptance", None)
+
+    def mark(phase):
+        if phase == stop:
+            raise _StopStep
+
+    def body():
+        try:
+            step_body_(engine.model, engine.state, engine.kv, B, T, engine.config.temperature, engine.drafter,
+                       None, mark, acceptance=acceptance)
+        except _StopStep:
+            pass
+
+    cuda = engine.model.device.type == "cuda"
+    if not (cuda and engine.graphed):
+        body()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            body()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):  # compiled and warmed outside the capture
+        for _ in range(warmup):
+            body()
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    del graph
+    return start.elapsed_time(end) / iters
+
+
+def step_breakdown(engine, batches, context_len: int, iters: int = 50) -> dict:
+    """The speculative step per configured k beside the plain step, at each decode batch in
+    ``batches`` with ``context_len`` tokens of context: graphed full-step ms (``decode_step_ms``),
+    and its draft / verify / commit split from graphed prefixes of the same body (draft = the tree's
+    draft rounds; verify = target forward over the tree + verify_accept; commit = the rest: kv_sync
+    and the draft extend), draft ms per round, the step's cost in plain steps, and with replayed
+    acceptance the speed-up it implies: mean accepted length x plain ms / step ms (batch 1 is the
+    latency speed-up; above it an upper bound, ignoring scheduling). On the CPU the numbers only keep
+    smoke runs going."""
+    acceptance = getattr(engine, "acceptance", None)
+    out = {"context": context_len, "iters": iters, "graphed": engine.graphed, "batches": {}}
+    ks = [k for k in engine.ks if k > 0]
+    for b in (int(x) for x in batches):
+        if not 1 <= b <= engine.config.max_batch_size:
+            raise ConfigError(f"engine.profile_spec_steps: batch {b} must be in 1..engine.max_batch_size "
+                              f"({engine.config.max_batch_size})")
+        plain = decode_step_ms(engine, b, context_len, iters=iters)
+        row = {"plain_ms": plain, "k": {}}
+        for k in ks:
+            T = engine.stepper.num_nodes(k)
+            full = decode_step_ms(engine, b, context_len, iters=iters, k=k)
+            slots = profile_slots(engine, context_len, 1, T)
+            with borrowed_rows(engine, b, context_len, slots, "step_breakdown") as st:
+                if acceptance is not None:
+                    acceptance.fill_(b, k)
+                draft = _prefix_ms(engine, b, T, "draft", iters)
+                upto_verify = _prefix_ms(engine, b, T, "verify", iters)
+                del st
+            shape = getattr(engine.drafter, "shape_for", None)
+            rounds = shape(k)[1] if shape is not None else 1
+            entry = {"step_ms": full, "draft_ms": draft, "draft_round_ms": draft / rounds, "draft_rounds": rounds,
+                     "verify_ms": upto_verify - draft, "commit_ms": full - upto_verify,
+                     "step_over_plain": full / plain if plain else None}
+            if acceptance is not None:
+                tau = acceptance._mean_length(k)
+                entry.update(mean_accepted_length=tau, implied_speedup=tau * plain / full if full else None)
+            row["k"][str(k)] = entry
+        out["batches"][str(b)] = row
+    if acceptance is not None:
+        out["acceptance"] = acceptance.describe()
+    return out

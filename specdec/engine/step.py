@@ -50,7 +50,7 @@ def tree_inputs(state: DecodeState, kv: KVCache, tree: DraftTree, B: int, valid:
 
 
 def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperature: float,
-               drafter=None, context=None, marks=None) -> None:
+               drafter=None, context=None, marks=None, acceptance=None) -> None:
     """One step over state rows 0 .. B-1 with trees of T nodes (T = 1: plain decoding, k = 0).
 
     draft -> verify -> accept -> commit, all on the device:
@@ -63,7 +63,9 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     Rows >= state.num_active are padding: T_b = 0, no KV read or written, nothing committed.
     Writes state.sampled_for(T)[:B] (committed tokens then -1) and commits in place; no host sync,
     so a CUDA graph can capture it per (bucket B, tree size T). ``marks(phase)``, when given (eager
-    profiling only), is called as the draft, verify and commit phases end.
+    profiling only), is called as the draft, verify and commit phases end. ``acceptance`` (replayed
+    acceptance, :mod:`specdec.acceptance`): the verdict is replaced by its forced one after
+    verify_accept has run, so the step does the same work and commits the replayed path.
     """
     if T == 1 and not extends_at_k0(drafter):
         # Speculation off: a drafter that does no work at k = 0 (n-gram; EAGLE-3 with catch-up) is
@@ -87,6 +89,9 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     uniforms = state.uniform[:B, :T] if temperature > 0 else None
     accept_len, nodes, out_tokens = step_ops.verify_accept(logits, tree.tokens, tree.parents, temperature,
                                                       uniforms, backend=be)
+    if acceptance is not None and T > 1:
+        # Replayed acceptance: each row accepts its drawn length along the drafted tree's path.
+        accept_len, nodes, out_tokens = acceptance.verdict(tree, logits, B, T)
     if marks:
         marks("verify")
     seq_old = state.seq_lens[:B].clone()  # [B] the drafter's extend starts here
