@@ -4,6 +4,8 @@
   the torch calls of the same step without a drafter: no draft call, no feature capture (checked on
   the call sequence; an EAGLE-3 drafter that syncs while off fails the same check).
 - Rows hold no tree's slots while speculation is off (the same free pages as without a drafter).
+- A prompt prefilled while speculation is off runs the target's prefill alone (the torch calls of
+  an engine without a drafter, no draft call); its draft KV is left to the catch-up.
 - After random on/off schedules (rows joining and leaving at different times, preemptions in
   between, catch-up chunked over several forwards, padded shapes) the draft KV over every row's
   committed slots and its root state equal a from-scratch draft prefill of the same tokens after
@@ -87,6 +89,55 @@ def test_k0_step_with_a_drafter_runs_the_plain_step_body(tiny):
     assert drafted.count("extend_") == 3
 
 
+def off_prefill_calls(model, drafter, first, later, pad):
+    """Torch calls of the prefill forward of prompts ``later`` that arrive after a k = 0 step (the
+    engine is off), plus the drafter methods called by it."""
+    engine = Engine(model, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024, pad_eager=pad,
+                                        prefill_buckets=(32,), graph_buckets=(1, 2, 4)),
+                    drafter=drafter, ks=(0,) if drafter is None else (4,))
+    drafted = []
+    if drafter is not None:
+        for name in ("propose", "extend_", "prefill_", "prepare_"):
+            if hasattr(drafter, name):
+                real = getattr(drafter, name)
+                setattr(drafter, name, lambda *a, _real=real, _name=name, **kw: drafted.append(_name) or _real(*a, **kw))
+    engine.add_request(first, 8)
+    engine.step(0)  # prefill of the first prompt (drafted: no step has run yet) + a k = 0 step
+    engine.step(0)
+    drafted.clear()
+    for p in later:
+        engine.add_request(p, 8)
+    log, real_prefill = CallLog(), engine.stepper.prefill_
+
+    def logged(*a, **kw):
+        with log:
+            return real_prefill(*a, **kw)
+
+    engine.stepper.prefill_ = logged
+    engine.step(0)
+    return log.calls, drafted, engine
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_prefill_while_off_skips_the_draft(tiny, pad):
+    """Prompts prefilled while speculation is off run the target's prefill alone (the torch calls of
+    an engine without a drafter; no draft call), and their rows' draft length stays at 0; an
+    EAGLE-3 drafter that syncs while off (mutation check) still runs its draft prefill."""
+    first, later = rand_prompts([7], seed=5)[0], rand_prompts([9, 12], seed=6)
+    plain, _, _ = off_prefill_calls(tiny, None, first, later, pad)
+    assert plain
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
+    calls, drafted, engine = off_prefill_calls(tiny, drafter, first, later, pad)
+    assert calls == plain and drafted == []
+    assert engine.undrafted_prefill_tokens == sum(len(p) - 1 for p in later)
+    # The first row: drafted over its prompt, then behind by its k = 0 steps; the later: nothing drafted.
+    assert engine.state.draft_lens_host == [len(first) - 1, 0, 0] and engine.state.seq_lens_host[0] == len(first) + 2
+    synced = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=True)
+    calls, drafted, engine = off_prefill_calls(tiny, synced, first, later, pad)
+    assert calls != plain and "prefill_" in drafted and engine.undrafted_prefill_tokens == 0
+    assert engine.state.draft_lens_host == engine.state.seq_lens_host
+
+
 def test_speculation_off_holds_no_tree_slots(tiny):
     """A drafter with 16-node trees configured but off: rows hold the pages plain decoding holds."""
     prompts = rand_prompts([5, 14, 9, 21], seed=4)
@@ -162,6 +213,7 @@ def test_catch_up_after_random_schedules_equals_fresh_prefill(tiny, seed, pad, o
             drafting += 1
         step += 1
     assert drafting > 3 and engine.num_catch_ups > 3 and engine.scheduler.num_preemptions > 0
+    assert engine.undrafted_prefill_tokens > 0  # prompts (and recomputes) prefilled while off
     assert [r.output_ids for r in reqs] == want
 
 
