@@ -263,3 +263,61 @@ def test_unconfigured_sizes_are_config_errors(tiny):
         Eagle3Drafter(tiny_head(tiny), tiny, trees=[(2, 3, 6), (3, 2, 6)])
     with pytest.raises(ConfigError, match=r"chain length.*\[3\]"):
         NgramDrafter(chains=[3]).num_nodes(4)
+
+
+def test_shadow_acceptance_is_what_speculation_commits(tiny):
+    """The n-gram drafter's shadow score walked over a request's greedy output (start += committed,
+    from the prompt's end) is, step for step, what an engine speculating at k every step commits
+    (the tiny model's greedy output repeats, so the chains accept runs of several tokens)."""
+    from specdec.engine.shadow import ShadowAcceptance
+
+    prompts = repetitive_prompts(3, seed=4)
+    for k in (2, 5):
+        drafter = NgramDrafter(chains=[2, 5])
+        for p in prompts:
+            trace = []
+            engine = Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=512),
+                            drafter=drafter, ks=(k,), trace=trace.append)
+            req = engine.add_request(p, 24)
+            while engine.has_work():
+                engine.step(k)
+            engine.flush_trace()
+            served = [a + 1 for rec in trace for a in rec["accepted"]]
+            hist, start, walked = req.tokens, len(p), []
+            while start + k <= len(hist):
+                walked.append(drafter.shadow_commits(hist, start, k))
+                start += walked[-1]
+            n = len(walked)
+            assert n >= 3 and walked == served[:n], (k, p)
+            assert max(served) > 1  # some chains accepted: the check is not all ones
+    # The walker: one (request, k) walk per pair, at most evals_per_step lookups per call.
+    sh = ShadowAcceptance(NgramDrafter(chains=[2, 5]), (0, 2, 5), evals_per_step=3)
+    hist = prompts[0] * 3
+    got = sh.samples_(["a", "b"], lambda i: hist)
+    assert len(got) == 3 and [g[:2] for g in got] == [(2, "a"), (5, "a"), (2, "b")]
+    assert sh.next_start[("a", 2)] == len(hist) - 2 + got[0][2]
+    assert sh.samples_(["a"], lambda i: hist) == []  # no new tokens: nothing left to score
+
+
+def test_goodput_with_shadow_scores_turns_ngram_speculation_on(tiny):
+    """An n-gram engine under goodput with shadow scoring: k = 0 steps feed it samples (no forced
+    try), it speculates on repetitive text, and greedy output stays plain greedy's."""
+    from specdec.policy import Goodput
+
+    prompts = repetitive_prompts(3, seed=4)
+    want = [reference(tiny, p, 24) for p in prompts]
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2)
+    trace = []
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=NgramDrafter(chains=[2, 5]), policy=pol, trace=trace.append)
+    assert pol.shadowed and engine._shadow is not None
+    pol.set_table({0: {1: 1.0, 4: 1.0}, 2: {1: 1.05, 4: 1.05}, 5: {1: 1.1, 4: 1.1}})  # speculation nearly free
+    reqs = [engine.add_request(p, 24) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    engine.flush_trace()
+    ks = [rec["k"] for rec in trace if rec["decode_bs"]]
+    assert ks[0] == 0  # no first try: k > 0 waits for the first shadow samples
+    assert pol.shadow_samples > 0 and pol.accept[5] is not None and pol.lookup_ms is not None
+    assert any(ks), ks
+    assert [r.output_ids for r in reqs] == want

@@ -39,13 +39,14 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ConfigError
-from ..policy.base import BatchView, StepStats, wants_rows, wants_step_ms
+from ..policy.base import BatchView, StepStats, shadow_evals, wants_rows, wants_step_ms
 from ..spec.base import capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
 from . import profiling
 from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets
 from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
+from .shadow import ShadowAcceptance
 from .state import DecodeState
 from .step import PhaseTimer, PrefillChunk, Stepper, catch_up_body_, prefill_body_, step_body_
 
@@ -291,6 +292,12 @@ class Engine:
         # drafts (H200, C = 256, policy=never: the EAGLE-3 draft prefill cost 0.87x of no drafter).
         self._last_k: int | None = None  # k of the last decode step (None: none yet: prefill drafts)
         self.undrafted_prefill_tokens = 0  # prompt tokens prefilled without the draft
+        # Drafts scored from the committed tokens while off (n-gram, for a policy that asks for it).
+        self._shadow = None
+        if shadow_evals(policy) and hasattr(drafter, "shadow_commits") and len(self.ks) > 1:
+            self._shadow = ShadowAcceptance(drafter, self.ks, shadow_evals(policy))
+            if hasattr(policy, "shadowed_"):
+                policy.shadowed_()
         if policy is not None:
             profiling.calibrate_policy_(self)
         self.t0 = time.perf_counter()
@@ -447,9 +454,15 @@ class Engine:
             step.tokens = self.stepper.collect_(step)
         tokens = step.tokens
         if self.policy is not None and not step.policy_fed:
+            shadow = shadow_ms = None
+            if self._shadow is not None and step.k == 0 and step.rows:
+                sh, rows, n0, s0 = self._shadow, step.rows, self._shadow.lookups, self._shadow.lookup_s
+                shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i])
+                if sh.lookups > n0:
+                    shadow_ms = (sh.lookup_s - s0) * 1e3 / (sh.lookups - n0)
             self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
                                          rows=[r.id for r, _ in step.rows] if self._policy_rows else None,
-                                         step_ms=self.stepper.step_ms(step)))
+                                         step_ms=self.stepper.step_ms(step), shadow=shadow, shadow_ms=shadow_ms))
             step.policy_fed = True
         kept = self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter(),
                                              drafted=step.k > 0 or self._synced_at_k0)

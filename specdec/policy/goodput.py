@@ -37,6 +37,16 @@ class Goodput:
                multiplies the gap by ``explore_backoff``, up to ``explore_max``; a k > 0 chosen on
                its merits resets it), so that acceptance tracks the
                workload (the draft KV stays in sync meanwhile, so a re-try costs one step's draft).
+    Drafts scored while off (``shadow_evals`` > 0 with a drafter that scores its drafts from the
+    committed tokens, n-gram: specdec.engine.shadow): every k = 0 step brings samples of what a
+    step at each k would have committed, from the running requests' own text, so a(k) stays
+    current with no re-tries and no first try (a k is chosen once its first sample is in); the
+    host time of those lookups measures the drafter's host work per row, added to the start-up
+    table's t(k, B) for k > 0 (B rows, each looked up before a step: at C = 256 on the H200 an
+    n-gram step took 12.9 ms served against 3.5 ms profiled).
+    The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
+    EMA: one first step does not set it (n-gram's first step at C = 1 accepted nothing, a prior of
+    1.0 that the EMA took hundreds of rows to move).
     A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
     near the crossover does not flip every step. Decode rows only: prefills never count.
     H200 (bench_spec --draft eagle3 --trace-dir, results/spec/goodput_trace_2dbe67d.md): with one
@@ -52,7 +62,8 @@ class Goodput:
 
     def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 32,
                  profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01,
-                 explore_backoff: float = 1.0, explore_max: int = 1024):
+                 explore_backoff: float = 1.0, explore_max: int = 1024, shadow_evals: int = 0,
+                 profile_iters: int = 20):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -69,6 +80,15 @@ class Goodput:
                               f"explore_every={explore_every})")
         self.ema, self.margin, self.explore_every = float(ema), float(margin), int(explore_every)
         self.explore_backoff, self.explore_max = float(explore_backoff), int(explore_max)
+        if shadow_evals < 0 or profile_iters < 1:
+            raise ConfigError(f"policy goodput: need shadow_evals >= 0 and profile_iters >= 1 (got "
+                              f"shadow_evals={shadow_evals}, profile_iters={profile_iters})")
+        self.shadow_evals = int(shadow_evals)  # drafts scored per k = 0 step (the engine's ShadowAcceptance)
+        self.profile_iters = int(profile_iters)  # graphed steps per start-up table entry
+        self.shadowed = False  # the engine feeds shadow samples (``shadowed_``): no forced tries, no re-tries
+        self.lookup_ms: float | None = None  # EMA of the host ms per row of the drafter's lookups
+        self.shadow_samples = 0
+        self.rows_seen: dict[int, int] = {k: 0 for k in ks}  # rows behind the prior a(k)
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
         self.prior_ema = float(prior_ema)
@@ -105,9 +125,20 @@ class Goodput:
         return rows[-1]
 
     def step_ms(self, k: int, batch: int) -> float:
-        """t(k, batch): the served steps' average in batch's table bucket, else the start-up entry."""
+        """t(k, batch): the served steps' average in batch's table bucket, else the start-up entry
+        (for k > 0 plus the drafter's host lookups of batch rows, when shadow lookups measured them:
+        served steps include that time already)."""
         b, ms = self._bucket(k, batch)
-        return self.observed.get((k, b), ms)
+        served = self.observed.get((k, b))
+        if served is not None:
+            return served
+        if k > 0 and self.lookup_ms is not None:
+            ms += batch * self.lookup_ms
+        return ms
+
+    def shadowed_(self) -> None:
+        """The engine will feed shadow samples (StepStats.shadow) from every k = 0 step."""
+        self.shadowed = True
 
     # -- the policy -------------------------------------------------------------------------
     def expected(self, k: int, batch: int, rows=None) -> float | None:
@@ -143,10 +174,10 @@ class Goodput:
                 for r in own.keys() - live:
                     del own[r]
         untried = [k for k in self.ks[1:] if self.accept[k] is None]
-        if untried:
+        if untried and not self.shadowed:
             k = untried[0]
         else:
-            rates = {k: self.rate(k, B, rows) for k in self.ks}
+            rates = {k: r for k in self.ks if (r := self.rate(k, B, rows)) is not None}
             k = max(rates, key=rates.get)
             if k != self.last and rates[k] <= rates[self.last] * (1.0 + self.margin):
                 k = self.last  # not enough gain to switch
@@ -158,8 +189,9 @@ class Goodput:
             elif self._explored:
                 self.explore_gap = min(self.explore_gap * self.explore_backoff, float(self.explore_max))
             self._explored = False
-            if k == 0 and self.explore_every and self.off_steps + 1 >= self.explore_gap:
-                k = max(self.ks[1:], key=rates.get)  # re-measure the best speculative k once
+            if (k == 0 and self.explore_every and not self.shadowed and len(rates) > 1
+                    and self.off_steps + 1 >= self.explore_gap):
+                k = max(self.ks[1:], key=lambda j: rates.get(j, 0.0))  # re-measure the best speculative k once
                 self._explored = True
         self.off_steps = self.off_steps + 1 if k == 0 else 0
         self.last = k
@@ -172,6 +204,8 @@ class Goodput:
                 "served_step_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.observed.items()) if kk == k}
                                    for k in self.ks},
                 "accept": {f"k={k}": a for k, a in self.accept.items()},
+                "accept_rows_seen": {f"k={k}": n for k, n in self.rows_seen.items()},
+                "shadow_samples": self.shadow_samples, "lookup_ms_per_row": self.lookup_ms,
                 "accept_rows": {f"k={k}": {str(r): a for r, a in own.items()} for k, own in self.row_accept.items()}}
 
     def update(self, stats: StepStats) -> None:
@@ -181,15 +215,34 @@ class Goodput:
             old = self.observed.get((stats.k, b), table_ms)
             sample = min(stats.step_ms, SERVED_OUTLIER * old)  # a stalled step moves the average a little
             self.observed[(stats.k, b)] = (1.0 - self.time_ema) * old + self.time_ema * sample
+        if stats.shadow:
+            by_k: dict[int, list] = {}
+            for k, r, c in stats.shadow:
+                if k in self.accept:
+                    by_k.setdefault(k, []).append((r, c))
+            for k, pairs in by_k.items():
+                self._observe_(k, [r for r, _ in pairs], [c for _, c in pairs])
+            self.shadow_samples += len(stats.shadow)
+            if stats.shadow_ms is not None:
+                old = self.lookup_ms
+                self.lookup_ms = stats.shadow_ms if old is None else (1.0 - self.ema) * old + self.ema * stats.shadow_ms
         if stats.k == 0 or not stats.committed or stats.k not in self.accept:
             return
-        n = len(stats.committed)
-        mean = sum(stats.committed) / n
-        prior = self.accept[stats.k]
-        if stats.rows is not None:
-            own = self.row_accept[stats.k]
-            for r, c in zip(stats.rows, stats.committed):
+        self._observe_(stats.k, stats.rows, stats.committed)
+
+    def _observe_(self, k: int, rows, committed) -> None:
+        """Fold tokens committed per row at k (served, or scored in the shadow) into the rows' own
+        a(k) and the prior."""
+        n = len(committed)
+        mean = sum(committed) / n
+        prior = self.accept[k]
+        if rows is not None:
+            own = self.row_accept[k]
+            for r, c in zip(rows, committed):
                 old = own.get(r, mean if prior is None else prior)
                 own[r] = (1.0 - self.ema) * old + self.ema * c
-        w = 1.0 - (1.0 - self.prior_ema) ** n  # one prior_ema step per row
-        self.accept[stats.k] = mean if prior is None else (1.0 - w) * prior + w * mean
+        # The mean of the rows so far while they are few, then one prior_ema step per row.
+        seen = self.rows_seen[k]
+        w = max(n / (seen + n), 1.0 - (1.0 - self.prior_ema) ** n)
+        self.rows_seen[k] = seen + n
+        self.accept[k] = mean if prior is None else (1.0 - w) * prior + w * mean
