@@ -355,3 +355,43 @@ def test_goodput_shadow_samples_turn_ngram_on_at_low_batch_only():
     for k in (2, 4, 8):
         run_k(old, k, [1])  # the first try of each accepted nothing
     assert all(old.choose(view(1)) == 0 for _ in range(20))
+
+
+def test_goodput_prices_host_bound_iterations():
+    """When the host sets the pace (each iteration's host work exceeds the device step), a larger
+    tree costs no more wall time per iteration: goodput moves from tree 8 (fastest device step) to
+    tree 32 (most tokens per iteration), as the H200 C = 64 run should have (there tree 8's 1.9 ms
+    device steps ran in 3.7 ms iterations and always (tree 32) won 1.08x); with a fast host it
+    stays at 8, and at k = 0 when the table makes speculation slower."""
+    table = {0: {64: 1.15}, 8: {64: 1.66}, 32: {64: 3.14}}
+    accept = {8: 2.68, 32: 3.45}
+
+    def fresh():
+        pol = Goodput([8, 32], margin=0.03, explore_every=0)
+        pol.set_table(table)
+        for k in (8, 32):
+            run_k(pol, k, [accept[k]] * 64)
+        return pol
+
+    fast = fresh()
+    for _ in range(30):
+        k = fast.choose(view(64))
+        fast.iteration_(k, 64, fast.step_ms(k, 64) + 0.2, 0.5)  # host 0.5 ms: device-bound
+    assert fast.choose(view(64)) == 8  # 2.68 / 1.86 > 3.45 / 3.34
+    slow = fresh()
+    held = []
+    for _ in range(30):
+        k = slow.choose(view(64))
+        held.append(k)
+        slow.iteration_(k, 64, max(slow.step_ms(k, 64), 3.7), 3.7)  # host 3.7 ms per iteration
+    assert held[-10:] == [32] * 10 and slow.iter_ms(32, 64) == pytest.approx(3.7, rel=0.05)
+    assert "served_iter_ms" in slow.describe() and slow.describe()["host_ms_per_iter"][64] == pytest.approx(3.7)
+    # Speculation slower than plain decoding at every k (no host limit): k = 0.
+    off = Goodput([8, 32], margin=0.03, explore_every=0)
+    off.set_table({0: {64: 1.15}, 8: {64: 3.5}, 32: {64: 4.5}})
+    for k in (8, 32):
+        run_k(off, k, [accept[k]] * 64)
+    for _ in range(5):
+        k = off.choose(view(64))
+        off.iteration_(k, 64, off.step_ms(k, 64), 0.3)
+    assert off.choose(view(64)) == 0

@@ -283,6 +283,8 @@ class Engine:
         # only a policy that reads request ids gets them (a tuple of B ids per step is host work).
         self._policy_times = wants_step_ms(policy)
         self._policy_rows = wants_rows(policy)
+        self._policy_iters = getattr(policy, "iteration_", None)  # optional: per-iteration wall / host ms
+        self._waited_s = 0.0
         self._catches_up = catches_up(drafter)
         self._synced_at_k0 = drafter is None or extends_at_k0(drafter)
         self.num_catch_ups = 0  # catch-up forwards run (draft KV extended over a backlog)
@@ -300,6 +302,7 @@ class Engine:
                 policy.shadowed_()
         if policy is not None:
             profiling.calibrate_policy_(self)
+        self.startup_graph_captures = self.graph_captures()
         self.t0 = time.perf_counter()
 
     # -- requests -------------------------------------------------------------------------------
@@ -365,6 +368,7 @@ class Engine:
             raise ConfigError(f"k={k} was not configured for this engine (ks={self.ks}); every "
                               "speculation length must be known at start-up so its graphs exist")
         t_start = time.perf_counter()
+        self._waited_s = 0.0
         committed: list[tuple[int, list[list[int]]]] = []  # (k, token lists) of the steps committed here
         # A step whose commit raised in an earlier call commits first (the host catches up with the
         # device before anything else changes); with overlapped decoding the newest stays in flight.
@@ -432,6 +436,10 @@ class Engine:
         while len(self._unread) > (1 if self.overlap and n else 0):
             committed.append(self._commit_oldest_())
         now = time.perf_counter()
+        if n and self._policy_iters is not None:
+            # The iteration's wall time (what throughput pays per step at this k and batch: device
+            # time when the host keeps up, host time when it does not) and its host work alone.
+            self._policy_iters(k, n, (now - t_start) * 1e3, (now - t_start - self._waited_s) * 1e3)
         finished = sched.pop_finished()
         if timed:
             self._pending_trace[no] = dict(
@@ -451,7 +459,9 @@ class Engine:
         returns (its k, the token lists committed: rows still in the batch)."""
         step = self._unread[0]
         if step.tokens is None:
+            w0 = time.perf_counter()
             step.tokens = self.stepper.collect_(step)
+            self._waited_s += time.perf_counter() - w0  # blocked on the device, not host work
         tokens = step.tokens
         if self.policy is not None and not step.policy_fed:
             shadow = shadow_ms = None
@@ -510,6 +520,13 @@ class Engine:
         assert all(id(r) in owners for r in sched.rows)
         if not sched.has_work():
             assert self.kv.num_free == self.kv.num_pages, "pages leaked after all requests finished"
+
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (decode, prefill, catch-up): all at start-up by design, so a
+        run's ``graph_recaptures`` (this minus ``startup_graph_captures``) is 0."""
+        st = self.stepper
+        runners = (st.runner, st.prefill_runner, st.plain_prefill_runner, st.catch_up_runner)
+        return sum(getattr(r, "captures", 0) for r in runners if r is not None)
 
     # -- internals ------------------------------------------------------------------------------
     def _ahead(self, k: int) -> int:

@@ -44,6 +44,14 @@ class Goodput:
     host time of those lookups measures the drafter's host work per row, added to the start-up
     table's t(k, B) for k > 0 (B rows, each looked up before a step: at C = 256 on the H200 an
     n-gram step took 12.9 ms served against 3.5 ms profiled).
+    Iterations, not only steps (``iteration_``: the engine reports every iteration's wall and host
+    ms): throughput pays an iteration's wall time, which is the device's decode + prefill when the
+    host keeps up and the host's own work when it does not. The rate divides by the served
+    iterations' average wall time at (k, bucket) where there is one, else by max(t(k, B), the
+    bucket's host ms per iteration): a host-bound batch gains from a larger tree at no wall cost.
+    H200 policy envelope at 41d1e6b, EAGLE-3, C = 64: goodput held tree 8 at 1.9 ms device steps
+    against tree 32's 3.1 ms, yet each iteration took 3.7 ms of wall time (host-bound) and always
+    (tree 32) served 1.08x more tokens per second.
     The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
     EMA: one first step does not set it (n-gram's first step at C = 1 accepted nothing, a prior of
     1.0 that the EMA took hundreds of rows to move).
@@ -89,6 +97,8 @@ class Goodput:
         self.lookup_ms: float | None = None  # EMA of the host ms per row of the drafter's lookups
         self.shadow_samples = 0
         self.rows_seen: dict[int, int] = {k: 0 for k in ks}  # rows behind the prior a(k)
+        self.iter_observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of iteration wall ms
+        self.host_ms: dict[int, float] = {}  # table batch -> EMA of host ms per iteration (any k)
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
         self.prior_ema = float(prior_ema)
@@ -136,6 +146,31 @@ class Goodput:
             ms += batch * self.lookup_ms
         return ms
 
+    def iter_ms(self, k: int, batch: int) -> float:
+        """Wall ms an iteration at k and batch costs: the served iterations' average in the bucket,
+        else max(t(k, batch), the bucket's host ms per iteration), else t(k, batch)."""
+        b, _ = self._bucket(k, batch)
+        served = self.iter_observed.get((k, b))
+        if served is not None:
+            return served
+        ms = self.step_ms(k, batch)
+        host = self.host_ms.get(b)
+        return ms if host is None else max(ms, host)
+
+    def iteration_(self, k: int, batch: int, wall_ms: float, host_ms: float) -> None:
+        """One engine iteration ran a decode step at k over ``batch`` rows in ``wall_ms`` of wall
+        time, ``host_ms`` of it host work (the rest: waiting for the device)."""
+        if self.table is None or self.time_ema <= 0 or batch <= 0 or k not in self.table:
+            return
+        b, _ = self._bucket(k, batch)
+        old = self.host_ms.get(b)
+        sample = host_ms if old is None else min(host_ms, SERVED_OUTLIER * old)
+        self.host_ms[b] = sample if old is None else (1.0 - self.time_ema) * old + self.time_ema * sample
+        # Like the step times: the average starts from the estimate (not from a first iteration that
+        # may carry a catch-up or a large prefill) and a sample counts as at most twice it.
+        old = self.iter_ms(k, batch)
+        self.iter_observed[(k, b)] = (1.0 - self.time_ema) * old + self.time_ema * min(wall_ms, SERVED_OUTLIER * old)
+
     def shadowed_(self) -> None:
         """The engine will feed shadow samples (StepStats.shadow) from every k = 0 step."""
         self.shadowed = True
@@ -159,7 +194,7 @@ class Goodput:
     def rate(self, k: int, batch: int, rows=None) -> float | None:
         """Expected committed tokens per row per ms at k (None: a(k) unknown)."""
         a = self.expected(k, batch, rows)
-        return None if a is None else a / batch / self.step_ms(k, batch)
+        return None if a is None else a / batch / self.iter_ms(k, batch)
 
     def choose(self, view: BatchView) -> int:
         if self.table is None:
@@ -203,6 +238,9 @@ class Goodput:
         return {"step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
                 "served_step_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.observed.items()) if kk == k}
                                    for k in self.ks},
+                "served_iter_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.iter_observed.items()) if kk == k}
+                                   for k in self.ks},
+                "host_ms_per_iter": dict(sorted(self.host_ms.items())),
                 "accept": {f"k={k}": a for k, a in self.accept.items()},
                 "accept_rows_seen": {f"k={k}": n for k, n in self.rows_seen.items()},
                 "shadow_samples": self.shadow_samples, "lookup_ms_per_row": self.lookup_ms,
