@@ -18,4 +18,11 @@ if [ ! -f "$SPECDEC_CACHE/smollm2-135m-instruct/config.json" ] && [ -f /tmp/site
   cat $S/gguf.part?? > $S/smol.gguf
   python3 -c "from pathlib import Path; from specdec.assets import convert_gguf; convert_gguf(Path('$S/smol.gguf'), Path('$SPECDEC_CACHE/smollm2-135m-instruct'))"
 fi
+# A complete asset entry holds its source GGUF too (specdec.assets.SMOLLM2_FILES): without it
+# smollm2_dir() sees an incomplete entry and tries to rebuild it from the PyPI wheel (no network here).
+G=$SPECDEC_CACHE/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -s "$G" ] && [ -f "$SPECDEC_CACHE/smollm2-135m-instruct/config.json" ]; then
+  [ -s $S/smol.gguf ] || cat $S/gguf.part?? > $S/smol.gguf 2>/dev/null
+  [ -s $S/smol.gguf ] && cp $S/smol.gguf "$G"
+fi
 ls "$S" "$SPECDEC_CACHE/smollm2-135m-instruct"

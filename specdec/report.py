@@ -681,7 +681,7 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
         # What each adaptive run held at full load, and how fast it got there.
         kcols = [Column("Policy", None, "l"), Column("C", "$C$", "r"), Column("held k", None, "r"),
                  Column("share", None, "r"), Column("switches", None, "r"), Column("settle steps", None, "r"),
-                 Column("k shares", None, "l")]
+                 Column("recaptures", None, "r"), Column("k shares", None, "l")]
         krows = []
         for r in sorted(rs, key=lambda r: (order.index(policy_label(r)), _concurrency(r))):
             if names[policy_label(r)] in ("never",):
@@ -692,12 +692,13 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
             shares = " ".join(f"{k}:{v:.2f}" for k, v in (kc.get("k_step_fraction") or {}).items())
             krows.append([policy_label(r), str(_concurrency(r)), str(kc.get("steady_k", "-")),
                           f"{kc.get('steady_k_share', 0):.2f}", str(kc.get("k_switches", "-")),
-                          str(kc.get("k_settle_steps", "-")), shares])
+                          str(kc.get("k_settle_steps", "-")), str(r.metrics.get("graph_recaptures", "-")), shares])
         ktable = None
         if krows:
             ktable = Table(f"k chosen at full load: {label}", f"k held in the steady window (decode batch >= 90% of "
                            f"its peak) per run ({label}): its share of the window's steps, switches, steps from the "
-                           "load change until it held; k shares over all decode steps.", f"kchoice{len(out) + 1}",
+                           "load change until it held, CUDA graphs captured after start-up; k shares over all "
+                           "decode steps.", f"kchoice{len(out) + 1}",
                            kcols, krows)
         out.append((table, series, label, ktable))
     return out

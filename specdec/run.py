@@ -263,6 +263,10 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     if trace is not None:
         trace.meta.update(serve_wall_s=time.perf_counter() - t0, engine_startup_s=engine.startup_s,
                           cuda_graphs=engine.graphed, kv_pages=engine.kv.num_pages,
+                          graph_captures=engine.startup_graph_captures,
+                          graph_recaptures=engine.graph_captures() - engine.startup_graph_captures,
+                          undrafted_prefill_tokens=engine.undrafted_prefill_tokens,
+                          catch_up_tokens=engine.catch_up_tokens, catch_up_forwards=engine.num_catch_ups,
                           page_size=engine.kv.page_size, max_batch_size=engine.config.max_batch_size)
         if acceptance is not None:  # replayed: the label, the trace and the sizes it drew from
             trace.meta.update(acceptance.describe())

@@ -69,12 +69,13 @@ def test_goodput_keeps_each_requests_acceptance():
     assert pol.row_accept[2] == {"a": 2.5, "b": 1.5} and pol.accept[2] == 2.0
     assert pol.choose(both) == 2  # bucket 8: (2.5 + 1.5) / 2 / 1.5 = 1.33 per row-ms > 1 / 1.2
     pol.update(StepStats(k=2, num_decode=2, committed=[3, 1], rows=["a", "b"]))  # a 2.75, b 1.25, prior 2
-    pol.update(StepStats(k=2, num_decode=1, committed=[1], rows=["b"]))  # b 1.125, prior 0.9 * 2 + 0.1 = 1.9
-    assert pol.row_accept[2]["b"] == 1.125 and pol.accept[2] == pytest.approx(1.9)
+    # b 1.125; the prior is the mean of the 5 rows seen (fewer than 1 / prior_ema): (3 + 1 + 3 + 1 + 1) / 5
+    pol.update(StepStats(k=2, num_decode=1, committed=[1], rows=["b"]))
+    assert pol.row_accept[2]["b"] == 1.125 and pol.accept[2] == pytest.approx(1.8)
     assert pol.choose(BatchView(1, 0, rows=("b",))) == 0  # b alone: 1.125 / 1.2 < 1 / 1.0
     assert set(pol.row_accept[2]) == {"b"}  # a left the batch: forgotten
-    assert pol.choose(BatchView(1, 0, rows=("c",))) == 2  # c starts from the prior: 1.9 / 1.2 > 1 / 1.0
-    assert pol.expected(2, 3, rows=("c", "d", "e")) == pytest.approx(3 * 1.9) and pol.row_accept[2] == {}
+    assert pol.choose(BatchView(1, 0, rows=("c",))) == 2  # c starts from the prior: 1.8 / 1.2 > 1 / 1.0
+    assert pol.expected(2, 3, rows=("c", "d", "e")) == pytest.approx(3 * 1.8) and pol.row_accept[2] == {}
     assert "accept_rows" in pol.describe()
 
 
@@ -83,9 +84,10 @@ def test_goodput_margin_keeps_the_previous_k():
     for margin, want in ((0.05, 0), (0.10, 2)):
         pol = Goodput([2], prior_ema=0.1, margin=margin, explore_every=0)
         pol.set_table(table)
-        run_k(pol, 2, [2])  # a(2) = 2: 1.0 per ms, a tie with k = 0: stays at 2
+        run_k(pol, 2, [2] * 10)  # a(2) = 2: 1.0 per ms, a tie with k = 0: stays at 2
         assert pol.choose(view(8)) == 2
-        pol.update(StepStats(k=2, num_decode=1, committed=[1]))  # a(2) = 1.9: k = 0 gains 5.3%
+        # 10 rows seen (1 / prior_ema): the prior is an EMA now: a(2) = 1.9: k = 0 gains 5.3%
+        pol.update(StepStats(k=2, num_decode=1, committed=[1]))
         assert pol.choose(view(8)) == want, margin
 
 
@@ -312,3 +314,84 @@ def test_schedule_switching_stays_greedy_identical(tiny, sync):
     assert st["spec_steps"] == st["first_after_off_steps"] + st["other_steps"] > 0
     assert 1.0 <= st["tokens_per_spec_step"] <= 3.0  # a 2-deep tree commits 1..3 tokens per row
     engine.check()
+
+
+# H200 (41d1e6b, policy_envelope, n-gram chain 8, HumanEval, always at C = 1): accepted drafts per step
+NGRAM_ACCEPTED = {0: 597, 1: 142, 2: 33, 3: 21, 4: 8, 5: 8, 6: 5, 7: 9, 8: 70}
+# ... and goodput's start-up table (ms) at batches 1 and 256
+NGRAM_TABLE = {0: {1: 0.566, 256: 2.116}, 2: {1: 0.880, 256: 2.650}, 4: {1: 0.883, 256: 2.840},
+               8: {1: 0.900, 256: 3.547}}
+
+
+def test_goodput_shadow_samples_turn_ngram_on_at_low_batch_only():
+    """With n-gram's measured acceptance (a heavy tail: two thirds of the steps accept nothing) fed as
+    shadow samples, goodput speculates at batch 1 (chain 8 commits 2.1 tokens in 0.9 ms against 1 in
+    0.57) and stays off at 256 once the host lookups are priced in (37 us per row served there: 256
+    lookups outweigh the verify). Without shadow samples the first try decides: one step that
+    accepted nothing kept it off (the H200 run: 98% of C = 1 steps at k = 0)."""
+    import random
+
+    rng = random.Random(0)
+    steps = [a for a, n in NGRAM_ACCEPTED.items() for _ in range(n)]
+    mean = sum(steps) / len(steps) + 1
+    pol = Goodput([2, 4, 8], margin=0.03, explore_every=32, shadow_evals=2)
+    pol.set_table(NGRAM_TABLE)
+    pol.shadowed_()
+    assert pol.choose(view(1)) == 0  # nothing scored yet: off, no forced try
+    for i in range(300):  # one row; shadow samples of every k from the same text
+        shadow = [(k, "r", min(k, rng.choice(steps)) + 1) for k in (2, 4, 8)]
+        pol.update(StepStats(k=0, num_decode=1, committed=[1], rows=["r"], shadow=shadow, shadow_ms=0.037))
+    assert pol.accept[8] == pytest.approx(mean, rel=0.2)
+    assert pol.choose(BatchView(1, 0, rows=("r",))) == 8
+    assert pol.choose(BatchView(1, 0, rows=("s",))) == 8  # a new request: the prior
+    assert pol.step_ms(8, 256) == pytest.approx(3.547 + 256 * 0.037)
+    assert pol.choose(view(256)) == 0
+    # Without the host lookups priced in, 256 rows would speculate (2.1 / 3.5 > 1 / 2.1): the table
+    # alone is wrong for a drafter that drafts on the host.
+    pol.lookup_ms = None
+    assert pol.choose(view(256)) == 8
+    old = Goodput([2, 4, 8], margin=0.03, explore_every=32)
+    old.set_table(NGRAM_TABLE)
+    for k in (2, 4, 8):
+        run_k(old, k, [1])  # the first try of each accepted nothing
+    assert all(old.choose(view(1)) == 0 for _ in range(20))
+
+
+def test_goodput_prices_host_bound_iterations():
+    """When the host sets the pace (each iteration's host work exceeds the device step), a larger
+    tree costs no more wall time per iteration: goodput moves from tree 8 (fastest device step) to
+    tree 32 (most tokens per iteration), as the H200 C = 64 run should have (there tree 8's 1.9 ms
+    device steps ran in 3.7 ms iterations and always (tree 32) won 1.08x); with a fast host it
+    stays at 8, and at k = 0 when the table makes speculation slower."""
+    table = {0: {64: 1.15}, 8: {64: 1.66}, 32: {64: 3.14}}
+    accept = {8: 2.68, 32: 3.45}
+
+    def fresh():
+        pol = Goodput([8, 32], margin=0.03, explore_every=0)
+        pol.set_table(table)
+        for k in (8, 32):
+            run_k(pol, k, [accept[k]] * 64)
+        return pol
+
+    fast = fresh()
+    for _ in range(30):
+        k = fast.choose(view(64))
+        fast.iteration_(k, 64, fast.step_ms(k, 64) + 0.2, 0.5)  # host 0.5 ms: device-bound
+    assert fast.choose(view(64)) == 8  # 2.68 / 1.86 > 3.45 / 3.34
+    slow = fresh()
+    held = []
+    for _ in range(30):
+        k = slow.choose(view(64))
+        held.append(k)
+        slow.iteration_(k, 64, max(slow.step_ms(k, 64), 3.7), 3.7)  # host 3.7 ms per iteration
+    assert held[-10:] == [32] * 10 and slow.iter_ms(32, 64) == pytest.approx(3.7, rel=0.05)
+    assert "served_iter_ms" in slow.describe() and slow.describe()["host_ms_per_iter"][64] == pytest.approx(3.7)
+    # Speculation slower than plain decoding at every k (no host limit): k = 0.
+    off = Goodput([8, 32], margin=0.03, explore_every=0)
+    off.set_table({0: {64: 1.15}, 8: {64: 3.5}, 32: {64: 4.5}})
+    for k in (8, 32):
+        run_k(off, k, [accept[k]] * 64)
+    for _ in range(5):
+        k = off.choose(view(64))
+        off.iteration_(k, 64, off.step_ms(k, 64), 0.3)
+    assert off.choose(view(64)) == 0

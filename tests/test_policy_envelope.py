@@ -20,10 +20,15 @@ def test_full_study_composes_to_the_sweep_it_promises():
     params = cfg.hydra.sweeper.params
     assert params["draft"] == "eagle3_smollm2_trees,ngram_chains"
     assert params["workload"] == "humaneval,mt_bench"
-    assert params["policy"] == "never,always,batch_threshold,goodput"
+    assert params["policy"] == "never,always,goodput"
     assert params["workload.concurrency"] == "1,2,4,8,16,32,64,128,256"
     assert [t["num_draft_tokens"] for t in cfg.draft.trees] == [3, 8, 16, 32]
-    assert cfg.policy.k is None and cfg.workload.requests_per_client == 4
+    assert cfg.policy.k is None and cfg.workload.requests_per_client == 3
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=policy_envelope", "policy=goodput", "draft=ngram_chains",
+                                           "workload=mt_bench"])
+    assert list(cfg.draft.chains) == [2, 4, 8] and cfg.policy.shadow_evals == 2 and cfg.policy.profile_iters == 8
+    assert cfg.engine.profile_iters == 1
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@
   the torch calls of the same step without a drafter: no draft call, no feature capture (checked on
   the call sequence; an EAGLE-3 drafter that syncs while off fails the same check).
 - Rows hold no tree's slots while speculation is off (the same free pages as without a drafter).
+- A prompt prefilled while speculation is off runs the target's prefill alone (the torch calls of
+  an engine without a drafter, no draft call); its draft KV is left to the catch-up.
 - After random on/off schedules (rows joining and leaving at different times, preemptions in
   between, catch-up chunked over several forwards, padded shapes) the draft KV over every row's
   committed slots and its root state equal a from-scratch draft prefill of the same tokens after
@@ -87,6 +89,55 @@ def test_k0_step_with_a_drafter_runs_the_plain_step_body(tiny):
     assert drafted.count("extend_") == 3
 
 
+def off_prefill_calls(model, drafter, first, later, pad):
+    """Torch calls of the prefill forward of prompts ``later`` that arrive after a k = 0 step (the
+    engine is off), plus the drafter methods called by it."""
+    engine = Engine(model, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024, pad_eager=pad,
+                                        prefill_buckets=(32,), graph_buckets=(1, 2, 4)),
+                    drafter=drafter, ks=(0,) if drafter is None else (4,))
+    drafted = []
+    if drafter is not None:
+        for name in ("propose", "extend_", "prefill_", "prepare_"):
+            if hasattr(drafter, name):
+                real = getattr(drafter, name)
+                setattr(drafter, name, lambda *a, _real=real, _name=name, **kw: drafted.append(_name) or _real(*a, **kw))
+    engine.add_request(first, 8)
+    engine.step(0)  # prefill of the first prompt (drafted: no step has run yet) + a k = 0 step
+    engine.step(0)
+    drafted.clear()
+    for p in later:
+        engine.add_request(p, 8)
+    log, real_prefill = CallLog(), engine.stepper.prefill_
+
+    def logged(*a, **kw):
+        with log:
+            return real_prefill(*a, **kw)
+
+    engine.stepper.prefill_ = logged
+    engine.step(0)
+    return log.calls, drafted, engine
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_prefill_while_off_skips_the_draft(tiny, pad):
+    """Prompts prefilled while speculation is off run the target's prefill alone (the torch calls of
+    an engine without a drafter; no draft call), and their rows' draft length stays at 0; an
+    EAGLE-3 drafter that syncs while off (mutation check) still runs its draft prefill."""
+    first, later = rand_prompts([7], seed=5)[0], rand_prompts([9, 12], seed=6)
+    plain, _, _ = off_prefill_calls(tiny, None, first, later, pad)
+    assert plain
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
+    calls, drafted, engine = off_prefill_calls(tiny, drafter, first, later, pad)
+    assert calls == plain and drafted == []
+    assert engine.undrafted_prefill_tokens == sum(len(p) - 1 for p in later)
+    # The first row: drafted over its prompt, then behind by its k = 0 steps; the later: nothing drafted.
+    assert engine.state.draft_lens_host == [len(first) - 1, 0, 0] and engine.state.seq_lens_host[0] == len(first) + 2
+    synced = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=True)
+    calls, drafted, engine = off_prefill_calls(tiny, synced, first, later, pad)
+    assert calls != plain and "prefill_" in drafted and engine.undrafted_prefill_tokens == 0
+    assert engine.state.draft_lens_host == engine.state.seq_lens_host
+
+
 def test_speculation_off_holds_no_tree_slots(tiny):
     """A drafter with 16-node trees configured but off: rows hold the pages plain decoding holds."""
     prompts = rand_prompts([5, 14, 9, 21], seed=4)
@@ -162,6 +213,7 @@ def test_catch_up_after_random_schedules_equals_fresh_prefill(tiny, seed, pad, o
             drafting += 1
         step += 1
     assert drafting > 3 and engine.num_catch_ups > 3 and engine.scheduler.num_preemptions > 0
+    assert engine.undrafted_prefill_tokens > 0  # prompts (and recomputes) prefilled while off
     assert [r.output_ids for r in reqs] == want
 
 
@@ -211,3 +263,61 @@ def test_unconfigured_sizes_are_config_errors(tiny):
         Eagle3Drafter(tiny_head(tiny), tiny, trees=[(2, 3, 6), (3, 2, 6)])
     with pytest.raises(ConfigError, match=r"chain length.*\[3\]"):
         NgramDrafter(chains=[3]).num_nodes(4)
+
+
+def test_shadow_acceptance_is_what_speculation_commits(tiny):
+    """The n-gram drafter's shadow score walked over a request's greedy output (start += committed,
+    from the prompt's end) is, step for step, what an engine speculating at k every step commits
+    (the tiny model's greedy output repeats, so the chains accept runs of several tokens)."""
+    from specdec.engine.shadow import ShadowAcceptance
+
+    prompts = repetitive_prompts(3, seed=4)
+    for k in (2, 5):
+        drafter = NgramDrafter(chains=[2, 5])
+        for p in prompts:
+            trace = []
+            engine = Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=512),
+                            drafter=drafter, ks=(k,), trace=trace.append)
+            req = engine.add_request(p, 24)
+            while engine.has_work():
+                engine.step(k)
+            engine.flush_trace()
+            served = [a + 1 for rec in trace for a in rec["accepted"]]
+            hist, start, walked = req.tokens, len(p), []
+            while start + k <= len(hist):
+                walked.append(drafter.shadow_commits(hist, start, k))
+                start += walked[-1]
+            n = len(walked)
+            assert n >= 3 and walked == served[:n], (k, p)
+            assert max(served) > 1  # some chains accepted: the check is not all ones
+    # The walker: one (request, k) walk per pair, at most evals_per_step lookups per call.
+    sh = ShadowAcceptance(NgramDrafter(chains=[2, 5]), (0, 2, 5), evals_per_step=3)
+    hist = prompts[0] * 3
+    got = sh.samples_(["a", "b"], lambda i: hist)
+    assert len(got) == 3 and [g[:2] for g in got] == [(2, "a"), (5, "a"), (2, "b")]
+    assert sh.next_start[("a", 2)] == len(hist) - 2 + got[0][2]
+    assert sh.samples_(["a"], lambda i: hist) == []  # no new tokens: nothing left to score
+
+
+def test_goodput_with_shadow_scores_turns_ngram_speculation_on(tiny):
+    """An n-gram engine under goodput with shadow scoring: k = 0 steps feed it samples (no forced
+    try), it speculates on repetitive text, and greedy output stays plain greedy's."""
+    from specdec.policy import Goodput
+
+    prompts = repetitive_prompts(3, seed=4)
+    want = [reference(tiny, p, 24) for p in prompts]
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2)
+    trace = []
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=NgramDrafter(chains=[2, 5]), policy=pol, trace=trace.append)
+    assert pol.shadowed and engine._shadow is not None
+    pol.set_table({0: {1: 1.0, 4: 1.0}, 2: {1: 1.05, 4: 1.05}, 5: {1: 1.1, 4: 1.1}})  # speculation nearly free
+    reqs = [engine.add_request(p, 24) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    engine.flush_trace()
+    ks = [rec["k"] for rec in trace if rec["decode_bs"]]
+    assert ks[0] == 0  # no first try: k > 0 waits for the first shadow samples
+    assert pol.shadow_samples > 0 and pol.accept[5] is not None and pol.lookup_ms is not None
+    assert any(ks), ks
+    assert [r.output_ids for r in reqs] == want

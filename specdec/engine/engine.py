@@ -39,13 +39,14 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ConfigError
-from ..policy.base import BatchView, StepStats, wants_rows, wants_step_ms
+from ..policy.base import BatchView, StepStats, shadow_evals, wants_rows, wants_step_ms
 from ..spec.base import capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
 from . import profiling
 from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets
 from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
+from .shadow import ShadowAcceptance
 from .state import DecodeState
 from .step import PhaseTimer, PrefillChunk, Stepper, catch_up_body_, prefill_body_, step_body_
 
@@ -266,6 +267,11 @@ class Engine:
             self.stepper.prefill_runner = PaddedPrefill(prefill, model.device, prefill_buckets,
                                                         max_pages, graphed=runner.graphed,
                                                         request_buckets=cfg.prefill_requests)
+            if catches_up(drafter) and prefills(drafter):  # prefill while speculation is off: the target's alone
+                plain = functools.partial(prefill_body_, model, self.kv, None)
+                self.stepper.plain_prefill_runner = PaddedPrefill(plain, model.device, prefill_buckets,
+                                                                  max_pages, graphed=runner.graphed,
+                                                                  request_buckets=cfg.prefill_requests)
             if catches_up(drafter):  # the draft catch-up after k = 0 steps replays the same shapes
                 catch_up = functools.partial(catch_up_body_, model, self.kv, drafter)
                 self.stepper.catch_up_runner = PaddedPrefill(catch_up, model.device, prefill_buckets,
@@ -283,12 +289,26 @@ class Engine:
         # only a policy that reads request ids gets them (a tuple of B ids per step is host work).
         self._policy_times = wants_step_ms(policy)
         self._policy_rows = wants_rows(policy)
+        self._policy_iters = getattr(policy, "iteration_", None)  # optional: per-iteration wall / host ms
+        self._waited_s = 0.0
         self._catches_up = catches_up(drafter)
         self._synced_at_k0 = drafter is None or extends_at_k0(drafter)
         self.num_catch_ups = 0  # catch-up forwards run (draft KV extended over a backlog)
         self.catch_up_tokens = 0  # backlog tokens caught up
+        # Prefill while speculation is off (the last decode step ran k = 0) skips the draft of a
+        # drafter that catches up: the prompt joins the row's backlog, caught up if and when the row
+        # drafts (H200, C = 256, policy=never: the EAGLE-3 draft prefill cost 0.87x of no drafter).
+        self._last_k: int | None = None  # k of the last decode step (None: none yet: prefill drafts)
+        self.undrafted_prefill_tokens = 0  # prompt tokens prefilled without the draft
+        # Drafts scored from the committed tokens while off (n-gram, for a policy that asks for it).
+        self._shadow = None
+        if shadow_evals(policy) and hasattr(drafter, "shadow_commits") and len(self.ks) > 1:
+            self._shadow = ShadowAcceptance(drafter, self.ks, shadow_evals(policy))
+            if hasattr(policy, "shadowed_"):
+                policy.shadowed_()
         if policy is not None:
             profiling.calibrate_policy_(self)
+        self.startup_graph_captures = self.graph_captures()
         self.t0 = time.perf_counter()
 
     # -- requests -------------------------------------------------------------------------------
@@ -354,6 +374,7 @@ class Engine:
             raise ConfigError(f"k={k} was not configured for this engine (ks={self.ks}); every "
                               "speculation length must be known at start-up so its graphs exist")
         t_start = time.perf_counter()
+        self._waited_s = 0.0
         committed: list[tuple[int, list[list[int]], list[str]]] = []  # (k, token lists, request ids) of the steps committed here
         # A step whose commit raised in an earlier call commits first (the host catches up with the
         # device before anything else changes); with overlapped decoding the newest stays in flight.
@@ -364,15 +385,18 @@ class Engine:
         preempted = sched.ensure_decode_capacity_(self._ahead(0))
         sched.admit_(t_start)
         plan = sched.plan_prefill()
+        draft_prefill = not (self._catches_up and self._last_k == 0)
         if plan:
             if timed:
                 self._timer.start(no, "prefill")
-            roots = self.stepper.prefill_(sched.prefill_chunks(plan))
+            roots = self.stepper.prefill_(sched.prefill_chunks(plan), draft=draft_prefill)
             if timed:
                 self._timer.stop(no, "prefill")
+            if not draft_prefill:
+                self.undrafted_prefill_tokens += sum(c for _, c in plan)
         else:
             roots = None
-        ready = sched.finish_prefill_(plan)
+        ready = sched.finish_prefill_(plan, drafted=draft_prefill)
         if k is None:
             k = 0 if self.policy is None else self.policy.choose(
                 BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting),
@@ -402,6 +426,8 @@ class Engine:
             if self._catches_up:
                 self._catch_up_()
         n = self.state.num_rows
+        if n:
+            self._last_k = k
         context = [r.tokens for r in sched.rows] if n and needs_context else None
         launched = (lambda: self._timer.stop(no, "decode")) if timed else None
         if n:
@@ -418,6 +444,10 @@ class Engine:
         while len(self._unread) > (1 if self.overlap and n else 0):
             committed.append(self._commit_oldest_())
         now = time.perf_counter()
+        if n and self._policy_iters is not None:
+            # The iteration's wall time (what throughput pays per step at this k and batch: device
+            # time when the host keeps up, host time when it does not) and its host work alone.
+            self._policy_iters(k, n, (now - t_start) * 1e3, (now - t_start - self._waited_s) * 1e3)
         finished = sched.pop_finished()
         if timed:
             self._pending_trace[no] = dict(
@@ -438,12 +468,20 @@ class Engine:
         returns (its k, the token lists committed: rows still in the batch, their request ids)."""
         step = self._unread[0]
         if step.tokens is None:
+            w0 = time.perf_counter()
             step.tokens = self.stepper.collect_(step)
+            self._waited_s += time.perf_counter() - w0  # blocked on the device, not host work
         tokens = step.tokens
         if self.policy is not None and not step.policy_fed:
+            shadow = shadow_ms = None
+            if self._shadow is not None and step.k == 0 and step.rows:
+                sh, rows, n0, s0 = self._shadow, step.rows, self._shadow.lookups, self._shadow.lookup_s
+                shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i])
+                if sh.lookups > n0:
+                    shadow_ms = (sh.lookup_s - s0) * 1e3 / (sh.lookups - n0)
             self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
                                          rows=[r.id for r, _ in step.rows] if self._policy_rows else None,
-                                         step_ms=self.stepper.step_ms(step)))
+                                         step_ms=self.stepper.step_ms(step), shadow=shadow, shadow_ms=shadow_ms))
             step.policy_fed = True
         # The rows commit_tokens_ keeps (still in the batch, same epoch): their ids go to the step trace.
         live = {id(r) for r in self.scheduler.rows} if self.trace is not None and step.k > 0 else ()
@@ -489,10 +527,18 @@ class Engine:
         sched = self.scheduler
         assert self.state.num_rows == len(sched.rows)
         assert self.state.seq_lens_host == [r.seq_len for r in sched.rows]
+        assert all(0 <= d <= s for d, s in zip(self.state.draft_lens_host, self.state.seq_lens_host))
         owners = {id(r) for r in sched.admitted}
         assert all(id(r) in owners for r in sched.rows)
         if not sched.has_work():
             assert self.kv.num_free == self.kv.num_pages, "pages leaked after all requests finished"
+
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (decode, prefill, catch-up): all at start-up by design, so a
+        run's ``graph_recaptures`` (this minus ``startup_graph_captures``) is 0."""
+        st = self.stepper
+        runners = (st.runner, st.prefill_runner, st.plain_prefill_runner, st.catch_up_runner)
+        return sum(getattr(r, "captures", 0) for r in runners if r is not None)
 
     # -- internals ------------------------------------------------------------------------------
     def _ahead(self, k: int) -> int:

@@ -81,6 +81,7 @@ class GraphedDecode:
         self.buckets = sorted(buckets)
         self.eager_tree_sizes = frozenset(eager_tree_sizes)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.captures = 0  # graphs captured, ever (a run reports those after start-up: always 0)
         pool = torch.cuda.graph_pool_handle()
         cur = torch.cuda.current_stream()
         # num_active = 0 makes every row padding: warm-up and capture write no KV and commit nothing.
@@ -97,6 +98,7 @@ class GraphedDecode:
                 with torch.cuda.graph(graph, pool=pool):
                     body(B, T, None)
                 self.graphs[(B, T)] = graph
+                self.captures += 1
         torch.cuda.synchronize()
 
     def run_(self, n: int, T: int = 1, context=None) -> int:
@@ -154,6 +156,7 @@ class PaddedPrefill:
         self._host_ints = torch.zeros(n_ints, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], object] = {}
+        self.captures = 0  # graphs captured, ever
         self._copied = None  # event after the last upload: the pinned host buffers are free again
         if graphed:
             if dev.type != "cuda":
@@ -173,6 +176,7 @@ class PaddedPrefill:
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[shape] = self._body(*shape)
                 self.graphs[shape] = graph
+                self.captures += 1
             torch.cuda.synchronize()
 
     def _body(self, N: int, R: int):

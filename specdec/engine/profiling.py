@@ -159,7 +159,7 @@ def calibrate_policy_(engine) -> None:
     if calibrate is None:
         return
     cuda = engine.model.device.type == "cuda"
-    iters, warmup = (20, 3) if cuda else (1, 1)
+    iters, warmup = (int(getattr(policy, "profile_iters", 20)), 3) if cuda else (1, 1)
     T_max = max(engine.stepper.num_nodes(k) for k in engine.ks)
 
     def context(batch: int) -> int:

@@ -68,6 +68,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     seq_len: int = 0  # committed tokens whose KV is written (host truth)
+    draft_len: int = 0  # of those, the prefix whose draft KV is written too (prefill; then its row's
+    # draft_lens_host): behind seq_len after prefill chunks run while speculation was off
     finish_reason: str | None = None  # eos | length | stop | abort | error
     error: str | None = None
     admitted_s: float | None = None  # first admission
@@ -294,18 +296,24 @@ class Scheduler:
             chunks.append(PrefillChunk(toks, req.seq_len, list(pages), next_token=req.tokens[req.seq_len + c]))
         return chunks
 
-    def finish_prefill_(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    def finish_prefill_(self, plan: list[tuple[Request, int]], drafted: bool = True) -> list[tuple[Request, int]]:
         """Account the prefill forward and move fully prefilled requests into decode rows.
 
-        Returns (request, row) for each request that became decode-ready."""
+        ``drafted``: the forward ran the drafter's prefill too; a chunk's draft KV counts only if
+        it continues the request's draft prefix (a chunk after one that skipped the draft wrote
+        draft KV over missing history: the catch-up rewrites it). Returns (request, row) for each
+        request that became decode-ready; its row's draft length is the request's draft_len."""
         for req, c in plan:
+            if drafted and req.draft_len == req.seq_len:
+                req.draft_len += c
             req.seq_len += c
         ready = [r for r in self.admitted
                  if r.status is Status.PREFILL and r.seq_len == r.num_tokens - 1]
         rows: list[int] = []
         if ready:
             rows = self.state.append_rows_([r.tokens[-1] for r in ready], [r.seq_len for r in ready],
-                                           [list(self.kv.pages(r)) for r in ready])
+                                           [list(self.kv.pages(r)) for r in ready],
+                                           draft_lens=[r.draft_len for r in ready])
             for r in ready:
                 r.status = Status.DECODE
                 r.row_epoch += 1
@@ -404,7 +412,7 @@ class Scheduler:
         """Free ``req``'s pages and queue it first for recompute (its output so far is kept)."""
         self._leave_batch_([req])
         req.status = Status.WAITING
-        req.seq_len = 0
+        req.seq_len = req.draft_len = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

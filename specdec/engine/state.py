@@ -69,8 +69,10 @@ class DecodeState:
         """[max_rows, T] contiguous view of the step-output buffer for steps of T-node trees."""
         return self._sampled_flat[: self.max_rows * T].view(self.max_rows, T)
 
-    def append_rows_(self, pending: list[int], seq_lens: list[int], pages: list[list[int]]) -> list[int]:
+    def append_rows_(self, pending: list[int], seq_lens: list[int], pages: list[list[int]],
+                     draft_lens: list[int] | None = None) -> list[int]:
         """Append rows for requests that became decode-ready; returns their row indices.
+        ``draft_lens``: tokens of each whose draft KV its prefill wrote (None: all of them).
 
         Mutates rows num_rows .. num_rows + m - 1 and num_rows.
         """
@@ -90,7 +92,8 @@ class DecodeState:
         self.page_table[r0 : r0 + m] = table.to(self.device, non_blocking=True)
         self.num_rows += m
         self.seq_lens_host.extend(seq_lens)
-        self.draft_lens_host.extend(seq_lens)  # a row's prefill wrote its draft KV too
+        # A prefill run while speculation was off skips the draft (catch-up covers it on resume).
+        self.draft_lens_host.extend(seq_lens if draft_lens is None else draft_lens)
         return list(range(r0, r0 + m))
 
     def keep_rows_(self, keep: list[int]) -> None:

@@ -179,15 +179,20 @@ class Stepper:
         self.temperature = float(temperature)
         self.drafter = drafter
         self.prefill_runner = None  # PaddedPrefill, set by the engine when it pads / graphs prefill
+        # The same without the drafter (no feature capture, no draft layer): prefill while speculation
+        # is off, for a drafter that catches up (None: prefill_runner is already the target's alone)
+        self.plain_prefill_runner = None
         self.catch_up_runner = None  # the same over catch_up_body_ (drafters that catch up)
         # Two pinned buffers for the steps' tokens: a launch never overwrites tokens not yet read.
         self._readback = ([torch.empty(state.sampled.numel(), dtype=state.sampled.dtype, pin_memory=True)
                            for _ in range(2)] if state.device.type == "cuda" else None)
         self._flip = 0
 
-    def prefill_(self, chunks: list[PrefillChunk]):
+    def prefill_(self, chunks: list[PrefillChunk], draft: bool = True):
         """Write target (and draft) KV for every chunk in one forward each (no target logits).
 
+        ``draft`` False: the target's forward alone (no feature capture, no draft layer), as without
+        a drafter; the engine asks for it while speculation is off and the drafter catches up.
         Chunks that fit the prefill buckets (tokens and requests) run padded from static buffers (a
         CUDA graph replay when graphed, see :class:`specdec.engine.graphs.PaddedPrefill`); others
         run eagerly.
@@ -195,14 +200,18 @@ class Stepper:
         """
         if not chunks:
             return None
+        draft = draft and prefills(self.drafter)
+        runner = self.prefill_runner
+        if not draft and prefills(self.drafter):
+            runner = self.plain_prefill_runner
         # The token after each prefill token: only a drafter with prompt state reads it (row j pairs
         # with token j + 1); n-gram does not, so its prefill builds no per-token list.
-        next_ids = _next_ids(chunks) if prefills(self.drafter) else None
-        if self.prefill_runner is not None and self.prefill_runner.fits(chunks):
-            return self.prefill_runner.run_(chunks, self.kv.page_size, next_ids)
+        next_ids = _next_ids(chunks) if draft else None
+        if runner is not None and runner.fits(chunks):
+            return runner.run_(chunks, self.kv.page_size, next_ids)
         ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
         nxt = None if next_ids is None else torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
-        return self.prefill_body(ids, pos, meta, nxt)
+        return self.prefill_body(ids, pos, meta, nxt, draft)
 
     def catch_up_(self, chunks: list[PrefillChunk]):
         """Extend the draft KV over backlog chunks (tokens whose target KV exists but whose draft KV
@@ -219,9 +228,10 @@ class Stepper:
         nxt = torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
         return catch_up_body_(self.model, self.kv, self.drafter, ids, pos, meta, nxt)
 
-    def prefill_body(self, ids, pos, meta, next_ids):
-        """Target forward over prefill tokens (KV written) + the drafter's prefill; device ops only."""
-        return prefill_body_(self.model, self.kv, self.drafter, ids, pos, meta, next_ids)
+    def prefill_body(self, ids, pos, meta, next_ids, draft: bool = True):
+        """Target forward over prefill tokens (KV written) + the drafter's prefill (``draft``);
+        device ops only."""
+        return prefill_body_(self.model, self.kv, self.drafter if draft else None, ids, pos, meta, next_ids)
 
     def num_nodes(self, k: int) -> int:
         """Tree nodes per row of a step with k draft tokens (1 at k = 0)."""

@@ -61,7 +61,9 @@ def build_policy(cfg, sizes=None):
                        profile_context=int(cfg.get("profile_context", 512)), time_ema=float(cfg.get("time_ema", 0.1)),
                        prior_ema=float(cfg.get("prior_ema", 0.01)),
                        explore_backoff=float(cfg.get("explore_backoff", 1.0)),
-                       explore_max=int(cfg.get("explore_max", 1024)))
+                       explore_max=int(cfg.get("explore_max", 1024)),
+                       shadow_evals=int(cfg.get("shadow_evals", 0)),
+                       profile_iters=int(cfg.get("profile_iters", 20)))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")

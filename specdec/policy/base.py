@@ -27,6 +27,11 @@ class StepStats:
     committed: list[int]  # tokens committed per row (accepted drafts + 1)
     step_ms: float | None = None  # the step's duration (device ms on a GPU), if the policy asked for it
     rows: list | None = None  # request id of each row of committed (None: not given)
+    # Shadow acceptance (k = 0 steps of a drafter that scores drafts from committed tokens, for a
+    # policy with shadow_evals > 0; specdec.engine.shadow): (k, request id, tokens a k-step would
+    # have committed), and the host ms one such lookup took (what drafting costs per row on the host)
+    shadow: list | None = None
+    shadow_ms: float | None = None
 
 
 @runtime_checkable
@@ -41,6 +46,9 @@ class Policy(Protocol):
                                 called once at start-up with the engine's graphed-step profiler
                                 ``profile(batch, k) -> ms`` and its decode graph buckets
       describe() -> dict        what the choices rest on, written into the run's metrics
+      shadow_evals: int         > 0: with a drafter that has ``shadow_commits`` (n-gram), every k = 0
+                                step scores up to this many drafts on the host (StepStats.shadow);
+                                ``shadowed_()`` is called once at start-up when that will happen
     """
 
     name: str
@@ -68,3 +76,8 @@ def describe(policy) -> dict | None:
     """The policy's own account of its state (for run logs), or None."""
     fn = getattr(policy, "describe", None)
     return fn() if fn is not None else None
+
+
+def shadow_evals(policy) -> int:
+    """Drafts per k = 0 step the policy wants scored from the committed tokens (0: none)."""
+    return int(getattr(policy, "shadow_evals", 0) or 0)

@@ -37,6 +37,24 @@ class Goodput:
                multiplies the gap by ``explore_backoff``, up to ``explore_max``; a k > 0 chosen on
                its merits resets it), so that acceptance tracks the
                workload (the draft KV stays in sync meanwhile, so a re-try costs one step's draft).
+    Drafts scored while off (``shadow_evals`` > 0 with a drafter that scores its drafts from the
+    committed tokens, n-gram: specdec.engine.shadow): every k = 0 step brings samples of what a
+    step at each k would have committed, from the running requests' own text, so a(k) stays
+    current with no re-tries and no first try (a k is chosen once its first sample is in); the
+    host time of those lookups measures the drafter's host work per row, added to the start-up
+    table's t(k, B) for k > 0 (B rows, each looked up before a step: at C = 256 on the H200 an
+    n-gram step took 12.9 ms served against 3.5 ms profiled).
+    Iterations, not only steps (``iteration_``: the engine reports every iteration's wall and host
+    ms): throughput pays an iteration's wall time, which is the device's decode + prefill when the
+    host keeps up and the host's own work when it does not. The rate divides by the served
+    iterations' average wall time at (k, bucket) where there is one, else by max(t(k, B), the
+    bucket's host ms per iteration): a host-bound batch gains from a larger tree at no wall cost.
+    H200 policy envelope at 41d1e6b, EAGLE-3, C = 64: goodput held tree 8 at 1.9 ms device steps
+    against tree 32's 3.1 ms, yet each iteration took 3.7 ms of wall time (host-bound) and always
+    (tree 32) served 1.08x more tokens per second.
+    The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
+    EMA: one first step does not set it (n-gram's first step at C = 1 accepted nothing, a prior of
+    1.0 that the EMA took hundreds of rows to move).
     A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
     near the crossover does not flip every step. Decode rows only: prefills never count.
     H200 (bench_spec --draft eagle3 --trace-dir, results/spec/goodput_trace_2dbe67d.md): with one
@@ -52,7 +70,8 @@ class Goodput:
 
     def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 32,
                  profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01,
-                 explore_backoff: float = 1.0, explore_max: int = 1024):
+                 explore_backoff: float = 1.0, explore_max: int = 1024, shadow_evals: int = 0,
+                 profile_iters: int = 20):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -69,6 +88,17 @@ class Goodput:
                               f"explore_every={explore_every})")
         self.ema, self.margin, self.explore_every = float(ema), float(margin), int(explore_every)
         self.explore_backoff, self.explore_max = float(explore_backoff), int(explore_max)
+        if shadow_evals < 0 or profile_iters < 1:
+            raise ConfigError(f"policy goodput: need shadow_evals >= 0 and profile_iters >= 1 (got "
+                              f"shadow_evals={shadow_evals}, profile_iters={profile_iters})")
+        self.shadow_evals = int(shadow_evals)  # drafts scored per k = 0 step (the engine's ShadowAcceptance)
+        self.profile_iters = int(profile_iters)  # graphed steps per start-up table entry
+        self.shadowed = False  # the engine feeds shadow samples (``shadowed_``): no forced tries, no re-tries
+        self.lookup_ms: float | None = None  # EMA of the host ms per row of the drafter's lookups
+        self.shadow_samples = 0
+        self.rows_seen: dict[int, int] = {k: 0 for k in ks}  # rows behind the prior a(k)
+        self.iter_observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of iteration wall ms
+        self.host_ms: dict[int, float] = {}  # table batch -> EMA of host ms per iteration (any k)
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
         self.prior_ema = float(prior_ema)
@@ -105,9 +135,45 @@ class Goodput:
         return rows[-1]
 
     def step_ms(self, k: int, batch: int) -> float:
-        """t(k, batch): the served steps' average in batch's table bucket, else the start-up entry."""
+        """t(k, batch): the served steps' average in batch's table bucket, else the start-up entry
+        (for k > 0 plus the drafter's host lookups of batch rows, when shadow lookups measured them:
+        served steps include that time already)."""
         b, ms = self._bucket(k, batch)
-        return self.observed.get((k, b), ms)
+        served = self.observed.get((k, b))
+        if served is not None:
+            return served
+        if k > 0 and self.lookup_ms is not None:
+            ms += batch * self.lookup_ms
+        return ms
+
+    def iter_ms(self, k: int, batch: int) -> float:
+        """Wall ms an iteration at k and batch costs: the served iterations' average in the bucket,
+        else max(t(k, batch), the bucket's host ms per iteration), else t(k, batch)."""
+        b, _ = self._bucket(k, batch)
+        served = self.iter_observed.get((k, b))
+        if served is not None:
+            return served
+        ms = self.step_ms(k, batch)
+        host = self.host_ms.get(b)
+        return ms if host is None else max(ms, host)
+
+    def iteration_(self, k: int, batch: int, wall_ms: float, host_ms: float) -> None:
+        """One engine iteration ran a decode step at k over ``batch`` rows in ``wall_ms`` of wall
+        time, ``host_ms`` of it host work (the rest: waiting for the device)."""
+        if self.table is None or self.time_ema <= 0 or batch <= 0 or k not in self.table:
+            return
+        b, _ = self._bucket(k, batch)
+        old = self.host_ms.get(b)
+        sample = host_ms if old is None else min(host_ms, SERVED_OUTLIER * old)
+        self.host_ms[b] = sample if old is None else (1.0 - self.time_ema) * old + self.time_ema * sample
+        # Like the step times: the average starts from the estimate (not from a first iteration that
+        # may carry a catch-up or a large prefill) and a sample counts as at most twice it.
+        old = self.iter_ms(k, batch)
+        self.iter_observed[(k, b)] = (1.0 - self.time_ema) * old + self.time_ema * min(wall_ms, SERVED_OUTLIER * old)
+
+    def shadowed_(self) -> None:
+        """The engine will feed shadow samples (StepStats.shadow) from every k = 0 step."""
+        self.shadowed = True
 
     # -- the policy -------------------------------------------------------------------------
     def expected(self, k: int, batch: int, rows=None) -> float | None:
@@ -128,7 +194,7 @@ class Goodput:
     def rate(self, k: int, batch: int, rows=None) -> float | None:
         """Expected committed tokens per row per ms at k (None: a(k) unknown)."""
         a = self.expected(k, batch, rows)
-        return None if a is None else a / batch / self.step_ms(k, batch)
+        return None if a is None else a / batch / self.iter_ms(k, batch)
 
     def choose(self, view: BatchView) -> int:
         if self.table is None:
@@ -143,10 +209,10 @@ class Goodput:
                 for r in own.keys() - live:
                     del own[r]
         untried = [k for k in self.ks[1:] if self.accept[k] is None]
-        if untried:
+        if untried and not self.shadowed:
             k = untried[0]
         else:
-            rates = {k: self.rate(k, B, rows) for k in self.ks}
+            rates = {k: r for k in self.ks if (r := self.rate(k, B, rows)) is not None}
             k = max(rates, key=rates.get)
             if k != self.last and rates[k] <= rates[self.last] * (1.0 + self.margin):
                 k = self.last  # not enough gain to switch
@@ -158,8 +224,9 @@ class Goodput:
             elif self._explored:
                 self.explore_gap = min(self.explore_gap * self.explore_backoff, float(self.explore_max))
             self._explored = False
-            if k == 0 and self.explore_every and self.off_steps + 1 >= self.explore_gap:
-                k = max(self.ks[1:], key=rates.get)  # re-measure the best speculative k once
+            if (k == 0 and self.explore_every and not self.shadowed and len(rates) > 1
+                    and self.off_steps + 1 >= self.explore_gap):
+                k = max(self.ks[1:], key=lambda j: rates.get(j, 0.0))  # re-measure the best speculative k once
                 self._explored = True
         self.off_steps = self.off_steps + 1 if k == 0 else 0
         self.last = k
@@ -171,7 +238,12 @@ class Goodput:
         return {"step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
                 "served_step_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.observed.items()) if kk == k}
                                    for k in self.ks},
+                "served_iter_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.iter_observed.items()) if kk == k}
+                                   for k in self.ks},
+                "host_ms_per_iter": dict(sorted(self.host_ms.items())),
                 "accept": {f"k={k}": a for k, a in self.accept.items()},
+                "accept_rows_seen": {f"k={k}": n for k, n in self.rows_seen.items()},
+                "shadow_samples": self.shadow_samples, "lookup_ms_per_row": self.lookup_ms,
                 "accept_rows": {f"k={k}": {str(r): a for r, a in own.items()} for k, own in self.row_accept.items()}}
 
     def update(self, stats: StepStats) -> None:
@@ -181,15 +253,34 @@ class Goodput:
             old = self.observed.get((stats.k, b), table_ms)
             sample = min(stats.step_ms, SERVED_OUTLIER * old)  # a stalled step moves the average a little
             self.observed[(stats.k, b)] = (1.0 - self.time_ema) * old + self.time_ema * sample
+        if stats.shadow:
+            by_k: dict[int, list] = {}
+            for k, r, c in stats.shadow:
+                if k in self.accept:
+                    by_k.setdefault(k, []).append((r, c))
+            for k, pairs in by_k.items():
+                self._observe_(k, [r for r, _ in pairs], [c for _, c in pairs])
+            self.shadow_samples += len(stats.shadow)
+            if stats.shadow_ms is not None:
+                old = self.lookup_ms
+                self.lookup_ms = stats.shadow_ms if old is None else (1.0 - self.ema) * old + self.ema * stats.shadow_ms
         if stats.k == 0 or not stats.committed or stats.k not in self.accept:
             return
-        n = len(stats.committed)
-        mean = sum(stats.committed) / n
-        prior = self.accept[stats.k]
-        if stats.rows is not None:
-            own = self.row_accept[stats.k]
-            for r, c in zip(stats.rows, stats.committed):
+        self._observe_(stats.k, stats.rows, stats.committed)
+
+    def _observe_(self, k: int, rows, committed) -> None:
+        """Fold tokens committed per row at k (served, or scored in the shadow) into the rows' own
+        a(k) and the prior."""
+        n = len(committed)
+        mean = sum(committed) / n
+        prior = self.accept[k]
+        if rows is not None:
+            own = self.row_accept[k]
+            for r, c in zip(rows, committed):
                 old = own.get(r, mean if prior is None else prior)
                 own[r] = (1.0 - self.ema) * old + self.ema * c
-        w = 1.0 - (1.0 - self.prior_ema) ** n  # one prior_ema step per row
-        self.accept[stats.k] = mean if prior is None else (1.0 - w) * prior + w * mean
+        # The mean of the rows so far while they are few, then one prior_ema step per row.
+        seen = self.rows_seen[k]
+        w = max(n / (seen + n), 1.0 - (1.0 - self.prior_ema) ** n)
+        self.rows_seen[k] = seen + n
+        self.accept[k] = mean if prior is None else (1.0 - w) * prior + w * mean

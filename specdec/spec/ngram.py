@@ -82,6 +82,21 @@ class NgramDrafter:
                         return follow
         return []
 
+    def shadow_commits(self, history: list[int], start: int, k: int) -> int:
+        """Tokens a greedy step with a k-token chain would have committed at ``start`` (the row's
+        committed tokens were history[:start]), read off the tokens committed since: the chain is
+        this lookup over history[:start], and greedy verification accepts its longest prefix that
+        equals what the target committed, plus the bonus token. Needs start + k <= len(history).
+        Exact for greedy decoding (the same lookup ``prepare_`` runs); lets a policy measure the
+        acceptance of every chain length while speculation is off, with no device work."""
+        if not 0 < start <= len(history) - k:
+            raise ValueError(f"shadow_commits: start={start}, k={k} needs 0 < start <= {len(history) - k}")
+        follow = self.lookup(history[:start], k)
+        m = 0
+        while m < len(follow) and follow[m] == history[start + m]:
+            m += 1
+        return m + 1
+
     def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
         """The chains prepared for rows 0 .. B-1 as trees (device ops only)."""
         drafts = self.buf[:B, :T]  # [B, T]; column 0 unused (the root is the pending token)
