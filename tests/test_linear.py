@@ -15,6 +15,7 @@ from kernels_triton import linear as lin
 from kernels_triton.rope import rope_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = __import__("os").environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # Outputs are one rounding of a K-long fp32 dot (summation order differs from the reference GEMM);
 # half types may round to a neighbouring value.
@@ -346,3 +347,38 @@ def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch, kern
                 assert len(calls) == want, (rows, fused, calls)
         torch.testing.assert_close(logits["triton", fused], logits["torch", fused], atol=1e-4, rtol=1e-4)
 
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
+def test_fused_rows_option_routes_tree_verify_rows(monkeypatch, kernel_options):
+    # 17 rows (the verify of a 16-node tree): the unfused path by default (ops.FUSED_MAX_ROWS = 16), the
+    # fused kernels with the kernel option fused_rows >= 17; both give the torch-reference model's hidden.
+    from specdec.models import ops
+    from specdec.models.llama import LlamaModel
+    from specdec.models.loading import LlamaConfig
+
+    calls = []
+    for name in ("linear", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
+        real = getattr(lin, name)
+        monkeypatch.setattr(lin, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=40, head_dim=16, max_position_embeddings=64)
+    models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=2, backend=be)
+              for be in ("triton", "torch")}
+    n = 17
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    meta = ops.AttentionMeta(torch.tensor([0, n], **i32), torch.tensor([n], **i32), torch.arange(5, **i32)[None],
+                             torch.arange(n, device=DEVICE), n)
+    ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    pos = torch.arange(n, **i32)
+    hidden = {}
+    for rows in (None, 16, 17, 64):
+        kernel_options.set_(fused_rows=rows)
+        for be, model in models.items():
+            calls.clear()
+            k, v = model.new_kv_cache(5, 4)
+            hidden[be, rows] = model(ids, pos, meta, k, v).hidden
+            if be == "triton":
+                assert len(calls) == (4 if rows is not None and rows >= n else 0), (rows, calls)
+        torch.testing.assert_close(hidden["triton", rows], hidden["torch", rows], atol=1e-4, rtol=1e-4)

@@ -131,7 +131,8 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
         return False
     if one_row_any_size and x.shape[0] == 1 and w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS:
         return True
-    return x.shape[0] <= FUSED_MAX_ROWS and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
+    rows = options.get().fused_rows or FUSED_MAX_ROWS  # kernel option fused_rows: an A/B of tree verify
+    return x.shape[0] <= rows and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
 
 
 def linear(x, w, add=None, *, backend="auto"):
