@@ -360,6 +360,30 @@ def test_profile_step_phases_leaves_engine_clean(tiny):
     assert [r.output_ids for r in reqs] == [reference(tiny, p, 8) for p in prompts]
 
 
+def test_graphed_phases_splits_the_step_and_leaves_engine_clean(tiny):
+    # engine/profiling.graphed_phases (on the CPU its eager path, wall-clock marks): every phase of a
+    # tree step in step order (root, one entry per growth round, ..., extend), the drafter's marks
+    # switched off afterwards, the engine as before (greedy output still the reference's).
+    from specdec.engine.profiling import graphed_phases
+
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=3, num_draft_tokens=5)
+    engine = Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=1024),
+                    drafter=drafter, ks=(5,))
+    res = graphed_phases(engine, 1, 20, 5, iters=1, warmup=0)
+    assert [p["phase"] for p in res["phases"]] == ["draft_root", "draft_round1", "draft_round2", "draft",
+                                                   "verify_forward", "verify", "kv_sync", "commit"]
+    assert res["T"] == 6 and all(p["ms"] >= 0 for p in res["phases"]) and drafter.phase_marks is None
+    assert abs(res["sum_ms"] - sum(p["ms"] for p in res["phases"])) < 1e-9
+    plain = graphed_phases(engine, 1, 20, 0, iters=1, warmup=0)
+    assert [p["phase"] for p in plain["phases"]] == ["draft", "verify_forward", "verify", "kv_sync", "commit"]
+    engine.check()
+    prompts = rand_prompts([7], seed=5)
+    reqs = [engine.add_request(p, 6) for p in prompts]
+    while engine.has_work():
+        engine.step(5)
+    assert [r.output_ids for r in reqs] == [reference(tiny, p, 6) for p in prompts]
+
+
 def test_committed_smollm2_head_accepts_and_keeps_greedy(smollm2, smollm2_tokenizer):
     """The trained head in checkpoints/ loads through the draft config, drafts the target's own greedy
     continuation (a random head accepts ~nothing: τ ~ 1), and speculation stays token-identical."""

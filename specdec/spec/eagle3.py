@@ -95,6 +95,9 @@ class Eagle3Drafter:
         self.capture_layers = tuple(head.config.target_layers)
         self.k_cache = self.v_cache = None
         self.root_hidden = self.root_top = self.root_ids = None
+        # Profiling only (specdec.engine.profiling.graphed_phases): called as ``propose``'s root children
+        # and each growth round end, so a step's draft splits into phases; None when serving.
+        self.phase_marks = None
 
     @property
     def extends_at_k0(self) -> bool:
@@ -173,6 +176,9 @@ class Eagle3Drafter:
         topk, steps, kept = self.shape_for(T - 1)
         be = self.head.backend
         self._root_children_(B)
+        marks = self.phase_marks
+        if marks:
+            marks("draft_root")
         seq = state.seq_lens[:B]
         dev, H = seq.device, self.head.config.hidden_size
         K = topk
@@ -190,6 +196,8 @@ class Eagle3Drafter:
             more = r < steps - 2
             score, fcid, rows = ops.tree_expand(cand, K + r * K * K, r + 2, lp, ids, d2t, score, fcid,
                                                 (mask, n + K) if more else None, h, valid, seq, backend=be)
+            if marks:
+                marks(f"draft_round{r + 1}")
         return DraftTree(*ops.tree_select(state.pending[:B], cand, kept, steps, backend=be))
 
     def propose_reference(self, state, B: int, T: int, valid, context=None) -> DraftTree:
