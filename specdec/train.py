@@ -399,13 +399,17 @@ def staged_sequences(cfg, model, tokenizer, eos: set[int], phase: dict) -> tuple
         stages.save_prompts(data_dir, prompts, pstats)
         log(f"stage 1: {len(prompts)} prompts written to {stages.prompts_path(data_dir)}")
     phase["prompts"] = time.perf_counter() - t0
+    answer_budget = budget(dc.answer_budget_s)
+    if dc.get("stage_budget_s") is not None:  # stages 1-2 of this call together: answers get what is left
+        left = float(dc.stage_budget_s) - phase["prompts"]
+        answer_budget = left if answer_budget is None else min(answer_budget, left)
     t0 = time.perf_counter()
     samples = int(dc.get("samples", 0))
     astats = stages.answer_stage(
         model, tokenizer, prompts, data_dir, samples=samples, answer_temperature=float(dc.answer_temperature),
         sample_temperature=float(dc.get("sample_temperature", 1.0)), max_new_tokens=int(dc.max_new_tokens),
         max_seq_len=int(dc.max_seq_len), engine_config=engine_config(0.0), eos_ids=eos,
-        budget_s=budget(dc.answer_budget_s), per_shard=int(dc.get("shard_records", 4096)), seed=seed)
+        budget_s=answer_budget, per_shard=int(dc.get("shard_records", 4096)), seed=seed)
     phase["answers"] = time.perf_counter() - t0
     seqs, stats = stages.load_staged(data_dir)
     stats.update(answer_temperature=float(dc.answer_temperature), max_new_tokens=int(dc.max_new_tokens),

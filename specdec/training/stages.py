@@ -165,9 +165,11 @@ def answer_stage(model, tokenizer, prompts: list[TrainPrompt], data_dir: Path, *
     t0 = time.perf_counter()
     writer = ShardWriter(data_dir, per_shard)
     stats = {"items_before": len(done), "stopped_by_budget": False, "engines": []}
-    for sample in range(samples + 1):
-        temp = answer_temperature if sample == 0 else sample_temperature
-        todo = [p for p in prompts if item_id(p.id, sample) not in done]
+    # Two engines (one temperature each): the greedy answers, then every sampled one, sample-major
+    # (sample 1 of every prompt queued before sample 2 of any), so a stopped run covers prompts evenly.
+    groups = [(answer_temperature, [0])] + ([(sample_temperature, list(range(1, samples + 1)))] if samples else [])
+    for g, (temp, group) in enumerate(groups):
+        todo = [(p, j) for j in group for p in prompts if item_id(p.id, j) not in done]
         if not todo:
             continue
         left = None if budget_s is None else budget_s - (time.perf_counter() - t0)
@@ -175,20 +177,21 @@ def answer_stage(model, tokenizer, prompts: list[TrainPrompt], data_dir: Path, *
             stats["stopped_by_budget"] = True
             break
         ids = []
-        for p in todo:
+        for p, _ in todo:
             if p.id not in enc:
                 enc[p.id] = tokenizer.encode_chat([{"role": "user", "content": p.text}])
             ids.append(enc[p.id])
         keep = [i for i, x in enumerate(ids) if len(x) + 2 <= max_seq_len]
-        for i in set(range(len(todo))) - set(keep):  # too long for a sequence: marked done, no answer
-            writer.add(_record(todo[i], sample, temp, ids[i], []))
-        cfg = dataclasses.replace(engine_config, temperature=float(temp), seed=int(seed) + 1009 * sample)
+        for i in sorted(set(range(len(todo))) - set(keep)):  # too long for a sequence: marked done, no answer
+            writer.add(_record(*todo[i], temp, ids[i], []))
+        cfg = dataclasses.replace(engine_config, temperature=float(temp), seed=int(seed) + 1009 * g)
         if cfg.kv_cache_tokens is None:
             longest = max((len(ids[i]) for i in keep), default=1) + max_new_tokens + 16
             cfg = dataclasses.replace(cfg, kv_cache_tokens=min(len(keep), cfg.max_batch_size) * longest)
         t_eng = time.perf_counter()
         finished = tokens = 0
-        with LiveProgress(len(keep), f"answers, sample {sample} (T={temp})") as live:
+        label = "greedy answers" if group == [0] else f"sampled answers {group[0]}-{group[-1]}"
+        with LiveProgress(len(keep), f"{label} (T={temp})") as live:
             engine = Engine(model, cfg, eos_ids=eos_ids, trace=live.on_step)
             reqs = {engine.add_request(ids[i], max_new_tokens).id: i for i in keep}
             while engine.has_work():
@@ -196,7 +199,7 @@ def answer_stage(model, tokenizer, prompts: list[TrainPrompt], data_dir: Path, *
                     live.on_request(None)
                     i = reqs[r.id]
                     out = [] if r.error else list(r.output_ids)[: max_seq_len - len(ids[i])]
-                    writer.add(_record(todo[i], sample, temp, ids[i], out))
+                    writer.add(_record(*todo[i], temp, ids[i], out))
                     finished += 1
                     tokens += len(out)
                 if budget_s is not None and time.perf_counter() - t0 > budget_s:
@@ -207,9 +210,9 @@ def answer_stage(model, tokenizer, prompts: list[TrainPrompt], data_dir: Path, *
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
         dt = time.perf_counter() - t_eng
-        stats["engines"].append({"sample": sample, "temperature": temp, "requests": len(keep), "finished": finished,
+        stats["engines"].append({"samples": group, "temperature": temp, "requests": len(keep), "finished": finished,
                                  "answer_tokens": tokens, "s": round(dt, 1), "tok_per_s": round(tokens / max(dt, 1e-9))})
-        log(f"sample {sample} (T={temp}): {finished} of {len(keep)} answered, {tokens} tokens in {dt:.0f} s")
+        log(f"{label} (T={temp}): {finished} of {len(keep)} answered, {tokens} tokens in {dt:.0f} s")
         if stats["stopped_by_budget"]:
             break
     writer.flush()
