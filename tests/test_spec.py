@@ -440,16 +440,20 @@ def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
     verify and draft rows, and greedy speculative output stays identical to plain greedy."""
     from kernels_triton import linear as lin
 
-    calls = {"rope": 0, "add": 0}
+    from kernels_triton import options
+
+    calls = {"rope": 0, "add": 0, "gathered_qkv": 0, "gathered_fc": 0}
     real_qkv, real_linear = lin.norm_qkv_rope_write_kv_, lin.linear
 
-    def qkv(*a, **kw):
+    def qkv(*a, rows=None, **kw):
         calls["rope"] += 1
-        return real_qkv(*a, **kw)
+        calls["gathered_qkv"] += rows is not None
+        return real_qkv(*a, rows=rows, **kw)
 
-    def linear(x, w, add=None, config=None):
+    def linear(x, w, add=None, config=None, rows=None):
         calls["add"] += add is not None
-        return real_linear(x, w, add, config)
+        calls["gathered_fc"] += rows is not None
+        return real_linear(x, w, add, config, rows=rows)
 
     monkeypatch.setattr(lin, "norm_qkv_rope_write_kv_", qkv)
     monkeypatch.setattr(lin, "linear", linear)
@@ -460,6 +464,13 @@ def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
     got, _ = run_engine(model, prompts, 10, drafter=drafter, ks=(6,), k_of_step=lambda i: 6)
     assert got == want
     assert calls["rope"] > 0 and calls["add"] > 0  # target and draft went through the fused kernels
+    # The draft rounds' token embeddings and the extend's accepted features were read by the kernels
+    # (gathered rows); with the kernel option gather_rows off, torch gathers them, same output.
+    assert calls["gathered_qkv"] > 0 and calls["gathered_fc"] > 0, calls
+    calls.update(gathered_qkv=0, gathered_fc=0)
+    with options.use(gather_rows=False):
+        got_off, _ = run_engine(model, prompts[:1], 10, drafter=drafter, ks=(6,), k_of_step=lambda i: 6)
+    assert got_off == want[:1] and calls["gathered_qkv"] == calls["gathered_fc"] == 0
 
 
 def test_padding_rows_never_move_kv(tiny, monkeypatch):
