@@ -19,8 +19,11 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     CUDA graph of its own (specdec.engine.profiling.graphed_phases): ms per phase and the kernels it
     launches per step;
 (d) --ab OPTION=V1,V2,...: (b) (and (c) with --phases) once per value of one kernel option, in this
-    process (engines built after each value is set, so their graphs capture it), one table at the end:
+    process (engines built after each value is set, so their graphs capture it), one table at the end;
+    several --ab flags: every combination, the first one the slowest-varying:
     python experiments/profile_step.py --steps-only --phases --ab fused_rows=null,64 --out $OUT/ab_rows
+    python experiments/profile_step.py --steps-only --phases --trees tree16,tree32,tree48 \
+        --ab gather_rows=false,true --ab fused_rows=null,64 --out $OUT/ab_draft   # before / after
 The kernel options (--pdl, --fused-linear, --step-kernels, --fused-merge, --attn-prewait,
 --pdl-qkv-early, --fused-rows; kernels_triton/options.py) are recorded in profile_step.json as
 "kernel_options".
@@ -190,22 +193,22 @@ def print_phases(name: str, ph: dict) -> None:
 
 def print_ab(ab: dict, phases: bool) -> None:
     vals = list(ab["values"])
-    print(f"\ngraphed batch-1 step ms by kernel option {ab['option']} (ratio to plain of the same value)")
-    print(f"  {'step':<8} " + " ".join(f"{ab['option'] + '=' + v:>26}" for v in vals))
-    names = list(ab["values"][vals[0]]["steps"])
-    for n in names:
+    if phases:  # first, so that the summary table below ends the output
+        for v in vals:
+            print(f"\n=== {v}")
+            for n, ph in ab["values"][v]["phases"].items():
+                print_phases(n, ph)
+    print(f"\ngraphed batch-1 step ms by kernel options {ab['option']} (ratio to plain of the same options, kernels)")
+    width = max(26, *(len(v) for v in vals))
+    print(f"  {'step':<8} " + " ".join(f"{v:>{width}}" for v in vals))
+    for n in ab["values"][vals[0]]["steps"]:
         cells = []
         for v in vals:
             st = ab["values"][v]["steps"]
             ms = st[n]["replay_ms"]
             k = st[n].get("kernels")
-            cells.append(f"{ms:.4f} ({ms / st['plain']['replay_ms']:.2f}x, {k if k is None else round(k)} k)")
-        print(f"  {n:<8} " + " ".join(f"{c:>26}" for c in cells))
-    if phases:
-        for v in vals:
-            print(f"\n=== {ab['option']}={v}")
-            for n, ph in ab["values"][v]["phases"].items():
-                print_phases(n, ph)
+            cells.append(f"{ms:.4f} ({ms / st['plain']['replay_ms']:.2f}x, {'-' if k is None else round(k)} k)")
+        print(f"  {n:<8} " + " ".join(f"{c:>{width}}" for c in cells))
 
 
 def main() -> None:
@@ -217,7 +220,8 @@ def main() -> None:
                          "engine as in bench_serving part b (max_seq_len 4096)")
     ap.add_argument("--steps-only", action="store_true", help="skip (a): prefill timings and host profiles")
     ap.add_argument("--phases", action="store_true", help="(c): per-phase ms and kernels of each graphed step")
-    ap.add_argument("--ab", metavar="OPTION=V1,V2", help="(d): the steps once per value of a kernel option")
+    ap.add_argument("--ab", metavar="OPTION=V1,V2", action="append",
+                    help="(d): the steps once per value of a kernel option (repeatable: every combination)")
     ap.add_argument("--trees", default=",".join(TREES), help=f"tree shapes to step (of {', '.join(TREES)})")
     options.add_flags(ap)
     args = ap.parse_args()
@@ -225,7 +229,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.shape == "llama8b":
         return profile_llama8b(args)
-    ab = parse_ab(args.ab) if args.ab else None
+    ab = [parse_ab(a) for a in args.ab] if args.ab else None
     trees = {n: TREES[n] for n in args.trees.split(",") if n}
     unknown = sorted(set(trees) - set(TREES))
     if unknown or not trees:
@@ -244,11 +248,14 @@ def main() -> None:
     opts = res["kernel_options"]
 
     if ab is not None:
-        name, values = ab
-        res["ab"] = {"option": name, "values": {}}
-        for v in values:
-            options.set_(**{name: v})
-            res["ab"]["values"][str(v)] = step_set(model, head, trees, args.phases, options.get().as_dict())
+        import itertools
+
+        res["ab"] = {"option": ", ".join(n for n, _ in ab), "values": {}}
+        for combo in itertools.product(*[[(n, v) for v in vals] for n, vals in ab]):
+            options.set_from_flags_(args)
+            options.set_(**dict(combo))
+            label = ",".join(f"{n}={'null' if v is None else str(v).lower()}" for n, v in combo)
+            res["ab"]["values"][label] = step_set(model, head, trees, args.phases, options.get().as_dict())
         options.reset_()
         options.set_from_flags_(args)
         (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))

@@ -341,9 +341,15 @@ class Eagle3Head(nn.Module):
                 torch.zeros(shape, device=self.device, dtype=self.dtype))
 
     # -- forward ---------------------------------------------------------------------------------
-    def embedding_table(self, target) -> torch.Tensor:
-        """[vocab, H] the table ``embed`` reads: the head's own, else the target's."""
-        return self.w("embed_tokens.weight") if self.config.own_embedding else target.embed
+    def embedding_table(self, target) -> torch.Tensor | None:
+        """[vocab, H] the table ``embed`` reads: the head's own, else the target's when it holds the
+        whole vocabulary (None for a tensor-parallel shard, whose lookup ``embed`` must call)."""
+        if self.config.own_embedding:
+            return self.w("embed_tokens.weight")
+        table = getattr(target, "embed", None)
+        if table is None or table.dim() != 2 or table.shape[0] != self.config.vocab_size:
+            return None
+        return table
 
     def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
         """[N, 3H] captured target features -> [N, H] draft input hidden."""
@@ -360,6 +366,8 @@ class Eagle3Head(nn.Module):
         """Whether the draft layer reads n token rows of the embedding ``table`` inside its qkv kernel
         (and, with ``fc_features``, the fc its n feature rows): the fused path runs for n rows and the
         kernel option gather_rows is on (specdec.models.ops.gathers_rows)."""
+        if table is None:
+            return False
         ids = torch.empty(1, n, dtype=torch.int32, device="meta")  # only its size is read
         wqkv = self.fused_weights()[0]
         ok = table.dtype == self.dtype and ops.gathers_rows(self.backend, table, wqkv, (ids, 0))
