@@ -14,8 +14,19 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --fused-linear false --out $OUT/unfused   # cuBLAS layer path
     python experiments/profile_step.py --shape llama8b --out $OUT/llama8b   # (b) plain step only, 8B shapes
     python experiments/profile_step.py --pdl off --out $OUT/pdl0   # no programmatic dependent launch
+(c) --phases: each graphed step split into its phases (draft root, each growth round, last expand +
+    tree_select, verify forward, verify_accept, kv_sync, draft extend), every phase captured as a
+    CUDA graph of its own (specdec.engine.profiling.graphed_phases): ms per phase and the kernels it
+    launches per step;
+(d) --ab OPTION=V1,V2,...: (b) (and (c) with --phases) once per value of one kernel option, in this
+    process (engines built after each value is set, so their graphs capture it), one table at the end;
+    several --ab flags: every combination, the first one the slowest-varying:
+    python experiments/profile_step.py --steps-only --phases --ab fused_rows=null,64 --out $OUT/ab_rows
+    python experiments/profile_step.py --steps-only --phases --trees tree16,tree32,tree48 \
+        --ab gather_rows=false,true --ab fused_rows=null,64 --out $OUT/ab_draft   # before / after
 The kernel options (--pdl, --fused-linear, --step-kernels, --fused-merge, --attn-prewait,
---pdl-qkv-early; kernels_triton/options.py) are recorded in profile_step.json as "kernel_options".
+--pdl-qkv-early, --fused-rows; kernels_triton/options.py) are recorded in profile_step.json as
+"kernel_options".
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """
@@ -132,6 +143,74 @@ def graphed_step(engine, T: int, iters: int = 20) -> dict:
         engine.kv.release_(owner)
 
 
+TREES = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree32": (8, 6, 32), "tree48": (8, 7, 48)}
+PHASE_CONTEXT = 256  # tokens of context of the profiled row (as graphed_step's)
+
+
+def parse_ab(text: str):
+    """'fused_rows=null,64' -> ('fused_rows', [None, 64]), validated by kernels_triton.options."""
+    name, sep, vals = text.partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or name not in options.FIELDS or not vals:
+        raise SystemExit(f"error: --ab {text!r}: expected OPTION=V1,V2 with OPTION one of {', '.join(options.FIELDS)}")
+    try:
+        return name, [options.parse_value(name, v) for v in vals.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"error: --ab: {e}") from None
+
+
+def step_set(model, head, trees, phases: bool, opts: dict) -> dict:
+    """Graphed batch-1 steps: plain and each tree (with ``phases``, each split into its phases too),
+    engines built under the kernel options in force now."""
+    from specdec.engine.profiling import graphed_phases
+
+    out = {"kernel_options": opts, "steps": {}, "phases": {}}
+    it = dict(iters=50) if torch.cuda.is_available() else dict(iters=1, warmup=1)  # CPU: a smoke run
+    plain = make_engine(model, None, ())
+    out["steps"]["plain"] = graphed_step(plain, 1)
+    if phases:
+        out["phases"]["plain"] = graphed_phases(plain, 1, PHASE_CONTEXT, 0, **it)
+    del plain
+    for name, (topk, steps, n) in trees.items():
+        drafter = Eagle3Drafter(head, model, topk=topk, steps=steps, num_draft_tokens=n)
+        eng = make_engine(model, drafter, (n,))
+        out["steps"][name] = graphed_step(eng, drafter.num_nodes(n))
+        if phases:
+            out["phases"][name] = graphed_phases(eng, 1, PHASE_CONTEXT, n, **it)
+        del eng
+    return out
+
+
+def print_phases(name: str, ph: dict) -> None:
+    print(f"\n{name}: T = {ph['T']}, phases sum {ph['sum_ms']:.3f} ms ({'graph per phase' if ph['graphed'] else 'eager'})")
+    print(f"  {'phase':<72} {'ms':>7} {'kernels':>8} {'kernel ms':>9}")
+    for p in ph["phases"]:
+        k = p.get("kernels")
+        km = p.get("kernel_ms")
+        print(f"  {p['label']:<72} {p['ms']:7.4f} {'-' if k is None else f'{k:.0f}':>8} "
+              f"{'-' if km is None else f'{km:.4f}':>9}")
+
+
+def print_ab(ab: dict, phases: bool) -> None:
+    vals = list(ab["values"])
+    if phases:  # first, so that the summary table below ends the output
+        for v in vals:
+            print(f"\n=== {v}")
+            for n, ph in ab["values"][v]["phases"].items():
+                print_phases(n, ph)
+    print(f"\ngraphed batch-1 step ms by kernel options {ab['option']} (ratio to plain of the same options, kernels)")
+    width = max(26, *(len(v) for v in vals))
+    print(f"  {'step':<8} " + " ".join(f"{v:>{width}}" for v in vals))
+    for n in ab["values"][vals[0]]["steps"]:
+        cells = []
+        for v in vals:
+            st = ab["values"][v]["steps"]
+            ms = st[n]["replay_ms"]
+            k = st[n].get("kernels")
+            cells.append(f"{ms:.4f} ({ms / st['plain']['replay_ms']:.2f}x, {'-' if k is None else round(k)} k)")
+        print(f"  {n:<8} " + " ".join(f"{c:>{width}}" for c in cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -139,12 +218,22 @@ def main() -> None:
     ap.add_argument("--shape", choices=["smollm2", "llama8b"], default="smollm2",
                     help="llama8b: Llama-3.1-8B shapes (conf/target/llama31_8b_random.yaml), plain step only, "
                          "engine as in bench_serving part b (max_seq_len 4096)")
+    ap.add_argument("--steps-only", action="store_true", help="skip (a): prefill timings and host profiles")
+    ap.add_argument("--phases", action="store_true", help="(c): per-phase ms and kernels of each graphed step")
+    ap.add_argument("--ab", metavar="OPTION=V1,V2", action="append",
+                    help="(d): the steps once per value of a kernel option (repeatable: every combination)")
+    ap.add_argument("--trees", default=",".join(TREES), help=f"tree shapes to step (of {', '.join(TREES)})")
     options.add_flags(ap)
     args = ap.parse_args()
     options.set_from_flags_(args)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.shape == "llama8b":
         return profile_llama8b(args)
+    ab = [parse_ab(a) for a in args.ab] if args.ab else None
+    trees = {n: TREES[n] for n in args.trees.split(",") if n}
+    unknown = sorted(set(trees) - set(TREES))
+    if unknown or not trees:
+        raise SystemExit(f"error: --trees {args.trees!r}: valid names {', '.join(TREES)}")
     cuda = torch.cuda.is_available() and not args.quick
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shape = TINY if args.quick else SMOLLM2
@@ -153,28 +242,48 @@ def main() -> None:
     head = Eagle3Head(head_cfg, backend=model.backend).init_weights_(0)
     head.set_vocab_(torch.arange(head_cfg.draft_vocab_size))
     head.to_device(dev, dtype)
-    trees = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree32": (8, 6, 32), "tree48": (8, 7, 48)}
     lengths = [150, 131, 160, 144, 120, 188] if not args.quick else [20, 24]
     V = shape["vocab_size"]
     res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d")}
     opts = res["kernel_options"]
 
-    plain = make_engine(model, None, ())
-    prefill_ms(plain, lengths[:2], V)  # compiles
-    res["prefill_plain_ms"] = prefill_ms(plain, lengths, V)
-    res["host_profile_plain"] = host_profile(plain, 150 if not args.quick else 20, V)
-    res["steps"] = {"plain": graphed_step(plain, 1)}
-    del plain
-    for name, (topk, steps, n) in trees.items():
-        drafter = Eagle3Drafter(head, model, topk=topk, steps=steps, num_draft_tokens=n)
-        eng = make_engine(model, drafter, (n,))
-        if name == "tree16":
-            prefill_ms(eng, lengths[:2], V)
-            res["prefill_eagle3_ms"] = prefill_ms(eng, lengths, V)
-            res["host_profile_eagle3"] = host_profile(eng, 150 if not args.quick else 20, V)
-        res["steps"][name] = graphed_step(eng, drafter.num_nodes(n))
+    if ab is not None:
+        import itertools
+
+        res["ab"] = {"option": ", ".join(n for n, _ in ab), "values": {}}
+        for combo in itertools.product(*[[(n, v) for v in vals] for n, vals in ab]):
+            options.set_from_flags_(args)
+            options.set_(**dict(combo))
+            label = ",".join(f"{n}={'null' if v is None else str(v).lower()}" for n, v in combo)
+            res["ab"]["values"][label] = step_set(model, head, trees, args.phases, options.get().as_dict())
+        options.reset_()
+        options.set_from_flags_(args)
+        (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
+        print_ab(res["ab"], args.phases)
+        print(f"commit {res['commit']}, {res['device']}, {res['date']}")
+        return
+    if not args.steps_only:
+        plain = make_engine(model, None, ())
+        prefill_ms(plain, lengths[:2], V)  # compiles
+        res["prefill_plain_ms"] = prefill_ms(plain, lengths, V)
+        res["host_profile_plain"] = host_profile(plain, 150 if not args.quick else 20, V)
+        del plain
+        drafter = Eagle3Drafter(head, model, topk=4, steps=5, num_draft_tokens=16)
+        eng = make_engine(model, drafter, (16,))
+        prefill_ms(eng, lengths[:2], V)
+        res["prefill_eagle3_ms"] = prefill_ms(eng, lengths, V)
+        res["host_profile_eagle3"] = host_profile(eng, 150 if not args.quick else 20, V)
         del eng
+    res.update(step_set(model, head, trees, args.phases, opts))
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
+    if args.phases:
+        for name, ph in res["phases"].items():
+            print_phases(name, ph)
+    if args.steps_only:
+        for name, st in res["steps"].items():
+            print(name, json.dumps(st))
+        print(f"commit {res['commit']}, {res['device']}, {res['date']}, kernel options {opts}")
+        return
     print(res["host_profile_plain"])
     print(res.get("host_profile_eagle3", ""))
     print(f"prefill ms (plain): {[round(x, 1) for x in res['prefill_plain_ms']]}, "

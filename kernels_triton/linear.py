@@ -61,6 +61,14 @@ first, the norm pass once per program; b6534db, and a variant loading that chunk
 from selected addresses): H200, same run against this body, 8B qkv 18.0 vs 16.8 us, mlp_in 63.6 vs
 62.7, SmolLM2 w2 2.8 vs 1.9; 8B step 4.47 vs 4.36 ms.
 
+Gathered rows (``rows=(index, group)``, linear and the qkv kernel): row m = g * W + j of the input is
+row ``g * group + max(index[g, j], 0)`` of x, for an int index [G, W] (M = G * W; rows of index may be
+strided): the layer reads its rows straight from a table, so a gather (and the clamp of a -1 index)
+costs no launch of its own. EAGLE-3 uses it for the draft's token embeddings (index = token ids,
+group 0, x = the embedding table) and for the fc over the accepted path's captured features in the
+draft extend (index = accepted node ids [B, Te], group = T, x = the [B * T, 3H] features). Math:
+``gather_rows_ref`` then the layer's reference; no residual with gathered rows (s is not returned).
+
 Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
 x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-path tests), half
 precision ones tensor-core dots with fp32 accumulation.
@@ -101,8 +109,17 @@ _EPI_NONE, _EPI_SWIGLU, _EPI_ROPE = tl.constexpr(EPI_NONE), tl.constexpr(EPI_SWI
 # ----------------------------------------------------------------------------------------------
 
 
-def linear_ref(x, w, add=None):
-    """x [M, K] @ w [NOUT, K]^T (+ add) -> [M, NOUT] in x's dtype."""
+def gather_rows_ref(x, index, group: int):
+    """Rows of x picked by ``index`` [G, W]: row g * W + j is x[g * group + max(index[g, j], 0)] -> [G * W, K]."""
+    g = torch.arange(index.shape[0], device=index.device)[:, None] * group  # [G, 1]
+    return x[(g + index.long().clamp(min=0)).reshape(-1)]
+
+
+def linear_ref(x, w, add=None, rows=None):
+    """x [M, K] @ w [NOUT, K]^T (+ add) -> [M, NOUT] in x's dtype; ``rows`` = (index, group): x's
+    rows gathered first (gather_rows_ref)."""
+    if rows is not None:
+        x = gather_rows_ref(x, *rows)
     return x @ w.t() if add is None else torch.addmm(add, x, w.t())
 
 
@@ -127,9 +144,11 @@ def norm_swiglu_ref(x, residual, norm_weight, eps, w13):
 
 
 def norm_qkv_rope_write_kv_ref_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
-                                cos, sin, k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None):
+                                cos, sin, k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, rows=None):
     """(rotated q [M, HQ, D], x + residual); rotated k and v written to the cache slots. With x2 the
-    projected rows are cat(RMSNorm(x), RMSNorm2(x2))."""
+    projected rows are cat(RMSNorm(x), RMSNorm2(x2)); with ``rows`` x's rows are gathered first."""
+    if rows is not None:
+        x = gather_rows_ref(x, *rows)
     y, s = _norm_ref(x, residual, norm_weight, eps)
     if x2 is not None:
         y = torch.cat([y, rms_norm_ref(x2, norm_weight2, eps)], dim=-1)
@@ -243,7 +262,7 @@ def _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m
     return acc_a, acc_b
 
 
-@triton.jit(do_not_specialize=["M", "n_blocks"])
+@triton.jit(do_not_specialize=["M", "n_blocks", "xi_w", "xi_group", "xi_stride"])
 def _fused_linear_kernel(
     x_ptr,  # [M, K] input rows
     r_ptr,  # [M, K] residual (HAS_RESIDUAL)
@@ -279,6 +298,10 @@ def _fused_linear_kernel(
     stride_vcp,
     stride_vcs,
     stride_vch,
+    xi_ptr,  # [G, W] int row index of x (GATHER)
+    xi_w,  # W: output rows per index row
+    xi_group,  # rows of x per index row
+    xi_stride,  # index row stride
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     HALF: tl.constexpr,  # D / 2 (rope)
@@ -296,6 +319,7 @@ def _fused_linear_kernel(
     GEMV: tl.constexpr,  # BLOCK_M = 1: CUDA-core products instead of a 16-row tl.dot
     BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, 1 late or 2 early trigger (attention_launch.pdl_mode)
+    GATHER: tl.constexpr,  # x rows read through xi (no residual then)
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
@@ -306,13 +330,20 @@ def _fused_linear_kernel(
     dt = x_ptr.dtype.element_ty
     o_m = (i_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BLOCK_M]
     m_m = o_m < M
+    o_xm = o_m  # [BLOCK_M] the rows of x that output rows o_m read
+    if GATHER:
+        i_g = o_m // xi_w
+        b_idx = tl.load(xi_ptr + i_g * xi_stride + (o_m - i_g * xi_w), mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
+        o_xm = i_g * xi_group + tl.maximum(b_idx, 0)
+        if GEMV:  # one row: its x row by pointer (the GEMV body reads row 0 of x_ptr)
+            x_ptr += tl.sum(o_xm, 0) * stride_x
     o_c = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
     # Pass 1 (norms): each row's 1 / rms; pass 2: the normalised chunks streamed against the weight.
     b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM and not GEMV:  # (GEMV: per block, inside _accumulate_gemv)
-        b_rstd = tl.math.rsqrt(_sum_squares(x_ptr, r_ptr, o_m, m_m, K, stride_x, stride_r, HAS_RESIDUAL,
+        b_rstd = tl.math.rsqrt(_sum_squares(x_ptr, r_ptr, o_xm, m_m, K, stride_x, stride_r, HAS_RESIDUAL,
                                             BLOCK_M, BLOCK_SS) / K + eps)
     b_rstd2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if TWO_INPUTS and not GEMV:
@@ -356,7 +387,7 @@ def _fused_linear_kernel(
                                                 m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
                                                 BLOCK_SS, USE_PDL)
         else:
-            acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_m, m_m, o_wa, o_wb, m_w,
+            acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_xm, m_m, o_wa, o_wb, m_w,
                                        K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,
                                        EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
             if TWO_INPUTS:  # [norm(x) | norm2(x2)] @ w^T as two K ranges of one accumulation
@@ -451,21 +482,39 @@ def _block_k(K, block_m, block_n, n_acc, esize):
     return min(bk, max(32, triton.next_power_of_2(K)))
 
 
-def _gemv_requested(x, config):
-    """Whether the GEMV body runs: one row, unless config says {"gemv": False}."""
-    return x.shape[0] == 1 and bool(config.get("gemv", True))
+def _gemv_requested(x, config, rows=None):
+    """Whether the GEMV body runs: one row (of the gathered ones with ``rows``), unless config says
+    {"gemv": False}."""
+    return _num_rows(x, rows) == 1 and bool(config.get("gemv", True))
 
 
-def _default_block_n(x, config, epi, dot_block_n):
+def _num_rows(x, rows):
+    """M: x's rows, or with gathered rows the index's entries."""
+    return x.shape[0] if rows is None else rows[0].numel()
+
+
+def _check_rows(name, x, rows):
+    """Gathered rows: (int index [G, W] with a contiguous last dim, group >= 0) on x's device, at most MAX_M."""
+    index, group = rows
+    if index.dim() != 2 or index.dtype not in (torch.int32, torch.int64) or (index.shape[1] > 1 and index.stride(1) != 1):
+        raise ValueError(f"{name}: rows index must be int32/int64 [G, W] with a contiguous last dim, got "
+                         f"{index.dtype} {tuple(index.shape)}")
+    if index.device != x.device or int(group) < 0:
+        raise ValueError(f"{name}: rows index on {index.device} (x on {x.device}), group {group} (must be >= 0)")
+    if index.numel() > MAX_M:
+        raise ValueError(f"{name}: at most {MAX_M} gathered rows, got {index.numel()}")
+
+
+def _default_block_n(x, config, epi, dot_block_n, rows=None):
     """Column block when the caller gave none: the GEMV tile's, else the tl.dot one."""
-    if _gemv_requested(x, config):
+    if _gemv_requested(x, config, rows):
         return _gemv_tiles(x.shape[1], epi, x.device)["block_n"]
     return dot_block_n
 
 
-def _use_gemv(x, config):
+def _use_gemv(x, config, rows=None):
     """_gemv_requested, popping the "gemv" key."""
-    gemv = _gemv_requested(x, config)
+    gemv = _gemv_requested(x, config, rows)
     config.pop("gemv", None)
     return gemv
 
@@ -497,13 +546,17 @@ def _dot_prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check(name, x, w, residual=None, norm_weight=None):
+def _check(name, x, w, residual=None, norm_weight=None, rows=None):
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"{name}: x must be [M, K] and w [NOUT, K] with the same K, got "
                          f"{tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype not in _FLOAT_DTYPES or w.dtype != x.dtype:
         raise ValueError(f"{name}: x and w must share a float dtype, got {x.dtype} and {w.dtype}")
-    if x.shape[0] > MAX_M:
+    if rows is not None:  # x is a table the rows are gathered from: any number of rows
+        _check_rows(name, x, rows)
+        if residual is not None:
+            raise ValueError(f"{name}: gathered rows take no residual")
+    elif x.shape[0] > MAX_M:
         raise ValueError(f"{name}: at most {MAX_M} rows (larger M belongs to a GEMM), got {x.shape[0]}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"{name}: the last dims of x and w must be contiguous")
@@ -519,13 +572,14 @@ def _check(name, x, w, residual=None, norm_weight=None):
 
 
 def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=0.0, epi=EPI_NONE, nout=0,
-            rope_args=None, add=None, x2=None, norm_weight2=None, config=None):
+            rope_args=None, add=None, x2=None, norm_weight2=None, config=None, rows=None):
     """One launch of the fused kernel; returns s (x + residual, or x) when a norm runs, else None.
     ``config`` overrides BLOCK_K / num_warps / num_stages (benchmark sweeps; the public launchers also
-    take ``block_n``, and ``parts`` for the qkv kernel)."""
-    M, K = x.shape
+    take ``block_n``, and ``parts`` for the qkv kernel). ``rows``: (index, group), gathered rows of x."""
+    K = x.shape[1]
+    M = _num_rows(x, rows)
     cfg = dict(config or {})
-    gemv = _use_gemv(x, cfg)
+    gemv = _use_gemv(x, cfg, rows)
     pdl = int(cfg.pop("pdl", pdl_mode(x.device)))  # 0 off, 1 late, 2 early trigger
     if pdl == 1 and epi == EPI_ROPE:  # the attention after it may launch at once (see QKV_EARLY_MAX_BYTES)
         early = options.get().pdl_qkv_early
@@ -564,24 +618,31 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
                "num_warps": 4, "num_stages": 3, **cfg}
     programs = min(grid_n, cfg.pop("programs", None) or grid_n)
+    if rows is not None:
+        xi, xi_group = rows
+        xi_w, xi_stride = xi.shape[1], xi.stride(0)
+    else:
+        xi, xi_w, xi_group, xi_stride = x, 1, 0, 0  # placeholders (GATHER=False)
     _fused_linear_kernel[(programs, triton.cdiv(M, block_m))](
         x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
         M, K, K2, nout, grid_n, float(eps), n_pos,
         x.stride(0), r.stride(0), x2.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
+        xi, xi_w, int(xi_group), xi_stride,
         HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
         BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
-        USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), **cfg,
+        USE_PDL=pdl, GATHER=rows is not None, **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
     return s if norm else None
 
 
-def linear(x, w, add=None, config=None):
+def linear(x, w, add=None, config=None, rows=None):
     """x [M, K] @ w [NOUT, K]^T (+ add [M, NOUT]) -> new [M, NOUT] in x's dtype, in one launch (M <= MAX_M).
-    With ``add`` the sum is rounded once, as torch.addmm(add, x, w.t()) does."""
-    _check("linear", x, w)
-    M, NOUT = x.shape[0], w.shape[0]
+    With ``add`` the sum is rounded once, as torch.addmm(add, x, w.t()) does. ``rows`` = (index [G, W],
+    group): the M = G * W input rows gathered from x in the kernel (module docstring)."""
+    _check("linear", x, w, rows=rows)
+    M, NOUT = _num_rows(x, rows), w.shape[0]
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
     if add is not None:
         if add.shape != (M, NOUT) or add.dtype != x.dtype or add.device != x.device:
@@ -589,8 +650,8 @@ def linear(x, w, add=None, config=None):
                              f"{tuple(add.shape)} {add.dtype} on {add.device}")
         add = add.contiguous()
     config = _gemv_default(config, NOUT)
-    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device))
-    _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config)
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), rows)
+    _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config, rows=rows)
     return out
 
 
@@ -624,7 +685,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
 
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
-                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, config=None):
+                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, config=None, rows=None):
     """RMSNorm(x + residual) @ wqkv^T, RoPE on q and k, k and v into the paged caches: one launch.
 
     wqkv: [(HQ + 2 HKV) D, K] (q rows, then k, then v); positions [M] int32/int64 rows of the fp32
@@ -634,24 +695,26 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     With ``x2`` [M, K2] (and its ``norm_weight2``, x normed too, no residual) the projected rows are
     [RMSNorm(x) | RMSNorm2(x2)] and wqkv is [.., K + K2]: EAGLE-3's draft layer, whose attention reads
     the normed token embedding beside the normed hidden state, without a concatenated copy.
+    ``rows`` = (index [G, W], group): x's M = G * W rows gathered in the kernel (e.g. x = an embedding
+    table, index = token ids); then s is None.
     """
     name = "norm_qkv_rope_write_kv_"
+    M = _num_rows(x, rows)
     if x2 is not None:
         if norm_weight is None or norm_weight2 is None or residual is not None:
             raise ValueError(f"{name}: a second input needs both norm weights and no residual")
-        if x2.dim() != 2 or x2.shape[0] != x.shape[0] or x2.dtype != x.dtype or x2.device != x.device:
-            raise ValueError(f"{name}: x2 must be [M={x.shape[0]}, K2] {x.dtype} on {x.device}, got "
+        if x2.dim() != 2 or x2.shape[0] != M or x2.dtype != x.dtype or x2.device != x.device:
+            raise ValueError(f"{name}: x2 must be [M={M}, K2] {x.dtype} on {x.device}, got "
                              f"{tuple(x2.shape)} {x2.dtype} on {x2.device}")
         if norm_weight2.shape != (x2.shape[1],):
             raise ValueError(f"{name}: norm weight 2 must be [K2={x2.shape[1]}], got {tuple(norm_weight2.shape)}")
-        _check(name, x, wqkv[:, :x.shape[1]], residual, norm_weight)
+        _check(name, x, wqkv[:, :x.shape[1]], residual, norm_weight, rows)
         if wqkv.shape[1] != x.shape[1] + x2.shape[1]:
             raise ValueError(f"{name}: wqkv must have K + K2 = {x.shape[1] + x2.shape[1]} columns, got {wqkv.shape[1]}")
     else:
-        _check(name, x, wqkv, residual, norm_weight)
+        _check(name, x, wqkv, residual, norm_weight, rows)
     if norm_weight is None and residual is not None:
         raise ValueError(f"{name}: a residual needs a norm weight (the sum is normalised)")
-    M = x.shape[0]
     D = k_cache.shape[-1]
     HQ, HKV = n_q_heads, n_kv_heads
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2] != HKV:
@@ -679,7 +742,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     half = triton.next_power_of_2(D // 2)
     config = dict(config or {})
     parts = config.pop("parts", None)
-    gemv = _gemv_requested(x, config)
+    gemv = _gemv_requested(x, config, rows)
     if parts is None and gemv:
         parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE, x.device)["block_n"])
     elif parts is None:
@@ -690,5 +753,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     parts = triton.cdiv(D // 2, block_n)
     s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=(HQ + 2 * HKV) * parts, block_n=block_n,
                 residual=residual, norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, x2=x2,
-                norm_weight2=norm_weight2, config=config)
+                norm_weight2=norm_weight2, config=config, rows=rows)
+    if rows is not None:
+        return q, None
     return q, (x if s is None else s)

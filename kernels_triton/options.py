@@ -43,6 +43,14 @@ class KernelOptions:
         before it waits for its predecessor.
     pdl_qkv_early: with PDL, the qkv kernel (RoPE epilogue) lets the attention launch at its start.
         None: when its weights are at most linear.QKV_EARLY_MAX_BYTES; True / False: always / never.
+    fused_rows: the most rows a layer may run on the small-M fused kernels (1 .. linear.MAX_M = 64).
+        None: the measured default (specdec.models.ops.FUSED_MAX_ROWS = 16: batch-1 decode and draft
+        rows, verify of a 16-node tree on cuBLAS); 64 puts the verify of trees up to 63 nodes on
+        them too: 4 instead of 8 launches per layer (an A/B switch, profile_step.py --fused-rows).
+    gather_rows: layers whose input rows are picked from a table (EAGLE-3's token embeddings in every
+        draft round, the accepted path's features for the extend's fc) read them through an index in
+        the fused kernel (linear.py, gathered rows) instead of a torch gather (+ clamp, cast) first:
+        ~9 fewer launches per 16-node tree step. False: the torch gathers (an A/B switch).
     """
 
     pdl: str = "late"
@@ -51,14 +59,18 @@ class KernelOptions:
     fused_merge: bool | None = None
     attn_prewait: bool = True
     pdl_qkv_early: bool | None = None
+    fused_rows: int | None = None
+    gather_rows: bool = True
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_BOOL = ("fused_linear", "attn_prewait")
+_BOOL = ("fused_linear", "attn_prewait", "gather_rows")
 _TRISTATE = ("step_kernels", "fused_merge", "pdl_qkv_early")
+_ROWS = ("fused_rows",)
+MAX_FUSED_ROWS = 64  # kernels_triton/linear.py MAX_M (not imported: options is imported by linear)
 
 _current = KernelOptions()
 
@@ -72,6 +84,12 @@ def _validated(name: str, value):
         if value not in PDL_MODES:
             raise ValueError(f"kernel option pdl={value!r}; valid: {', '.join(PDL_MODES)} (or true = late, "
                              "false = off)")
+        return value
+    if name in _ROWS:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= MAX_FUSED_ROWS):
+            raise ValueError(f"kernel option {name}={value!r}; valid: null (the measured default) or an "
+                             f"integer 1..{MAX_FUSED_ROWS}")
         return value
     if name in _BOOL:
         if not isinstance(value, bool):
@@ -131,6 +149,13 @@ def parse_value(name: str, text: str):
     word = text.strip().lower()
     if name == "pdl" and word in PDL_MODES:
         return word
+    if name in _ROWS:
+        if word in ("null", "auto", "none"):
+            return None
+        try:
+            return _validated(name, int(word))
+        except ValueError:
+            return _validated(name, text)  # raises, naming the valid values
     if word not in _WORDS:
         raise ValueError(f"kernel option {name}={text!r}; valid: "
                          + ("late, early, off" if name == "pdl" else "true, false"
@@ -140,10 +165,11 @@ def parse_value(name: str, text: str):
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
-    ``--attn-prewait``, ``--pdl-qkv-early``); unset flags keep the defaults."""
+    ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``); unset flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
-           "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false"}
+           "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
+           "fused_rows": "null | 1..64", "gather_rows": "true | false"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

@@ -230,7 +230,16 @@ def model_card(m: dict, cfg: DictConfig, final: bool) -> str:
     chain = " | ".join(f"{ev.get(f'eval/chain_acc_{i}', float('nan')):.3f}" for i in range(1, S + 1))
     status = "final" if final else f"intermediate (step {m['train']['steps']})"
     reused = f"\n- Sequences reused from {d['reused']}." if d.get("reused") else ""
-    wall = ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_s"].items())
+    if d.get("staged_dir"):
+        per = d.get("sequences_per_sample", {})
+        reused += (f"\n- Staged data directory {d['staged_dir']} ({d.get('shards', '?')} answer shards; "
+                   f"sequences per sample {per}: sample 0 is the greedy answer"
+                   + (f", samples 1-{d['samples']} sampled at temperature {d.get('sample_temperature')}"
+                      if d.get("samples") else "") + "); held out by prompt (every sample of a held-out "
+                   "prompt), target features " + str(d.get("features", "stored")) + ".")
+    if m["phase_s"].get("resumed_from_step") is not None:
+        reused += f"\n- Training resumed from a saved state at step {m['phase_s']['resumed_from_step']}."
+    wall = ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_s"].items() if k != "resumed_from_step")
     files = ("one `model.safetensors` (what the official EAGLE loader and other engines read)"
              if not tc.get("shard_mb") else f"`model.safetensors` or shards of at most {tc.shard_mb} MiB")
     return f"""# EAGLE-3 draft head for {m['target']}
@@ -299,6 +308,8 @@ def make_sequences(cfg, model, tokenizer, eos: set[int], run_dir: Path, phase: d
     from .engine.engine import EngineConfig
 
     dc, seed = cfg.train.data, int(cfg.seed)
+    if dc.get("dir"):
+        return staged_sequences(cfg, model, tokenizer, eos, phase)
     if dc.reuse:
         seqs = load_sequences(dc.reuse)
         stats_path = Path(dc.reuse).with_name("data_stats.json")
@@ -343,16 +354,87 @@ def make_sequences(cfg, model, tokenizer, eos: set[int], run_dir: Path, phase: d
     return seqs, stats
 
 
-def fit(trainer: Trainer, train_store: FeatureStore, held_store: FeatureStore, tc, logger, seed: int,
-        snapshot) -> dict:
+def staged_sequences(cfg, model, tokenizer, eos: set[int], phase: dict) -> tuple[list[Sequence], dict]:
+    """Steps 1-2 through a staged data directory (``train.data.dir``, specdec.training.stages): the
+    prompts built once, the answers generated in resumable shards when this run generates
+    (``train.data.generate``: null = only in a ``train.data.only`` run), then every answered sequence."""
+    from .assets import prompts_dir
+    from .engine.engine import EngineConfig
+    from .training import stages
+
+    dc, seed = cfg.train.data, int(cfg.seed)
+    data_dir = Path(dc.dir)
+    gen = dc.get("generate")
+    gen = bool(dc.get("only")) if gen is None else bool(gen)
+    index = EvalIndex(load_eval_texts(prompts_dir()))
+    t0 = time.perf_counter()
+    if not gen:
+        seqs, stats = stages.load_staged(data_dir)
+        stages.load_prompts(data_dir, index)  # the eval-overlap guarantee re-asserted on this machine
+        gen_stats = data_dir / "data_stats.json"  # written by the generating run
+        if gen_stats.is_file():
+            stats = {**json.loads(gen_stats.read_text()), **stats}
+        phase["load_data"] = time.perf_counter() - t0
+        log(f"{len(seqs)} staged sequences from {data_dir} ({stats['shards']} shards)")
+        return seqs, stats
+
+    def engine_config(temperature: float):
+        return EngineConfig.from_cfg(cfg.engine, temperature=float(temperature), seed=seed)
+
+    def budget(value) -> float | None:
+        return None if value is None else float(value)
+
+    if stages.prompts_path(data_dir).is_file():
+        prompts, pstats = stages.load_prompts(data_dir, index)
+        log(f"stage 1 done before: {len(prompts)} prompts in {stages.prompts_path(data_dir)}")
+    else:
+        def write_tasks(messages: list[str]) -> list[str]:
+            ids = [tokenizer.encode_chat([{"role": "user", "content": m}]) for m in messages]
+            outs = generate(model, ids, int(dc.self_instruct_max_new_tokens),
+                            engine_config=engine_config(float(dc.self_instruct_temperature)), eos_ids=eos,
+                            time_budget_s=budget(dc.self_instruct_budget_s), title="self-instruct")
+            return [tokenizer.decode(o) for o in outs]
+
+        prompts, pstats = build_prompts(dc, index, write_tasks, seed)
+        stages.save_prompts(data_dir, prompts, pstats)
+        log(f"stage 1: {len(prompts)} prompts written to {stages.prompts_path(data_dir)}")
+    phase["prompts"] = time.perf_counter() - t0
+    answer_budget = budget(dc.answer_budget_s)
+    if dc.get("stage_budget_s") is not None:  # stages 1-2 of this call together: answers get what is left
+        left = float(dc.stage_budget_s) - phase["prompts"]
+        answer_budget = left if answer_budget is None else min(answer_budget, left)
+    t0 = time.perf_counter()
+    samples = int(dc.get("samples", 0))
+    astats = stages.answer_stage(
+        model, tokenizer, prompts, data_dir, samples=samples, answer_temperature=float(dc.answer_temperature),
+        sample_temperature=float(dc.get("sample_temperature", 1.0)), max_new_tokens=int(dc.max_new_tokens),
+        max_seq_len=int(dc.max_seq_len), engine_config=engine_config(0.0), eos_ids=eos,
+        budget_s=answer_budget, per_shard=int(dc.get("shard_records", 4096)), seed=seed)
+    phase["answers"] = time.perf_counter() - t0
+    seqs, stats = stages.load_staged(data_dir)
+    stats.update(answer_temperature=float(dc.answer_temperature), max_new_tokens=int(dc.max_new_tokens),
+                 samples=samples, sample_temperature=float(dc.get("sample_temperature", 1.0)), last_answer_run=astats)
+    (data_dir / "data_stats.json").write_text(json.dumps(stats, indent=2))
+    return seqs, stats
+
+
+def fit(trainer: Trainer, train_store, held_store: FeatureStore, tc, logger, seed: int,
+        snapshot, resume: dict | None = None, save_state=None) -> dict:
     """The optimisation loop (step 5): AdamW steps over shuffled length-bucketed batches, warmup +
-    cosine decay fitted to ``train.time_budget_s``, train metrics every ``log_every`` steps, held-out
-    metrics every ``eval_every`` steps, ``snapshot(step, eval_metrics)`` every ``save_every`` steps."""
+    cosine decay fitted to ``train.time_budget_s`` (unless ``train.fit_budget`` is false or the run
+    resumes: then the schedule runs over the planned steps and the budget only ends this call), train
+    metrics every ``log_every`` steps, held-out metrics every ``eval_every`` steps,
+    ``snapshot(step, eval_metrics)`` every ``save_every`` steps. ``train_store``: a FeatureStore or an
+    OnlineFeatures (its ``batch`` captures the features per step). ``resume``: the ``progress`` of a
+    saved training state (the weights and optimizer are restored by the caller): the loop continues at
+    its step, epoch and batch with its schedule. ``save_state(progress)`` is called every
+    ``save_every`` steps, when the budget ends the call, and at the end."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     device, S = trainer.device, trainer.steps
     batch_tokens = int(tc.batch_tokens)
     train_lengths = train_store.lengths.tolist()
+    online = getattr(train_store, "batch", None)
     held_batches = length_batches(held_store.lengths.tolist(), batch_tokens, random.Random(seed))
     per_epoch = len(length_batches(train_lengths, batch_tokens, random.Random(seed)))
     planned = max(1, math.ceil(float(tc.epochs) * per_epoch))
@@ -360,12 +442,23 @@ def fit(trainer: Trainer, train_store: FeatureStore, held_store: FeatureStore, t
         planned = min(planned, int(tc.max_steps))
     total = planned
     budget = None if tc.time_budget_s is None else float(tc.time_budget_s)
+    fit_budget = bool(tc.get("fit_budget", True)) and resume is None
+    if resume is not None:
+        total, planned = int(resume["total"]), int(resume["planned"])
     warmup, base_lr, min_ratio = int(tc.warmup_steps), float(tc.lr), float(tc.min_lr_ratio)
     log_every, eval_every, save_every = int(tc.log_every), int(tc.eval_every or 0), int(tc.save_every or 0)
     window = StepSums(S, device)
     history: list[dict] = []
     step, tokens, eval_metrics, eval_s = 0, 0, {}, 0.0
+    epoch_no, skip = 0, 0  # epochs begun before this one; batches of it already trained (resume)
+    if resume is not None:
+        step, tokens, epoch_no, skip = (int(resume[k]) for k in ("step", "tokens", "epoch", "batch"))
+        log(f"resuming at step {step} of {total} (epoch {epoch_no}, batch {skip})")
+    stopped = False
     t0 = time.perf_counter()
+
+    def progress(pos: int) -> dict:
+        return dict(step=step, total=total, planned=planned, tokens=tokens, epoch=epoch_no, batch=pos)
     t_probe = 0.0  # elapsed seconds at the first budget estimate
 
     def evaluate() -> dict:
@@ -378,19 +471,24 @@ def fit(trainer: Trainer, train_store: FeatureStore, held_store: FeatureStore, t
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[stats]}"), transient=True) as bar:
-        task = bar.add_task(f"training ({device})", total=total, stats="")
+        task = bar.add_task(f"training ({device})", total=total, stats="", completed=step)
         epoch_rng = random.Random(seed + 1)
-        while step < total:
-            for b in length_batches(train_lengths, batch_tokens, epoch_rng):
+        for _ in range(epoch_no):  # the epochs a resumed run already began: the same shuffles
+            length_batches(train_lengths, batch_tokens, epoch_rng)
+        while step < total and not stopped:
+            order = length_batches(train_lengths, batch_tokens, epoch_rng)
+            for pos, b in enumerate(order):
+                if pos < skip:
+                    continue
                 if step >= total:
                     break
                 lr = base_lr * lr_factor(step, warmup, total, min_ratio)
-                batch = gather_batch(train_store, b, device)
+                batch = online(b, device) if online else gather_batch(train_store, b, device)
                 out, grad_norm = trainer.train_step(batch, lr)
                 window.add_(out)
                 tokens += batch.num_tokens
                 step += 1
-                if budget is not None and step in (min(20, planned), 100):
+                if fit_budget and budget is not None and step in (min(20, planned), 100):
                     # Fit the run into the budget, so the decay runs over the steps that fit: a first
                     # estimate at step 20, refined at step 100 without the start-up (allocator, cuBLAS).
                     elapsed = time.perf_counter() - t0
@@ -416,14 +514,29 @@ def fit(trainer: Trainer, train_store: FeatureStore, held_store: FeatureStore, t
                     eval_metrics = evaluate()
                 if save_every and step % save_every == 0 and step < total:
                     snapshot(dict(steps=step, epochs=step / per_epoch, tokens_trained=tokens), eval_metrics)
+                    if save_state is not None:
+                        save_state(progress(pos + 1))
+                bar.advance(task)
                 if budget is not None and time.perf_counter() - t0 > budget and step < total:
                     log(f"train.time_budget_s={budget:.0f} reached at step {step} of {total}")
-                    total = step
-                bar.advance(task)
+                    if fit_budget:
+                        total = step
+                    else:  # the schedule goes on in a later call (train.resume=true)
+                        stopped = True
+                        if save_state is not None:
+                            save_state(progress(pos + 1))
+                        break
+            else:  # the epoch ran to its end: the next one
+                epoch_no += 1
+                skip = 0
+                continue
+            break  # step == total, or the budget ended this call
     train_s = time.perf_counter() - t0
+    if save_state is not None and not stopped:
+        save_state(progress(0))
     eval_metrics = evaluate()
     return dict(steps=step, planned_steps=planned, epochs=step / per_epoch, tokens_trained=tokens,
-                history=history, eval=eval_metrics, train_s=train_s, eval_s=eval_s)
+                history=history, eval=eval_metrics, train_s=train_s, eval_s=eval_s, finished=step >= total)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -459,6 +572,7 @@ def run(cfg: DictConfig) -> dict:
     layers = tuple(int(x) for x in tc.target_layers) if tc.target_layers else None
     head_cfg = Eagle3Config.for_target(model.config, int(tc.draft_vocab_size), target_layers=layers)
     max_seq = int(tc.data.max_seq_len)
+    state_path = Path(tc.get("state_path") or run_dir / "train_state.pt")  # for train.resume
 
     logger = make_logger(cfg.logger, run_dir, run_dir.name, {**resolved, "provenance": stamp})
     try:
@@ -466,9 +580,10 @@ def run(cfg: DictConfig) -> dict:
         seqs, data_stats = make_sequences(cfg, model, tokenizer, eos, run_dir, phase)
         if tc.data.get("only"):  # data for later runs (train.data.reuse=RUN_DIR/sequences.jsonl)
             phase["total"] = time.perf_counter() - t_start
+            where = str(tc.data.dir) if tc.data.get("dir") else str(run_dir / "sequences.jsonl")
             metrics = {"target": cfg.target.name, "device": device, "dtype": str(model.dtype),
                        "data": {**data_stats, "sequences": len(seqs), "tokens": sum(map(len, (s.ids for s in seqs)))},
-                       "phase_s": phase, "sequences": str(run_dir / "sequences.jsonl"), **stamp}
+                       "phase_s": phase, "sequences": where, **stamp}
             (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
             print(f"{len(seqs)} sequences ({metrics['data']['tokens']} tokens) in {metrics['sequences']}")
             print(f"run directory: {run_dir}")
@@ -479,33 +594,64 @@ def run(cfg: DictConfig) -> dict:
         ids_list = [s.ids[:max_seq] for s in seqs]
         plens = [min(len(s.prompt_ids), max_seq) for s in seqs]
 
-        # 3. Draft vocabulary.
+        # 3. Draft vocabulary (a resumed run keeps the one it started with).
+        from .training import stages
+
+        resume = stages.load_train_state(state_path) if tc.get("resume") else None
         target_dir = Path(cfg.target.path) if cfg.target.path else smollm2_dir()
-        vocab_ids, coverage = draft_vocab(ids_list, plens, int(tc.draft_vocab_size), model.config.vocab_size,
-                                          always=special_ids(target_dir, tokenizer, model))
+        if resume is None:
+            vocab_ids, coverage = draft_vocab(ids_list, plens, int(tc.draft_vocab_size), model.config.vocab_size,
+                                              always=special_ids(target_dir, tokenizer, model))
+        else:
+            vocab_ids = resume["vocab_ids"].long()
+            coverage = vocab_coverage(ids_list, plens, vocab_ids, model.config.vocab_size)
         log(f"draft vocabulary of {len(vocab_ids)} ids covers {100 * coverage:.1f}% of answer tokens")
 
-        # 4. Target features, then the held-out split (by sequence).
+        # 4. The held-out split (by sequence; staged data: by prompt, every sample of a prompt on one
+        # side), then the target features: all stored, or (train.online_features) the held-out ones
+        # stored and the training ones captured per batch.
+        rng = random.Random(seed)
+        if tc.data.get("dir"):
+            cap = tc.data.get("heldout_max_sequences")
+            held, train_idx = stages.split_by_prompt([s.id for s in seqs], float(tc.data.heldout_fraction), rng,
+                                                     None if cap is None else int(cap))
+        else:
+            order = list(range(len(ids_list)))
+            rng.shuffle(order)
+            n_held = min(max(1, round(float(tc.data.heldout_fraction) * len(order))), len(order) - 1)
+            held, train_idx = sorted(order[:n_held]), sorted(order[n_held:])
         t0 = time.perf_counter()
+        online = bool(tc.get("online_features"))
+        to_store = held if online else list(range(len(ids_list)))
         with Progress(transient=True) as bar:
-            task = bar.add_task(f"capturing target features ({device})", total=sum(map(len, ids_list)))
-            store = capture(model, ids_list, plens, head_cfg.target_layers,
-                            chunk_tokens=int(tc.data.capture_chunk_tokens), progress=lambda n: bar.advance(task, n))
+            task = bar.add_task(f"capturing target features ({device})", total=sum(len(ids_list[i]) for i in to_store))
+            store = capture(model, [ids_list[i] for i in to_store], [plens[i] for i in to_store],
+                            head_cfg.target_layers, chunk_tokens=int(tc.data.capture_chunk_tokens),
+                            progress=lambda n: bar.advance(task, n))
         phase["capture"] = time.perf_counter() - t0
-        order = list(range(store.num_seqs))
-        random.Random(seed).shuffle(order)
-        n_held = min(max(1, round(float(tc.data.heldout_fraction) * len(order))), len(order) - 1)
-        held, train_idx = sorted(order[:n_held]), sorted(order[n_held:])
-        data_stats.update(sequences=len(seqs), tokens=sum(map(len, ids_list)), answer_tokens=store.answer_tokens(),
-                          train_sequences=len(train_idx), heldout_sequences=len(held))
+        if online:
+            held_store = store
+            train_store = stages.OnlineFeatures(model, [ids_list[i] for i in train_idx],
+                                                [plens[i] for i in train_idx], head_cfg.target_layers)
+            answer_tokens = held_store.answer_tokens() + train_store.answer_tokens()
+        else:
+            held_store, train_store = store.subset(held), store.subset(train_idx)
+            answer_tokens = store.answer_tokens()
+        data_stats.update(sequences=len(seqs), tokens=sum(map(len, ids_list)), answer_tokens=answer_tokens,
+                          train_sequences=len(train_idx), heldout_sequences=len(held),
+                          features="online (captured per batch)" if online else "stored")
 
         # 5. Head and training.
         head = Eagle3Head(head_cfg, backend="torch").init_weights_(seed)
         head.set_vocab_(vocab_ids)
         head.to_device(device, torch.float32)
-        if tc.init_from_target:
+        if tc.init_from_target and resume is None:
             init_from_target_(head, model)
         trainer = Trainer(head, model, tc, device)
+        if resume is not None:
+            head.load_state_dict({k: v.to(device) for k, v in resume["head"].items()})
+            trainer.opt.load_state_dict(resume["opt"])
+            phase["resumed_from_step"] = int(resume["progress"]["step"])
         card = {"target": cfg.target.name, "commit": git_commit(), "device_name": _device_name(device),
                 "overrides": _overrides(), "target_layers": head_cfg.target_layers,
                 "checkpoint_dtype": str(tc.checkpoint_dtype), "draft_vocab_size": int(tc.draft_vocab_size),
@@ -517,13 +663,15 @@ def run(cfg: DictConfig) -> dict:
             save_checkpoint(head, path, model_card(m, cfg, final), dtype=str(tc.checkpoint_dtype),
                             shard_mb=tc.shard_mb)
 
-        res = fit(trainer, store.subset(train_idx), store.subset(held), tc, logger, seed,
-                  lambda state, ev: snapshot(ckpt_dir, state, ev, final=False))
+        res = fit(trainer, train_store, held_store, tc, logger, seed,
+                  lambda state, ev: snapshot(ckpt_dir, state, ev, final=False),
+                  resume=None if resume is None else resume["progress"],
+                  save_state=lambda prog: stages.save_train_state(state_path, head, trainer.opt, prog, vocab_ids))
         phase["train"], phase["eval"] = res["train_s"], res["eval_s"]
 
         # 6. Outputs.
         t0 = time.perf_counter()
-        state = {k: res[k] for k in ("steps", "planned_steps", "epochs", "tokens_trained")}
+        state = {k: res[k] for k in ("steps", "planned_steps", "epochs", "tokens_trained", "finished")}
         snapshot(ckpt_dir, state, res["eval"], final=True)
         exported = Path(tc.output_dir) if tc.output_dir else None
         if exported is not None:  # e.g. checkpoints/eagle3-smollm2-135m, or $OUT/... on a lent machine
@@ -549,6 +697,18 @@ def run(cfg: DictConfig) -> dict:
     print_summary(metrics)
     print(f"run directory: {run_dir}")
     return metrics
+
+
+def vocab_coverage(seqs: list[list[int]], prompt_lens: list[int], vocab_ids: torch.Tensor, vocab_size: int) -> float:
+    """Share of answer tokens inside a draft vocabulary."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[vocab_ids] = True
+    hit = total = 0
+    for s, p in zip(seqs, prompt_lens):
+        a = torch.tensor(s[p:], dtype=torch.long)
+        hit += int(inside[a].sum())
+        total += a.numel()
+    return hit / total if total else 0.0
 
 
 def _strip_step(rec: dict) -> dict:

@@ -16,8 +16,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def test_defaults_and_validation(kernel_options):
     o = kernel_options.get()
     assert o.as_dict() == dict(pdl="late", fused_linear=True, step_kernels=None, fused_merge=None,
-                               attn_prewait=True, pdl_qkv_early=None)
+                               attn_prewait=True, pdl_qkv_early=None, fused_rows=None,
+                               gather_rows=True)
     for name, bad, needle in (("fused_linear", "yes", "true, false"), ("attn_prewait", None, "true, false"),
+                              ("fused_rows", 65, "1..64"), ("fused_rows", 0, "1..64"), ("fused_rows", True, "1..64"),
+                              ("fused_rows", "17", "1..64"),
                               ("step_kernels", "on", "null (the measured default), true, false"),
                               ("fused_merge", 1, "null"), ("pdl", "sometimes", "late, early, off")):
         with pytest.raises(ValueError, match=name) as e:
@@ -51,6 +54,10 @@ def test_command_line_flags(kernel_options):
                                                          "--fused-merge", "null", "--pdl-qkv-early", "on"]))
     assert (opts.pdl, opts.step_kernels, opts.fused_merge, opts.pdl_qkv_early) == ("early", False, None, True)
     assert opts.fused_linear and opts.attn_prewait  # flags not given keep their values
+    assert kernel_options.set_from_flags_(ap.parse_args(["--fused-rows", "64"])).fused_rows == 64
+    assert kernel_options.set_from_flags_(ap.parse_args(["--fused-rows", "null"])).fused_rows is None
+    with pytest.raises(SystemExit, match="--fused-rows: kernel option fused_rows='99'.*1..64"):
+        kernel_options.set_from_flags_(ap.parse_args(["--fused-rows", "99"]))
     with pytest.raises(SystemExit, match="--fused-linear: kernel option fused_linear='maybe'"):
         kernel_options.set_from_flags_(ap.parse_args(["--fused-linear", "maybe"]))
 

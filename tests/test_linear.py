@@ -15,6 +15,7 @@ from kernels_triton import linear as lin
 from kernels_triton.rope import rope_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = __import__("os").environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 # Outputs are one rounding of a K-long fp32 dot (summation order differs from the reference GEMM);
 # half types may round to a neighbouring value.
@@ -346,3 +347,108 @@ def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch, kern
                 assert len(calls) == want, (rows, fused, calls)
         torch.testing.assert_close(logits["triton", fused], logits["torch", fused], atol=1e-4, rtol=1e-4)
 
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
+def test_fused_rows_option_routes_tree_verify_rows(monkeypatch, kernel_options):
+    # 17 rows (the verify of a 16-node tree): the unfused path by default (ops.FUSED_MAX_ROWS = 16), the
+    # fused kernels with the kernel option fused_rows >= 17; both give the torch-reference model's hidden.
+    from specdec.models import ops
+    from specdec.models.llama import LlamaModel
+    from specdec.models.loading import LlamaConfig
+
+    calls = []
+    for name in ("linear", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
+        real = getattr(lin, name)
+        monkeypatch.setattr(lin, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=40, head_dim=16, max_position_embeddings=64)
+    models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=2, backend=be)
+              for be in ("triton", "torch")}
+    n = 17
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    meta = ops.AttentionMeta(torch.tensor([0, n], **i32), torch.tensor([n], **i32), torch.arange(5, **i32)[None],
+                             torch.arange(n, device=DEVICE), n)
+    ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    pos = torch.arange(n, **i32)
+    hidden = {}
+    for rows in (None, 16, 17, 64):
+        kernel_options.set_(fused_rows=rows)
+        for be, model in models.items():
+            calls.clear()
+            k, v = model.new_kv_cache(5, 4)
+            hidden[be, rows] = model(ids, pos, meta, k, v).hidden
+            if be == "triton":
+                assert len(calls) == (4 if rows is not None and rows >= n else 0), (rows, calls)
+        torch.testing.assert_close(hidden["triton", rows], hidden["torch", rows], atol=1e-4, rtol=1e-4)
+
+
+def _rows_case(M_shape, group, table_rows, gen):
+    """(index [G, W] int32, maybe a strided view with -1 entries, group): every row of the table in range."""
+    G, W = M_shape
+    if group:
+        wide = torch.randint(-1, group, (G, group + 3), generator=gen, dtype=torch.int32)
+        index = wide.to(DEVICE)[:, :W]  # strided rows (as nodes[:, :Te] of a [B, T] tensor)
+    else:
+        index = torch.randint(-1, table_rows, (G, W), generator=gen, dtype=torch.int32).to(DEVICE)
+    return index, group
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,group", [((1, 1), 0), ((1, 7), 0), ((2, 3), 5), ((1, 1), 4), ((3, 6), 9)])
+def test_linear_gathered_rows_match_ref(shape, group, dtype, poison):
+    # rows=(index, group): input row g * W + j is x[g * group + max(index[g, j], 0)] (GEMV at one row,
+    # tl.dot otherwise), equal to gathering first; -1 entries read row g * group.
+    gen = torch.Generator().manual_seed(7 * shape[1] + group)
+    n_rows = max(1, shape[0] * group) if group else 50
+    x = _randn(n_rows, 72, dtype=dtype, gen=gen)
+    w = _randn(40, 72, dtype=dtype, scale=72 ** -0.5, gen=gen)
+    rows = _rows_case(shape, group, n_rows, gen)
+    out = lin.linear(x, w, rows=rows)
+    assert out.shape == (shape[0] * shape[1], 40)
+    want = lin.linear_ref(x, w, rows=rows)
+    _close(out, want, dtype)
+    picked = lin.gather_rows_ref(x, *rows)
+    g = torch.arange(shape[0], device=DEVICE)[:, None] * group
+    assert torch.equal(picked, x[(g + rows[0].long().clamp(min=0)).reshape(-1)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 6])
+def test_two_input_qkv_with_gathered_token_rows(M, dtype, poison):
+    # The draft layer's qkv reading its token embeddings straight from the table (index = token ids,
+    # group 0) beside the hidden rows: the same q and cache writes as embedding first.
+    gen = torch.Generator().manual_seed(99 + M)
+    HQ, HKV, D, K, PS, NP, V = 4, 2, 32, 64, 4, 8, 30
+    table = _randn(V, K, dtype=dtype, scale=3.0, gen=gen)
+    tok = torch.randint(-1, V, (M,), generator=gen).to(DEVICE)
+    x2 = _randn(M, K, dtype=dtype, scale=0.2, gen=gen)
+    nw, nw2 = _randn(K, dtype=dtype, gen=gen), _randn(K, dtype=dtype, gen=gen)
+    wqkv = _randn((HQ + 2 * HKV) * D, 2 * K, dtype=dtype, scale=(2 * K) ** -0.5, gen=gen)
+    cos, sin = rope_tables(D, 128, 10000.0, device=DEVICE)
+    pos = torch.randint(0, 128, (M,), generator=gen).to(DEVICE)
+    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
+    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    rows = (tok[None], 0)
+    q, s = lin.norm_qkv_rope_write_kv_(table, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
+                                       x2=x2, norm_weight2=nw2, rows=rows)
+    assert s is None and q.shape == (M, HQ, D)
+    emb = table[tok.clamp(min=0)]
+    q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(emb, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref,
+                                               slots, x2=x2, norm_weight2=nw2)
+    _close(q, q_ref, dtype)
+    torch.testing.assert_close(kc, kc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+
+
+def test_gathered_rows_reject_bad_input():
+    x, w = torch.zeros(10, 16, device=DEVICE), torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="rows index must be int32/int64"):
+        lin.linear(x, w, rows=(torch.zeros(3, device=DEVICE), 0))
+    with pytest.raises(ValueError, match="at most 64 gathered rows"):
+        lin.linear(x, w, rows=(torch.zeros(1, 65, dtype=torch.int32, device=DEVICE), 0))
+    with pytest.raises(ValueError, match="group -1"):
+        lin.linear(x, w, rows=(torch.zeros(1, 2, dtype=torch.int32, device=DEVICE), -1))

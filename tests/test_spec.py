@@ -360,6 +360,30 @@ def test_profile_step_phases_leaves_engine_clean(tiny):
     assert [r.output_ids for r in reqs] == [reference(tiny, p, 8) for p in prompts]
 
 
+def test_graphed_phases_splits_the_step_and_leaves_engine_clean(tiny):
+    # engine/profiling.graphed_phases (on the CPU its eager path, wall-clock marks): every phase of a
+    # tree step in step order (root, one entry per growth round, ..., extend), the drafter's marks
+    # switched off afterwards, the engine as before (greedy output still the reference's).
+    from specdec.engine.profiling import graphed_phases
+
+    drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=3, num_draft_tokens=5)
+    engine = Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=1024),
+                    drafter=drafter, ks=(5,))
+    res = graphed_phases(engine, 1, 20, 5, iters=1, warmup=0)
+    assert [p["phase"] for p in res["phases"]] == ["draft_root", "draft_round1", "draft_round2", "draft",
+                                                   "verify_forward", "verify", "kv_sync", "commit"]
+    assert res["T"] == 6 and all(p["ms"] >= 0 for p in res["phases"]) and drafter.phase_marks is None
+    assert abs(res["sum_ms"] - sum(p["ms"] for p in res["phases"])) < 1e-9
+    plain = graphed_phases(engine, 1, 20, 0, iters=1, warmup=0)
+    assert [p["phase"] for p in plain["phases"]] == ["draft", "verify_forward", "verify", "kv_sync", "commit"]
+    engine.check()
+    prompts = rand_prompts([7], seed=5)
+    reqs = [engine.add_request(p, 6) for p in prompts]
+    while engine.has_work():
+        engine.step(5)
+    assert [r.output_ids for r in reqs] == [reference(tiny, p, 6) for p in prompts]
+
+
 def test_committed_smollm2_head_accepts_and_keeps_greedy(smollm2, smollm2_tokenizer):
     """The trained head in checkpoints/ loads through the draft config, drafts the target's own greedy
     continuation (a random head accepts ~nothing: τ ~ 1), and speculation stays token-identical."""
@@ -416,16 +440,20 @@ def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
     verify and draft rows, and greedy speculative output stays identical to plain greedy."""
     from kernels_triton import linear as lin
 
-    calls = {"rope": 0, "add": 0}
+    from kernels_triton import options
+
+    calls = {"rope": 0, "add": 0, "gathered_qkv": 0, "gathered_fc": 0}
     real_qkv, real_linear = lin.norm_qkv_rope_write_kv_, lin.linear
 
-    def qkv(*a, **kw):
+    def qkv(*a, rows=None, **kw):
         calls["rope"] += 1
-        return real_qkv(*a, **kw)
+        calls["gathered_qkv"] += rows is not None
+        return real_qkv(*a, rows=rows, **kw)
 
-    def linear(x, w, add=None, config=None):
+    def linear(x, w, add=None, config=None, rows=None):
         calls["add"] += add is not None
-        return real_linear(x, w, add, config)
+        calls["gathered_fc"] += rows is not None
+        return real_linear(x, w, add, config, rows=rows)
 
     monkeypatch.setattr(lin, "norm_qkv_rope_write_kv_", qkv)
     monkeypatch.setattr(lin, "linear", linear)
@@ -436,6 +464,13 @@ def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
     got, _ = run_engine(model, prompts, 10, drafter=drafter, ks=(6,), k_of_step=lambda i: 6)
     assert got == want
     assert calls["rope"] > 0 and calls["add"] > 0  # target and draft went through the fused kernels
+    # The draft rounds' token embeddings and the extend's accepted features were read by the kernels
+    # (gathered rows); with the kernel option gather_rows off, torch gathers them, same output.
+    assert calls["gathered_qkv"] > 0 and calls["gathered_fc"] > 0, calls
+    calls.update(gathered_qkv=0, gathered_fc=0)
+    with options.use(gather_rows=False):
+        got_off, _ = run_engine(model, prompts[:1], 10, drafter=drafter, ks=(6,), k_of_step=lambda i: 6)
+    assert got_off == want[:1] and calls["gathered_qkv"] == calls["gathered_fc"] == 0
 
 
 def test_padding_rows_never_move_kv(tiny, monkeypatch):

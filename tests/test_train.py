@@ -327,3 +327,112 @@ def test_train_entry_rejects_bad_settings_before_generating(tmp_path, overrides,
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert needle in proc.stderr
     assert not (tmp_path / "run" / "sequences.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Staged data, online features, resume (specdec/training/stages.py)
+# ----------------------------------------------------------------------------------------------
+
+class _NoLog:
+    def log_metrics(self, *a, **k):
+        pass
+
+
+def _fit_config(**kw):
+    base = dict(batch_tokens=48, epochs=3, max_steps=None, time_budget_s=None, warmup_steps=2, min_lr_ratio=0.1,
+                log_every=2, eval_every=0, save_every=0, fit_budget=True)
+    return toy_config(**{**base, **kw})
+
+
+def test_online_features_equal_stored_ones(tiny):
+    from specdec.training.stages import OnlineFeatures
+
+    prompts = rand_prompts([5, 9, 7, 11], seed=3)
+    seqs = [p + rand_prompts([6], seed=i)[0] for i, p in enumerate(prompts)]
+    plens = [len(p) for p in prompts]
+    store = capture(tiny, seqs, plens, LAYERS, chunk_tokens=64, page_size=4)
+    online = OnlineFeatures(tiny, seqs, plens, LAYERS, page_size=4)
+    assert online.lengths.tolist() == store.lengths.tolist() and online.answer_tokens() == store.answer_tokens()
+    for idx in ([2, 0], [3], [1, 2, 3]):
+        a, b = online.batch(idx, "cpu"), gather_batch(store, idx, "cpu")
+        for f in ("tokens", "argmax", "lengths", "prompt_lens"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), f
+        torch.testing.assert_close(a.features, b.features, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.teacher_hidden, b.teacher_hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_fit_stopped_by_its_budget_resumes_to_the_same_weights(tiny, tmp_path):
+    # One straight run of the planned steps vs a run whose budget ends it after its first step
+    # (fit_budget false: the schedule is kept), its state saved, then resumed in a fresh head and
+    # optimizer: the same batches in the same order, so the same final weights.
+    from specdec.train import fit
+    from specdec.training.stages import OnlineFeatures, load_train_state, save_train_state
+
+    prompts = rand_prompts([5, 9, 14, 7, 11, 6], seed=8)
+    seqs = [p + rand_prompts([10], seed=40 + i)[0] for i, p in enumerate(prompts)]
+    plens = [len(p) for p in prompts]
+    vocab, _ = draft_vocab(seqs, plens, 64, VOCAB)
+    held = capture(tiny, seqs[:2], plens[:2], LAYERS, page_size=4)
+    train = OnlineFeatures(tiny, seqs[2:], plens[2:], LAYERS, page_size=4)
+
+    def fresh():
+        head = new_head(tiny, vocab, seed=1)
+        return head, Trainer(head, tiny, _fit_config(), "cpu")
+
+    head_a, tr_a = fresh()
+    res_a = fit(tr_a, train, held, _fit_config(fit_budget=False), _NoLog(), 0, lambda *a: None)
+    assert res_a["finished"] and res_a["steps"] == res_a["planned_steps"] >= 4
+
+    head_b, tr_b = fresh()
+    path = tmp_path / "state.pt"
+    saved = []
+    res_b = fit(tr_b, train, held, _fit_config(fit_budget=False, time_budget_s=0.0), _NoLog(), 0, lambda *a: None,
+                save_state=lambda prog: saved.append(prog) or save_train_state(path, head_b, tr_b.opt, prog, vocab))
+    assert res_b["steps"] == 1 and not res_b["finished"] and saved[-1]["step"] == 1
+    state = load_train_state(path)
+    assert torch.equal(state["vocab_ids"], vocab)
+    head_c, tr_c = fresh()
+    head_c.load_state_dict(state["head"])
+    tr_c.opt.load_state_dict(state["opt"])
+    res_c = fit(tr_c, train, held, _fit_config(fit_budget=False), _NoLog(), 0, lambda *a: None,
+                resume=state["progress"])
+    assert res_c["finished"] and res_c["steps"] == res_a["steps"]
+    for k, v in head_a.state_dict().items():
+        torch.testing.assert_close(head_c.state_dict()[k], v, atol=1e-6, rtol=1e-5, msg=k)
+    with pytest.raises(TrainingDataError, match="no training state"):
+        load_train_state(tmp_path / "missing.pt")
+
+
+def test_answer_stage_writes_shards_and_resumes(tiny, tmp_path):
+    # Stage 2 over a fake tokenizer: every (prompt, sample) item answered once across two calls (the
+    # first stopped by a budget that ends it after its first finished requests), samples 0 greedy
+    # (equal to the reference) and 1 sampled; the held-out split keeps a prompt's samples together.
+    from specdec.training import stages
+
+    class Tok:
+        def encode_chat(self, messages):
+            text = messages[0]["content"]
+            return [3 + (ord(c) % 50) for c in text]
+
+    prompts = [TrainPrompt(f"p/{i}", f"task number {i} " + "x" * i, "stdlib") for i in range(5)]
+    cfg = EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=1024)
+    kw = dict(samples=1, answer_temperature=0.0, sample_temperature=1.0, max_new_tokens=6, max_seq_len=64,
+              engine_config=cfg, eos_ids=(), per_shard=3, seed=0)
+    first = stages.answer_stage(tiny, Tok(), prompts[:2], tmp_path, budget_s=None, **kw)
+    assert first["items_written"] == 4 and not first["stopped_by_budget"]
+    # A budget that ends the call after one engine step: nothing finished, nothing written (redone later).
+    cut = stages.answer_stage(tiny, Tok(), prompts, tmp_path, budget_s=0.0, min_left_s=0.0, **kw)
+    assert cut["stopped_by_budget"] and cut["items_before"] == 4 and cut["items_written"] == 0
+    second = stages.answer_stage(tiny, Tok(), prompts, tmp_path, budget_s=None, **kw)
+    assert not second["stopped_by_budget"] and second["items_before"] == 4 and second["items_written"] == 6
+    seqs, done, per_sample = stages.read_shards(tmp_path)
+    ids = [s.id for s in seqs]
+    assert len(ids) == len(set(ids)) == 10 and per_sample == {"0": 5, "1": 5}
+    for s in seqs:
+        if s.id.endswith("#0"):
+            assert s.output_ids == reference(tiny, s.prompt_ids, 6)
+    held, train = stages.split_by_prompt(ids, 0.4, random.Random(0))
+    assert held and train and not set(held) & set(train)
+    assert {stages.prompt_of(ids[i]) for i in held}.isdisjoint({stages.prompt_of(ids[i]) for i in train})
+    with pytest.raises(TrainingDataError, match="no prompts.jsonl"):
+        stages.load_staged(tmp_path)

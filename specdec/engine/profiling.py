@@ -7,6 +7,8 @@ so the engine is exactly as it was afterwards (tests check the page accounting).
 
     decode_step_ms(engine, B, ctx, k=k)   device ms of one step (graph replays, no host sync)
     step_phases(engine, B, ctx, k)        {draft, verify, commit} ms of eager steps with marks
+    graphed_phases(engine, B, ctx, k)     ms and kernels of each phase of the graphed step, the step
+                                          captured as one CUDA graph per phase
     calibrate_policy_(engine)             fill the policy's table: decode_step_ms per k and bucket
     step_time_vs_floor(engine, batches, ctx)  graphed k = 0 step ms per batch beside the target's
                                           weight-bandwidth floor (the run option engine.profile_steps)
@@ -102,6 +104,29 @@ def decode_step_ms(engine, batch_size: int, context_len: int, iters: int = 50, w
         return (time.perf_counter() - t0) * 1e3 / iters
 
 
+# The marks step_body_ (and the EAGLE-3 drafter's propose, when profiled) sets, in step order, and the
+# coarse phase of step_phases each belongs to. The drafter's marks are draft_root (the root's children:
+# draft lm_head + top-k) and draft_round1 .. (a growth round: the previous level's tree_expand, one
+# draft layer over the frontier, its lm_head + top-k); "draft" then closes the last tree_expand and
+# tree_select, "verify" verify_accept, "commit" the drafter's extend.
+PHASES = {"draft_root": "draft", "draft": "draft", "verify_forward": "verify", "verify": "verify",
+          "kv_sync": "commit", "commit": "commit"}
+PHASE_LABELS = {"draft_root": "draft: root children", "draft": "draft: last expand + tree_select (plain: none)",
+                "verify_forward": "verify: target forward + lm_head", "verify": "verify_accept",
+                "kv_sync": "commit: kv_sync", "commit": "draft extend"}
+
+
+def coarse_phase(mark: str) -> str:
+    """draft / verify / commit for a step_body_ mark (draft_roundN: draft)."""
+    return "draft" if mark.startswith("draft_round") else PHASES[mark]
+
+
+def phase_label(mark: str) -> str:
+    if mark.startswith("draft_round"):
+        return f"draft: round {mark.removeprefix('draft_round')} (expand + draft layer + lm_head + top-k)"
+    return PHASE_LABELS.get(mark, mark)
+
+
 def step_phases(engine, batch_size: int, context_len: int, k: int, iters: int = 5) -> dict:
     """Milliseconds of the draft, verify and commit phases of one step with k draft tokens at
     ``batch_size`` rows of ``context_len`` tokens, run eagerly with a timing mark between phases
@@ -146,8 +171,151 @@ def step_phases(engine, batch_size: int, context_len: int, k: int, iters: int = 
             if it == 0:
                 continue
             for (_, a), (phase, b) in zip(marks, marks[1:]):
-                sums[phase] += a.elapsed_time(b) if cuda else (b - a) * 1e3
+                sums[coarse_phase(phase)] += a.elapsed_time(b) if cuda else (b - a) * 1e3
     return {**{phase: v / iters for phase, v in sums.items()}, "batch": B, "context": context_len}
+
+
+def graphed_phases(engine, batch_size: int, context_len: int, k: int, iters: int = 50, warmup: int = 3,
+                   kernels: bool = True) -> dict:
+    """Where a graphed step's time goes: the step body (k draft tokens, ``batch_size`` rows of
+    ``context_len`` tokens) captured as one CUDA graph per phase (split at the marks of
+    :data:`PHASES`; the EAGLE-3 drafter also marks its root and each growth round), the graphs
+    replayed back to back ``iters`` times with a CUDA event between phases. Returns
+    ``{"phases": [{"phase", "label", "ms", "kernels", "kernel_ms", "top"}, ...], "sum_ms"}``: ms per
+    phase replay (the phase's kernels plus one graph launch, ~2-4 us, so ``sum_ms`` exceeds the whole
+    step's graph replayed, :func:`decode_step_ms`), and with ``kernels`` (torch
+    profiler) the device kernels (memcpy / memset included) each phase launches per step and their
+    summed device ms. On the CPU (no graphs) the body runs eagerly with wall-clock marks, no kernel
+    counts. The engine is left as it was (rows borrowed, pages returned)."""
+    T = _check_k(engine, k)
+    total = profile_slots(engine, context_len, 2 * (warmup + iters) + 4, T)
+    if total > engine.max_seq_len:
+        raise ValueError(f"context_len {context_len}: no room for {2 * (warmup + iters) + 4} steps of {T} tokens "
+                         f"within max_seq_len {engine.max_seq_len}")
+    drafter = engine.drafter if T > 1 else None
+    cuda = engine.model.device.type == "cuda"
+    prepare = preparer(drafter) if drafter is not None else None
+    context = [[7] * context_len for _ in range(batch_size)] if drafter is not None and needs_context(drafter) else None
+    temp = engine.config.temperature
+    B = batch_size
+
+    def body(mark):
+        if temp > 0:
+            st.uniform[:B, :T].uniform_(generator=st.generator)
+        if prepare is not None:
+            prepare(st, B, T, context)
+        step_body_(engine.model, st, engine.kv, B, T, temp, drafter, context, mark)
+
+    has_marks = drafter is not None and hasattr(drafter, "phase_marks")
+    with borrowed_rows(engine, B, context_len, total, "graphed_phases") as st:
+        try:
+            if not cuda:  # eager, wall-clock marks
+                sums: dict[str, float] = {}
+                for it in range(warmup + iters):
+                    stamps = [("start", time.perf_counter())]
+
+                    def mark(phase, stamps=stamps):
+                        stamps.append((phase, time.perf_counter()))
+                    if has_marks:
+                        drafter.phase_marks = mark
+                    body(mark)
+                    if it >= warmup:
+                        for (_, a), (phase, b) in zip(stamps, stamps[1:]):
+                            sums[phase] = sums.get(phase, 0.0) + (b - a) * 1e3
+                phases = [{"phase": p, "label": phase_label(p), "ms": v / iters} for p, v in sums.items()]
+                ms = sum(p["ms"] for p in phases)
+                return {"phases": phases, "sum_ms": ms, "step_ms": ms, "graphed": False, "batch": B,
+                        "context": context_len, "T": T}
+            graphs: list[tuple[str, torch.cuda.CUDAGraph]] = []
+            pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile and warm outside the capture
+                    body(None)
+                torch.cuda.synchronize()
+                cur = [torch.cuda.CUDAGraph()]
+                cur[0].capture_begin(pool=pool)
+
+                def split(phase):  # end this phase's graph, start the next one's
+                    cur[0].capture_end()
+                    graphs.append((phase, cur[0]))
+                    cur[0] = torch.cuda.CUDAGraph()
+                    cur[0].capture_begin(pool=pool)
+                if has_marks:
+                    drafter.phase_marks = split
+                body(split)
+                cur[0].capture_end()  # empty: the body's last mark closed its last phase
+            torch.cuda.synchronize()
+
+            def replay_all(events=None):
+                for i, (_, g) in enumerate(graphs):
+                    g.replay()
+                    if events is not None:
+                        events[i + 1].record()
+
+            for _ in range(warmup):
+                replay_all()
+            torch.cuda.synchronize()
+            sums = [0.0] * len(graphs)
+            steps = [[torch.cuda.Event(enable_timing=True) for _ in range(len(graphs) + 1)] for _ in range(iters)]
+            for ev in steps:  # back to back, no host sync (as served steps run)
+                ev[0].record()
+                replay_all(ev)
+            steps[-1][-1].synchronize()
+            for ev in steps:
+                for i in range(len(graphs)):
+                    sums[i] += ev[i].elapsed_time(ev[i + 1])
+            phases = [{"phase": p, "label": phase_label(p), "ms": sums[i] / iters} for i, (p, _) in enumerate(graphs)]
+            if kernels:
+                _count_phase_kernels_(graphs, phases, reps=min(iters, 10))
+            return {"phases": phases, "sum_ms": sum(p["ms"] for p in phases), "graphed": True, "batch": B,
+                    "context": context_len, "T": T}
+        finally:
+            if has_marks:
+                drafter.phase_marks = None
+
+
+def _count_phase_kernels_(graphs, phases: list[dict], reps: int) -> None:
+    """Adds ``kernels``, ``kernel_ms`` and ``top`` to each phase: one profiler session over ``reps``
+    steps of the phase graphs replayed in order, a marker kernel (torch.cuda._sleep's spin_kernel)
+    after each phase; device events sorted by start split at the markers into the phases' kernels
+    (one stream: they run in order). Without the expected markers only the step's total is kept."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for _, g in graphs:
+                g.replay()
+                torch.cuda._sleep(64)  # marker: ends this phase in the device timeline
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    groups, cur = [], []
+    for e in evs:
+        if "spin_kernel" in e.name:
+            groups.append(cur)
+            cur = []
+        else:
+            cur.append(e)
+    if len(groups) != reps * len(graphs):
+        phases[0]["kernels_total_per_step"] = len(evs) / reps  # markers not recognised: no split
+        return
+    for i, p in enumerate(phases):
+        mine = [e for r in range(reps) for e in groups[r * len(graphs) + i]]
+        p["kernels"] = len(mine) / reps
+        p["kernel_ms"] = sum(e.device_time for e in mine) / 1e3 / reps
+        p["top"] = _top_kernels(mine, reps)
+
+
+def _top_kernels(evs, reps: int, n: int = 6) -> list:
+    """[(name, launches per step, us per step)] of the busiest kernels among profiler events."""
+    by: dict[str, list[float]] = {}
+    for e in evs:
+        c = by.setdefault(e.name[:80], [0.0, 0.0])
+        c[0] += 1 / reps
+        c[1] += e.device_time / reps
+    return [(name, round(c[0], 2), round(c[1], 1)) for name, c in sorted(by.items(), key=lambda kv: -kv[1][1])[:n]]
 
 
 def calibrate_policy_(engine) -> None:

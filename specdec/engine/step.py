@@ -63,7 +63,8 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     Rows >= state.num_active are padding: T_b = 0, no KV read or written, nothing committed.
     Writes state.sampled_for(T)[:B] (committed tokens then -1) and commits in place; no host sync,
     so a CUDA graph can capture it per (bucket B, tree size T). ``marks(phase)``, when given (eager
-    profiling only), is called as the draft, verify and commit phases end. ``acceptance`` (replayed
+    profiling only), is called as the draft, verify_forward, verify (= accept), kv_sync and commit
+    (= draft extend) phases end (specdec.engine.profiling.PHASES). ``acceptance`` (replayed
     acceptance, :mod:`specdec.acceptance`): the verdict is replaced by its forced one after
     verify_accept has run, so the step does the same work and commits the replayed path.
     """
@@ -85,6 +86,8 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     capture = drafter.capture_layers if drafter is not None else ()
     out = model(ids, pos, meta, kv.k, kv.v, capture_layers=capture)
     logits = model.logits(out.hidden).view(B, T, -1)  # [B, T, V]
+    if marks:
+        marks("verify_forward")
     be = model.backend
     uniforms = state.uniform[:B, :T] if temperature > 0 else None
     accept_len, nodes, out_tokens = step_ops.verify_accept(logits, tree.tokens, tree.parents, temperature,
@@ -101,6 +104,8 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     # commit nothing (sampled -1, seq_lens and pending unchanged).
     step_ops.kv_sync_([(kv.k, kv.v)], state.page_table[:B], seq_old, nodes, accept_len, out_tokens, valid,
                       (state.seq_lens[:B], state.pending[:B], state.sampled_for(T)[:B]), backend=be)
+    if marks:
+        marks("kv_sync")
     if drafter is not None:
         drafter.extend_(state, B, T, valid, seq_old, out.captured, nodes, out_tokens, accept_len, (meta, pos))
     if marks:

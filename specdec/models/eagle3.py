@@ -341,25 +341,62 @@ class Eagle3Head(nn.Module):
                 torch.zeros(shape, device=self.device, dtype=self.dtype))
 
     # -- forward ---------------------------------------------------------------------------------
+    def embedding_table(self, target) -> torch.Tensor | None:
+        """[vocab, H] the table ``embed`` reads: the head's own, else the target's when it holds the
+        whole vocabulary (None for a tensor-parallel shard, whose lookup ``embed`` must call)."""
+        if self.config.own_embedding:
+            return self.w("embed_tokens.weight")
+        table = getattr(target, "embed", None)
+        if table is None or table.dim() != 2 or table.shape[0] != self.config.vocab_size:
+            return None
+        return table
+
     def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
         """[N, 3H] captured target features -> [N, H] draft input hidden."""
         return target_features @ self.w("fc.weight").t()
 
+    def fuse_rows(self, target_features: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
+        """``fuse`` of the rows ``index`` [G, W] picks from [G * group, 3H] features (row g * group +
+        max(index[g, j], 0)) -> [G * W, H], the fc reading them itself: one launch for the gather, clamp
+        and GEMM (callers check ``gathers_rows``)."""
+        w = self.w("fc.weight")
+        return ops.linear(target_features.to(w.dtype), w, backend=self.backend, rows=(index, group))
+
+    def gathers_rows(self, table: torch.Tensor, n: int, fc_features: torch.Tensor | None = None) -> bool:
+        """Whether the draft layer reads n token rows of the embedding ``table`` inside its qkv kernel
+        (and, with ``fc_features``, the fc its n feature rows): the fused path runs for n rows and the
+        kernel option gather_rows is on (specdec.models.ops.gathers_rows)."""
+        if table is None:
+            return False
+        ids = torch.empty(1, n, dtype=torch.int32, device="meta")  # only its size is read
+        wqkv = self.fused_weights()[0]
+        ok = table.dtype == self.dtype and ops.gathers_rows(self.backend, table, wqkv, (ids, 0))
+        if ok and fc_features is not None:
+            ok = fc_features.dtype == self.dtype and ops.gathers_rows(self.backend, fc_features, self.w("fc.weight"),
+                                                                      (ids, 0))
+        return ok
+
     def forward(self, token_embeds, hidden, positions, meta: ops.AttentionMeta, k_cache, v_cache,
-                with_logits: bool = True):
+                with_logits: bool = True, token_rows=None):
         """One draft layer. token_embeds, hidden: [N, H] -> (draft hidden [N, H] pre-norm, logits
         [N, draft_vocab] or None without ``with_logits``: callers that need a few rows' logits take
-        ``logits(hidden[rows])``). ``hidden`` is ``fuse(features)`` or a previous draft hidden state."""
+        ``logits(hidden[rows])``). ``hidden`` is ``fuse(features)`` or a previous draft hidden state.
+        ``token_rows`` = (table [vocab, H], token ids [G, W] with G * W = N) instead of token_embeds: the
+        embedding rows read by the qkv kernel itself (ids < 0 read row 0)."""
         c, be = self.config, self.backend
         N = hidden.shape[0]
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         wqkv, w13 = self.fused_weights()
+        rows = None
+        if token_rows is not None:
+            token_embeds, ids = token_rows
+            rows = (ids, 0)
         # [RMSNorm(embeds) | RMSNorm(hidden)] [N, 2H] -> qkv -> RoPE -> K/V into the draft cache (one launch
         # for few rows on the Triton backend, no concatenated copy).
         q, _ = ops.norm_qkv_rope_write_kv_(
             token_embeds, None, self.w("midlayer.input_layernorm.weight"), c.rms_norm_eps, wqkv, HQ, HKV, positions,
             self.rope_cos, self.rope_sin, k_cache[0], v_cache[0], meta.slot_mapping,
-            hidden, self.w("midlayer.hidden_norm.weight"), backend=be)  # [N, HQ, D]
+            hidden, self.w("midlayer.hidden_norm.weight"), backend=be, rows=rows)  # [N, HQ, D]
         o = ops.paged_attention(q, k_cache[0], v_cache[0], meta, backend=be)  # [N, HQ, D]
         attn = ops.linear(o.reshape(N, HQ * D), self.w("midlayer.self_attn.o_proj.weight"), backend=be)
         # RMSNorm(attn + hidden) -> gate|up -> SwiGLU, then residual + act @ down (rounded once).

@@ -118,7 +118,7 @@ FUSED_MAX_WEIGHT_BYTES = 16 << 20
 
 
 def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: bool = False,
-           swiglu: bool = False) -> bool:
+           swiglu: bool = False, m: int | None = None) -> bool:
     """Small-M fused layers for decode / draft rows on the Triton backend. The kernel option
     fused_linear=False (kernels_triton/options.py) falls back to the unfused kernels + cuBLAS (an A/B
     switch for benchmarks). ``one_row_any_size``: a
@@ -129,15 +129,40 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
 
     if not use_triton(backend, x) or not options.get().fused_linear:
         return False
-    if one_row_any_size and x.shape[0] == 1 and w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS:
+    M = x.shape[0] if m is None else m  # m: the rows a gathered input yields
+    if one_row_any_size and M == 1 and w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS:
         return True
-    return x.shape[0] <= FUSED_MAX_ROWS and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
+    rows = options.get().fused_rows or FUSED_MAX_ROWS  # kernel option fused_rows: an A/B of tree verify
+    return M <= rows and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
 
 
-def linear(x, w, add=None, *, backend="auto"):
-    """x [N, K] @ w [NOUT, K]^T (+ add [N, NOUT], rounded once like torch.addmm)."""
+def gathers_rows(backend: str, x: torch.Tensor, w: torch.Tensor, rows) -> bool:
+    """Whether a layer over gathered rows (``rows`` = (index [G, W], group) into x) reads them inside the
+    fused kernel: the fused path for its G * W rows, the kernel option gather_rows, one dtype."""
+    from kernels_triton import options
+
+    if not options.get().gather_rows or x.dtype != w.dtype:
+        return False
+    return _fused(backend, x, w, one_row_any_size=True, m=rows[0].numel())
+
+
+def gather_rows(x, rows):
+    """The rows ``rows`` = (index [G, W], group) picks from x, by torch ops (kernels_triton.linear.gather_rows_ref)."""
     from kernels_triton import linear as lin
 
+    return lin.gather_rows_ref(x, *rows)
+
+
+def linear(x, w, add=None, *, backend="auto", rows=None):
+    """x [N, K] @ w [NOUT, K]^T (+ add [N, NOUT], rounded once like torch.addmm). ``rows`` = (index
+    [G, W], group): the N = G * W input rows are x[g * group + max(index[g, j], 0)], read inside the
+    fused kernel where it runs (kernel option gather_rows), else gathered first."""
+    from kernels_triton import linear as lin
+
+    if rows is not None:
+        if gathers_rows(backend, x, w, rows):
+            return lin.linear(x, w, add, rows=rows)
+        x = gather_rows(x, rows)
     if _fused(backend, x, w, one_row_any_size=True):
         return lin.linear(x, w, add)
     return x @ w.t() if add is None else torch.addmm(add, x, w.t())
@@ -174,12 +199,20 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
 
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
-                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, *, backend="auto"):
+                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, *, backend="auto", rows=None):
     """The attention block's input side: RMSNorm(x + residual) @ wqkv^T, RoPE, K/V written to the cache
     slots (in place). Returns (rotated q [N, HQ, D], s = x + residual, or x without a residual).
     norm_weight None projects x as is. With ``x2`` (and ``norm_weight2``) the projected rows are
-    [RMSNorm(x) | RMSNorm2(x2)] (EAGLE-3's draft layer: token embedding beside hidden state)."""
+    [RMSNorm(x) | RMSNorm2(x2)] (EAGLE-3's draft layer: token embedding beside hidden state).
+    ``rows`` = (index [G, W], group): x's rows gathered as in :func:`linear` (no residual; s is then
+    the gathered rows, or None when the kernel gathered them)."""
     from kernels_triton import linear as lin
+
+    if rows is not None:
+        if residual is None and gathers_rows(backend, x, wqkv, rows):
+            return lin.norm_qkv_rope_write_kv_(x, None, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
+                                               cos, sin, k_cache, v_cache, slot_mapping, x2, norm_weight2, rows=rows)
+        x = gather_rows(x, rows)
 
     N, D = x.shape[0], k_cache.shape[-1]
     if _fused(backend, x, wqkv, one_row_any_size=True):

@@ -95,6 +95,9 @@ class Eagle3Drafter:
         self.capture_layers = tuple(head.config.target_layers)
         self.k_cache = self.v_cache = None
         self.root_hidden = self.root_top = self.root_ids = None
+        # Profiling only (specdec.engine.profiling.graphed_phases): called as ``propose``'s root children
+        # and each growth round end, so a step's draft splits into phases; None when serving.
+        self.phase_marks = None
 
     @property
     def extends_at_k0(self) -> bool:
@@ -127,8 +130,15 @@ class Eagle3Drafter:
         self.root_ids = state.add_row_buffer("eagle3_root_ids", (self.topk,), torch.int64)
 
     def _run(self, token_ids, hidden, positions, meta):
-        """Draft layer over rows: token_ids [N] (target ids), hidden [N, H] -> hidden [N, H]."""
-        emb = self.head.embed(token_ids, self.target).to(self.head.dtype)
+        """Draft layer over rows: token_ids [N] or [G, W] (target ids; < 0 reads id 0), hidden [N, H] ->
+        hidden [N, H]. The embedding rows are read by the layer's qkv kernel where it can (kernel option
+        gather_rows), not gathered by a launch of their own."""
+        table = self.head.embedding_table(self.target)
+        if self.head.gathers_rows(table, token_ids.numel()):
+            ids = token_ids if token_ids.dim() == 2 else token_ids[None]  # [G, W]
+            return self.head(None, hidden, positions, meta, self.k_cache, self.v_cache, with_logits=False,
+                             token_rows=(table, ids))[0]
+        emb = self.head.embed(token_ids.reshape(-1), self.target).to(self.head.dtype)
         return self.head(emb, hidden, positions, meta, self.k_cache, self.v_cache, with_logits=False)[0]
 
     def _children(self, h, k: int):
@@ -173,6 +183,9 @@ class Eagle3Drafter:
         topk, steps, kept = self.shape_for(T - 1)
         be = self.head.backend
         self._root_children_(B)
+        marks = self.phase_marks
+        if marks:
+            marks("draft_root")
         seq = state.seq_lens[:B]
         dev, H = seq.device, self.head.config.hidden_size
         K = topk
@@ -190,6 +203,8 @@ class Eagle3Drafter:
             more = r < steps - 2
             score, fcid, rows = ops.tree_expand(cand, K + r * K * K, r + 2, lp, ids, d2t, score, fcid,
                                                 (mask, n + K) if more else None, h, valid, seq, backend=be)
+            if marks:
+                marks(f"draft_round{r + 1}")
         return DraftTree(*ops.tree_select(state.pending[:B], cand, kept, steps, backend=be))
 
     def propose_reference(self, state, B: int, T: int, valid, context=None) -> DraftTree:
@@ -249,13 +264,19 @@ class Eagle3Drafter:
             return
         # Only an accepted path's rows can be committed: a 49-node tree extends over 8 rows, not 49.
         Te = self.max_path_nodes(T)
-        H3 = captured.shape[-1]
-        path = nodes[:, :Te].clamp(min=0).long()  # [B, Te]
-        feat = captured.view(B, T, H3).gather(1, path[:, :, None].expand(-1, -1, H3))  # [B, Te, H3]
-        tok = out_tokens[:, :Te].clamp(min=0)  # [B, Te]; -1 (past the path) -> 0, a scratch row
+        # Row b * Te + i: the feature of accepted node nodes[b, i] (row b * T + node of captured) and the
+        # committed token out_tokens[b, i]; -1 past the path reads node / token 0 (a scratch row). Both
+        # are gathered (and clamped) inside the fc and qkv kernels on the Triton backend.
         meta, slot_l = state.block_meta(B, seq_old, Te, valid)  # causal rows seq_old .. seq_old + Te - 1
-        h = self._run(tok.reshape(-1), self.head.fuse(feat.reshape(B * Te, H3).to(self.head.dtype)),
-                      slot_l.reshape(-1), meta)
+        if self.head.gathers_rows(self.head.embedding_table(self.target), B * Te, captured):
+            h = self._run(out_tokens[:, :Te], self.head.fuse_rows(captured, nodes[:, :Te], T), slot_l.reshape(-1), meta)
+        else:  # the same rows by torch ops: 4 launches more (kernel option gather_rows false, many rows, CPU)
+            H3 = captured.shape[-1]
+            path = nodes[:, :Te].clamp(min=0).long()  # [B, Te]
+            feat = captured.view(B, T, H3).gather(1, path[:, :, None].expand(-1, -1, H3))  # [B, Te, H3]
+            tok = out_tokens[:, :Te].clamp(min=0)  # [B, Te]; -1 (past the path) -> 0, a scratch row
+            h = self._run(tok.reshape(-1), self.head.fuse(feat.reshape(B * Te, H3).to(self.head.dtype)),
+                          slot_l.reshape(-1), meta)
         last = accept_len.long()[:, None, None].expand(-1, 1, h.shape[-1])  # [B, 1, H]
         # Padding rows (>= num_active) take garbage here too: their root state is never read, and a
         # row becomes live only through stage_rows_ (which writes it) or keep_rows_ (a live row's).
