@@ -268,6 +268,7 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
                           undrafted_prefill_tokens=engine.undrafted_prefill_tokens,
                           catch_up_tokens=engine.catch_up_tokens, catch_up_forwards=engine.num_catch_ups,
                           page_size=engine.kv.page_size, max_batch_size=engine.config.max_batch_size)
+        acceptance = getattr(engine, "acceptance", None)
         if acceptance is not None:  # replayed: the label, the trace and the sizes it drew from
             trace.meta.update(acceptance.describe())
         # Draft / verify / commit split of one step per configured k, measured after serving
