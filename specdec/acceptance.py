@@ -8,7 +8,9 @@ and then the accepted length of each row is *replaced* by one drawn from a trace
 size; the accepted path is forced along the drafted tree (the path from the root to its deepest
 node, ties to the lowest index: the growth keeps candidates in score order, so the best-scored
 one) down to the drawn depth, capped by that depth, and the bonus token is the target's argmax at the last
-accepted node. Commit then moves exactly those nodes' KV, as usual. Committed tokens are real
+accepted node (greedy, whatever ``sampling.temperature``; the sampling draws are still made). The
+forced verdict adds a dozen small launches to the graphed step (tens of microseconds). Commit then
+moves exactly those nodes' KV, as usual. Committed tokens are real
 tree tokens but not the target's greedy output: every output of such a run is labelled
 ``"acceptance": "replayed"`` (metrics.json, the report's tables, W&B).
 
