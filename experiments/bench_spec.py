@@ -125,7 +125,7 @@ def main() -> None:
         "batch_threshold": lambda: (make_drafter(), BatchThreshold(k, off_above=args.off_above,
                                                                     on_at_or_below=args.on_at)),
         "goodput": lambda: (make_drafter(), Goodput([int(x) for x in args.goodput_ks.split(",")] if args.goodput_ks
-                                                    else sizes)),
+                                                    else sizes, explore_backoff=2.0, shadow_evals=2)),  # as the conf
     }
     # Timed points draw from the first prompts, the untimed warm-up from the others.
     split = max(len(prompts) // 2, len(prompts) - max(Cs))

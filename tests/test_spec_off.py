@@ -11,6 +11,9 @@
   committed slots and its root state equal a from-scratch draft prefill of the same tokens after
   every drafting step, and greedy output equals plain greedy.
 - The trees drafted after a catch-up are the trees an always-in-sync draft drafts (fp32, CPU).
+- Shadow acceptance (n-gram): the drafter's score of a draft from the committed tokens, walked as an
+  always-k run steps, is what speculating at k commits, step for step; goodput fed with it speculates
+  without a forced first try, and greedy output stays plain greedy's.
 """
 
 import random

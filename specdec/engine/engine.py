@@ -290,7 +290,8 @@ class Engine:
         self._policy_times = wants_step_ms(policy)
         self._policy_rows = wants_rows(policy)
         self._policy_iters = getattr(policy, "iteration_", None)  # optional: per-iteration wall / host ms
-        self._waited_s = 0.0
+        self._waited_s = 0.0  # this iteration's time blocked on the device (reading a step's tokens)
+        self._iter_prev = None  # (k, rows, start, waited) of the last iteration that decoded
         self._catches_up = catches_up(drafter)
         self._synced_at_k0 = drafter is None or extends_at_k0(drafter)
         self.num_catch_ups = 0  # catch-up forwards run (draft KV extended over a backlog)
@@ -374,6 +375,14 @@ class Engine:
             raise ConfigError(f"k={k} was not configured for this engine (ks={self.ks}); every "
                               "speculation length must be known at start-up so its graphs exist")
         t_start = time.perf_counter()
+        if self._iter_prev is not None:
+            # The previous iteration, start to start: its wall time includes what the caller did
+            # between steps (a closed-loop client's finishes and submits), which throughput pays
+            # too; its host work is that wall time less the waits for the device.
+            k_p, n_p, t_p, waited_p = self._iter_prev
+            wall_ms = (t_start - t_p) * 1e3
+            self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3)
+            self._iter_prev = None
         self._waited_s = 0.0
         committed: list[tuple[int, list[list[int]], list[str]]] = []  # (k, token lists, request ids) of the steps committed here
         # A step whose commit raised in an earlier call commits first (the host catches up with the
@@ -445,9 +454,9 @@ class Engine:
             committed.append(self._commit_oldest_())
         now = time.perf_counter()
         if n and self._policy_iters is not None:
-            # The iteration's wall time (what throughput pays per step at this k and batch: device
-            # time when the host keeps up, host time when it does not) and its host work alone.
-            self._policy_iters(k, n, (now - t_start) * 1e3, (now - t_start - self._waited_s) * 1e3)
+            # Reported to the policy when the next iteration starts (see above): what throughput pays
+            # per step at this k and batch (device time when the host keeps up, host time when not).
+            self._iter_prev = (k, n, t_start, self._waited_s)
         finished = sched.pop_finished()
         if timed:
             self._pending_trace[no] = dict(

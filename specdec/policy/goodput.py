@@ -45,13 +45,16 @@ class Goodput:
     table's t(k, B) for k > 0 (B rows, each looked up before a step: at C = 256 on the H200 an
     n-gram step took 12.9 ms served against 3.5 ms profiled).
     Iterations, not only steps (``iteration_``: the engine reports every iteration's wall and host
-    ms): throughput pays an iteration's wall time, which is the device's decode + prefill when the
-    host keeps up and the host's own work when it does not. The rate divides by the served
+    ms, start to start): throughput pays an iteration's wall time, which is the device's decode +
+    prefill when the host keeps up and the host's own work (the engine's and its caller's) when it
+    does not; a prefill forward costs about the same whatever it holds, so fewer, longer
+    iterations also pay fewer of them. The rate divides by the served
     iterations' average wall time at (k, bucket) where there is one, else by max(t(k, B), the
     bucket's host ms per iteration): a host-bound batch gains from a larger tree at no wall cost.
     H200 policy envelope at 41d1e6b, EAGLE-3, C = 64: goodput held tree 8 at 1.9 ms device steps
-    against tree 32's 3.1 ms, yet each iteration took 3.7 ms of wall time (host-bound) and always
-    (tree 32) served 1.08x more tokens per second.
+    against tree 32's 3.1 ms, yet each iteration took 3.7 ms of wall time against 4.3 (prefill
+    836 vs 581 ms over the run: more iterations, more prefill forwards; 0.43 vs 0.24 s outside the
+    engine's steps) and always (tree 32) served 1.08x more tokens per second.
     The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
     EMA: one first step does not set it (n-gram's first step at C = 1 accepted nothing, a prior of
     1.0 that the EMA took hundreds of rows to move).
