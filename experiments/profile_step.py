@@ -69,8 +69,11 @@ def sync():
         torch.cuda.synchronize()
 
 
-def make_engine(model, drafter, trees, max_seq_len=None):
-    cfg = EngineConfig(max_batch_size=1, graph_buckets=[1], kv_cache_tokens=8192, max_seq_len=max_seq_len)
+def make_engine(model, drafter, trees, max_seq_len=None, prefill_graphs=True):
+    # prefill_graphs False: no prefill / catch-up graphs (~40 captures per EAGLE-3 engine) for engines
+    # that only replay decode steps; the decode graphs are the same either way.
+    cfg = EngineConfig(max_batch_size=1, graph_buckets=[1], kv_cache_tokens=8192, max_seq_len=max_seq_len,
+                       **({} if prefill_graphs else {"prefill_buckets": ()}))
     return Engine(model, cfg, eos_ids=[], drafter=drafter, ks=(0, *trees) if drafter else (0,))
 
 
@@ -166,14 +169,14 @@ def step_set(model, head, trees, phases: bool, opts: dict) -> dict:
 
     out = {"kernel_options": opts, "steps": {}, "phases": {}}
     it = dict(iters=50) if torch.cuda.is_available() else dict(iters=1, warmup=1)  # CPU: a smoke run
-    plain = make_engine(model, None, ())
+    plain = make_engine(model, None, (), prefill_graphs=False)
     out["steps"]["plain"] = graphed_step(plain, 1)
     if phases:
         out["phases"]["plain"] = graphed_phases(plain, 1, PHASE_CONTEXT, 0, **it)
     del plain
     for name, (topk, steps, n) in trees.items():
         drafter = Eagle3Drafter(head, model, topk=topk, steps=steps, num_draft_tokens=n)
-        eng = make_engine(model, drafter, (n,))
+        eng = make_engine(model, drafter, (n,), prefill_graphs=False)
         out["steps"][name] = graphed_step(eng, drafter.num_nodes(n))
         if phases:
             out["phases"][name] = graphed_phases(eng, 1, PHASE_CONTEXT, n, **it)

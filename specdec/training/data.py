@@ -214,13 +214,11 @@ def draft_vocab(seqs: list[list[int]], prompt_lens: list[int], size: int, vocab_
     """
     if not 0 < size <= vocab_size:
         raise TrainingDataError(f"train.draft_vocab_size={size}: must be in 1..{vocab_size} (the target's vocabulary)")
-    ans = torch.zeros(vocab_size, dtype=torch.long)
-    prm = torch.zeros(vocab_size, dtype=torch.long)
-    for s, p in zip(seqs, prompt_lens):
-        if len(s) > p:
-            ans += torch.bincount(torch.tensor(s[p:]), minlength=vocab_size)
-        if p:
-            prm += torch.bincount(torch.tensor(s[:p]), minlength=vocab_size)
+    # One bincount over all answer (prompt) tokens, not one per sequence: 70K sequences take seconds less.
+    ans = torch.bincount(torch.tensor([t for s, p in zip(seqs, prompt_lens) for t in s[p:]], dtype=torch.long),
+                         minlength=vocab_size)[:vocab_size]
+    prm = torch.bincount(torch.tensor([t for s, p in zip(seqs, prompt_lens) for t in s[:p]], dtype=torch.long),
+                         minlength=vocab_size)[:vocab_size]
     forced = torch.zeros(vocab_size, dtype=torch.bool)
     forced[[int(a) for a in always if 0 <= int(a) < vocab_size]] = True
     # Lexicographic (forced, answer count, prompt count, -id) via stable sorts, least key first.
