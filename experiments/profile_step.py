@@ -259,6 +259,10 @@ def main() -> None:
             options.set_(**dict(combo))
             label = ",".join(f"{n}={'null' if v is None else str(v).lower()}" for n, v in combo)
             res["ab"]["values"][label] = step_set(model, head, trees, args.phases, options.get().as_dict())
+            # after every combination: a run cut short by its time limit still returns what it measured
+            (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
+            print(f"{label}: " + ", ".join(f"{n} {st['replay_ms']:.4f} ms"
+                                          for n, st in res["ab"]["values"][label]["steps"].items()), flush=True)
         options.reset_()
         options.set_from_flags_(args)
         (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
