@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The H200 measurements behind the README's results, in stages of one lent-machine call each
+# (docs/gpu_machines.md: the three setup calls carry .stage/q1, .stage/q2, .stage/q3 + .whl; stage
+# 8b needs no SmolLM2 files, so it runs in the first call). Each stage packs its run directories
+# (config.json, metrics.json, overrides.yaml, reports; no per-request / per-step logs) into one tarball
+# under $OUT:
+#   bash experiments/gpu_round.sh 8b          # TP world-size-1 bench, 8B-shape step breakdown, crossover
+#   bash experiments/gpu_round.sh batch1      # batch-1 HumanEval table, speculation-off cost, step floor
+#   bash experiments/gpu_round.sh envelope_eagle3 | envelope_ngram   # policy_envelope, one drafter each
+# Back here: tar xzf FILE -C experiments/results/...; python -m specdec.report DIR.
+set -uo pipefail
+stage=${1:?stage}
+: "${OUT:?OUT must name the folder whose files come back}"
+source experiments/lent_gpu_setup.sh >/dev/null 2>&1
+export WANDB_MODE=disabled SPECDEC_COMMIT=${SPECDEC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+R=/root/runs-$SPECDEC_COMMIT
+mkdir -p "$R" "$OUT"
+run() { local t=$1; shift; echo "+ $*"; timeout "$t" "$@" > "$R/last.log" 2>&1; local rc=$?; echo "rc=$rc"; tail -n 4 "$R/last.log"; }
+pack() {  # pack NAME DIR...: the small files of finished runs
+  tar czf "$OUT/$1.tgz" --exclude=requests.jsonl --exclude=steps.jsonl --exclude='*.log' -C "$R" "${@:2}" 2>/dev/null
+  ls -l "$OUT/$1.tgz"
+}
+case "$stage" in
+8b)
+  run 150 python experiments/bench_tp.py --world-size 1 --out "$R/tp"
+  tail -n 30 "$R/last.log"
+  run 150 python -m specdec.run +experiment=step_8b hydra.run.dir="$R/step_8b"
+  run ${CROSSOVER_S:-240} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
+    policy=never,always16,goodput workload.concurrency=1,16,64,256 hydra.sweep.dir="$R/crossover_8b"
+  pack 8b tp step_8b crossover_8b ;;
+batch1)
+  run 200 python -m specdec.run --multirun +experiment=eagle3_humaneval_full '+method=plain,eagle3_tree16,eagle3_tree48' \
+    hydra.sweep.dir="$R/humaneval_full"
+  run 150 python -m specdec.run --multirun +experiment=policy_envelope draft=none,ngram_chains,eagle3_smollm2_trees \
+    workload=humaneval policy=never workload.concurrency=16,64,256 workload.requests_per_client=16 hydra.sweep.dir="$R/k0_cost"
+  run 90 python -m specdec.run --multirun +experiment=step_floor hydra.sweep.dir="$R/step_floor"
+  pack batch1 humaneval_full k0_cost step_floor ;;
+envelope_eagle3|envelope_ngram)
+  d=eagle3_smollm2_trees; [ "$stage" = envelope_ngram ] && d=ngram_chains
+  run ${ENVELOPE_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=$d hydra.sweep.dir="$R/$stage"
+  pack "$stage" "$stage" ;;
+*) echo "unknown stage $stage" >&2; exit 64 ;;
+esac
