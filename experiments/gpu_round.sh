@@ -4,7 +4,8 @@
 # 8b needs no SmolLM2 files, so it runs in the first call). Each stage packs its run directories
 # (config.json, metrics.json, overrides.yaml, reports; no per-request / per-step logs) into one tarball
 # under $OUT:
-#   bash experiments/gpu_round.sh 8b          # TP world-size-1 bench, 8B-shape step breakdown, crossover
+#   bash experiments/gpu_round.sh 8b          # TP world-size-1 bench, 8B-shape step breakdown
+#   bash experiments/gpu_round.sh crossover   # the 8B-shape crossover, replayed acceptance
 #   bash experiments/gpu_round.sh batch1      # batch-1 HumanEval table, speculation-off cost, step floor
 #   bash experiments/gpu_round.sh envelope_eagle3 | envelope_ngram   # policy_envelope, one drafter each
 # Back here: tar xzf FILE -C experiments/results/...; python -m specdec.report DIR.
@@ -25,9 +26,11 @@ case "$stage" in
   run 150 python experiments/bench_tp.py --world-size 1 --out "$R/tp"
   tail -n 30 "$R/last.log"
   run 150 python -m specdec.run +experiment=step_8b hydra.run.dir="$R/step_8b"
+  pack 8b tp step_8b ;;
+crossover)
   run ${CROSSOVER_S:-240} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
     policy=never,always16,goodput workload.concurrency=1,16,64,256 hydra.sweep.dir="$R/crossover_8b"
-  pack 8b tp step_8b crossover_8b ;;
+  pack crossover crossover_8b ;;
 batch1)
   run 200 python -m specdec.run --multirun +experiment=eagle3_humaneval_full '+method=plain,eagle3_tree16,eagle3_tree48' \
     hydra.sweep.dir="$R/humaneval_full"
