@@ -631,6 +631,25 @@ def _k_choice(run: Run) -> dict:
         raise SpecdecError(f"{path}: unreadable step records ({e})") from None
 
 
+def _policy_envelope(rs: list[Run]):
+    """Mean tok/s per policy label and C over runs of one study, with the envelope max(never, always)
+    per C. Returns (tok {policy: {C: tok/s}}, policy names, Cs, envelope {C: tok/s}, policies in table
+    order: never, always, then the rest), or None without both a never and an always run over 2+ Cs."""
+    by: dict[str, dict[int, list]] = {}
+    names = {}
+    for r in rs:
+        by.setdefault(policy_label(r), {}).setdefault(_concurrency(r), []).append(r.metrics.get("output_tok_per_s"))
+        names[policy_label(r)] = r.get("policy.name", "never")
+    tok = {p: {c: _mean(v) for c, v in cs.items()} for p, cs in by.items()}
+    bounds = [p for p in tok if names[p] in ("never", "always")]
+    cs = sorted({c for v in tok.values() for c in v})
+    if not any(names[p] == "never" for p in bounds) or not any(names[p] == "always" for p in bounds) or len(cs) < 2:
+        return None
+    env = {c: max((tok[p][c] for p in bounds if tok[p].get(c) is not None), default=None) for c in cs}
+    order = sorted(tok, key=lambda p: (names[p] not in ("never", "always"), names[p] != "never", p))
+    return tok, names, cs, env, order
+
+
 def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, list]], str]]:
     """Per study (workload x target x drafter x temperature x other settings, swept over C): each
     policy's tok/s divided by the envelope max(never, always) at every C, plus the k each run held.
@@ -646,22 +665,10 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
 
     out = []
     for key, rs in _merge(swept, study_key):
-        by = {}  # policy label -> {C: mean tok/s}
-        names = {}
-        for r in rs:
-            by.setdefault(policy_label(r), {}).setdefault(_concurrency(r), []).append(r.metrics.get("output_tok_per_s"))
-            names[policy_label(r)] = r.get("policy.name", "never")
-        tok = {p: {c: _mean(v) for c, v in cs.items()} for p, cs in by.items()}
-        never = [p for p in tok if names[p] == "never"]
-        always = [p for p in tok if names[p] == "always"]
-        cs = sorted({c for v in tok.values() for c in v})
-        if not never or not always or len(cs) < 2:
+        study = _policy_envelope(rs)
+        if study is None:
             continue
-        env = {}
-        for c in cs:
-            vals = [tok[p].get(c) for p in never + always if tok[p].get(c) is not None]
-            env[c] = max(vals) if vals else None
-        order = sorted(tok, key=lambda p: (names[p] not in ("never", "always"), names[p] != "never", p))
+        tok, names, cs, env, order = study
         columns = [Column("Policy", None, "l")] + [Column(f"C={c}", str(c), "r") for c in cs] + [
             Column("min", None, "r"), Column("max", None, "r")]
         rows = []
@@ -738,19 +745,10 @@ def crossover_tables(runs: list[Run]) -> list[tuple[Table, Table, list, str]]:
              and r.get("draft.name", "none") != "none"]
     out = []
     for key, rs in _merge(swept, lambda r: tuple(descriptors(r)[c] for c in ("Workload", "Target", "Drafter", "T"))):
-        tok: dict[str, dict[int, float]] = {}
-        names = {}
-        for r in rs:
-            tok.setdefault(policy_label(r), {}).setdefault(_concurrency(r), []).append(r.metrics.get("output_tok_per_s"))
-            names[policy_label(r)] = r.get("policy.name", "never")
-        tok = {p: {c: _mean(v) for c, v in cs.items()} for p, cs in tok.items()}
-        never = [p for p in tok if names[p] == "never"]
-        always = [p for p in tok if names[p] == "always"]
-        cs = sorted({c for v in tok.values() for c in v})
-        if not never or not always or len(cs) < 2:
+        study = _policy_envelope(rs)
+        if study is None:
             continue
-        env = {c: max((tok[p][c] for p in never + always if tok[p].get(c) is not None), default=None) for c in cs}
-        order = sorted(tok, key=lambda p: (names[p] not in ("never", "always"), names[p] != "never", p))
+        tok, names, cs, env, order = study
         label = f"{key[0]}, {key[1]}, {key[2]}" + (f", T = {key[3]}" if key[3] not in ("0.0", "0") else "")
         columns = [Column("Policy", None, "l")] + [Column(f"C={c}", str(c), "r") for c in cs]
         flat = format_column([tok[p].get(c) for p in order for c in cs] + [env[c] for c in cs])
@@ -758,7 +756,7 @@ def crossover_tables(runs: list[Run]) -> list[tuple[Table, Table, list, str]]:
         rows = [[p] + flat[i * n:(i + 1) * n] for i, p in enumerate(order)]
         rows.append(["envelope max(never, always)"] + flat[len(order) * n:])
         top = cs[-1]
-        ref = tok[never[0]]
+        ref = tok[next(p for p in order if names[p] == "never")]
         caption = (f"Crossover ({label}): output tok/s per policy at closed-loop concurrency C, REPLAYED ACCEPTANCE "
                    "(accepted lengths drawn from the trace named; committed tokens are tree tokens, not the "
                    "target's greedy output); envelope = max(never, every always) at each C.")
