@@ -302,10 +302,33 @@ def check_config(tc, target_config) -> None:
                           "lower the draft vocabulary or raise train.shard_mb")
 
 
+def _budget(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _engine_config(cfg, temperature: float):
+    from .engine.engine import EngineConfig
+
+    return EngineConfig.from_cfg(cfg.engine, temperature=float(temperature), seed=int(cfg.seed))
+
+
+def _task_writer(cfg, model, tokenizer, eos: set[int]):
+    """Self-instruct: the target writes new tasks from the messages build_prompts gives it."""
+    dc = cfg.train.data
+
+    def write_tasks(messages: list[str]) -> list[str]:
+        ids = [tokenizer.encode_chat([{"role": "user", "content": m}]) for m in messages]
+        outs = generate(model, ids, int(dc.self_instruct_max_new_tokens),
+                        engine_config=_engine_config(cfg, float(dc.self_instruct_temperature)), eos_ids=eos,
+                        time_budget_s=_budget(dc.self_instruct_budget_s), title="self-instruct")
+        return [tokenizer.decode(o) for o in outs]
+
+    return write_tasks
+
+
 def make_sequences(cfg, model, tokenizer, eos: set[int], run_dir: Path, phase: dict) -> tuple[list[Sequence], dict]:
     """Prompts, then the target's answers (steps 1-2); or the sequences of an earlier run."""
     from .assets import prompts_dir
-    from .engine.engine import EngineConfig
 
     dc, seed = cfg.train.data, int(cfg.seed)
     if dc.get("dir"):
@@ -317,18 +340,7 @@ def make_sequences(cfg, model, tokenizer, eos: set[int], run_dir: Path, phase: d
         log(f"reusing {len(seqs)} sequences from {dc.reuse}")
         return seqs, {**stats, "reused": str(dc.reuse)}
 
-    def engine_config(temperature: float):
-        return EngineConfig.from_cfg(cfg.engine, temperature=float(temperature), seed=seed)
-
-    def budget(value) -> float | None:
-        return None if value is None else float(value)
-
-    def write_tasks(messages: list[str]) -> list[str]:
-        ids = [tokenizer.encode_chat([{"role": "user", "content": m}]) for m in messages]
-        outs = generate(model, ids, int(dc.self_instruct_max_new_tokens),
-                        engine_config=engine_config(float(dc.self_instruct_temperature)), eos_ids=eos,
-                        time_budget_s=budget(dc.self_instruct_budget_s), title="self-instruct")
-        return [tokenizer.decode(o) for o in outs]
+    write_tasks = _task_writer(cfg, model, tokenizer, eos)
 
     t0 = time.perf_counter()
     index = EvalIndex(load_eval_texts(prompts_dir()))
@@ -342,8 +354,8 @@ def make_sequences(cfg, model, tokenizer, eos: set[int], run_dir: Path, phase: d
     prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p.text}]) for p in prompts]
     keep = [i for i, p in enumerate(prompt_ids) if len(p) + 2 <= max_seq]
     outs = generate(model, [prompt_ids[i] for i in keep], max_new,
-                    engine_config=engine_config(float(dc.answer_temperature)), eos_ids=eos,
-                    time_budget_s=budget(dc.answer_budget_s), title="answers")
+                    engine_config=_engine_config(cfg, float(dc.answer_temperature)), eos_ids=eos,
+                    time_budget_s=_budget(dc.answer_budget_s), title="answers")
     seqs = [Sequence(prompts[i].id, prompts[i].source, prompt_ids[i], o[: max_seq - len(prompt_ids[i])])
             for i, o in zip(keep, outs) if o]
     phase["answers"] = time.perf_counter() - t0
@@ -359,7 +371,6 @@ def staged_sequences(cfg, model, tokenizer, eos: set[int], phase: dict) -> tuple
     prompts built once, the answers generated in resumable shards when this run generates
     (``train.data.generate``: null = only in a ``train.data.only`` run), then every answered sequence."""
     from .assets import prompts_dir
-    from .engine.engine import EngineConfig
     from .training import stages
 
     dc, seed = cfg.train.data, int(cfg.seed)
@@ -378,28 +389,15 @@ def staged_sequences(cfg, model, tokenizer, eos: set[int], phase: dict) -> tuple
         log(f"{len(seqs)} staged sequences from {data_dir} ({stats['shards']} shards)")
         return seqs, stats
 
-    def engine_config(temperature: float):
-        return EngineConfig.from_cfg(cfg.engine, temperature=float(temperature), seed=seed)
-
-    def budget(value) -> float | None:
-        return None if value is None else float(value)
-
     if stages.prompts_path(data_dir).is_file():
         prompts, pstats = stages.load_prompts(data_dir, index)
         log(f"stage 1 done before: {len(prompts)} prompts in {stages.prompts_path(data_dir)}")
     else:
-        def write_tasks(messages: list[str]) -> list[str]:
-            ids = [tokenizer.encode_chat([{"role": "user", "content": m}]) for m in messages]
-            outs = generate(model, ids, int(dc.self_instruct_max_new_tokens),
-                            engine_config=engine_config(float(dc.self_instruct_temperature)), eos_ids=eos,
-                            time_budget_s=budget(dc.self_instruct_budget_s), title="self-instruct")
-            return [tokenizer.decode(o) for o in outs]
-
-        prompts, pstats = build_prompts(dc, index, write_tasks, seed)
+        prompts, pstats = build_prompts(dc, index, _task_writer(cfg, model, tokenizer, eos), seed)
         stages.save_prompts(data_dir, prompts, pstats)
         log(f"stage 1: {len(prompts)} prompts written to {stages.prompts_path(data_dir)}")
     phase["prompts"] = time.perf_counter() - t0
-    answer_budget = budget(dc.answer_budget_s)
+    answer_budget = _budget(dc.answer_budget_s)
     if dc.get("stage_budget_s") is not None:  # stages 1-2 of this call together: answers get what is left
         left = float(dc.stage_budget_s) - phase["prompts"]
         answer_budget = left if answer_budget is None else min(answer_budget, left)
@@ -408,7 +406,7 @@ def staged_sequences(cfg, model, tokenizer, eos: set[int], phase: dict) -> tuple
     astats = stages.answer_stage(
         model, tokenizer, prompts, data_dir, samples=samples, answer_temperature=float(dc.answer_temperature),
         sample_temperature=float(dc.get("sample_temperature", 1.0)), max_new_tokens=int(dc.max_new_tokens),
-        max_seq_len=int(dc.max_seq_len), engine_config=engine_config(0.0), eos_ids=eos,
+        max_seq_len=int(dc.max_seq_len), engine_config=_engine_config(cfg, 0.0), eos_ids=eos,
         budget_s=answer_budget, per_shard=int(dc.get("shard_records", 4096)), seed=seed)
     phase["answers"] = time.perf_counter() - t0
     seqs, stats = stages.load_staged(data_dir)

@@ -389,7 +389,7 @@ class _StopStep(Exception):
     """Raised by a phase mark to end a step body after that phase (step prefixes, below)."""
 
 
-def _prefix_ms(engine, B: int, T: int, stop: str, iters: int, warmup: int = 2) -> float:
+def _prefix_ms(engine, B: int, T: int, stop: str, iters: int) -> float:
     """Device ms of step_body_ run up to the end of phase ``stop`` (draft | verify): a CUDA graph of
     that prefix replayed ``iters`` times when the engine is graphed (the capture ends where the mark
     raises, so the graph holds exactly the prefix's kernels), else eager wall time. A prefix commits
@@ -414,26 +414,9 @@ def _prefix_ms(engine, B: int, T: int, stop: str, iters: int, warmup: int = 2) -
         for _ in range(iters):
             body()
         return (time.perf_counter() - t0) * 1e3 / iters
-    cur = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):  # compiled and warmed outside the capture
-        for _ in range(warmup):
-            body()
-    cur.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    del graph
-    return start.elapsed_time(end) / iters
+    from ..bench.timing import time_graph
+
+    return time_graph(body, calls=1, replays=iters) / 1e3
 
 
 def step_breakdown(engine, batches, context_len: int, iters: int = 50) -> dict:
