@@ -46,17 +46,23 @@ class CallLog(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def k0_calls(model, drafter, prompts, steps=3):
-    """Torch calls of each of ``steps`` k = 0 decode steps (prefill done first, outside the log),
-    plus the drafter methods called during them."""
-    engine = Engine(model, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
-                    drafter=drafter, ks=(0,) if drafter is None else (4,))
-    drafted = []
+def spy_drafter_(drafter) -> list[str]:
+    """Wraps the drafter's work methods so each call appends its name to the returned list."""
+    drafted: list[str] = []
     if drafter is not None:
         for name in ("propose", "extend_", "prefill_", "prepare_"):
             if hasattr(drafter, name):
                 real = getattr(drafter, name)
                 setattr(drafter, name, lambda *a, _real=real, _name=name, **kw: drafted.append(_name) or _real(*a, **kw))
+    return drafted
+
+
+def k0_calls(model, drafter, prompts, steps=3):
+    """Torch calls of each of ``steps`` k = 0 decode steps (prefill done first, outside the log),
+    plus the drafter methods called during them."""
+    engine = Engine(model, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=drafter, ks=(0,) if drafter is None else (4,))
+    drafted = spy_drafter_(drafter)
     for p in prompts:
         engine.add_request(p, 16)
     engine.step(0)  # prefill (+ a first k = 0 step)
@@ -98,12 +104,7 @@ def off_prefill_calls(model, drafter, first, later, pad):
     engine = Engine(model, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024, pad_eager=pad,
                                         prefill_buckets=(32,), graph_buckets=(1, 2, 4)),
                     drafter=drafter, ks=(0,) if drafter is None else (4,))
-    drafted = []
-    if drafter is not None:
-        for name in ("propose", "extend_", "prefill_", "prepare_"):
-            if hasattr(drafter, name):
-                real = getattr(drafter, name)
-                setattr(drafter, name, lambda *a, _real=real, _name=name, **kw: drafted.append(_name) or _real(*a, **kw))
+    drafted = spy_drafter_(drafter)
     engine.add_request(first, 8)
     engine.step(0)  # prefill of the first prompt (drafted: no step has run yet) + a k = 0 step
     engine.step(0)
