@@ -395,3 +395,69 @@ def test_goodput_prices_host_bound_iterations():
         k = off.choose(view(64))
         off.iteration_(k, 64, off.step_ms(k, 64), 0.3)
     assert off.choose(view(64)) == 0
+
+
+def test_goodput_leaves_out_iterations_that_also_prefilled():
+    """Iterations that also ran a prefill (or a switch back on) do not price their k: at the start of
+    a run every iteration prefills, and the k tried first would carry the prefills' cost (H200,
+    crossover_8b, C = 16: tree16 priced at 37.8 ms per iteration against 10.6 ms steps, goodput at
+    0.66x of always tree16)."""
+    pol = Goodput([8, 32], margin=0.03, explore_every=0)
+    pol.set_table({0: {64: 1.15}, 8: {64: 1.66}, 32: {64: 3.14}})
+    for k, a in ((8, 2.68), (32, 3.45)):
+        run_k(pol, k, [a] * 64)
+    for _ in range(40):  # tree 8's iterations also prefilled: 30 ms each
+        pol.iteration_(8, 64, 30.0, 25.0, mixed=True)
+    assert pol.iter_ms(8, 64) == pytest.approx(1.66) and pol.choose(view(64)) == 8
+    for _ in range(40):  # the same, unmixed, is what a tree-8 iteration costs
+        pol.iteration_(8, 64, 30.0, 25.0)
+    assert pol.iter_ms(8, 64) > 20 and pol.choose(view(64)) == 32
+
+
+def test_engine_reports_prefill_iterations_as_mixed(tiny):
+    """The engine tells the policy which iterations also prefilled (and, overlapped, the one after):
+    an iteration without prefill or catch-up is reported unmixed."""
+    calls = []
+
+    class Spy(Goodput):
+        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False):
+            calls.append((k, batch, mixed))
+            super().iteration_(k, batch, wall_ms, host_ms, mixed=mixed)
+
+    pol = Spy([2], explore_every=4, profile_context=40)
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024), drafter=NgramDrafter(),
+                    policy=pol, ks=(2,))
+    prompts = repetitive_prompts(3, seed=1)
+    engine.add_request(prompts[0], 12)
+    engine.step()  # prefill + first decode step
+    engine.step()  # decode only
+    engine.add_request(prompts[1], 12)
+    engine.step()  # prefill again
+    engine.step()
+    engine.step()
+    engine.step()
+    # reported one iteration late (start to start): the prefill iterations are mixed, plain decoding ones not
+    assert [m for _, _, m in calls[:2]] == [True, engine.overlap]
+    assert calls[2][2] is True and calls[-1][2] is False
+    assert all(b >= 1 for _, b, _ in calls)
+
+
+def test_goodput_probes_each_k_over_probe_rows_rows():
+    """At batch 1 each k is tried for probe_rows steps before its a(k) decides: a first step that
+    accepted little does not rule out the best k (the envelope at C = 2 lost 5% that way)."""
+    pol = Goodput([2, 4], margin=0.0, explore_every=0, probe_rows=3)
+    pol.set_table(TABLE)
+    run_k(pol, 2, [2])
+    run_k(pol, 2, [2])
+    run_k(pol, 2, [2])
+    run_k(pol, 4, [1])  # an unlucky first step at k = 4 ...
+    run_k(pol, 4, [5])
+    run_k(pol, 4, [5])  # ... then its real acceptance: a(4) = 11 / 3 over 3 rows
+    assert pol.rows_seen == {2: 3, 4: 3} and pol.choose(view(1)) == 4  # 3.67 / 1.4 > 2 / 1.2
+    once = Goodput([2, 4], margin=0.0, explore_every=0)  # probe_rows = 1: the first step decides
+    once.set_table(TABLE)
+    run_k(once, 2, [2])
+    run_k(once, 4, [1])
+    assert once.choose(view(1)) == 2
+    with pytest.raises(ConfigError, match="probe_rows"):
+        Goodput([2], probe_rows=0)

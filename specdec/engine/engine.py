@@ -291,7 +291,8 @@ class Engine:
         self._policy_rows = wants_rows(policy)
         self._policy_iters = getattr(policy, "iteration_", None)  # optional: per-iteration wall / host ms
         self._waited_s = 0.0  # this iteration's time blocked on the device (reading a step's tokens)
-        self._iter_prev = None  # (k, rows, start, waited) of the last iteration that decoded
+        self._iter_prev = None  # (k, rows, start, waited, mixed) of the last iteration that decoded
+        self._extra_prev = False  # that iteration also prefilled or switched speculation on
         self._catches_up = catches_up(drafter)
         self._synced_at_k0 = drafter is None or extends_at_k0(drafter)
         self.num_catch_ups = 0  # catch-up forwards run (draft KV extended over a backlog)
@@ -379,9 +380,9 @@ class Engine:
             # The previous iteration, start to start: its wall time includes what the caller did
             # between steps (a closed-loop client's finishes and submits), which throughput pays
             # too; its host work is that wall time less the waits for the device.
-            k_p, n_p, t_p, waited_p = self._iter_prev
+            k_p, n_p, t_p, waited_p, mixed_p = self._iter_prev
             wall_ms = (t_start - t_p) * 1e3
-            self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3)
+            self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3, mixed=mixed_p)
             self._iter_prev = None
         self._waited_s = 0.0
         committed: list[tuple[int, list[list[int]], list[str]]] = []  # (k, token lists, request ids) of the steps committed here
@@ -430,6 +431,7 @@ class Engine:
             chunk_of = {id(req): i for i, (req, _) in enumerate(plan)}
             self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready],
                                      [row for _, row in ready])
+        caught_up = self.num_catch_ups
         if k > 0:  # the tree's slots (may preempt: rows are looked up afresh below)
             preempted += sched.ensure_decode_capacity_(self._ahead(k))
             if self._catches_up:
@@ -456,7 +458,13 @@ class Engine:
         if n and self._policy_iters is not None:
             # Reported to the policy when the next iteration starts (see above): what throughput pays
             # per step at this k and batch (device time when the host keeps up, host time when not).
-            self._iter_prev = (k, n, t_start, self._waited_s)
+            # An iteration that also prefilled, or switched speculation back on (waited for the step
+            # in flight, caught the draft up) is ``mixed``: its wall time is not what a steady step
+            # at k costs (prefill costs the same whatever k the decode step runs). With overlapped
+            # decoding the next iteration is too: it waits for the step launched behind that work.
+            extra = bool(plan) or resume or self.num_catch_ups != caught_up
+            self._iter_prev = (k, n, t_start, self._waited_s, extra or (self.overlap and self._extra_prev))
+            self._extra_prev = extra
         finished = sched.pop_finished()
         if timed:
             self._pending_trace[no] = dict(

@@ -45,17 +45,18 @@ class Goodput:
     table's t(k, B) for k > 0 (B rows, each looked up before a step: at C = 256 on the H200 an
     n-gram step took 12.9 ms served against 3.5 ms profiled).
     Iterations, not only steps (``iteration_``: the engine reports every iteration's wall and host
-    ms, start to start): throughput pays an iteration's wall time, which is the device's decode +
-    prefill when the host keeps up and the host's own work (the engine's and its caller's) when it
-    does not; a prefill forward costs about the same whatever it holds, so fewer, longer
-    iterations also pay fewer of them. The rate divides by the served
+    ms, start to start): throughput pays an iteration's wall time, which is the device's decode
+    when the host keeps up and the host's own work (the engine's and its caller's) when it does
+    not. Iterations that also prefilled or switched speculation back on are left out (``mixed``):
+    that work does not depend on the k of the step beside it. The rate divides by the served
     iterations' average wall time at (k, bucket) where there is one, else by max(t(k, B), the
     bucket's host ms per iteration): a host-bound batch gains from a larger tree at no wall cost.
     H200 policy envelope at 41d1e6b, EAGLE-3, C = 64: goodput held tree 8 at 1.9 ms device steps
     against tree 32's 3.1 ms, yet each iteration took 3.7 ms of wall time against 4.3 (prefill
     836 vs 581 ms over the run: more iterations, more prefill forwards; 0.43 vs 0.24 s outside the
     engine's steps) and always (tree 32) served 1.08x more tokens per second.
-    The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
+    Each k's first tries run until its prior covers ``probe_rows`` rows (several steps at a small
+    batch, one at a large one). The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
     EMA: one first step does not set it (n-gram's first step at C = 1 accepted nothing, a prior of
     1.0 that the EMA took hundreds of rows to move).
     A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
@@ -74,7 +75,7 @@ class Goodput:
     def __init__(self, ks, *, ema: float = 0.1, margin: float = 0.03, explore_every: int = 32,
                  profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01,
                  explore_backoff: float = 1.0, explore_max: int = 1024, shadow_evals: int = 0,
-                 profile_iters: int = 20):
+                 profile_iters: int = 20, probe_rows: int = 1):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -94,6 +95,9 @@ class Goodput:
         if shadow_evals < 0 or profile_iters < 1:
             raise ConfigError(f"policy goodput: need shadow_evals >= 0 and profile_iters >= 1 (got "
                               f"shadow_evals={shadow_evals}, profile_iters={profile_iters})")
+        if probe_rows < 1:
+            raise ConfigError(f"policy goodput: need probe_rows >= 1 (got probe_rows={probe_rows})")
+        self.probe_rows = int(probe_rows)  # rows a k's first tries cover before its prior a(k) is trusted
         self.shadow_evals = int(shadow_evals)  # drafts scored per k = 0 step (the engine's ShadowAcceptance)
         self.profile_iters = int(profile_iters)  # graphed steps per start-up table entry
         self.shadowed = False  # the engine feeds shadow samples (``shadowed_``): no forced tries, no re-tries
@@ -160,10 +164,15 @@ class Goodput:
         host = self.host_ms.get(b)
         return ms if host is None else max(ms, host)
 
-    def iteration_(self, k: int, batch: int, wall_ms: float, host_ms: float) -> None:
+    def iteration_(self, k: int, batch: int, wall_ms: float, host_ms: float, mixed: bool = False) -> None:
         """One engine iteration ran a decode step at k over ``batch`` rows in ``wall_ms`` of wall
-        time, ``host_ms`` of it host work (the rest: waiting for the device)."""
-        if self.table is None or self.time_ema <= 0 or batch <= 0 or k not in self.table:
+        time, ``host_ms`` of it host work (the rest: waiting for the device). ``mixed``: it also ran
+        (or, overlapped, waited for) a prefill or a switch back on (catch-up): not counted, since
+        that work costs the same whatever k the step ran, and the first tries of every k fall in
+        the start of a run, where every iteration prefills. H200, crossover_8b at a3b05ab, C = 16:
+        tree16's first iterations averaged 37.8 ms against its 10.6 ms steps (prefills of 8B
+        prompts), so goodput held tree48 (23.5 ms steps, 0.66x of always tree16)."""
+        if mixed or self.table is None or self.time_ema <= 0 or batch <= 0 or k not in self.table:
             return
         b, _ = self._bucket(k, batch)
         old = self.host_ms.get(b)
@@ -211,7 +220,10 @@ class Goodput:
             for own in self.row_accept.values():
                 for r in own.keys() - live:
                     del own[r]
-        untried = [k for k in self.ks[1:] if self.accept[k] is None]
+        # A k is tried until its prior covers probe_rows rows: one step at a small batch is a
+        # sample of one or two rows (H200 envelope at a3b05ab, C = 2: tree32's first step accepted
+        # 2.0 against its 4.1 under always, and goodput held tree16 all run at 0.95x).
+        untried = [k for k in self.ks[1:] if self.rows_seen[k] < self.probe_rows]
         if untried and not self.shadowed:
             k = untried[0]
         else:
