@@ -162,21 +162,21 @@ def parse_ab(text: str):
         raise SystemExit(f"error: --ab: {e}") from None
 
 
-def step_set(model, head, trees, phases: bool, opts: dict) -> dict:
+def step_set(model, head, trees, phases: bool, opts: dict, max_seq_len=None) -> dict:
     """Graphed batch-1 steps: plain and each tree (with ``phases``, each split into its phases too),
     engines built under the kernel options in force now."""
     from specdec.engine.profiling import graphed_phases
 
     out = {"kernel_options": opts, "steps": {}, "phases": {}}
     it = dict(iters=50) if torch.cuda.is_available() else dict(iters=1, warmup=1)  # CPU: a smoke run
-    plain = make_engine(model, None, (), prefill_graphs=False)
+    plain = make_engine(model, None, (), max_seq_len=max_seq_len, prefill_graphs=False)
     out["steps"]["plain"] = graphed_step(plain, 1)
     if phases:
         out["phases"]["plain"] = graphed_phases(plain, 1, PHASE_CONTEXT, 0, **it)
     del plain
     for name, (topk, steps, n) in trees.items():
         drafter = Eagle3Drafter(head, model, topk=topk, steps=steps, num_draft_tokens=n)
-        eng = make_engine(model, drafter, (n,), prefill_graphs=False)
+        eng = make_engine(model, drafter, (n,), max_seq_len=max_seq_len, prefill_graphs=False)
         out["steps"][name] = graphed_step(eng, drafter.num_nodes(n))
         if phases:
             out["phases"][name] = graphed_phases(eng, 1, PHASE_CONTEXT, n, **it)
@@ -219,8 +219,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--shape", choices=["smollm2", "llama8b"], default="smollm2",
-                    help="llama8b: Llama-3.1-8B shapes (conf/target/llama31_8b_random.yaml), plain step only, "
-                         "engine as in bench_serving part b (max_seq_len 4096)")
+                    help="llama8b: Llama-3.1-8B shapes (conf/target/llama31_8b_random.yaml), engine as in "
+                         "bench_serving part b (max_seq_len 4096); the plain step only, or with --phases / --ab "
+                         "the trees too, with a random EAGLE-3 head of its shape (32k draft vocabulary)")
     ap.add_argument("--steps-only", action="store_true", help="skip (a): prefill timings and host profiles")
     ap.add_argument("--phases", action="store_true", help="(c): per-phase ms and kernels of each graphed step")
     ap.add_argument("--ab", metavar="OPTION=V1,V2", action="append",
@@ -230,7 +231,7 @@ def main() -> None:
     args = ap.parse_args()
     options.set_from_flags_(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.shape == "llama8b":
+    if args.shape == "llama8b" and not (args.phases or args.ab):
         return profile_llama8b(args)
     ab = [parse_ab(a) for a in args.ab] if args.ab else None
     trees = {n: TREES[n] for n in args.trees.split(",") if n}
@@ -239,9 +240,13 @@ def main() -> None:
         raise SystemExit(f"error: --trees {args.trees!r}: valid names {', '.join(TREES)}")
     cuda = torch.cuda.is_available() and not args.quick
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    shape = TINY if args.quick else SMOLLM2
+    max_seq_len, draft_vocab = None, 8192 if not args.quick else 256
+    if args.shape == "llama8b":  # the steps only (no prefill timings), as profile_llama8b's engine
+        shape, max_seq_len, draft_vocab, args.steps_only = llama8b_shape(cuda), 4096, 32000 if cuda else 256, True
+    else:
+        shape = TINY if args.quick else SMOLLM2
     model = LlamaModel.random(llama_config_from_dict(shape), device=dev, dtype=dtype)
-    head_cfg = Eagle3Config.for_target(model.config, 8192 if not args.quick else 256)
+    head_cfg = Eagle3Config.for_target(model.config, draft_vocab)
     head = Eagle3Head(head_cfg, backend=model.backend).init_weights_(0)
     head.set_vocab_(torch.arange(head_cfg.draft_vocab_size))
     head.to_device(dev, dtype)
@@ -258,7 +263,7 @@ def main() -> None:
             options.set_from_flags_(args)
             options.set_(**dict(combo))
             label = ",".join(f"{n}={'null' if v is None else str(v).lower()}" for n, v in combo)
-            res["ab"]["values"][label] = step_set(model, head, trees, args.phases, options.get().as_dict())
+            res["ab"]["values"][label] = step_set(model, head, trees, args.phases, options.get().as_dict(), max_seq_len)
             # after every combination: a run cut short by its time limit still returns what it measured
             (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
             print(f"{label}: " + ", ".join(f"{n} {st['replay_ms']:.4f} ms"
@@ -281,7 +286,7 @@ def main() -> None:
         res["prefill_eagle3_ms"] = prefill_ms(eng, lengths, V)
         res["host_profile_eagle3"] = host_profile(eng, 150 if not args.quick else 20, V)
         del eng
-    res.update(step_set(model, head, trees, args.phases, opts))
+    res.update(step_set(model, head, trees, args.phases, opts, max_seq_len))
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
     if args.phases:
         for name, ph in res["phases"].items():
@@ -302,14 +307,20 @@ def main() -> None:
     print(f"commit {res['commit']}, {res['device']}, {res['date']}, kernel options {opts}")
 
 
-def profile_llama8b(args) -> None:
+def llama8b_shape(cuda: bool) -> dict:
+    """conf/target/llama31_8b_random.yaml's shape (off CUDA: the same structure, tiny sizes)."""
     from specdec.bench.targets import load_target_yaml
 
     shape = dict(load_target_yaml(REPO / "conf" / "target" / "llama31_8b_random.yaml")["config"])
-    cuda = torch.cuda.is_available() and not args.quick
-    if not cuda:  # same structure, tiny sizes
-        shape.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+    if not cuda:
+        shape.update(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=4096)
+    return shape
+
+
+def profile_llama8b(args) -> None:
+    cuda = torch.cuda.is_available() and not args.quick
+    shape = llama8b_shape(cuda)
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     model = LlamaModel.random(llama_config_from_dict(shape), device=dev, dtype=dtype)
     eng = make_engine(model, None, (), max_seq_len=4096)
