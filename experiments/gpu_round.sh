@@ -5,7 +5,9 @@
 # (config.json, metrics.json, overrides.yaml, reports; no per-request / per-step logs) into one tarball
 # under $OUT:
 #   bash experiments/gpu_round.sh 8b          # TP world-size-1 bench, 8B-shape step breakdown
-#   bash experiments/gpu_round.sh crossover   # the 8B-shape crossover, replayed acceptance
+#   bash experiments/gpu_round.sh crossover   # the 8B-shape crossover, replayed acceptance (CROSSOVER_MEAN=6: parametric)
+#   bash experiments/gpu_round.sh profile8b   # the 8B-shape tree steps split into phases
+#   bash experiments/gpu_round.sh k0cost      # speculation-off cost (never with each drafter vs draft=none)
 #   bash experiments/gpu_round.sh batch1      # batch-1 HumanEval table, speculation-off cost, step floor
 #   bash experiments/gpu_round.sh envelope_eagle3 | envelope_ngram   # policy_envelope, one drafter each
 # Back here: tar xzf FILE -C experiments/results/...; python -m specdec.report DIR.
@@ -27,10 +29,21 @@ case "$stage" in
   tail -n 30 "$R/last.log"
   run 150 python -m specdec.run +experiment=step_8b hydra.run.dir="$R/step_8b"
   pack 8b tp step_8b ;;
-crossover)
-  run ${CROSSOVER_S:-240} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
-    policy=never,always16,goodput workload.concurrency=1,16,64,256 hydra.sweep.dir="$R/crossover_8b"
-  pack crossover crossover_8b ;;
+crossover)  # CROSSOVER_MEAN=6: the parametric trace; CROSSOVER_POLICIES / CROSSOVER_C: the sweep
+  m=${CROSSOVER_MEAN:-null}; d=crossover_8b; [ "$m" = null ] || d=crossover_8b_parametric
+  run ${CROSSOVER_S:-420} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=$m \
+    policy=${CROSSOVER_POLICIES:-never,always16,goodput} workload.concurrency=${CROSSOVER_C:-1,2,4,8,16,32,64,128,256} \
+    hydra.sweep.dir="$R/$d"
+  pack $d $d ;;
+profile8b)  # the 8B-shape batch-1 tree steps split into phases (kernels per phase)
+  run ${PROFILE_S:-200} python experiments/profile_step.py --shape llama8b --phases --trees ${PROFILE_TREES:-tree16,tree48} \
+    --out "$R/profile8b"
+  tail -n 40 "$R/last.log"
+  pack profile8b profile8b ;;
+k0cost)  # speculation off: policy=never with each drafter against draft=none (first and last: drift)
+  run ${K0_S:-200} python -m specdec.run --multirun +experiment=policy_envelope draft=none,ngram_chains,eagle3_smollm2_trees,none \
+    workload=humaneval policy=never workload.concurrency=${K0_C:-16,64,256} workload.requests_per_client=16 hydra.sweep.dir="$R/k0_cost"
+  pack k0_cost k0_cost ;;
 batch1)
   run 200 python -m specdec.run --multirun +experiment=eagle3_humaneval_full '+method=plain,eagle3_tree16,eagle3_tree48' \
     hydra.sweep.dir="$R/humaneval_full"
@@ -40,7 +53,8 @@ batch1)
   pack batch1 humaneval_full k0_cost step_floor ;;
 envelope_eagle3|envelope_ngram)
   d=eagle3_smollm2_trees; [ "$stage" = envelope_ngram ] && d=ngram_chains
-  run ${ENVELOPE_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=$d hydra.sweep.dir="$R/$stage"
+  run ${ENVELOPE_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=$d \
+    workload=${ENVELOPE_WORKLOADS:-humaneval,mt_bench} hydra.sweep.dir="$R/$stage"
   pack "$stage" "$stage" ;;
 *) echo "unknown stage $stage" >&2; exit 64 ;;
 esac
