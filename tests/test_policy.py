@@ -461,3 +461,22 @@ def test_goodput_probes_each_k_over_probe_rows_rows():
     assert once.choose(view(1)) == 2
     with pytest.raises(ConfigError, match="probe_rows"):
         Goodput([2], probe_rows=0)
+
+
+def test_goodput_learns_an_iteration_cost_from_its_first_samples():
+    """A k whose iterations cost far more than its estimate (a step that cannot overlap the host)
+    is priced from its first served iteration (up to 4x the estimate), then by the running mean;
+    later a single stalled iteration moves the average by at most one clamped EMA step."""
+    pol = Goodput([8], margin=0.0, explore_every=0)
+    pol.set_table({0: {64: 1.2}, 8: {64: 1.9}})
+    run_k(pol, 8, [2.6] * 64)
+    assert pol.choose(view(64)) == 8  # estimated: 2.6 / 1.9 > 1 / 1.2
+    pol.iteration_(8, 64, 9.0, 1.0)  # host 1 ms: the estimate stays max(1.9, 1.0)
+    assert pol.iter_ms(8, 64) == pytest.approx(7.6)  # clamped at 4 x 1.9
+    assert pol.choose(view(64)) == 0
+    pol.iteration_(8, 64, 7.8, 1.0)
+    assert pol.iter_ms(8, 64) == pytest.approx(7.7)  # the mean of the two
+    for _ in range(20):
+        pol.iteration_(8, 64, 7.7, 7.0)
+    pol.iteration_(8, 64, 100.0, 7.0)  # a stall: at most 2x the average, weight time_ema
+    assert pol.iter_ms(8, 64) < 7.7 * 1.11
