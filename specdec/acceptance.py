@@ -309,7 +309,9 @@ class ReplayAcceptance:
         """Allocate the per-row draw buffer and check every configured size against the trace."""
         import numpy as np
 
-        self.buffer = state.add_row_buffer("replay_accept", (), torch.int32)  # [R] drafts to accept
+        # [R] drafts to accept: written for every row before each speculative step (prepare_ / fill_),
+        # so no row compaction needs to move it
+        self.buffer = state.add_row_buffer("replay_accept", (), torch.int32, follows="none")
         for k in ks:
             if k <= 0:
                 continue

@@ -70,7 +70,7 @@ def test_replay_draws_reproduce_the_trace_distribution():
             return 6  # depth 5
 
     class FakeState:
-        def add_row_buffer(self, name, shape, dtype):
+        def add_row_buffer(self, name, shape, dtype, follows="rows"):
             return torch.zeros(8, dtype=dtype)
 
     def draws(seed, n=40000):

@@ -3,6 +3,10 @@
 - A k = 0 step of an engine with a drafter (n-gram; EAGLE-3 with catch-up, the default) runs exactly
   the torch calls of the same step without a drafter: no draft call, no feature capture (checked on
   the call sequence; an EAGLE-3 drafter that syncs while off fails the same check).
+- Whole iterations while off (admission, prefill, new rows, the k = 0 step, commits, finishes and
+  row compaction) of an engine with a drafter run the torch calls and the specdec functions of the
+  same iterations without one, and call no drafter method: no per-row or per-prefill host work is
+  left that exists only because a drafter is configured.
 - Rows hold no tree's slots while speculation is off (the same free pages as without a drafter).
 - A prompt prefilled while speculation is off runs the target's prefill alone (the torch calls of
   an engine without a drafter, no draft call); its draft KV is left to the catch-up.
@@ -17,6 +21,9 @@
 """
 
 import random
+import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +31,11 @@ from test_engine import rand_prompts, reference, tiny_model
 from test_spec import draft_prefill_kv, repetitive_prompts, tiny_head
 from torch.overrides import TorchFunctionMode
 
+import specdec
 from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.state import DecodeState
 from specdec.errors import ConfigError
+from specdec.policy import Never
 from specdec.spec import Eagle3Drafter, NgramDrafter
 
 
@@ -50,7 +60,7 @@ def spy_drafter_(drafter) -> list[str]:
     """Wraps the drafter's work methods so each call appends its name to the returned list."""
     drafted: list[str] = []
     if drafter is not None:
-        for name in ("propose", "extend_", "prefill_", "prepare_"):
+        for name in ("propose", "extend_", "prefill_", "prepare_", "stage_rows_"):
             if hasattr(drafter, name):
                 real = getattr(drafter, name)
                 setattr(drafter, name, lambda *a, _real=real, _name=name, **kw: drafted.append(_name) or _real(*a, **kw))
@@ -140,6 +150,107 @@ def test_prefill_while_off_skips_the_draft(tiny, pad):
     calls, drafted, engine = off_prefill_calls(tiny, synced, first, later, pad)
     assert calls != plain and "prefill_" in drafted and engine.undrafted_prefill_tokens == 0
     assert engine.state.draft_lens_host == engine.state.seq_lens_host
+
+
+SPECDEC_DIR = str(Path(specdec.__file__).parent)
+
+
+class IterationLog(CallLog):
+    """CallLog plus the specdec functions entered (by file and name; comprehensions aside: their
+    per-row work shows in the torch calls, and a filter over new rows is all they add)."""
+
+    def __init__(self):
+        super().__init__()
+        self.functions = Counter()
+
+    def _profile(self, frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(SPECDEC_DIR) and not code.co_name.startswith("<"):
+            self.functions[(Path(code.co_filename).name, code.co_name)] += 1
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+        return super().__exit__(*exc)
+
+
+def off_iterations(model, drafter, pad, overlap, mutate=None):
+    """Per iteration while off (after a first drafted prefill and two k = 0 steps): (torch calls,
+    specdec functions entered), the drafter methods called, and the outputs. Requests arrive in
+    waves of different lengths, so iterations admit, prefill, add rows, finish and compact rows."""
+    engine = Engine(model, EngineConfig(max_batch_size=6, page_size=4, kv_cache_tokens=1024, prefill_chunk=24,
+                                        pad_eager=pad, overlap=overlap, prefill_buckets=(8, 24),
+                                        prefill_requests=(1, 4), graph_buckets=(1, 2, 4, 6)),
+                    drafter=drafter, policy=Never(), ks=(drafter.sizes if drafter is not None else (0,)),
+                    trace=lambda rec: None)
+    if mutate is not None:
+        mutate(engine)
+    drafted = spy_drafter_(drafter)
+    waves = [rand_prompts([5, 9, 14], seed=21), rand_prompts([7, 3, 18, 11], seed=22), rand_prompts([6, 12], seed=23)]
+    news = iter([3, 9, 5, 12, 4, 8, 6, 10, 7])
+    reqs = [engine.add_request(p, next(news)) for p in waves[0]]
+    engine.step()  # drafted prefill: no step has run yet
+    engine.step()
+    drafted.clear()
+    logs, i = [], 0
+    while engine.has_work() or i < 4:
+        if i in (1, 4):  # later waves: prefilled while off, joining rows that are decoding
+            reqs += [engine.add_request(p, next(news)) for p in waves[1 if i == 1 else 2]]
+        log = IterationLog()
+        with log:
+            engine.step()
+        logs.append((log.calls, log.functions))
+        i += 1
+    engine.check()
+    return logs, drafted, [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("pad,overlap", [(False, False), (True, True)])
+def test_off_iterations_with_a_drafter_do_the_host_work_of_none(tiny, pad, overlap):
+    """Whole iterations under policy never with the drafter's sizes configured: the same torch
+    calls and specdec functions per iteration as without a drafter, and no drafter method called
+    (no staging of rows prefilled while off, no root-state compaction when rows finish)."""
+    plain, _, want = off_iterations(tiny, None, pad, overlap)
+    # The iterations cover new rows (prefilled while off) and compactions (rows leaving mid-batch).
+    assert len(plain) > 10 and any(f[("state.py", "append_rows_")] for _, f in plain)
+    assert sum(f[("state.py", "keep_rows_")] for _, f in plain) >= 4
+    eagle = lambda **kw: Eagle3Drafter(tiny_head(tiny), tiny, trees=[(1, 3, 3), (2, 3, 6)], **kw)  # noqa: E731
+    for drafter in (NgramDrafter(chains=[2, 4]), eagle()):
+        logs, drafted, out = off_iterations(tiny, drafter, pad, overlap)
+        assert out == want and drafted == [], (drafter.name, drafted)
+        assert len(logs) == len(plain)
+        for i, ((calls, funcs), (calls0, funcs0)) in enumerate(zip(logs, plain)):
+            assert calls == calls0, f"{drafter.name}: iteration {i} runs torch calls a plain one does not"
+            assert funcs == funcs0, f"{drafter.name}: iteration {i}: {(funcs - funcs0) + (funcs0 - funcs)}"
+    # Mutation checks: root state compacted with its rows while off (as before catch-up skipped it),
+    # and a drafter that syncs while off; both are seen.
+    logs, _, out = off_iterations(tiny, eagle(), pad, overlap,
+                                  mutate=lambda e: e.state._synced_row_buffers.clear())
+    assert out == want and any(c != c0 for (c, _), (c0, _) in zip(logs, plain))
+    logs, drafted, out = off_iterations(tiny, eagle(sync_while_off=True), pad, overlap)
+    assert out == want and "extend_" in drafted and "prefill_" in drafted and "stage_rows_" in drafted
+
+
+def test_row_buffers_follow_rows_as_declared():
+    """keep_rows_ compacts a "rows" buffer always, a "synced_rows" buffer only while some kept row is
+    in sync (draft length = seq_len), a "none" buffer never."""
+    st = DecodeState(4, 2, 4, "cpu")
+    bufs = {f: st.add_row_buffer(f, (), torch.int64, follows=f) for f in ("rows", "synced_rows", "none")}
+    for b in bufs.values():
+        b.copy_(torch.arange(4))
+    st.append_rows_([1] * 4, [5, 6, 7, 8], [[0]] * 4, draft_lens=[0, 6, 3, 1])  # row 1 in sync
+    st.keep_rows_([0, 2, 3])  # row 1 leaves: every kept row is behind
+    assert bufs["rows"][:3].tolist() == [0, 2, 3]
+    assert bufs["synced_rows"][:3].tolist() == [0, 1, 2] and bufs["none"][:3].tolist() == [0, 1, 2]
+    st.draft_lens_host[1] = st.seq_lens_host[1]  # kept row 1 (was 2) in sync
+    st.keep_rows_([1, 2])
+    assert bufs["rows"][:2].tolist() == [2, 3] and bufs["synced_rows"][:2].tolist() == [1, 2]
+    assert bufs["none"][:2].tolist() == [0, 1] and "none" not in st.row_buffers
+    with pytest.raises(ValueError, match="follows='always'"):
+        st.add_row_buffer("x", (), torch.int64, follows="always")
 
 
 def test_speculation_off_holds_no_tree_slots(tiny):

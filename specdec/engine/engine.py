@@ -242,8 +242,13 @@ class Engine:
         # cycle (engine -> stepper -> runner -> body -> engine) that keeps its KV pool and CUDA graphs
         # alive after `del engine` until the cyclic garbage collector runs
 
+        # A k = 0 step runs the drafter only if it extends at k = 0; else it never sees it (decided
+        # once here, not per step).
+        k0_drafter = drafter if extends_at_k0(drafter) else None
+
         def body(B: int, T: int, context) -> None:
-            step_body_(model, state, kv, B, T, cfg.temperature, drafter, context, acceptance=acceptance)
+            step_body_(model, state, kv, B, T, cfg.temperature, drafter if T > 1 else k0_drafter, context,
+                       acceptance=acceptance)
 
         t0 = time.perf_counter()
         if use_graphs:
@@ -263,7 +268,7 @@ class Engine:
             t0 = time.perf_counter()
             # The body closes over the model, KV and drafter, not the stepper that will hold the runner
             # (no reference cycle: see `body` above).
-            prefill = functools.partial(prefill_body_, model, self.kv, drafter)
+            prefill = functools.partial(prefill_body_, model, self.kv, drafter if prefills(drafter) else None)
             self.stepper.prefill_runner = PaddedPrefill(prefill, model.device, prefill_buckets,
                                                         max_pages, graphed=runner.graphed,
                                                         request_buckets=cfg.prefill_requests)
@@ -294,6 +299,7 @@ class Engine:
         self._iter_prev = None  # (k, rows, start, waited, mixed) of the last iteration that decoded
         self._extra_prev = False  # that iteration also prefilled or switched speculation on
         self._catches_up = catches_up(drafter)
+        self._stages_rows = prefills(drafter)  # new decode rows take the draft state of their prefill
         self._synced_at_k0 = drafter is None or extends_at_k0(drafter)
         self.num_catch_ups = 0  # catch-up forwards run (draft KV extended over a backlog)
         self.catch_up_tokens = 0  # backlog tokens caught up
@@ -301,7 +307,6 @@ class Engine:
         # drafter that catches up: the prompt joins the row's backlog, caught up if and when the row
         # drafts (H200, C = 256, policy=never: the EAGLE-3 draft prefill cost 0.87x of no drafter).
         self._last_k: int | None = None  # k of the last decode step (None: none yet: prefill drafts)
-        self.undrafted_prefill_tokens = 0  # prompt tokens prefilled without the draft
         # Drafts scored from the committed tokens while off (n-gram, for a policy that asks for it).
         self._shadow = None
         if shadow_evals(policy) and hasattr(drafter, "shadow_commits") and len(self.ks) > 1:
@@ -347,6 +352,12 @@ class Engine:
     def _inflight(self):
         """The launched step not yet committed (overlapped decoding), or None."""
         return self._unread[-1] if self._unread else None
+
+    @property
+    def undrafted_prefill_tokens(self) -> int:
+        """Prompt tokens prefilled without the draft (while speculation was off; counted by the
+        scheduler's prefill accounting, so it costs the iteration nothing)."""
+        return self.scheduler.undrafted_prefill_tokens
 
     @property
     def num_running(self) -> int:
@@ -402,8 +413,6 @@ class Engine:
             roots = self.stepper.prefill_(sched.prefill_chunks(plan), draft=draft_prefill)
             if timed:
                 self._timer.stop(no, "prefill")
-            if not draft_prefill:
-                self.undrafted_prefill_tokens += sum(c for _, c in plan)
         else:
             roots = None
         ready = sched.finish_prefill_(plan, drafted=draft_prefill)
@@ -426,11 +435,16 @@ class Engine:
                 committed.append(self._commit_oldest_())
             row_of = {id(r): i for i, r in enumerate(sched.rows)}
             ready = [(r, row_of[id(r)]) for r, _ in ready]
-        if prefills(self.drafter) and ready:
-            # Each new decode row takes the draft state of its request's last prefill chunk.
-            chunk_of = {id(req): i for i, (req, _) in enumerate(plan)}
-            self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready],
-                                     [row for _, row in ready])
+        if self._stages_rows and ready:
+            # Each new decode row takes the draft state of its request's last prefill chunk. A row whose
+            # draft is behind (a drafter that catches up: prefilled while off) needs none: the catch-up
+            # stages it before it drafts. While off that is every new row but a 1-token prompt's.
+            if self._catches_up:
+                ready = [(r, row) for r, row in ready if r.draft_len == r.seq_len]
+            if ready:
+                chunk_of = {id(req): i for i, (req, _) in enumerate(plan)}
+                self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready],
+                                         [row for _, row in ready])
         caught_up = self.num_catch_ups
         if k > 0:  # the tree's slots (may preempt: rows are looked up afresh below)
             preempted += sched.ensure_decode_capacity_(self._ahead(k))

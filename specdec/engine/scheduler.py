@@ -130,6 +130,7 @@ class Scheduler:
         self.rows: list[Request] = []  # rows[r] is in DecodeState row r
         self.finished: list[Request] = []  # finished since the engine last collected them
         self.num_preemptions = 0
+        self.undrafted_prefill_tokens = 0  # prompt tokens of prefill forwards that skipped the draft
         self._ids = itertools.count()
         self.vocab_size, self.vocab_name = vocab_size, vocab_name
         self._live: dict[str, Request] = {}  # id -> request, queued or running (ids are unique here)
@@ -304,7 +305,9 @@ class Scheduler:
         draft KV over missing history: the catch-up rewrites it). Returns (request, row) for each
         request that became decode-ready; its row's draft length is the request's draft_len."""
         for req, c in plan:
-            if drafted and req.draft_len == req.seq_len:
+            if not drafted:
+                self.undrafted_prefill_tokens += c
+            elif req.draft_len == req.seq_len:
                 req.draft_len += c
             req.seq_len += c
         ready = [r for r in self.admitted

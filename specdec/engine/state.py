@@ -20,6 +20,8 @@ step, so scheduling never reads device memory.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 
@@ -54,8 +56,10 @@ class DecodeState:
         self.root_tree_consts = (torch.full((max_rows, 1), -1, dtype=torch.int32, device=dev),
                                  torch.zeros(max_rows, 1, dtype=torch.int32, device=dev),
                                  torch.ones(max_rows, 1, dtype=torch.int64, device=dev))
-        # Per-row tensors of other modules (a drafter's root state) that follow row compaction.
+        # Per-row tensors of other modules (a drafter's root state) that follow row compaction, and
+        # those of them read only for rows whose draft is in sync (see add_row_buffer).
         self.row_buffers: dict[str, torch.Tensor] = {}
+        self._synced_row_buffers: set[str] = set()
         # One generator per engine: seeded runs are reproducible; draws happen outside CUDA graphs.
         self.generator = torch.Generator(device=dev).manual_seed(int(seed))
         self.num_rows = 0
@@ -105,15 +109,20 @@ class DecodeState:
         if keep == list(range(self.num_rows)):
             return
         m = len(keep)
+        self.seq_lens_host = [self.seq_lens_host[r] for r in keep]
+        self.draft_lens_host = [self.draft_lens_host[r] for r in keep]
         if m:
             idx = _upload(keep, torch.int64, self.device)  # [m]
             self.pending[:m] = self.pending[idx]
             self.seq_lens[:m] = self.seq_lens[idx]
             self.page_table[:m] = self.page_table[idx]
-            for buf in self.row_buffers.values():
-                buf[:m] = buf[idx]
-        self.seq_lens_host = [self.seq_lens_host[r] for r in keep]
-        self.draft_lens_host = [self.draft_lens_host[r] for r in keep]
+            # Buffers read only for in-sync rows stay put while no kept row is in sync (speculation
+            # off: every row is behind, and the catch-up restages each one before it drafts).
+            synced = bool(self._synced_row_buffers) and any(
+                map(operator.eq, self.draft_lens_host, self.seq_lens_host))
+            for name, buf in self.row_buffers.items():
+                if synced or name not in self._synced_row_buffers:
+                    buf[:m] = buf[idx]
         self.num_rows = m
 
     def set_pages_(self, rows: list[int], cols: list[int], pages: list[int]) -> None:
@@ -124,10 +133,20 @@ class DecodeState:
         c = _upload(cols, torch.int64, self.device)
         self.page_table.index_put_((r, c), _upload(pages, torch.int32, self.device))
 
-    def add_row_buffer(self, name: str, shape: tuple[int, ...], dtype) -> torch.Tensor:
-        """A [max_rows, *shape] device tensor that keep_rows_ compacts along with the rows."""
+    def add_row_buffer(self, name: str, shape: tuple[int, ...], dtype, *, follows: str = "rows") -> torch.Tensor:
+        """A [max_rows, *shape] device tensor of per-row values. ``follows`` says what keep_rows_
+        does with it: "rows" (default) compacts it along with the rows; "synced_rows" likewise, but
+        only when some kept row's draft is in sync (draft_lens_host == seq_lens_host): its value is
+        read for in-sync rows only, a row behind is rewritten before it is read (a drafter that
+        catches up), so while speculation is off no compaction moves it; "none": rewritten for every
+        row before each read (scratch), never moved."""
+        if follows not in ("rows", "synced_rows", "none"):
+            raise ValueError(f"add_row_buffer({name!r}): follows={follows!r}; valid: rows, synced_rows, none")
         buf = torch.zeros(self.max_rows, *shape, dtype=dtype, device=self.device)
-        self.row_buffers[name] = buf
+        if follows != "none":
+            self.row_buffers[name] = buf
+        if follows == "synced_rows":
+            self._synced_row_buffers.add(name)
         return buf
 
     def block_meta(self, B: int, start, n: int, valid, tree_mask=None, offset: int = 0, tree_window=None):

@@ -183,6 +183,7 @@ class Stepper:
         self.model, self.kv, self.state, self.runner = model, kv, state, runner
         self.temperature = float(temperature)
         self.drafter = drafter
+        self._prefills = prefills(drafter)  # the drafter keeps prompt state (its prefill_ runs)
         self.prefill_runner = None  # PaddedPrefill, set by the engine when it pads / graphs prefill
         # The same without the drafter (no feature capture, no draft layer): prefill while speculation
         # is off, for a drafter that catches up (None: prefill_runner is already the target's alone)
@@ -205,9 +206,9 @@ class Stepper:
         """
         if not chunks:
             return None
-        draft = draft and prefills(self.drafter)
+        draft = draft and self._prefills
         runner = self.prefill_runner
-        if not draft and prefills(self.drafter):
+        if not draft and self._prefills:
             runner = self.plain_prefill_runner
         # The token after each prefill token: only a drafter with prompt state reads it (row j pairs
         # with token j + 1); n-gram does not, so its prefill builds no per-token list.
@@ -270,8 +271,8 @@ class Stepper:
         st.num_active.fill_(n)  # a kernel, not a sync
         if self.temperature > 0:
             st.uniform[:n, :T].uniform_(generator=st.generator)
-        prepare = preparer(self.drafter)
-        if T > 1 and prepare is not None:
+        prepare = preparer(self.drafter) if T > 1 else None
+        if prepare is not None:
             prepare(st, n, T, context)  # host-side drafting, before the (graphed) step
         self.runner.run_(n, T, context)
         t1 = (_record() if cuda else time.perf_counter()) if timed else None

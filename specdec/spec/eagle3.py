@@ -11,6 +11,11 @@ from . import tree_ops as ops  # the draft tree's kernels
 from .tree import DraftTree, bit, grow_tree
 
 
+def _upload(values: list[int], device) -> torch.Tensor:
+    """Host ints -> an int64 device tensor, queued (no wait for the GPU's queued work)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def _tree_tuple(shape) -> tuple:
     """(topk, steps, num_draft_tokens) from a tuple or a mapping (a draft config's ``trees`` entry)."""
     if hasattr(shape, "get"):
@@ -125,9 +130,13 @@ class Eagle3Drafter:
     def bind_(self, state, num_pages: int, page_size: int) -> None:
         self.k_cache, self.v_cache = self.head.new_kv_cache(num_pages, page_size)
         H = self.head.config.hidden_size
-        self.root_hidden = state.add_row_buffer("eagle3_root_hidden", (H,), self.head.dtype)
-        self.root_top = state.add_row_buffer("eagle3_root_top", (self.topk,), torch.float32)
-        self.root_ids = state.add_row_buffer("eagle3_root_ids", (self.topk,), torch.int64)
+        # The root state follows its row; with catch-up only while the row is in sync (a row behind
+        # is restaged by the catch-up before it drafts, so compactions while off move nothing). Its
+        # children are recomputed from it at every propose: scratch, never moved.
+        self.root_hidden = state.add_row_buffer("eagle3_root_hidden", (H,), self.head.dtype,
+                                                follows="synced_rows" if self.catches_up else "rows")
+        self.root_top = state.add_row_buffer("eagle3_root_top", (self.topk,), torch.float32, follows="none")
+        self.root_ids = state.add_row_buffer("eagle3_root_ids", (self.topk,), torch.int64, follows="none")
 
     def _run(self, token_ids, hidden, positions, meta):
         """Draft layer over rows: token_ids [N] or [G, W] (target ids; < 0 reads id 0), hidden [N, H] ->
@@ -156,17 +165,17 @@ class Eagle3Drafter:
     def stage_rows_(self, roots, chunk_idx: list[int], rows: list[int]) -> None:
         """Copy each chunk's root hidden into its decode row (-1: no prefill row, e.g. a 1-token
         prompt: zero state, so that row's drafts are arbitrary until its first step commits)."""
-        # Two launches whatever the number of rows (a zero fill and one indexed copy), not one per row.
+        # Two launches whatever the number of rows (a zero fill and one indexed copy), not one per row;
+        # the indices are queued uploads (torch.tensor(..., device=cuda) would wait for the GPU).
         if not rows:
             return
         dev = self.root_hidden.device
         have = [(c, r) for c, r in zip(chunk_idx, rows) if roots is not None and c >= 0]
         none = [r for c, r in zip(chunk_idx, rows) if roots is None or c < 0]
         if none:
-            self.root_hidden.index_fill_(0, torch.tensor(none, device=dev), 0)
+            self.root_hidden.index_fill_(0, _upload(none, dev), 0)
         if have:
-            src = torch.tensor([c for c, _ in have], device=dev)
-            dst = torch.tensor([r for _, r in have], device=dev)
+            src, dst = _upload([c for c, _ in have], dev), _upload([r for _, r in have], dev)
             self.root_hidden.index_copy_(0, dst, roots.index_select(0, src).to(self.root_hidden.dtype))
 
     # -- per step --------------------------------------------------------------------------------
