@@ -480,3 +480,42 @@ def test_goodput_learns_an_iteration_cost_from_its_first_samples():
         pol.iteration_(8, 64, 7.7, 7.0)
     pol.iteration_(8, 64, 100.0, 7.0)  # a stall: at most 2x the average, weight time_ema
     assert pol.iter_ms(8, 64) < 7.7 * 1.11
+
+
+def test_goodput_prices_the_catch_up_of_a_switch_on():
+    """With a drafter that catches up, switching on first runs the rows' backlog through the
+    target: goodput switches on only when switch_horizon steps save more than that, and re-tries
+    only when the catch-up costs at most explore_budget of the time spent off."""
+    table = {0: {64: 2.0}, 8: {64: 2.5}}  # 2.0 / 64 = 0.031 ms per caught-up token
+    backlog = {"n": 0}
+
+    def bview():
+        return BatchView(num_decode=64, num_waiting=0, backlog=lambda: backlog["n"])
+
+    def fresh():
+        pol = Goodput([8], margin=0.0, explore_every=4, explore_backoff=2.0, switch_horizon=32, explore_budget=0.05)
+        pol.set_table(table)
+        assert pol.choose(bview()) == 8
+        pol.update(StepStats(k=8, num_decode=64, committed=[1] * 64))  # a(8) = 1: k = 0 wins
+        assert pol.choose(bview()) == 0
+        return pol
+
+    pol = fresh()
+    pol.accept[8] = 2.0  # now k = 8 saves 2.0 * 2.5 / 1.25 ... : 2 tokens in 2.5 ms vs 4 ms at k = 0
+    backlog["n"] = 64 * 10  # 640 tokens: 20 ms of catch-up < 32 x 1.5 ms saved
+    assert pol.choose(bview()) == 8
+    pol = fresh()
+    pol.accept[8] = 2.0
+    backlog["n"] = 64 * 100  # 200 ms > 48 ms saved: stay off
+    assert pol.choose(bview()) == 0
+    # re-tries (k = 0 still wins): 4 off steps x 2.0 ms x 0.05 = 0.4 ms allows no catch-up at all ...
+    pol = fresh()
+    backlog["n"] = 64
+    assert [pol.choose(bview()) for _ in range(12)] == [0] * 12
+    assert pol.explore_gap > 4  # postponed, with back-off
+    # ... and without a backlog (no catch-up) the re-try runs on schedule
+    pol = fresh()
+    backlog["n"] = 0
+    assert 8 in [pol.choose(bview()) for _ in range(5)]
+    with pytest.raises(ConfigError, match="switch_horizon"):
+        Goodput([8], switch_horizon=0)

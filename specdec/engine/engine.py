@@ -419,7 +419,8 @@ class Engine:
         if k is None:
             k = 0 if self.policy is None else self.policy.choose(
                 BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting),
-                          rows=tuple(r.id for r in sched.rows) if self._policy_rows else None))
+                          rows=tuple(r.id for r in sched.rows) if self._policy_rows else None,
+                          backlog=self._backlog if self._catches_up else None))
             if k not in self.ks:
                 raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
         needs_context = k > 0 and drafter_needs_context(self.drafter)
@@ -578,6 +579,12 @@ class Engine:
         know yet what that one commits)."""
         inflight = self._inflight
         return self.stepper.num_nodes(k) + (self.stepper.num_nodes(inflight.k) if inflight is not None else 0)
+
+    def _backlog(self) -> int:
+        """Draft backlog tokens over the decode rows (what a catch-up before the next drafting step
+        would run through the target), from the host mirror; computed only when a policy asks."""
+        st = self.state
+        return sum(st.seq_lens_host) - sum(st.draft_lens_host)
 
     def _catch_up_(self) -> None:
         """Extend the draft KV of every row with a backlog (tokens committed by k = 0 steps, whose

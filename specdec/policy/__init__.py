@@ -64,7 +64,9 @@ def build_policy(cfg, sizes=None):
                        explore_max=int(cfg.get("explore_max", 1024)),
                        shadow_evals=int(cfg.get("shadow_evals", 0)),
                        profile_iters=int(cfg.get("profile_iters", 20)),
-                       probe_rows=int(cfg.get("probe_rows", 1)))
+                       probe_rows=int(cfg.get("probe_rows", 1)),
+                       switch_horizon=int(cfg.get("switch_horizon", 32)),
+                       explore_budget=float(cfg.get("explore_budget", 0.05)))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")

@@ -18,6 +18,9 @@ class BatchView:
     num_decode: int  # decode-ready rows this step (requests still prefilling are not counted)
     num_waiting: int  # queued requests
     rows: tuple | None = None  # the decode rows' request ids, in row order (None: not given)
+    # () -> draft backlog tokens of the rows (committed or prefilled while off, caught up before a
+    # drafter that catches up drafts again; computed on call); None: no catch-up
+    backlog: Callable[[], int] | None = None
 
 
 @dataclass
