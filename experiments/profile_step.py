@@ -242,7 +242,7 @@ def main() -> None:
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     max_seq_len, draft_vocab = None, 8192 if not args.quick else 256
     if args.shape == "llama8b":  # the steps only (no prefill timings), as profile_llama8b's engine
-        shape, max_seq_len, draft_vocab, args.steps_only = llama8b_shape(cuda), 8192, 32000 if cuda else 256, True
+        shape, max_seq_len, draft_vocab, args.steps_only = llama8b_shape(cuda), 8192 if cuda else 4096, 32000 if cuda else 256, True
     else:
         shape = TINY if args.quick else SMOLLM2
     model = LlamaModel.random(llama_config_from_dict(shape), device=dev, dtype=dtype)
