@@ -519,3 +519,16 @@ def test_goodput_prices_the_catch_up_of_a_switch_on():
     assert 8 in [pol.choose(bview()) for _ in range(5)]
     with pytest.raises(ConfigError, match="switch_horizon"):
         Goodput([8], switch_horizon=0)
+
+
+def test_goodput_first_tries_wait_for_a_batch_where_they_are_cheap():
+    """A k's first try waits while its step costs more than probe_cost plain steps at this batch
+    (tree steps at 128+ rows of an 8B target cost 10-25 plain steps): k = 0 meanwhile, the try at a
+    small batch."""
+    pol = Goodput([4], margin=0.0, explore_every=0, probe_cost=3.0)
+    pol.set_table({0: {1: 1.0, 64: 2.0}, 4: {1: 1.4, 64: 9.0}})
+    assert pol.choose(view(64)) == 0  # 9.0 > 3 x 2.0: no try at 64 rows
+    assert pol.accept[4] is None
+    run_k(pol, 4, [3])  # at one row: 1.4 <= 3 x 1.0
+    with pytest.raises(ConfigError, match="probe_cost"):
+        Goodput([4], probe_cost=0.5)

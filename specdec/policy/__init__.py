@@ -66,7 +66,8 @@ def build_policy(cfg, sizes=None):
                        profile_iters=int(cfg.get("profile_iters", 20)),
                        probe_rows=int(cfg.get("probe_rows", 1)),
                        switch_horizon=int(cfg.get("switch_horizon", 32)),
-                       explore_budget=float(cfg.get("explore_budget", 0.05)))
+                       explore_budget=float(cfg.get("explore_budget", 0.05)),
+                       probe_cost=float(cfg.get("probe_cost", float("inf"))))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")

@@ -77,7 +77,7 @@ class Goodput:
                  profile_context: int = 512, time_ema: float = 0.1, prior_ema: float = 0.01,
                  explore_backoff: float = 1.0, explore_max: int = 1024, shadow_evals: int = 0,
                  profile_iters: int = 20, probe_rows: int = 1, switch_horizon: int = 32,
-                 explore_budget: float = 0.05):
+                 explore_budget: float = 0.05, probe_cost: float = float("inf")):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -104,6 +104,9 @@ class Goodput:
                               f"switch_horizon={switch_horizon}, explore_budget={explore_budget})")
         self.switch_horizon = int(switch_horizon)  # steps a switch on is expected to last (its catch-up's payback)
         self.explore_budget = float(explore_budget)  # share of the off time a re-try's catch-up may cost
+        if probe_cost < 1.0:
+            raise ConfigError(f"policy goodput: need probe_cost >= 1 (got probe_cost={probe_cost})")
+        self.probe_cost = float(probe_cost)  # a first try waits for a batch where its step costs <= this many plain steps
         self.probe_rows = int(probe_rows)  # rows a k's first tries cover before its prior a(k) is trusted
         self.shadow_evals = int(shadow_evals)  # drafts scored per k = 0 step (the engine's ShadowAcceptance)
         self.profile_iters = int(profile_iters)  # graphed steps per start-up table entry
@@ -239,7 +242,11 @@ class Goodput:
         # A k is tried until its prior covers probe_rows rows: one step at a small batch is a
         # sample of one or two rows (H200 envelope at a3b05ab, C = 2: tree32's first step accepted
         # 2.0 against its 4.1 under always, and goodput held tree16 all run at 0.95x).
-        untried = [k for k in self.ks[1:] if self.rows_seen[k] < self.probe_rows]
+        # A try waits for a batch where its step costs at most probe_cost plain steps (H200,
+        # crossover_8b at 8ef8fbb, C = 256: tree48's first try ran at 128 rows, 176 ms against a
+        # 7.2 ms plain step; with the other first tries there, 0.87x of never while off 98% of steps).
+        untried = [k for k in self.ks[1:] if self.rows_seen[k] < self.probe_rows
+                   and self.iter_ms(k, B) <= self.probe_cost * self.iter_ms(0, B)]
         if untried and not self.shadowed:
             k = untried[0]
         else:
