@@ -67,7 +67,7 @@ def build_policy(cfg, sizes=None):
                        probe_rows=int(cfg.get("probe_rows", 1)),
                        switch_horizon=int(cfg.get("switch_horizon", 32)),
                        explore_budget=float(cfg.get("explore_budget", 0.05)),
-                       probe_cost=float(cfg.get("probe_cost", float("inf"))))
+                       probe_cost=float("inf") if cfg.get("probe_cost") is None else float(cfg.probe_cost))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")
