@@ -25,7 +25,7 @@ import operator
 import torch
 
 
-def _upload(values, dtype, device) -> torch.Tensor:
+def upload(values, dtype, device) -> torch.Tensor:
     """Host list -> device tensor without waiting for queued GPU work (small transfers only)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
@@ -91,8 +91,8 @@ class DecodeState:
             if len(p) > self.max_pages_per_row:
                 raise RuntimeError(f"DecodeState: {len(p)} pages exceed max_pages_per_row={self.max_pages_per_row}")
             table[i, : len(p)] = torch.tensor(p, dtype=torch.int32)
-        self.pending[r0 : r0 + m] = _upload(pending, torch.int64, self.device)
-        self.seq_lens[r0 : r0 + m] = _upload(seq_lens, torch.int32, self.device)
+        self.pending[r0 : r0 + m] = upload(pending, torch.int64, self.device)
+        self.seq_lens[r0 : r0 + m] = upload(seq_lens, torch.int32, self.device)
         self.page_table[r0 : r0 + m] = table.to(self.device, non_blocking=True)
         self.num_rows += m
         self.seq_lens_host.extend(seq_lens)
@@ -112,7 +112,7 @@ class DecodeState:
         self.seq_lens_host = [self.seq_lens_host[r] for r in keep]
         self.draft_lens_host = [self.draft_lens_host[r] for r in keep]
         if m:
-            idx = _upload(keep, torch.int64, self.device)  # [m]
+            idx = upload(keep, torch.int64, self.device)  # [m]
             self.pending[:m] = self.pending[idx]
             self.seq_lens[:m] = self.seq_lens[idx]
             self.page_table[:m] = self.page_table[idx]
@@ -129,9 +129,9 @@ class DecodeState:
         """page_table[rows[i], cols[i]] = pages[i] (pages added to running requests); one upload."""
         if not rows:
             return
-        r = _upload(rows, torch.int64, self.device)
-        c = _upload(cols, torch.int64, self.device)
-        self.page_table.index_put_((r, c), _upload(pages, torch.int32, self.device))
+        r = upload(rows, torch.int64, self.device)
+        c = upload(cols, torch.int64, self.device)
+        self.page_table.index_put_((r, c), upload(pages, torch.int32, self.device))
 
     def add_row_buffer(self, name: str, shape: tuple[int, ...], dtype, *, follows: str = "rows") -> torch.Tensor:
         """A [max_rows, *shape] device tensor of per-row values. ``follows`` says what keep_rows_

@@ -143,6 +143,8 @@ class Goodput:
         if missing:
             raise ConfigError(f"policy goodput: the step-time table has no entries for k in {missing}")
         self.table = {k: sorted((int(b), float(ms)) for b, ms in table[k].items()) for k in self.ks}
+        # ms per token of the cheapest k = 0 step: what a catch-up forward costs per backlog token
+        self._catch_up_ms_per_token = min(ms / b for b, ms in self.table[0])
 
     def _bucket(self, k: int, batch: int) -> tuple[int, float]:
         """(batch, ms) of the table row for batch: the smallest profiled batch >= it, else the largest."""
@@ -286,7 +288,7 @@ class Goodput:
         if view.backlog is None:
             return 0.0
         n = view.backlog()
-        return n * min(ms / b for b, ms in self.table[0]) if n else 0.0
+        return n * self._catch_up_ms_per_token if n else 0.0
 
     def _switch_pays(self, k: int, B: int, rates: dict, view: BatchView) -> bool:
         """Whether switching on at k saves, over switch_horizon steps, more than its catch-up costs:
@@ -294,7 +296,8 @@ class Goodput:
         rate(0)). H200 crossover_8b at 545917e, C = 256: goodput held k = 0 on 96% of the steps but
         its switches on caught up 176k tokens in 88 target forwards (7.6 s over a 9.5 s never run:
         0.56x of never)."""
-        saving = rates[k] * self.iter_ms(k, B) / rates[0] - self.iter_ms(k, B)
+        t = self.iter_ms(k, B)
+        saving = rates[k] * t / rates[0] - t
         return self.switch_horizon * saving >= self._catch_up_ms(view)
 
     def describe(self) -> dict:

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.state import upload
 from ..errors import ConfigError
 from ..models.ops import AttentionMeta
 from . import tree_ops as ops  # the draft tree's kernels
 from .tree import DraftTree, bit, grow_tree
-
-
-def _upload(values: list[int], device) -> torch.Tensor:
-    """Host ints -> an int64 device tensor, queued (no wait for the GPU's queued work)."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _tree_tuple(shape) -> tuple:
@@ -173,9 +169,9 @@ class Eagle3Drafter:
         have = [(c, r) for c, r in zip(chunk_idx, rows) if roots is not None and c >= 0]
         none = [r for c, r in zip(chunk_idx, rows) if roots is None or c < 0]
         if none:
-            self.root_hidden.index_fill_(0, _upload(none, dev), 0)
+            self.root_hidden.index_fill_(0, upload(none, torch.int64, dev), 0)
         if have:
-            src, dst = _upload([c for c, _ in have], dev), _upload([r for _, r in have], dev)
+            src, dst = upload([c for c, _ in have], torch.int64, dev), upload([r for _, r in have], torch.int64, dev)
             self.root_hidden.index_copy_(0, dst, roots.index_select(0, src).to(self.root_hidden.dtype))
 
     # -- per step --------------------------------------------------------------------------------
