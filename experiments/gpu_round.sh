@@ -13,6 +13,7 @@
 #   HEAD_DIR=DIR bash experiments/gpu_round.sh eagle3head   # batch-1 tables of the head in DIR (default: the
 #                                             committed one): all 164 HumanEval prompts, and the T = 0
 #                                             eagle3_table (40 prompts of HumanEval and MT-bench), plain beside
+#                                             (HEAD_EXTRA: more overrides for both sweeps, e.g. kernel options)
 # Back here: tar xzf FILE -C experiments/results/...; python -m specdec.report DIR.
 set -uo pipefail
 stage=${1:?stage}
@@ -62,9 +63,9 @@ envelope_eagle3|envelope_ngram)
 eagle3head)  # HEAD_DIR: a head trained on this machine (experiments/train_head_gpu.sh train), else the committed one
   h=${HEAD_DIR:-$PWD/checkpoints/eagle3-smollm2-135m}
   run ${HEAD_FULL_S:-240} python -m specdec.run --multirun +experiment=eagle3_humaneval_full ++draft.path="$h" \
-    "+method=${HEAD_FULL_METHODS:-plain,eagle3_tree16,eagle3_tree32,eagle3_tree48}" hydra.sweep.dir="$R/humaneval_full"
+    "+method=${HEAD_FULL_METHODS:-plain,eagle3_tree16,eagle3_tree32,eagle3_tree48}" ${HEAD_EXTRA:-} hydra.sweep.dir="$R/humaneval_full"
   run ${HEAD_TABLE_S:-150} python -m specdec.run --multirun +experiment=eagle3_table ++draft.path="$h" sampling.temperature=0.0 \
-    "+method=${HEAD_TABLE_METHODS:-plain,eagle3_tree16,eagle3_tree32}" hydra.sweep.dir="$R/table"
+    "+method=${HEAD_TABLE_METHODS:-plain,eagle3_tree16,eagle3_tree32}" ${HEAD_EXTRA:-} hydra.sweep.dir="$R/table"
   for d in humaneval_full table; do python -m specdec.report "$R/$d" --out "$R/$d/report" > /dev/null 2>&1 && cat "$R/$d/report/report.md"; done
   pack eagle3head humaneval_full table ;;
 *) echo "unknown stage $stage" >&2; exit 64 ;;
