@@ -191,16 +191,18 @@ def test_split_equals_one_program_kernel(poison, V, k, chunk, dtype):
 
 def test_split_ties_across_chunk_borders(poison):
     """Equal maxima on both sides of the 2048-id chunk borders of a 32000-wide row come out lowest
-    id first; an all-equal row gives ids 0..k-1 and -log(V)."""
+    id first; an all-equal row gives ids 0..k-1 and -log(V); k tied maxima in the last chunk."""
     V, k = 32000, 10
-    x = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
     top = [31999, 4096, 2047, 30720, 2048, 4095, 0, 6143]
     x[0, top] = 9.0
     x[1] = 0.5
+    x[2, V - k:] = 9.0  # the k best all in the last (partial) chunk: every one of its candidates counts
     x = x.to(DEVICE, torch.float16)
     v, i = topk_logprobs(x, k)
     assert i[0, :8].tolist() == sorted(top)
     assert i[1].tolist() == list(range(k))
+    assert i[2].tolist() == list(range(V - k, V))
     torch.testing.assert_close(v[1], torch.full((k,), -torch.log(torch.tensor(float(V))).item(), device=DEVICE),
                                atol=1e-5, rtol=1e-5)
     sv, si = semantic_ref(x, k)
