@@ -1,4 +1,4 @@
-"""Top-k log-probabilities of rows of logits, in one launch (the draft tree's branching step).
+"""Top-k log-probabilities of rows of logits, in one launch (two for wide rows): the draft tree's branching step.
 
 Math, for one row x of V logits (any float dtype, computed in fp32):
 
@@ -34,8 +34,10 @@ logsumexp from the S partials,
 and K max reductions over the S * K candidate keys. The row's K best are among them (each is among
 its chunk's K best), the keys are distinct, so the result is the one-program kernel's: the same ids
 in the same order (ties lowest index first, across chunk borders too), the values up to fp32
-rounding of the logsumexp. A chunk only past the row's end holds padding keys (-inf, id >= V) that
-rank below every real element, and K <= V real ones always exist.
+rounding of the logsumexp. The last chunk's slots past the row's end hold padding keys (-inf,
+id >= V) that rank below every real element, and K <= V real ones always exist, so none is picked.
+The scratch ([N, S, K] int64 + 2 x [N, S] fp32) is allocated per call like the outputs: static
+shapes, no host sync, safe to record in a CUDA graph.
 
 ``topk(x, k)`` is the same kernel without the logsumexp: the k largest values themselves (the
 tree's frontier and final node selection over a few dozen candidate scores).
