@@ -51,6 +51,10 @@ class KernelOptions:
         draft round, the accepted path's features for the extend's fc) read them through an index in
         the fused kernel (linear.py, gathered rows) instead of a torch gather (+ clamp, cast) first:
         ~9 fewer launches per 16-node tree step. False: the torch gathers (an A/B switch).
+    wide_topk: the draft's top-k log-probabilities (and the plain top-k) over rows wider than
+        kernels_triton.topk.MAX_V = 16384 ids (32000-id EAGLE-3 draft vocabularies of Llama-3
+        targets, full 128256 / 151936 vocabularies) run as the split-row Triton kernels (2 launches)
+        on the Triton backend. False: torch log_softmax + topk there (an A/B switch).
     """
 
     pdl: str = "late"
@@ -61,13 +65,14 @@ class KernelOptions:
     pdl_qkv_early: bool | None = None
     fused_rows: int | None = None
     gather_rows: bool = True
+    wide_topk: bool = True
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_BOOL = ("fused_linear", "attn_prewait", "gather_rows")
+_BOOL = ("fused_linear", "attn_prewait", "gather_rows", "wide_topk")
 _TRISTATE = ("step_kernels", "fused_merge", "pdl_qkv_early")
 _ROWS = ("fused_rows",)
 MAX_FUSED_ROWS = 64  # kernels_triton/linear.py MAX_M (not imported: options is imported by linear)
@@ -165,11 +170,13 @@ def parse_value(name: str, text: str):
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
-    ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``); unset flags keep the defaults."""
+    ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``,
+    ``--wide-topk``); unset flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
-           "fused_rows": "null | 1..64", "gather_rows": "true | false"}
+           "fused_rows": "null | 1..64", "gather_rows": "true | false",
+           "wide_topk": "true | false"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

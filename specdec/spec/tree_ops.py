@@ -64,11 +64,24 @@ def tree_select(root, cand, n: int, max_depth: int, *, backend="auto"):
     return fn(root, cand, n, max_depth)
 
 
+def _triton_topk(backend: str, x: torch.Tensor) -> bool:
+    """The top-k ops run as Triton kernels: on the Triton backend, rows up to kernels_triton.topk.MAX_V
+    in one program, wider ones (up to MAX_SPLIT_V) as the split row's two launches unless the kernel
+    option wide_topk is off (then torch log_softmax + topk, ~20 launches per call on a GPU)."""
+    from kernels_triton import options
+    from kernels_triton import topk as topk_mod
+
+    if not use_triton(backend, x):
+        return False
+    V = x.shape[-1]
+    return V <= topk_mod.MAX_V or (options.get().wide_topk and V <= topk_mod.MAX_SPLIT_V)
+
+
 def topk(x, k: int, *, backend="auto"):
     """(k largest values of the last dim as fp32, their ids int64), descending, ties lowest id first."""
     from kernels_triton import topk as topk_mod
 
-    if use_triton(backend, x) and x.shape[-1] <= topk_mod.MAX_V:
+    if _triton_topk(backend, x):
         return topk_mod.topk(x, k)
     return topk_mod.topk_ref(x, k)
 
@@ -78,6 +91,6 @@ def topk_logprobs(logits, k: int, *, backend="auto", out=None):
     written into ``out`` = (values, ids) when given."""
     from kernels_triton import topk
 
-    if use_triton(backend, logits) and logits.shape[-1] <= topk.MAX_V:
+    if _triton_topk(backend, logits):
         return topk.topk_logprobs(logits, k, out=out)
     return topk.topk_logprobs_ref(logits, k, out=out)
