@@ -7,7 +7,7 @@
 #   bash experiments/gpu_round.sh 8b          # TP world-size-1 bench, 8B-shape step breakdown
 #   bash experiments/gpu_round.sh crossover   # the 8B-shape crossover, replayed acceptance (CROSSOVER_MEAN=6: parametric)
 #   bash experiments/gpu_round.sh profile8b   # the 8B-shape tree steps split into phases
-#   bash experiments/gpu_round.sh k0cost      # speculation-off cost (never with each drafter vs draft=none)
+#   bash experiments/gpu_round.sh k0cost      # speculation-off cost, paired: never with each drafter vs the adjacent draft=none runs (K0_R repeats)
 #   bash experiments/gpu_round.sh batch1      # batch-1 HumanEval table, speculation-off cost, step floor
 #   bash experiments/gpu_round.sh envelope_eagle3 | envelope_ngram   # policy_envelope, one drafter each
 #   HEAD_DIR=DIR bash experiments/gpu_round.sh eagle3head   # batch-1 tables of the head in DIR (default: the
@@ -44,9 +44,16 @@ profile8b)  # the 8B-shape batch-1 tree steps split into phases (kernels per pha
     --out "$R/profile8b"
   tail -n 40 "$R/last.log"
   pack profile8b profile8b ;;
-k0cost)  # speculation off: policy=never with each drafter against draft=none (first and last: drift)
-  run ${K0_S:-200} python -m specdec.run --multirun +experiment=policy_envelope draft=none,ngram_chains,eagle3_smollm2_trees,none \
-    workload=humaneval policy=never workload.concurrency=${K0_C:-16,64,256} workload.requests_per_client=16 hydra.sweep.dir="$R/k0_cost"
+k0cost)  # speculation off, paired (conf/experiment/k0_cost.yaml): per C, draft=none between and around
+  # K0_R repeats of the two drafters (none, ngram, eagle3, none, eagle3, ngram, none, ...: the order flips
+  # on alternate repeats); the report divides each drafter run by its adjacent draft=none runs
+  arms=none
+  for i in $(seq "${K0_R:-2}"); do
+    if [ $((i % 2)) = 1 ]; then arms+=,ngram_chains,eagle3_smollm2_trees,none; else arms+=,eagle3_smollm2_trees,ngram_chains,none; fi
+  done
+  run ${K0_S:-420} python -m specdec.run --multirun +experiment=k0_cost draft=$arms \
+    workload.concurrency=${K0_C:-16,64,256} hydra.sweep.dir="$R/k0_cost"
+  python -m specdec.report "$R/k0_cost" --out "$R/k0_cost/report" 2>&1 | sed -n '/^## Speculation off/,/^## Runs/p' | head -n 80
   pack k0_cost k0_cost ;;
 batch1)
   run 200 python -m specdec.run --multirun +experiment=eagle3_humaneval_full '+method=plain,eagle3_tree16,eagle3_tree48' \

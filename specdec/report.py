@@ -27,6 +27,10 @@ Default report, each part only when the runs hold it:
   workload x target x drafter, and a plot of tok/s against C with the envelope dashed), and for
   every run the k it held at full load, the share of steps at it, its switches and settle steps
   (steps from the load change until the held k holds; see ``bench.metrics.k_choice``).
+- Speculation off (paired): closed-loop policy=never runs with a drafter and draft=none runs at the
+  same C (experiment=k0_cost interleaves them): each drafter run's tok/s (and decode-only tok/s) over
+  the mean of the draft=none runs adjacent to it in run order, per C and drafter, with the spread of
+  the draft=none runs beside it; and every run in order (see ``paired_off_cost``).
 - Step time vs weight-bandwidth floor: runs with ``engine.profile_steps`` (metrics ``step_floor``):
   one row per target x decode batch: graphed step ms, the floor (weight bytes / measured copy
   bandwidth) and the fraction of it reached.
@@ -787,6 +791,136 @@ def crossover_tables(runs: list[Run]) -> list[tuple[Table, Table, list, str]]:
     return out
 
 
+def _decode_tok_s(run: Run) -> float | None:
+    """Output tokens per second of decode-step device time (``decode_ms_total``, CUDA events around
+    each decode step): the run's throughput with prefill and the host's time between steps left out."""
+    ms, n = run.metrics.get("decode_ms_total"), run.metrics.get("output_tokens")
+    return n / (ms / 1e3) if _is_num(ms) and _is_num(n) and ms > 0 else None
+
+
+def _run_order(run: Run) -> tuple:
+    """When the run started (``date_utc``, seconds), then its path (a sweep's job number): the order
+    the paired study interleaves its arms in."""
+    return (str(run.metrics.get("date_utc") or ""), _path_sort_key(run.path))
+
+
+def _spread(values) -> float | None:
+    """(max - min) / mean of two or more values, else None."""
+    xs = [v for v in values if v is not None]
+    return (max(xs) - min(xs)) / (sum(xs) / len(xs)) if len(xs) > 1 and sum(xs) else None
+
+
+def paired_off_cost(runs: list[Run]) -> list[dict]:
+    """Speculation off, paired: closed-loop policy=never runs, per study (workload x target x T x
+    other settings) and C, in run order. Each run with a drafter is divided by the mean of the
+    draft=none runs next to it at that C (the nearest one before it and the nearest one after it),
+    in output tok/s and in decode tok/s (:func:`_decode_tok_s`). Returns one dict per study and C
+    with ``runs`` (in order: drafter name, label, tok/s, decode tok/s, prefill s, ratios, the
+    neighbours' indices) and ``none`` (the draft=none runs' tok/s and decode tok/s); studies and Cs
+    without both a draft=none and a drafter run are left out."""
+    sel = [r for r in runs if _concurrency(r) is not None and r.get("policy.name", "never") == "never"]
+    if not sel:
+        return []
+    extras = [k for k in distinguishing_keys(sel, ignore=("workload.concurrency",)) if not k.startswith(SPEC_ONLY)]
+
+    def study_key(r: Run) -> tuple:
+        d = descriptors(r)
+        return (d["Workload"], d["Target"], d["T"], *(_h(r.get(k)) for k in extras), _concurrency(r))
+
+    out = []
+    for key, rs in _merge(sel, study_key):
+        rs = sorted(rs, key=_run_order)
+        plain = [i for i, r in enumerate(rs) if r.get("draft.name", "none") == "none"]
+        if not plain or len(plain) == len(rs):
+            continue
+        rows = []
+        for i, r in enumerate(rs):
+            tok, dec = r.metrics.get("output_tok_per_s"), _decode_tok_s(r)
+            pre = r.metrics.get("prefill_ms_total")
+            row = {"draft": str(r.get("draft.name", "none")), "label": drafter_label(r), "tok_s": tok,
+                   "decode_tok_s": dec, "prefill_s": pre / 1e3 if _is_num(pre) else None,
+                   "kv_pages": r.metrics.get("kv_pages"), "preemptions": r.metrics.get("preemptions"),
+                   "path": str(r.path), "neighbours": [], "ratio": None, "decode_ratio": None}
+            if i not in plain:
+                before = [j for j in plain if j < i][-1:]
+                after = [j for j in plain if j > i][:1]
+                nb = before + after
+                row["neighbours"] = nb
+                base = _mean(rs[j].metrics.get("output_tok_per_s") for j in nb)
+                base_dec = _mean(_decode_tok_s(rs[j]) for j in nb)
+                row["ratio"] = tok / base if _is_num(tok) and base else None
+                row["decode_ratio"] = dec / base_dec if dec is not None and base_dec else None
+            rows.append(row)
+        label = f"{key[0]}, {key[1]}" + (f", T = {key[2]}" if key[2] not in ("0.0", "0") else "")
+        label += "".join(f", {k}={json.loads(v) if v != 'null' else None}" for k, v in zip(extras, key[3:-1]))
+        out.append({"study": label, "C": key[-1], "runs": rows,
+                    "none": {"tok_s": [rows[j]["tok_s"] for j in plain],
+                             "decode_tok_s": [rows[j]["decode_tok_s"] for j in plain]}})
+    return out
+
+
+def off_cost_tables(runs: list[Run]) -> list[Table]:
+    """The paired speculation-off study (:func:`paired_off_cost`) as two tables per study: per C and
+    drafter the mean ratio to the adjacent draft=none runs (and its range over the drafter's runs),
+    with the draft=none runs' mean and spread beside it; then every run in order."""
+    points = paired_off_cost(runs)
+    tables = []
+    for study in dict.fromkeys(p["study"] for p in points):
+        pts = [p for p in points if p["study"] == study]
+        labels = list(dict.fromkeys(r["label"] for p in pts for r in p["runs"] if r["neighbours"]))
+        names = {lab: next(r["draft"] for p in pts for r in p["runs"] if r["label"] == lab) for lab in labels}
+        if len(set(names.values())) < len(names):  # two configs of one drafter: name them in full
+            names = {lab: lab for lab in labels}
+        rows = []
+        for p in pts:
+            none_tok, none_dec = p["none"]["tok_s"], p["none"]["decode_tok_s"]
+            pages = sorted({r["kv_pages"] for r in p["runs"]}, key=lambda v: _sort_key([v]))
+            pre = sum(r["preemptions"] or 0 for r in p["runs"])
+            pages_s = " / ".join(map(_show, pages)) + (" (differ)" if len(pages) > 1 else "")
+            sp, dsp = _spread(none_tok), _spread(none_dec)
+            for lab in labels:
+                mine = [r for r in p["runs"] if r["label"] == lab and r["ratio"] is not None]
+                if not mine:
+                    continue
+                ratios = [r["ratio"] for r in mine]
+                dec = [r["decode_ratio"] for r in mine if r["decode_ratio"] is not None]
+                rows.append([str(p["C"]), names[lab], str(len(mine)),
+                             format_column([_mean(r["tok_s"] for r in mine)])[0],
+                             f"{_mean(ratios):.4f}", f"{min(ratios):.4f} .. {max(ratios):.4f}",
+                             f"{_mean(dec):.4f}" if dec else "-",
+                             format_column([_mean(none_tok)])[0], str(len(none_tok)),
+                             "-" if sp is None else f"{100 * sp:.1f}%",
+                             "-" if dsp is None else f"{100 * dsp:.1f}%",
+                             pages_s + (f", {pre} preempted" if pre else "")])
+        columns = [Column("C", "$C$", "r"), Column("Drafter"), Column("runs", None, "r"),
+                   Column("tok/s", None, "r"), Column("/ none", None, "r"), Column("range", None, "r"),
+                   Column("decode / none", None, "r"), Column("none tok/s", None, "r"),
+                   Column("none runs", None, "r"), Column("none spread", None, "r"),
+                   Column("none decode spread", None, "r"), Column("KV pages", None, "l")]
+        caption = (f"Speculation off ({study}; policy=never, closed loop): each drafter run's output tok/s over "
+                   "the mean of the draft=none runs adjacent to it in run order at the same C (the nearest "
+                   "before and after), averaged over its runs (range: min .. max); decode / none: the same "
+                   "ratio of output tokens per second of decode-step device time; none spread: (max - min) / "
+                   "mean over the draft=none runs at that C, the run-to-run noise the ratios sit in. Target: "
+                   "/ none >= 0.99 at every C.")
+        tables.append(Table(f"Speculation off: {study}", caption, f"offcost{len(tables) // 2 + 1}", columns, rows))
+        orows = []
+        for p in pts:
+            for n, r in enumerate(p["runs"], 1):
+                nb = ", ".join(f"#{j + 1}" for j in r["neighbours"])
+                orows.append([str(p["C"]), str(n), names.get(r["label"], r["draft"]), *format_column([r["tok_s"]]), *format_column([r["decode_tok_s"]]),
+                              *format_column([r["prefill_s"]]), "-" if r["ratio"] is None else f"{r['ratio']:.4f}",
+                              "-" if r["decode_ratio"] is None else f"{r['decode_ratio']:.4f}", nb or "-"])
+        ocols = [Column("C", "$C$", "r"), Column("#", None, "r"), Column("Drafter"), Column("tok/s", None, "r"),
+                 Column("decode tok/s", None, "r"), Column("prefill s", None, "r"), Column("/ none", None, "r"),
+                 Column("decode / none", None, "r"), Column("vs", None, "l")]
+        tables.append(Table(f"Speculation off, run order: {study}",
+                            f"Speculation off ({study}): every run in the order it ran per C, with its ratios to the "
+                            "draft=none runs named under vs (by # in this list); prefill s = prefill_ms_total.",
+                            f"offcostorder{len(tables) // 2 + 1}", ocols, orows))
+    return tables
+
+
 def step_breakdown_table(runs: list[Run]) -> Table | None:
     """The speculative step per k split into draft / verify / commit beside the plain step (runs with
     ``engine.profile_spec_steps``; experiment=step_8b), with the speed-up replayed acceptance implies."""
@@ -1154,6 +1288,7 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
             else:
                 figures.append((f"Crossover, replayed acceptance: {label}", names[0]))
                 plot_files += names
+        tables += off_cost_tables(runs)
         for extra in (step_breakdown_table(runs), step_floor_table(runs), switch_table(runs)):
             if extra is not None:
                 tables.append(extra)

@@ -19,6 +19,7 @@ records the graphed plain step time at those decode batches beside the weight-ba
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -141,6 +142,37 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def release_device_memory(device: str) -> None:
+    """What an earlier run of this process left behind goes now, before this run builds anything:
+    its garbage (reference cycles keep an engine's KV pool and CUDA graphs alive until the cyclic
+    collector runs) and, on the GPU, the blocks torch's caching allocator kept for it (returned to
+    the driver). Every job of a ``--multirun`` then starts from the same device state as the first:
+    the same memory free for its KV pool and no predecessor's blocks to reuse."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+class FrozenHeap:
+    """``with FrozenHeap(): serve()``: everything alive before serving (model, engine, compiled
+    kernels, whatever earlier runs of this process left alive) moves to the collector's permanent
+    generation (``gc.freeze``), so the full collections that serving's allocations trigger scan only
+    the objects serving creates, whatever this process ran before; ``collections`` counts the
+    collections per generation while it was held."""
+
+    def __enter__(self) -> "FrozenHeap":
+        gc.collect()
+        gc.freeze()
+        self._before = [g["collections"] for g in gc.get_stats()]
+        self.collections: list[int] = []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.collections = [g["collections"] - b for g, b in zip(gc.get_stats(), self._before)]
+        gc.unfreeze()
+
+
 def apply_kernel_options(cfg: DictConfig) -> dict:
     """Set the kernel research switches of ``cfg.kernels`` (conf/kernels/; fields it lacks take their
     defaults) for this process, before any model or engine is built (CUDA graphs keep the options
@@ -234,6 +266,9 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     wl = cfg.workload
     ignore_eos = bool(wl.get("ignore_eos", False))
     stop = list(cfg.engine.get("stop") or [])
+    # An engine served before in this process (compare_plain's plain run) is gone before this one
+    # sizes its KV pool.
+    release_device_memory(model.device.type)
     engine = build_engine(model, tokenizer, cfg, trace)
     order: dict[int, int] = {}  # id(request) -> prompt index
     by_index: dict[int, dict] = {}
@@ -252,16 +287,19 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
         if progress_cb:
             progress_cb(rec)
 
-    t0 = time.perf_counter()
     mode = wl.get("mode", "closed")
-    if mode == "closed":
-        closed_loop(engine, prompts, wl.get("concurrency"), submit, finish)
-    elif mode == "open":
-        open_loop(engine, prompts, wl.get("rate"), submit, seed=int(cfg.seed), on_finish=finish)
-    else:
+    if mode not in ("closed", "open"):
         raise ConfigError(f"workload.mode={mode!r}; valid: closed, open")
+    with FrozenHeap() as heap:
+        t0 = time.perf_counter()
+        if mode == "closed":
+            closed_loop(engine, prompts, wl.get("concurrency"), submit, finish)
+        else:
+            open_loop(engine, prompts, wl.get("rate"), submit, seed=int(cfg.seed), on_finish=finish)
+        serve_s = time.perf_counter() - t0
     if trace is not None:
-        trace.meta.update(serve_wall_s=time.perf_counter() - t0, engine_startup_s=engine.startup_s,
+        trace.meta.update(serve_wall_s=serve_s, serve_gc_collections=heap.collections,
+                          engine_startup_s=engine.startup_s,
                           cuda_graphs=engine.graphed, kv_pages=engine.kv.num_pages,
                           graph_captures=engine.startup_graph_captures,
                           graph_recaptures=engine.graph_captures() - engine.startup_graph_captures,
@@ -457,6 +495,7 @@ def run(cfg: DictConfig) -> dict:
     if tp_settings(cfg)[0] > 1 and tp_group() is None:
         return run_tp(cfg)  # starts tp.size ranks; rank 0 comes back here with its group set
 
+    release_device_memory(device)  # nothing an earlier job of this process left shrinks this one's pool
     apply_kernel_options(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     (run_dir / "config.json").write_text(json.dumps(resolved, indent=2))

@@ -72,7 +72,9 @@ def agree_engine_config(ecfg, model):
     import torch
 
     if model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
+        from ..engine.kv_cache import available_device_bytes
+
+        free = available_device_bytes(model.device)  # the allocator's cached blocks count as free
         tokens = int(free * float(ecfg.kv_memory_fraction)) // model.kv_bytes_per_token()
     else:
         tokens = 8192  # kv_cache.size_pool's CPU default

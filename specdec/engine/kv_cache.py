@@ -105,18 +105,34 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
 
 
+def available_device_bytes(device) -> int:
+    """Bytes a new allocation on CUDA ``device`` can get now: what the driver reports free plus what
+    this process's caching allocator holds reserved but unallocated (blocks freed by an earlier
+    engine, a finished job of a ``--multirun``, that torch keeps cached instead of returning them to
+    the driver). ``torch.cuda.mem_get_info`` alone misses the second part, so a pool sized from it
+    shrank by whatever the previous run's pool left in the cache (H200, one process,
+    experiments/results/spec/k0_cost_8ef8fbb: 202k, 99k, 150k, 112k pages for consecutive runs).
+    Only live tensors count as used."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + max(0, int(cached))
+
+
 def size_pool(model, *, page_size: int, kv_cache_tokens: int | None, kv_memory_fraction: float,
               cpu_default_tokens: int = 8192) -> int:
     """Number of pages for the pool.
 
-    ``kv_cache_tokens`` wins when set. Otherwise on the GPU: ``kv_memory_fraction`` of the memory
-    free after the weights are loaded (the rest stays for activations, CUDA graphs and the logits);
-    on the CPU: ``cpu_default_tokens`` slots (SmolLM2 fp32: 46 KB per token, 8192 tokens = 377 MB).
+    ``kv_cache_tokens`` wins when set (studies that compare engines set it, so every arm gets the
+    same pool). Otherwise on the GPU: ``kv_memory_fraction`` of the memory available after the
+    weights are loaded (:func:`available_device_bytes`: free plus the allocator's cached blocks, so
+    what earlier engines of this process freed counts as available; the rest stays for activations,
+    CUDA graphs and the logits); on the CPU: ``cpu_default_tokens`` slots (SmolLM2 fp32: 46 KB per
+    token, 8192 tokens = 377 MB).
     """
     if kv_cache_tokens is not None:
         tokens = int(kv_cache_tokens)
     elif model.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(model.device)
+        free = available_device_bytes(model.device)
         tokens = int(free * float(kv_memory_fraction)) // kv_bytes_per_token(model.config, model.dtype)
     else:
         tokens = cpu_default_tokens
