@@ -8,7 +8,7 @@
 #   bash experiments/gpu_round.sh crossover   # the 8B-shape crossover, replayed acceptance (CROSSOVER_MEAN=6: parametric)
 #   bash experiments/gpu_round.sh profile8b   # the 8B-shape tree steps split into phases
 #   bash experiments/gpu_round.sh k0cost      # speculation-off cost, paired: never with each drafter vs the adjacent draft=none runs (K0_R repeats)
-#   bash experiments/gpu_round.sh batch1      # batch-1 HumanEval table, speculation-off cost, step floor
+#   bash experiments/gpu_round.sh batch1      # batch-1 HumanEval table, step floor
 #   bash experiments/gpu_round.sh envelope_eagle3 | envelope_ngram   # policy_envelope, one drafter each
 #   HEAD_DIR=DIR bash experiments/gpu_round.sh eagle3head   # batch-1 tables of the head in DIR (default: the
 #                                             committed one): all 164 HumanEval prompts, and the T = 0
@@ -58,10 +58,8 @@ k0cost)  # speculation off, paired (conf/experiment/k0_cost.yaml): per C, draft=
 batch1)
   run 200 python -m specdec.run --multirun +experiment=eagle3_humaneval_full '+method=plain,eagle3_tree16,eagle3_tree48' \
     hydra.sweep.dir="$R/humaneval_full"
-  run 150 python -m specdec.run --multirun +experiment=policy_envelope draft=none,ngram_chains,eagle3_smollm2_trees \
-    workload=humaneval policy=never workload.concurrency=16,64,256 workload.requests_per_client=16 hydra.sweep.dir="$R/k0_cost"
   run 90 python -m specdec.run --multirun +experiment=step_floor hydra.sweep.dir="$R/step_floor"
-  pack batch1 humaneval_full k0_cost step_floor ;;
+  pack batch1 humaneval_full step_floor ;;  # the speculation-off cost: stage k0cost (paired)
 envelope_eagle3|envelope_ngram)
   d=eagle3_smollm2_trees; [ "$stage" = envelope_ngram ] && d=ngram_chains
   run ${ENVELOPE_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=$d \
