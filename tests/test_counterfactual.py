@@ -307,3 +307,55 @@ def test_engine_counterfactual_greedy_identical(tiny, overlap):
                                              "k=6<k=12": "approximate"}
         # the first tries went to the largest tree; the smaller ones were sampled counterfactually
         assert spec[0].k == 12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs a GPU or TRITON_INTERPRET=1")
+def test_engine_counterfactual_kernels_equal_references(kernel_options):
+    """The same engine run with the step kernels (tree_select's candidate ids and the counterfactual
+    kernel, forced on the CPU under the interpreter) and with their torch versions: the drafter's
+    trees carry the same candidate ids, the policy gets the same counterfactual samples step for
+    step, greedy output is plain greedy's."""
+    model = tiny_model(layers=2, backend="auto")
+    prompts = repetitive_prompts(3, seed=5)
+    want = [reference(model, p, 10) for p in prompts]
+    samples = {}
+    for kernels in (False, True):
+        kernel_options.set_(step_kernels=kernels)
+        drafter = Eagle3Drafter(tiny_head(model), model, trees=[(1, 3, 3), (2, 3, 6), (4, 3, 12)])
+        pol = ScheduledPolicy([12, 6, 12, 0, 3, 12])
+        got, engine = run_engine(model, prompts, 10, drafter=drafter, policy=pol)
+        assert got == want and pol.pairs == {(3, 6): "lower_bound", (3, 12): "lower_bound", (6, 12): "approximate"}
+        samples[kernels] = list(pol.seen)
+        if kernels:  # the kernel-built tree's candidate ids are the reference's
+            st = engine.state
+            for p in ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2]):
+                engine.add_request(p, 4)
+            engine.step(12)
+            B, T = 2, 13
+            valid = st.row_ids[:B] < st.num_rows
+            ref, ker = drafter.propose_reference(st, B, T, valid), drafter.propose(st, B, T, valid)
+            assert torch.equal(ref.cand_ids, ker.cand_ids) and torch.equal(ref.tokens, ker.tokens)
+    assert samples[True] == samples[False] and sum(bool(cf) for _, cf in samples[True]) >= 4
+
+
+class ScheduledPolicy:
+    """Cycles through a k schedule, asks for counterfactual samples and records (k, samples)."""
+
+    name = "scheduled"
+    wants_counterfactual = True
+
+    def __init__(self, schedule):
+        self.schedule, self.i, self.seen, self.pairs = schedule, 0, [], None
+        self.ks = tuple(sorted({0, *schedule}))
+
+    def counterfactual_(self, pairs):
+        self.pairs = pairs
+
+    def choose(self, view):
+        k = self.schedule[self.i % len(self.schedule)]
+        self.i += 1
+        return k
+
+    def update(self, stats):
+        self.seen.append((stats.k, stats.counterfactual))
