@@ -101,8 +101,9 @@ def tree_expand_ref(cand, cand_off, depth, lp, cid, d2t, score=None, fcid=None, 
     return nscore.contiguous(), ncid.contiguous(), new_rows
 
 
-def tree_select_ref(root, cand, n: int, max_depth: int):
-    """Plain torch: (tokens int64, parents int32, depth int32, mask int64), each [B, n + 1]."""
+def tree_select_ref(root, cand, n: int, max_depth: int, cand_ids: bool = False):
+    """Plain torch: (tokens int64, parents int32, depth int32, mask int64), each [B, n + 1]; with
+    ``cand_ids`` also each node's candidate id (int32 [B, n + 1], -1 at the root)."""
     from .tree_mask import ancestor_masks_ref
 
     ctok, cscore, cpar, cdep = cand
@@ -117,7 +118,10 @@ def tree_select_ref(root, cand, n: int, max_depth: int):
     tokens = torch.cat([root[:, None].long(), ctok.gather(1, keep)], 1)
     parents = torch.cat([torch.full((B, 1), -1, device=dev, dtype=torch.long), par], 1).int()
     depth = torch.cat([torch.zeros(B, 1, dtype=torch.int32, device=dev), cdep.gather(1, keep).int()], 1)
-    return tokens, parents, depth, ancestor_masks_ref(parents, max_depth)
+    out = (tokens, parents, depth, ancestor_masks_ref(parents, max_depth))
+    if cand_ids:
+        out += (torch.cat([torch.full((B, 1), -1, dtype=torch.int32, device=dev), keep.int()], 1),)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,11 +242,13 @@ def _tree_select_kernel(
     par_ptr,  # [B, n + 1] int32 out
     dep_ptr,  # [B, n + 1] int32 out
     mask_ptr,  # [B, n + 1] int64 out
+    cid_ptr,  # [B, n + 1] int32 out: each node's candidate id, -1 at the root (CAND_IDS)
     C,
     n,
     max_depth,
     tie,
     BLOCK_C: tl.constexpr,
+    CAND_IDS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     o_c = tl.arange(0, BLOCK_C)
@@ -280,6 +286,9 @@ def _tree_select_kernel(
     tl.store(par_ptr + p_out, b_pnode, mask=b_kept)
     tl.store(dep_ptr + p_out, b_dep, mask=b_kept)
     tl.store(mask_ptr + p_out, b_mask, mask=b_kept)
+    if CAND_IDS:
+        tl.store(cid_ptr + p_out, o_c, mask=b_kept)
+        tl.store(cid_ptr + b * n1, -1)
     tl.store(tok_ptr + b * n1, tl.load(root_ptr + b).to(tl.int64))
     tl.store(par_ptr + b * n1, -1)
     tl.store(dep_ptr + b * n1, 0)
@@ -357,8 +366,10 @@ def tree_expand(cand, cand_off: int, depth: int, lp, cid, d2t, score=None, fcid=
     return nscore, ncid, new_rows
 
 
-def tree_select(root, cand, n: int, max_depth: int):
-    """The tree of the n best candidates: (tokens int64, parents int32, depth int32, mask int64) [B, n + 1]."""
+def tree_select(root, cand, n: int, max_depth: int, cand_ids: bool = False):
+    """The tree of the n best candidates: (tokens int64, parents int32, depth int32, mask int64) [B, n + 1];
+    with ``cand_ids`` also each node's candidate id (int32 [B, n + 1], -1 at the root: what the
+    counterfactual acceptance of smaller trees reads, kernels_triton/counterfactual.py)."""
     ctok, cscore, cpar, cdep = cand
     B, C = ctok.shape
     if not 1 <= n <= C or n + 1 > MAX_NODES or C > MAX_CANDIDATES:
@@ -369,9 +380,11 @@ def tree_select(root, cand, n: int, max_depth: int):
     par = torch.empty(B, n + 1, dtype=torch.int32, device=dev)
     dep = torch.empty(B, n + 1, dtype=torch.int32, device=dev)
     mask = torch.empty(B, n + 1, dtype=torch.int64, device=dev)
+    cid = torch.empty(B, n + 1, dtype=torch.int32, device=dev) if cand_ids else None
     if B:
         block_c = max(16, triton.next_power_of_2(C))
         node = torch.empty(B, C, dtype=torch.int32, device=dev)
         _tree_select_kernel[(B,)](root.contiguous(), ctok, cscore, cpar, cdep, node, tok, par, dep, mask,
-                                  C, n, int(max_depth), TIE, BLOCK_C=block_c, num_warps=4)
-    return tok, par, dep, mask
+                                  cid if cand_ids else par, C, n, int(max_depth), TIE, BLOCK_C=block_c,
+                                  CAND_IDS=bool(cand_ids), num_warps=4)
+    return (tok, par, dep, mask, cid) if cand_ids else (tok, par, dep, mask)

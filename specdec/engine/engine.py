@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ConfigError
-from ..policy.base import BatchView, StepStats, shadow_evals, wants_rows, wants_step_ms
+from ..policy.base import BatchView, StepStats, shadow_evals, wants_counterfactual, wants_rows, wants_step_ms
 from ..spec.base import capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
 from . import profiling
@@ -48,7 +48,7 @@ from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
 from .shadow import ShadowAcceptance
 from .state import DecodeState
-from .step import PhaseTimer, PrefillChunk, Stepper, catch_up_body_, prefill_body_, step_body_
+from .step import Counterfactual, PhaseTimer, PrefillChunk, Stepper, catch_up_body_, prefill_body_, step_body_
 
 
 @dataclass
@@ -245,10 +245,14 @@ class Engine:
         # A k = 0 step runs the drafter only if it extends at k = 0; else it never sees it (decided
         # once here, not per step).
         k0_drafter = drafter if extends_at_k0(drafter) else None
+        # Counterfactual acceptance: a speculative step at k also scores every smaller k' of the
+        # policy's ks on its verified path (EAGLE-3; real acceptance only: a replayed verdict is
+        # drawn per k, not a path the smaller trees share). {T: Counterfactual}; empty: off.
+        counterfactual = self._counterfactual = self._plan_counterfactual(policy, drafter, acceptance)
 
         def body(B: int, T: int, context) -> None:
             step_body_(model, state, kv, B, T, cfg.temperature, drafter if T > 1 else k0_drafter, context,
-                       acceptance=acceptance)
+                       acceptance=acceptance, counterfactual=counterfactual)
 
         t0 = time.perf_counter()
         if use_graphs:
@@ -317,6 +321,34 @@ class Engine:
             profiling.calibrate_policy_(self)
         self.startup_graph_captures = self.graph_captures()
         self.t0 = time.perf_counter()
+
+    def _plan_counterfactual(self, policy, drafter, acceptance) -> dict:
+        """{T: Counterfactual} for the policy's speculative ks that have smaller ones (reserving their
+        output columns, asking the drafter for candidate ids, telling the policy the pairs), or {}
+        when the policy does not ask, the drafter cannot score (no ``counterfactual_commits_``), or
+        acceptance is replayed."""
+        if (policy is None or not wants_counterfactual(policy) or acceptance is not None
+                or not hasattr(drafter, "counterfactual_commits_")):
+            return {}
+        ks = sorted(k for k in policy.ks if k > 0)
+        plan, pairs = {}, {}
+        dev = self.state.device
+        for k in ks:
+            small = [j for j in ks if j < k]
+            if not small:
+                continue
+            shapes = [list(drafter.shape_for(j)) for j in small]
+            plan[drafter.num_nodes(k)] = Counterfactual(tuple(small), torch.tensor(shapes, dtype=torch.int32,
+                                                                                     device=dev),
+                                                        shapes, max(s for _, s, _ in shapes))
+            drafter.counterfactual_sizes.add(k)
+            pairs.update({(j, k): drafter.counterfactual_label(j, k) for j in small})
+        if not plan:
+            return {}
+        self.state.set_cf_widths_({T: len(c.ks) for T, c in plan.items()})
+        if hasattr(policy, "counterfactual_"):
+            policy.counterfactual_(pairs)
+        return plan
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], max_new_tokens: int, *, request_id: str | None = None,
@@ -511,9 +543,14 @@ class Engine:
                 shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i])
                 if sh.lookups > n0:
                     shadow_ms = (sh.lookup_s - s0) * 1e3 / (sh.lookups - n0)
+            cf = None
+            if step.cf is not None:  # columns in the order of the plan's smaller ks
+                ks = self._counterfactual[self.stepper.num_nodes(step.k)].ks
+                cf = {j: [row[i] for row in step.cf] for i, j in enumerate(ks)}
             self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
                                          rows=[r.id for r, _ in step.rows] if self._policy_rows else None,
-                                         step_ms=self.stepper.step_ms(step), shadow=shadow, shadow_ms=shadow_ms))
+                                         step_ms=self.stepper.step_ms(step), shadow=shadow, shadow_ms=shadow_ms,
+                                         counterfactual=cf))
             step.policy_fed = True
         # The rows commit_tokens_ keeps (still in the batch, same epoch): their ids go to the step trace.
         live = {id(r) for r in self.scheduler.rows} if self.trace is not None and step.k > 0 else ()

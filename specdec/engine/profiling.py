@@ -165,7 +165,7 @@ def step_phases(engine, batch_size: int, context_len: int, k: int, iters: int = 
             if acceptance is not None:
                 acceptance.fill_(B, k)  # replayed: rows commit the trace's mean length
             step_body_(engine.model, st, engine.kv, B, T, engine.config.temperature, engine.drafter, context, mark,
-                       acceptance=acceptance)
+                       acceptance=acceptance, counterfactual=getattr(engine, "_counterfactual", None))
             if cuda:
                 marks[-1][1].synchronize()
             if it == 0:
@@ -204,7 +204,8 @@ def graphed_phases(engine, batch_size: int, context_len: int, k: int, iters: int
             st.uniform[:B, :T].uniform_(generator=st.generator)
         if prepare is not None:
             prepare(st, B, T, context)
-        step_body_(engine.model, st, engine.kv, B, T, temp, drafter, context, mark)
+        step_body_(engine.model, st, engine.kv, B, T, temp, drafter, context, mark,
+                   counterfactual=getattr(engine, "_counterfactual", None) if drafter is engine.drafter else None)
 
     has_marks = drafter is not None and hasattr(drafter, "phase_marks")
     with borrowed_rows(engine, B, context_len, total, "graphed_phases") as st:
@@ -403,7 +404,7 @@ def _prefix_ms(engine, B: int, T: int, stop: str, iters: int) -> float:
     def body():
         try:
             step_body_(engine.model, engine.state, engine.kv, B, T, engine.config.temperature, engine.drafter,
-                       None, mark, acceptance=acceptance)
+                       None, mark, acceptance=acceptance, counterfactual=getattr(engine, "_counterfactual", None))
         except _StopStep:
             pass
 

@@ -52,6 +52,9 @@ class DecodeState:
         # output rows [:n] are one dense block, so the k = 0 read-back is a plain copy of n tokens
         # whatever the largest tree (a [:n, :1] column of [R, 17] is strided: another copy path).
         self._sampled_flat = self.sampled.view(-1)
+        # Extra int64 columns after a T-node step's tokens (``step_out``): the counterfactual commits
+        # of the smaller trees (set_cf_widths_, by an engine whose policy asks for them); none by default.
+        self.cf_widths: dict[int, int] = {}
         # The k = 0 tree's constant parents / depth / mask per row (viewed, never written).
         self.root_tree_consts = (torch.full((max_rows, 1), -1, dtype=torch.int32, device=dev),
                                  torch.zeros(max_rows, 1, dtype=torch.int32, device=dev),
@@ -70,8 +73,37 @@ class DecodeState:
         self.draft_lens_host: list[int] = []
 
     def sampled_for(self, T: int) -> torch.Tensor:
-        """[max_rows, T] contiguous view of the step-output buffer for steps of T-node trees."""
-        return self._sampled_flat[: self.max_rows * T].view(self.max_rows, T)
+        """[max_rows, T] view of the step-output buffer for steps of T-node trees (contiguous unless
+        counterfactual columns follow the tokens: then rows of stride T + M)."""
+        m = self.cf_widths.get(T, 0)
+        if not m:
+            return self._sampled_flat[: self.max_rows * T].view(self.max_rows, T)
+        return self.step_out(T)[:, :T]
+
+    def step_out(self, T: int) -> torch.Tensor:
+        """[max_rows, T + M] contiguous view of a T-node step's whole output, the one tensor read back:
+        committed tokens then -1 (T columns), then the M counterfactual commits (M = 0 unless set)."""
+        w = T + self.cf_widths.get(T, 0)
+        return self._sampled_flat[: self.max_rows * w].view(self.max_rows, w)
+
+    @property
+    def step_out_capacity(self) -> int:
+        """Elements of the step-output buffer (every T's ``step_out`` fits in it)."""
+        return self._sampled_flat.numel()
+
+    def cf_out(self, T: int) -> torch.Tensor:
+        """[max_rows, M] (row stride T + M) the counterfactual columns of a T-node step's output."""
+        return self.step_out(T)[:, T:]
+
+    def set_cf_widths_(self, widths: dict[int, int]) -> None:
+        """Reserve M counterfactual columns after the tokens of T-node steps ({T: M}); before any
+        step runs (graphs capture the buffer) and before the stepper sizes its read-back buffers."""
+        self.cf_widths = {int(t): int(m) for t, m in widths.items() if int(m) > 0}
+        need = self.max_rows * max([self.max_tree_nodes, *(t + m for t, m in self.cf_widths.items())])
+        if need > self._sampled_flat.numel():
+            self._sampled_flat = torch.full((need,), -1, dtype=torch.int64, device=self.device)
+            self.sampled = self._sampled_flat[: self.max_rows * self.max_tree_nodes].view(self.max_rows,
+                                                                                        self.max_tree_nodes)
 
     def append_rows_(self, pending: list[int], seq_lens: list[int], pages: list[list[int]],
                      draft_lens: list[int] | None = None) -> list[int]:

@@ -49,8 +49,20 @@ def tree_inputs(state: DecodeState, kv: KVCache, tree: DraftTree, B: int, valid:
     return ids, pos, meta
 
 
+@dataclass
+class Counterfactual:
+    """The smaller tree sizes a T-node step scores counterfactually (their commits on its path):
+    ``ks`` in column order, their shapes [M, 3] int32 on the device and as a host list, and the
+    largest steps among them (the kernel's static depth bound)."""
+
+    ks: tuple[int, ...]
+    shapes: torch.Tensor
+    shapes_host: list
+    max_steps: int
+
+
 def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperature: float,
-               drafter=None, context=None, marks=None, acceptance=None) -> None:
+               drafter=None, context=None, marks=None, acceptance=None, counterfactual=None) -> None:
     """One step over state rows 0 .. B-1 with trees of T nodes (T = 1: plain decoding, k = 0).
 
     draft -> verify -> accept -> commit, all on the device:
@@ -67,6 +79,10 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     (= draft extend) phases end (specdec.engine.profiling.PHASES). ``acceptance`` (replayed
     acceptance, :mod:`specdec.acceptance`): the verdict is replaced by its forced one after
     verify_accept has run, so the step does the same work and commits the replayed path.
+    ``counterfactual`` ({T: Counterfactual}, T > 1 only): after verification the drafter writes the
+    tokens each smaller configured tree would have committed per row into the columns after the
+    tokens (``state.cf_out(T)``), read back with them in the step's one copy; a T without an entry
+    (and every k = 0 step) runs exactly what it runs without it.
     """
     if T == 1 and not extends_at_k0(drafter):
         # Speculation off: a drafter that does no work at k = 0 (n-gram; EAGLE-3 with catch-up) is
@@ -95,6 +111,10 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     if acceptance is not None and T > 1:
         # Replayed acceptance: each row accepts its drawn length along the drafted tree's path.
         accept_len, nodes, out_tokens = acceptance.verdict(tree, logits, B, T)
+    cf = counterfactual.get(T) if counterfactual and T > 1 else None
+    if cf is not None:
+        drafter.counterfactual_commits_(tree, nodes, accept_len, cf.shapes, state.cf_out(T)[:B],
+                                        shapes_host=cf.shapes_host, max_steps=cf.max_steps)
     if marks:
         marks("verify")
     seq_old = state.seq_lens[:B].clone()  # [B] the drafter's extend starts here
@@ -190,7 +210,7 @@ class Stepper:
         self.plain_prefill_runner = None
         self.catch_up_runner = None  # the same over catch_up_body_ (drafters that catch up)
         # Two pinned buffers for the steps' tokens: a launch never overwrites tokens not yet read.
-        self._readback = ([torch.empty(state.sampled.numel(), dtype=state.sampled.dtype, pin_memory=True)
+        self._readback = ([torch.empty(state.step_out_capacity, dtype=torch.int64, pin_memory=True)
                            for _ in range(2)] if state.device.type == "cuda" else None)
         self._flip = 0
 
@@ -278,22 +298,29 @@ class Stepper:
         t1 = (_record() if cuda else time.perf_counter()) if timed else None
         if launched is not None:
             launched()
-        src = st.sampled_for(T)[:n]  # contiguous: one copy
+        src = st.step_out(T)[:n]  # contiguous: one copy (tokens, then any counterfactual commits)
+        m = src.shape[1] - T
         if not cuda:  # the step has already run
-            return LaunchedStep(n, k, src.clone(), None, times=None if t0 is None else (t1 - t0) * 1e3)
+            return LaunchedStep(n, k, src.clone(), None, times=None if t0 is None else (t1 - t0) * 1e3, cf_width=m)
         self._flip ^= 1
-        host = self._readback[self._flip][: n * T].view(n, T)
+        host = self._readback[self._flip][: n * (T + m)].view(n, T + m)
         host.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return LaunchedStep(n, k, host, done, times=None if t0 is None else (t0, t1))
+        return LaunchedStep(n, k, host, done, times=None if t0 is None else (t0, t1), cf_width=m)
 
     @staticmethod
     def collect_(step: LaunchedStep) -> list[list[int]]:
-        """Wait for a launched step's tokens; the committed tokens of each row at its launch."""
+        """Wait for a launched step's tokens; the committed tokens of each row at its launch (a step
+        with counterfactual columns also sets ``step.cf``: each row's counterfactual commits)."""
         if step.done is not None:
             step.done.synchronize()
-        return [[t for t in row if t >= 0] for row in step.host.tolist()]
+        if not step.cf_width:
+            return [[t for t in row if t >= 0] for row in step.host.tolist()]
+        T = step.host.shape[1] - step.cf_width
+        rows = step.host.tolist()
+        step.cf = [row[T:] for row in rows]
+        return [[t for t in row[:T] if t >= 0] for row in rows]
 
     @staticmethod
     def step_ms(step: LaunchedStep) -> float | None:
@@ -326,6 +353,8 @@ class LaunchedStep:
     times: object = None  # timed launches: (start, end) CUDA events, or wall ms on the CPU
     tokens: list | None = None  # the committed tokens once read back (a retried commit reuses them)
     policy_fed: bool = False  # the policy has seen this step's stats (not fed twice on a retry)
+    cf_width: int = 0  # counterfactual columns after the tokens in ``host``
+    cf: list | None = None  # per row, the smaller trees' counterfactual commits (once collected)
 
 
 class PhaseTimer:

@@ -34,6 +34,15 @@ def _size(cfg, key: str, sizes) -> int:
     return k
 
 
+def _flag(value, key: str) -> bool:
+    """A boolean setting (true / false, also as the strings a command line gives)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"{key}={value!r}: must be true or false")
+
+
 def build_policy(cfg, sizes=None):
     """From the Hydra ``policy`` group. ``sizes``: the drafter's configured draft lengths (None: any)
     -- always / batch_threshold default to the largest, goodput's ks to all of them."""
@@ -67,7 +76,8 @@ def build_policy(cfg, sizes=None):
                        probe_rows=int(cfg.get("probe_rows", 1)),
                        switch_horizon=int(cfg.get("switch_horizon", 32)),
                        explore_budget=float(cfg.get("explore_budget", 0.05)),
-                       probe_cost=float("inf") if cfg.get("probe_cost") is None else float(cfg.probe_cost))
+                       probe_cost=float("inf") if cfg.get("probe_cost") is None else float(cfg.probe_cost),
+                       counterfactual=_flag(cfg.get("counterfactual", False), "policy.counterfactual"))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")

@@ -35,6 +35,10 @@ class StepStats:
     # have committed), and the host ms one such lookup took (what drafting costs per row on the host)
     shadow: list | None = None
     shadow_ms: float | None = None
+    # Counterfactual acceptance (speculative steps of a drafter that scores its smaller trees on the
+    # verified path of the larger one, EAGLE-3, for a policy with wants_counterfactual):
+    # {smaller k: tokens a step at that k would have committed, per row of committed}
+    counterfactual: dict | None = None
 
 
 @runtime_checkable
@@ -52,6 +56,12 @@ class Policy(Protocol):
       shadow_evals: int         > 0: with a drafter that has ``shadow_commits`` (n-gram), every k = 0
                                 step scores up to this many drafts on the host (StepStats.shadow);
                                 ``shadowed_()`` is called once at start-up when that will happen
+      wants_counterfactual: bool
+                                True: with a drafter that has ``counterfactual_commits_`` (EAGLE-3),
+                                every step at k also brings, per row, what each smaller k' of
+                                ``ks`` would have committed (StepStats.counterfactual); at start-up
+                                ``counterfactual_(pairs)`` is called with {(k', k): label} (exact /
+                                lower_bound / approximate) when that will happen
     """
 
     name: str
@@ -79,6 +89,10 @@ def describe(policy) -> dict | None:
     """The policy's own account of its state (for run logs), or None."""
     fn = getattr(policy, "describe", None)
     return fn() if fn is not None else None
+
+
+def wants_counterfactual(policy) -> bool:
+    return bool(getattr(policy, "wants_counterfactual", False))
 
 
 def shadow_evals(policy) -> int:

@@ -96,6 +96,10 @@ class Eagle3Drafter:
         self.capture_layers = tuple(head.config.target_layers)
         self.k_cache = self.v_cache = None
         self.root_hidden = self.root_top = self.root_ids = None
+        # Tree sizes k whose trees carry their candidates and candidate ids (DraftTree.cand / cand_ids)
+        # for the counterfactual acceptance of the smaller configured trees (``counterfactual_commits_``);
+        # set by the engine when its policy asks for it, empty otherwise (the trees are what they were).
+        self.counterfactual_sizes: set[int] = set()
         # Profiling only (specdec.engine.profiling.graphed_phases): called as ``propose``'s root children
         # and each growth round end, so a step's draft splits into phases; None when serving.
         self.phase_marks = None
@@ -121,6 +125,34 @@ class Eagle3Drafter:
         """Nodes on the longest root-to-leaf path of the T-node trees ``propose`` builds (root + one
         per draft round): the most rows a step can commit, so the rows ``extend_`` runs."""
         return 1 if T <= 1 else min(T, self.shape_for(T - 1)[1] + 1)
+
+    # -- counterfactual acceptance ---------------------------------------------------------------
+    def counterfactual_label(self, small: int, large: int) -> str:
+        """How the counterfactual commits of the tree of ``small`` draft tokens, read off the verified
+        path of the tree of ``large`` (kernels_triton/counterfactual.py), relate to what drafting and
+        verifying the small tree commits: "exact" (same growth, or a chain under a chain that holds
+        it), "lower_bound" (a chain under a wider tree: exact membership, the chain's continuation
+        past the large tree's leaf is missing) or "approximate" (other growths)."""
+        (k1, s1, n1), (k2, s2, n2) = self.shape_for(small), self.shape_for(large)
+        if n1 >= n2:
+            raise ConfigError(f"counterfactual acceptance of k={small} under k={large}: needs a smaller tree")
+        if (k1, s1) == (k2, s2):
+            return "exact"
+        if k1 == 1:
+            return "exact" if k2 == 1 and min(s2, n2) >= min(s1, n1) else "lower_bound"
+        return "approximate"
+
+    def counterfactual_commits_(self, tree: DraftTree, nodes, accept_len, shapes, out, *, shapes_host=None,
+                                max_steps=None) -> None:
+        """Write into ``out`` [B, M] the tokens each of the smaller tree shapes ``shapes`` ([M, 3]
+        int32 (topk, steps, num_draft_tokens), ``shapes_host`` the same as a host list) would have
+        committed per row, from the verified path (``nodes`` / ``accept_len``) of ``tree`` (drafted
+        with its candidate ids: its size in ``counterfactual_sizes``); device work only."""
+        if tree.cand_ids is None:
+            raise ValueError("counterfactual_commits_: the tree was drafted without candidate ids (add its size "
+                             "to counterfactual_sizes before drafting it)")
+        ops.counterfactual_commits(tree.cand, tree.cand_ids, tree.parents, nodes, accept_len, shapes, tree.topk, out,
+                                   shapes_host=shapes_host, max_steps=max_steps, backend=self.head.backend)
 
     # -- state ---------------------------------------------------------------------------------
     def bind_(self, state, num_pages: int, page_size: int) -> None:
@@ -210,7 +242,10 @@ class Eagle3Drafter:
                                                 (mask, n + K) if more else None, h, valid, seq, backend=be)
             if marks:
                 marks(f"draft_round{r + 1}")
-        return DraftTree(*ops.tree_select(state.pending[:B], cand, kept, steps, backend=be))
+        if T - 1 not in self.counterfactual_sizes:
+            return DraftTree(*ops.tree_select(state.pending[:B], cand, kept, steps, backend=be))
+        *tree, cid = ops.tree_select(state.pending[:B], cand, kept, steps, backend=be, cand_ids=True)
+        return DraftTree(*tree, cand=cand, cand_ids=cid, topk=K)
 
     def propose_reference(self, state, B: int, T: int, valid, context=None) -> DraftTree:
         """The same tree through ``grow_tree`` and torch ops (a readable reference for tests).
@@ -244,7 +279,8 @@ class Eagle3Drafter:
             return self._children(h, topk)  # [B, topk, topk] each
 
         return grow_tree(state.pending[:B], (self.root_top[:B], self.root_ids[:B]), expand, topk=topk,
-                         steps=steps, num_draft_tokens=kept, to_target=self.head.to_target_ids)
+                         steps=steps, num_draft_tokens=kept, to_target=self.head.to_target_ids,
+                         cand_ids=T - 1 in self.counterfactual_sizes)
 
     @torch.no_grad()  # inference only; the gather below writes straight into the root buffer
     def extend_(self, state, B: int, T: int, valid, seq_old, captured, nodes, out_tokens, accept_len,

@@ -34,6 +34,12 @@ class DraftTree:
     parents: torch.Tensor  # [B, T] int32, parents[:, 0] = -1
     depth: torch.Tensor  # [B, T] int32, depth[:, 0] = 0
     mask: torch.Tensor  # [B, T] int64 ancestor bitmask including self
+    # What the counterfactual acceptance of smaller trees reads (kernels_triton/counterfactual.py),
+    # set only when asked for (``cand_ids=True``): the growth's candidate buffers (tokens, scores,
+    # parents, depths) [B, C], each node's candidate id [B, T] int32 (-1 at the root) and the topk
+    cand: tuple | None = None
+    cand_ids: torch.Tensor | None = None
+    topk: int | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -83,24 +89,29 @@ def topk_of(logp: torch.Tensor, k: int):
 
 def select_tree(root: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
                 cand_parents: torch.Tensor, cand_depth: torch.Tensor, num_draft_tokens: int,
-                max_depth: int) -> DraftTree:
+                max_depth: int, cand_ids: bool = False, topk: int | None = None) -> DraftTree:
     """Keep the best ``num_draft_tokens`` candidates as a tree (``tree_ops.tree_select``: score minus a
     tiny depth penalty, ties to the lower candidate id, kept in candidate order).
 
     cand_*: [B, C] over all grown candidates in round order (a parent's index is lower than its
     child's); cand_parents holds candidate indices, -1 for children of the root; scores are
     cumulative log-probabilities; ``max_depth`` is the static depth bound (the growth steps).
+    ``cand_ids``: the tree also carries the candidates and each node's candidate id (and ``topk``,
+    the growth's), for the counterfactual acceptance of smaller trees.
     """
     n = min(num_draft_tokens, cand_tokens.shape[1])
     if n + 1 > MAX_TREE_NODES:
         raise ValueError(f"num_draft_tokens={num_draft_tokens}: a tree holds at most {MAX_TREE_NODES - 1}")
     cand = (cand_tokens.long().contiguous(), cand_scores.float().contiguous(), cand_parents.int().contiguous(),
             cand_depth.int().contiguous())
-    return DraftTree(*tree_ops.tree_select(root, cand, n, max_depth))
+    if not cand_ids:
+        return DraftTree(*tree_ops.tree_select(root, cand, n, max_depth))
+    *tree, cid = tree_ops.tree_select(root, cand, n, max_depth, cand_ids=True)
+    return DraftTree(*tree, cand=cand, cand_ids=cid, topk=topk)
 
 
 def grow_tree(root: torch.Tensor, first, expand, *, topk: int, steps: int,
-              num_draft_tokens: int, to_target=None) -> DraftTree:
+              num_draft_tokens: int, to_target=None, cand_ids: bool = False) -> DraftTree:
     """EAGLE-2 growth. root: [B]; ``first`` = (log-probs, ids) of the root's best children, [B, >= k]
     each, descending (e.g. ``topk_of(logp, k)`` of full draft log-probs [B, V]).
 
@@ -109,6 +120,7 @@ def grow_tree(root: torch.Tensor, first, expand, *, topk: int, steps: int,
     index in the previous frontier, -1 in round 0) and returns its best children. ``to_target``
     maps draft-vocabulary ids to target ids (EAGLE-3's d2t); identity when None. Only the best
     ``topk`` children of a node can be kept, so no step ever needs the full distribution.
+    ``cand_ids``: see :func:`select_tree`.
     """
     if steps < 1 or topk < 1:
         raise ValueError(f"a tree needs steps >= 1 and topk >= 1 (got steps={steps}, topk={topk})")
@@ -134,4 +146,4 @@ def grow_tree(root: torch.Tensor, first, expand, *, topk: int, steps: int,
         parent_slot = best // topk
         n_cand += topk * topk
     tok, sc, par, dep = (torch.cat(x, dim=1) for x in zip(*cands))
-    return select_tree(root, tok, sc, par, dep, num_draft_tokens, steps)
+    return select_tree(root, tok, sc, par, dep, num_draft_tokens, steps, cand_ids, topk)

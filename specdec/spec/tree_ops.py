@@ -56,12 +56,26 @@ def tree_expand(cand, cand_off, depth, lp, cid, d2t, score=None, fcid=None, rows
     return fn(cand, cand_off, depth, lp, cid, d2t, score, fcid, rows, h_front, valid, seq)
 
 
-def tree_select(root, cand, n: int, max_depth: int, *, backend="auto"):
-    """The draft tree of the n best candidates: (tokens, parents, depth, ancestor masks) [B, n + 1]."""
+def tree_select(root, cand, n: int, max_depth: int, *, backend="auto", cand_ids: bool = False):
+    """The draft tree of the n best candidates: (tokens, parents, depth, ancestor masks) [B, n + 1],
+    with ``cand_ids`` also each node's candidate id [B, n + 1] int32 (-1 at the root)."""
     from kernels_triton import tree_grow
 
     fn = tree_grow.tree_select if use_step_kernels(backend, cand[0]) else tree_grow.tree_select_ref
-    return fn(root, cand, n, max_depth)
+    return fn(root, cand, n, max_depth, cand_ids) if cand_ids else fn(root, cand, n, max_depth)
+
+
+def counterfactual_commits(cand, cids, parents, nodes, accept_len, shapes, K: int, out=None, *, shapes_host=None,
+                           max_steps=None, backend="auto"):
+    """[B, M] tokens each smaller tree shape would have committed on this step's verified path
+    (kernels_triton/counterfactual.py); ``shapes_host`` (the same shapes as a host list) spares the
+    torch version a device read."""
+    from kernels_triton import counterfactual as cf
+
+    if use_step_kernels(backend, cids):
+        return cf.counterfactual_commits(cand, cids, parents, nodes, accept_len, shapes, K, out, max_steps)
+    return cf.counterfactual_commits_ref(cand, cids, parents, nodes, accept_len,
+                                         shapes if shapes_host is None else shapes_host, K, out)
 
 
 def _triton_topk(backend: str, x: torch.Tensor) -> bool:
