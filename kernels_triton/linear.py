@@ -262,6 +262,83 @@ def _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m
     return acc_a, acc_b
 
 
+@triton.jit
+def _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, K, stride_x, stride_w,
+                       TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The streaming body (swap-AB): acc [BLOCK_N, BLOCK_M] += w chunk [BLOCK_N, BLOCK_K] @ rows^T
+    [BLOCK_K, BLOCK_M] over the whole K. The rows are ready to multiply (already normalised by
+    _stream_prologue_kernel, or a plain linear's x, gathered through o_xm), so a K step is two or three
+    tile loads and the dots: nothing between the loads and the dots for the software pipeliner to
+    wait on, and the weight is the MMA's large side (tokens are the small one)."""
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = x_ptr + o_xm[None, :] * stride_x + o_k[:, None]  # [BK, BM] rows^T
+    p_wa = w_ptr + o_wa[:, None] * stride_w + o_k[None, :]  # [BN, BK]
+    p_wb = w_ptr + o_wb[:, None] * stride_w + o_k[None, :]
+    for k0 in range(0, K, BLOCK_K):
+        m_k = (k0 + o_k) < K
+        b_x = tl.load(p_x + k0, mask=m_k[:, None] & m_m[None, :], other=0.0)  # [BK, BM]
+        b_wa = tl.load(p_wa + k0, mask=m_w[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
+        acc_a += tl.dot(b_wa, b_x, input_precision=DOT_PREC)  # [BN, BK] @ [BK, BM] -> [BN, BM]
+        if TWO_ACC:
+            b_wb = tl.load(p_wb + k0, mask=m_w[:, None] & m_k[None, :], other=0.0)
+            acc_b += tl.dot(b_wb, b_x, input_precision=DOT_PREC)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _prologue_row(x_ptr, r_ptr, nw_ptr, s_ptr, y_ptr, K, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """One row: s = dt(x + r) (stored when HAS_RESIDUAL), y = dt(nw * dt(s * rstd)) (NORM; else y = s)
+    into y_ptr: the norm prologue's math (module docstring), chunks of BLOCK, two passes when K > BLOCK."""
+    dt = x_ptr.dtype.element_ty
+    o_k = tl.arange(0, BLOCK)
+    b_rstd = 0.0
+    if NORM:
+        b_ss = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            m_k = (k0 + o_k) < K
+            b_x = tl.load(x_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                b_x = (b_x + tl.load(r_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+            b_ss += b_x * b_x
+        b_rstd = tl.math.rsqrt(tl.sum(b_ss, 0) / K + eps)
+    for k0 in range(0, K, BLOCK):
+        m_k = (k0 + o_k) < K
+        b_x = tl.load(x_ptr + k0 + o_k, mask=m_k, other=0.0)
+        if HAS_RESIDUAL:
+            b_x = (b_x.to(tl.float32) + tl.load(r_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)).to(dt)
+            tl.store(s_ptr + k0 + o_k, b_x, mask=m_k)
+        if NORM:
+            b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_x = ((b_x.to(tl.float32) * b_rstd).to(dt).to(tl.float32) * b_nw).to(dt)
+        tl.store(y_ptr + k0 + o_k, b_x, mask=m_k)
+
+
+@triton.jit(do_not_specialize=["xi_w", "xi_group", "xi_stride"])
+def _stream_prologue_kernel(x_ptr, r_ptr, nw_ptr, s_ptr, x2_ptr, nw2_ptr, y_ptr, K, K2, eps, stride_x, stride_r,
+                            stride_x2, stride_y, xi_ptr, xi_w, xi_group, xi_stride, NORM: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                            USE_PDL: tl.constexpr):
+    """The streaming body's first launch, grid (M, 1 or 2): program (m, 0) writes y[m, :K] (the row's
+    normalised x + residual, x's row gathered through xi when GATHER) and s[m]; program (m, 1) writes
+    y[m, K : K + K2] = RMSNorm2(x2[m]) (the second input)."""
+    i_m, i_part = tl.program_id(0), tl.program_id(1)
+    if USE_PDL:
+        tlc.gdc_launch_dependents()  # the GEMM may launch now: it waits for this grid before reading y
+        tlc.gdc_wait()
+    i_m = i_m.to(tl.int64)
+    if i_part == 0:
+        i_xm = i_m
+        if GATHER:
+            i_g = i_m // xi_w
+            i_xm = i_g * xi_group + tl.maximum(tl.load(xi_ptr + i_g * xi_stride + (i_m - i_g * xi_w)).to(tl.int64), 0)
+        _prologue_row(x_ptr + i_xm * stride_x, r_ptr + i_m * stride_r, nw_ptr, s_ptr + i_m * stride_x,
+                      y_ptr + i_m * stride_y, K, eps, NORM, HAS_RESIDUAL, BLOCK)
+    else:
+        _prologue_row(x2_ptr + i_m * stride_x2, x2_ptr, nw2_ptr, x2_ptr, y_ptr + i_m * stride_y + K, K2, eps, True,
+                      False, BLOCK)
+
+
 @triton.jit(do_not_specialize=["M", "n_blocks", "xi_w", "xi_group", "xi_stride"])
 def _fused_linear_kernel(
     x_ptr,  # [M, K] input rows
@@ -320,6 +397,7 @@ def _fused_linear_kernel(
     BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, 1 late or 2 early trigger (attention_launch.pdl_mode)
     GATHER: tl.constexpr,  # x rows read through xi (no residual then)
+    STREAM: tl.constexpr,  # the streaming body (x = ready rows, no NORM / residual / second input here)
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
@@ -375,6 +453,9 @@ def _fused_linear_kernel(
         if GEMV:
             acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        elif STREAM:
+            acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -386,6 +467,9 @@ def _fused_linear_kernel(
                 acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb,
                                                 m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
                                                 BLOCK_SS, USE_PDL)
+        elif STREAM:
+            acc_a, acc_b = _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, K, stride_x,
+                                              stride_w, EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
         else:
             acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_xm, m_m, o_wa, o_wb, m_w,
                                        K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,
@@ -399,6 +483,9 @@ def _fused_linear_kernel(
         if GEMV:
             acc_a = tl.sum(acc_a, axis=1)[None, :]  # [1, BLOCK_N]
             acc_b = tl.sum(acc_b, axis=1)[None, :]
+        if STREAM:  # [BLOCK_N, BLOCK_M] -> the epilogue's [BLOCK_M, BLOCK_N]
+            acc_a = tl.trans(acc_a)
+            acc_b = tl.trans(acc_b)
 
         # Projections are rounded to dt first, exactly where the unfused path stores them.
         b_a = acc_a.to(dt)
@@ -542,6 +629,28 @@ def _gemv_tiles(K, epi, device):
     return {"block_n": 8, "BLOCK_K": 512, "num_warps": 4}
 
 
+SMALL_M_BODIES = options.SMALL_M_BODIES
+
+
+def _small_m_body(config):
+    """The body for rows that do not take the GEMV: config's "small_m" (popped) or the kernel option
+    small_m: "dot" (_accumulate) or "stream" (_stream_prologue_kernel + _accumulate_stream)."""
+    body = config.pop("small_m", None) or options.get().small_m
+    if body not in SMALL_M_BODIES:
+        raise ValueError(f"small_m body {body!r}; valid: {', '.join(SMALL_M_BODIES)}")
+    return body
+
+
+def _stream_tiles(K, block_m, block_n, n_acc, esize):
+    """Streaming-body defaults: BLOCK_K for ~24 KB of weight and rows per pipeline stage (n_acc x
+    [BLOCK_N, BLOCK_K] + [BLOCK_M, BLOCK_K]), between 32 and 256 and no wider than K needs; 4 stages
+    (~96 KB of shared memory in flight per program), 4 warps. Not tuned on a GPU yet (bench_linear.py
+    --small-m sweeps the alternatives)."""
+    bk = 24576 // ((n_acc * block_n + block_m) * esize)
+    bk = min(256, max(32, 1 << (bk.bit_length() - 1)))
+    return {"BLOCK_K": min(bk, max(32, triton.next_power_of_2(K))), "num_warps": 4, "num_stages": 4}
+
+
 def _dot_prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -580,6 +689,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     M = _num_rows(x, rows)
     cfg = dict(config or {})
     gemv = _use_gemv(x, cfg, rows)
+    stream = _small_m_body(cfg) == "stream" and not gemv
     pdl = int(cfg.pop("pdl", pdl_mode(x.device)))  # 0 off, 1 late, 2 early trigger
     if pdl == 1 and epi == EPI_ROPE:  # the attention after it may launch at once (see QKV_EARLY_MAX_BYTES)
         early = options.get().pdl_qkv_early
@@ -611,9 +721,28 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         nw2, K2 = norm_weight2.contiguous(), x2.shape[1]
     else:
         x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
+    if stream and (norm or residual is not None or K2):
+        # First launch: the ready rows y = [RMSNorm(x + residual) | RMSNorm2(x2)] (and s); the GEMM then
+        # streams y like a plain linear's x (no residual, norm, second input or gather left).
+        y = torch.empty((M, K + K2), dtype=x.dtype, device=x.device)
+        gx, gw, gg, gs = (rows[0], rows[0].shape[1], int(rows[1]), rows[0].stride(0)) if rows is not None \
+            else (x, 1, 0, 0)
+        block = min(4096, triton.next_power_of_2(max(K, K2)))
+        _stream_prologue_kernel[(M, 2 if K2 else 1)](
+            x, r, nw, s, x2, nw2, y, K, K2, float(eps), x.stride(0), r.stride(0), x2.stride(0), y.stride(0),
+            gx, gw, gg, gs, NORM=norm, HAS_RESIDUAL=residual is not None, GATHER=rows is not None, BLOCK=block,
+            USE_PDL=1 if pdl else 0, num_warps=4 if block <= 1024 else 8, **({"launch_pdl": True} if pdl else {}),
+        )  # fmt: skip
+        x = r = y
+        K, K2, rows, residual, norm_main = K + K2, 0, None, None, False
+        x2 = nw2 = nw = y
+    else:
+        norm_main = norm
     if gemv:
         cfg = {**_gemv_tiles(K, epi, x.device), "num_stages": 1, **cfg}
         cfg.pop("block_n")
+    elif stream:
+        cfg = {**_stream_tiles(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()), **cfg}
     else:
         cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
                "num_warps": 4, "num_stages": 3, **cfg}
@@ -628,11 +757,12 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         M, K, K2, nout, grid_n, float(eps), n_pos,
         x.stride(0), r.stride(0), x2.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
         xi, xi_w, int(xi_group), xi_stride,
-        HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, TWO_INPUTS=K2 > 0,
+        HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm_main, HAS_RESIDUAL=residual is not None,
+        TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
         BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
-        USE_PDL=pdl, GATHER=rows is not None, **({"launch_pdl": True} if pdl else {}), **cfg,
+        USE_PDL=pdl, GATHER=rows is not None, STREAM=stream, **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
     return s if norm else None
 

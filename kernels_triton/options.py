@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 PDL_MODES = ("late", "early", "off")
+SMALL_M_BODIES = ("dot", "stream")  # kernel option small_m
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,17 @@ class KernelOptions:
         draft round, the accepted path's features for the extend's fc) read them through an index in
         the fused kernel (linear.py, gathered rows) instead of a torch gather (+ clamp, cast) first:
         ~9 fewer launches per 16-node tree step. False: the torch gathers (an A/B switch).
+    small_m: the fused kernels' body for more than one row (linear.py; one row keeps the GEMV).
+        "dot": the tl.dot body (each K chunk of x loaded, residual-added and normalised right
+        before its dot, [rows, K] @ [K, columns]); routing as today (rows <= fused_rows or
+        ops.FUSED_MAX_ROWS = 16, weights <= ops.FUSED_MAX_WEIGHT_BYTES). "stream": a prologue launch
+        writes the ready rows (RMSNorm(x + residual), the second input's norm, gathered rows) and
+        s once, then the GEMM streams only weight and row tiles (swap-AB: [columns, K] @ [K, rows],
+        pipelined), with the same epilogues; layers without a norm (wo, w2, fc) take one launch.
+        With "stream", rows up to fused_rows or ops.STREAM_MAX_ROWS = 64 (tree verify, EAGLE-3
+        draft rounds) and projections of any weight size (Llama-3.1-8B's) take the fused kernels;
+        LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep FUSED_MAX_WEIGHT_BYTES. An A/B
+        switch, "dot" until measured (profile_step.py --ab small_m=dot,stream).
     """
 
     pdl: str = "late"
@@ -61,6 +73,7 @@ class KernelOptions:
     pdl_qkv_early: bool | None = None
     fused_rows: int | None = None
     gather_rows: bool = True
+    small_m: str = "dot"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -84,6 +97,10 @@ def _validated(name: str, value):
         if value not in PDL_MODES:
             raise ValueError(f"kernel option pdl={value!r}; valid: {', '.join(PDL_MODES)} (or true = late, "
                              "false = off)")
+        return value
+    if name == "small_m":
+        if value not in SMALL_M_BODIES:
+            raise ValueError(f"kernel option small_m={value!r}; valid: {', '.join(SMALL_M_BODIES)}")
         return value
     if name in _ROWS:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -145,10 +162,12 @@ _WORDS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0"
 
 def parse_value(name: str, text: str):
     """A command-line word as the value of option ``name`` (true/false/on/off/1/0, null/auto for the
-    tri-state ones, late/early/off for pdl), validated."""
+    tri-state ones, late/early/off for pdl, dot/stream for small_m), validated."""
     word = text.strip().lower()
     if name == "pdl" and word in PDL_MODES:
         return word
+    if name == "small_m":
+        return _validated(name, word)
     if name in _ROWS:
         if word in ("null", "auto", "none"):
             return None
@@ -165,11 +184,12 @@ def parse_value(name: str, text: str):
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
-    ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``); unset flags keep the defaults."""
+    ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``, ``--small-m``); unset flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
-           "fused_rows": "null | 1..64", "gather_rows": "true | false"}
+           "fused_rows": "null | 1..64", "gather_rows": "true | false",
+           "small_m": "dot | stream"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")
