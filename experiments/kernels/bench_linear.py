@@ -21,7 +21,15 @@ copy bandwidth measured in this run.
 ``--sweep`` also times tile / grid / BLOCK_K / stages / warps variants of the fused kernels at M = 1
 (see sweep_variants).
 
+``--small-m`` (instead of the table above): the multi-row bodies side by side at M in {8, 17, 33, 49}
+(EAGLE-3 draft rounds, tree verify of 16 / 32 / 48 nodes), qkv / wo / mlp_in / w2 of both shapes:
+unfused (norm + cuBLAS + epilogue kernels), the tl.dot body (kernel option small_m="dot") and the
+streaming body ("stream": prologue launch + swap-AB pipelined GEMM), us per call as above, into
+bench_linear_small_m.csv; ``--small-m-sweep`` adds the streaming body's tile variants
+(stream_variants) at those rows into bench_linear_small_m_sweep.csv.
+
 Run:  python experiments/kernels/bench_linear.py --out experiments/results/kernels [--sweep]
+      python experiments/kernels/bench_linear.py --small-m [--small-m-sweep] --out $OUT
       python experiments/kernels/bench_linear.py --quick --out /tmp/bench   (CPU smoke run)
 """
 
@@ -138,6 +146,90 @@ def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
     return out
 
 
+def stream_variants(op, s, quick):
+    """Tile variants of the streaming body: BLOCK_N (qkv: programs per head ``parts``), then (BLOCK_K,
+    stages, warps), and one persistent grid of one program per SM at the default tile."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
+    half = s["D"] // 2
+    if op == "qkv":
+        tiles = [dict(parts=p) for p in (1, 2, 4) if half // p >= 16]
+    else:
+        tiles = [dict(block_n=bn) for bn in ((16, 32, 64) if op == "mlp_in" else (16, 32, 64, 128))]
+    sw = ((64, 2, 4),) if quick else ((64, 4, 4), (128, 4, 4), (256, 3, 4), (128, 5, 8))
+    out = [(dict(t, BLOCK_K=bk, num_stages=st, num_warps=wp)) for t in tiles for bk, st, wp in sw]
+    return out + [dict(programs=sms)]
+
+
+def rel_err(got, ref_fn) -> float:
+    """max |got - ref| / max |ref| of an op's first output against the unfused path's (a correctness
+    check of the kernels on this device: bf16 roundings differ, so ~1e-2 is expected)."""
+    with options.use(fused_linear=False):
+        ref = ref_fn()
+    got, ref = (t[0] if isinstance(t, tuple) else t for t in (got, ref))
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
+
+
+def small_m_main(args, shapes, dtype, copy_gbps, meta):
+    """--small-m: unfused vs the tl.dot body vs the streaming body per op and row count (module docstring)."""
+    rows_m = [2, 5] if args.quick else (args.rows or [8, 17, 33, 49])
+    op_names = args.ops or ["qkv", "wo", "mlp_in", "w2"]
+    rows, sweep = [], []
+    gen = torch.Generator().manual_seed(0)
+    for sname, s in shapes.items():
+        for M in rows_m:
+            for op, (call, call_cfg, wbytes) in make_ops(s, M, dtype, gen).items():
+                if op not in op_names:
+                    continue
+                unfused_us = timed(call, False)
+                dot_us = timed(lambda: call_cfg({"small_m": "dot", "gemv": False}), True)
+                stream_us = timed(lambda: call_cfg({"small_m": "stream", "gemv": False}), True)
+                gbps = wbytes / (stream_us * 1e-6) / 1e9
+                rows.append(dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, unfused_us=unfused_us,
+                                 stream_rel_err=rel_err(call_cfg({"small_m": "stream", "gemv": False}), call),
+                                 dot_us=dot_us, stream_us=stream_us, stream_vs_unfused=unfused_us / stream_us,
+                                 stream_vs_dot=dot_us / stream_us, stream_gbps=gbps, pct_copy=100 * gbps / copy_gbps))
+                if args.small_m_sweep:
+                    for v in stream_variants(op, s, args.quick):
+                        cfg = dict(v, small_m="stream", gemv=False)
+                        try:
+                            us = timed(lambda: call_cfg(dict(cfg)), True)
+                        except Exception as exc:  # e.g. out of shared memory for this tile
+                            us = float("nan")
+                            print(f"sweep {sname} M={M} {op} {v}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                        sweep.append(dict(meta, shape=sname, M=M, op=op, block_n=v.get("block_n", ""),
+                                          parts=v.get("parts", ""), programs=v.get("programs", ""),
+                                          BLOCK_K=v.get("BLOCK_K", ""), num_stages=v.get("num_stages", ""),
+                                          num_warps=v.get("num_warps", ""), us=us, default_us=stream_us,
+                                          pct_copy=100 * wbytes / (us * 1e-6) / 1e9 / copy_gbps))
+            print(f"done {sname} M={M}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, data in (("bench_linear_small_m.csv", rows), ("bench_linear_small_m_sweep.csv", sweep)):
+        if data:
+            with open(args.out / name, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(data[0]))
+                w.writeheader()
+                w.writerows(data)
+    if sweep:
+        best = {}
+        for row in sweep:
+            key = (row["shape"], row["M"], row["op"])
+            if row["us"] == row["us"] and (key not in best or row["us"] < best[key]["us"]):
+                best[key] = row
+        print_table("best streaming-body variant per op (default tiles: stream us of the table below)",
+                    ["shape", "M", "op", "BLOCK_N", "parts", "programs", "BLOCK_K", "stages", "warps", "us",
+                     "default us", "%copy"],
+                    [[r["shape"], str(r["M"]), r["op"], str(r["block_n"]), str(r["parts"]), str(r["programs"]),
+                      str(r["BLOCK_K"]), str(r["num_stages"]), str(r["num_warps"]), f"{r['us']:.2f}",
+                      f"{r['default_us']:.2f}", f"{r['pct_copy']:.0f}"] for r in best.values()])
+    print_table(f"multi-row bodies: unfused vs tl.dot vs streaming ({meta['device']}, {meta['commit']}, "
+                f"copy {copy_gbps:.0f} GB/s)",
+                ["shape", "M", "op", "weight MB", "unfused us", "dot us", "stream us", "x unfused", "x dot",
+                 "%copy", "rel err"],
+                [[r["shape"], str(r["M"]), r["op"], f"{r['weight_mb']:.2f}", f"{r['unfused_us']:.2f}",
+                  f"{r['dot_us']:.2f}", f"{r['stream_us']:.2f}", f"{r['stream_vs_unfused']:.2f}",
+                  f"{r['stream_vs_dot']:.2f}", f"{r['pct_copy']:.0f}", f"{r['stream_rel_err']:.1e}"] for r in rows])
+
+
 def timed(fn, fused: bool) -> float:
     """us per call in a graph of back-to-back calls; ``fused=False`` switches the ops path to cuBLAS."""
     with options.use(fused_linear=fused):
@@ -155,12 +247,17 @@ def main():
     ap.add_argument("--ops", nargs="+", default=None, help="subset of ops")
     ap.add_argument("--kinds", nargs="+", choices=["dot", "gemv"], default=["dot", "gemv"],
                     help="sweep tl.dot tiles, GEMV tiles or both")
+    ap.add_argument("--small-m", action="store_true",
+                    help="unfused vs tl.dot body vs streaming body at M in {8, 17, 33, 49} (or --rows)")
+    ap.add_argument("--small-m-sweep", action="store_true", help="with --small-m: the streaming body's tile variants")
     args = ap.parse_args()
     dtype = torch.bfloat16 if CUDA else torch.float32
     shapes = {"tiny": TINY} if args.quick else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
-    rows_m = [1, 5] if args.quick else (args.rows or [1, 17, 64])
     copy_gbps = copy_bandwidth_gbps() if CUDA else float("nan")
     meta = dict(commit=git_commit(), device=device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"))
+    if args.small_m or args.small_m_sweep:
+        return small_m_main(args, shapes, dtype, copy_gbps, meta)
+    rows_m = [1, 5] if args.quick else (args.rows or [1, 17, 64])
     rows, sweep = [], []
     gen = torch.Generator().manual_seed(0)
     for sname, s in shapes.items():
