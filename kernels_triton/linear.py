@@ -263,6 +263,48 @@ def _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m
 
 
 @triton.jit
+def _block_rows(i_n, NOUT, EPI: tl.constexpr, HALF: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column block i_n's weight rows of the two accumulators: A = its columns (gate / first rope
+    half), B = the up columns (swiglu) or the second half of the head (rope); -> (head, dims within
+    a half (rope), rows A, rows B, row mask)."""
+    o_c = tl.arange(0, BLOCK_N)
+    i_head = i_n // PARTS
+    o_hc = (i_n % PARTS) * BLOCK_N + o_c  # [BLOCK_N] dims within a half (rope)
+    if EPI == _EPI_ROPE:  # program i_n: part i_n % PARTS of head i_n // PARTS (BLOCK_N dims of each half)
+        o_wa = i_head * (2 * HALF) + o_hc
+        o_wb = o_wa + HALF
+        m_w = o_hc < HALF
+    elif EPI == _EPI_SWIGLU:
+        o_wa = i_n * BLOCK_N + o_c
+        o_wb = o_wa + NOUT
+        m_w = o_wa < NOUT
+    else:
+        o_wa = i_n * BLOCK_N + o_c
+        o_wb = o_wa
+        m_w = o_wa < NOUT
+    return i_head, o_hc, o_wa.to(tl.int64), o_wb.to(tl.int64), m_w
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at ``ptrs`` to be brought into L2 (prefetch.global.L2): no result, no
+    wait, so a program can start its weight stream before it may read its inputs. CUDA only."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_block(w_ptr, o_wa, o_wb, m_w, K, stride_w, TWO_ACC: tl.constexpr, PREFETCH: tl.constexpr,
+                    LINE: tl.constexpr):
+    """L2 prefetch of the block's first PREFETCH weight columns (one request per LINE elements =
+    128 bytes; masked rows and columns clamped to valid addresses)."""
+    o_l = tl.minimum(tl.arange(0, PREFETCH // LINE) * LINE, K - 1)[None, :]
+    _prefetch_l2(w_ptr + tl.where(m_w, o_wa, 0)[:, None] * stride_w + o_l)
+    if TWO_ACC:
+        _prefetch_l2(w_ptr + tl.where(m_w, o_wb, 0)[:, None] * stride_w + o_l)
+
+
+@triton.jit
 def _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, K, stride_x, stride_w,
                        TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
     """The streaming body (swap-AB): acc [BLOCK_N, BLOCK_M] += w chunk [BLOCK_N, BLOCK_K] @ rows^T
@@ -398,10 +440,15 @@ def _fused_linear_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, 1 late or 2 early trigger (attention_launch.pdl_mode)
     GATHER: tl.constexpr,  # x rows read through xi (no residual then)
     STREAM: tl.constexpr,  # the streaming body (x = ready rows, no NORM / residual / second input here)
+    PREFETCH: tl.constexpr = 0,  # STREAM with PDL: weight columns of the first block prefetched before the wait
+    LINE: tl.constexpr = 64,  # elements per 128-byte line (PREFETCH)
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
         tlc.gdc_launch_dependents()
+    if STREAM and PREFETCH > 0 and USE_PDL:  # the weights never change: request them while the inputs are made
+        _, _, p_wa, p_wb, p_m = _block_rows(i_p, NOUT, EPI, HALF, PARTS, BLOCK_N)
+        _prefetch_block(w_ptr, p_wa, p_wb, p_m, K, stride_w, EPI != _EPI_NONE, PREFETCH, LINE)
     if USE_PDL:
         if not GEMV:  # (GEMV: after requesting its first weight chunk)
             tlc.gdc_wait()
@@ -415,7 +462,6 @@ def _fused_linear_kernel(
         o_xm = i_g * xi_group + tl.maximum(b_idx, 0)
         if GEMV:  # one row: its x row by pointer (the GEMV body reads row 0 of x_ptr)
             x_ptr += tl.sum(o_xm, 0) * stride_x
-    o_c = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
     # Pass 1 (norms): each row's 1 / rms; pass 2: the normalised chunks streamed against the weight.
@@ -431,24 +477,7 @@ def _fused_linear_kernel(
     # Column blocks i_p, i_p + P, ... (P programs along axis 0; P = n_blocks: one block each). A
     # program with several blocks pays the norm pass above once.
     for i_n in range(i_p, n_blocks, tl.num_programs(0)):
-        # Weight rows of the two accumulators: A = this block's columns (gate / first rope half), B = the
-        # up columns (swiglu) or the second half of the head (rope).
-        if EPI == _EPI_ROPE:  # program i_n: part i_n % PARTS of head i_n // PARTS (BLOCK_N dims of each half)
-            i_head = i_n // PARTS
-            o_hc = (i_n % PARTS) * BLOCK_N + o_c  # [BLOCK_N] dims within a half
-            o_wa = i_head * (2 * HALF) + o_hc
-            o_wb = o_wa + HALF
-            m_w = o_hc < HALF
-        elif EPI == _EPI_SWIGLU:
-            o_wa = i_n * BLOCK_N + o_c
-            o_wb = o_wa + NOUT
-            m_w = o_wa < NOUT
-        else:
-            o_wa = i_n * BLOCK_N + o_c
-            o_wb = o_wa
-            m_w = o_wa < NOUT
-        o_wa = o_wa.to(tl.int64)
-        o_wb = o_wb.to(tl.int64)
+        i_head, o_hc, o_wa, o_wb, m_w = _block_rows(i_n, NOUT, EPI, HALF, PARTS, BLOCK_N)
 
         if GEMV:
             acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -634,7 +663,8 @@ SMALL_M_BODIES = options.SMALL_M_BODIES
 
 def _small_m_body(config):
     """The body for rows that do not take the GEMV: config's "small_m" (popped) or the kernel option
-    small_m: "dot" (_accumulate) or "stream" (_stream_prologue_kernel + _accumulate_stream)."""
+    small_m: "dot" (_accumulate), "stream" (_stream_prologue_kernel + _accumulate_stream) or
+    "stream_prefetch" (the same, with the GEMM's L2 prefetch before its PDL wait)."""
     body = config.pop("small_m", None) or options.get().small_m
     if body not in SMALL_M_BODIES:
         raise ValueError(f"small_m body {body!r}; valid: {', '.join(SMALL_M_BODIES)}")
@@ -689,7 +719,15 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     M = _num_rows(x, rows)
     cfg = dict(config or {})
     gemv = _use_gemv(x, cfg, rows)
-    stream = _small_m_body(cfg) == "stream" and not gemv
+    body = _small_m_body(cfg)
+    stream = body != "dot" and not gemv
+    # stream_prefetch: the GEMM's first weight columns requested into L2 before its PDL wait
+    prefetch = cfg.pop("prefetch", None)
+    if prefetch is None:
+        prefetch = min(1024, triton.next_power_of_2(K + (x2.shape[1] if x2 is not None else 0))) \
+            if body == "stream_prefetch" else 0
+    line = 128 // x.element_size()
+    prefetch = max(line, triton.next_power_of_2(prefetch)) if prefetch and stream else 0
     pdl = int(cfg.pop("pdl", pdl_mode(x.device)))  # 0 off, 1 late, 2 early trigger
     if pdl == 1 and epi == EPI_ROPE:  # the attention after it may launch at once (see QKV_EARLY_MAX_BYTES)
         early = options.get().pdl_qkv_early
@@ -762,7 +800,8 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
         BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
-        USE_PDL=pdl, GATHER=rows is not None, STREAM=stream, **({"launch_pdl": True} if pdl else {}), **cfg,
+        USE_PDL=pdl, GATHER=rows is not None, STREAM=stream, PREFETCH=prefetch, LINE=line,
+        **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
     return s if norm else None
 

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 PDL_MODES = ("late", "early", "off")
-SMALL_M_BODIES = ("dot", "stream")  # kernel option small_m
+SMALL_M_BODIES = ("dot", "stream", "stream_prefetch")  # kernel option small_m
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,11 @@ class KernelOptions:
         pipelined), with the same epilogues; layers without a norm (wo, w2, fc) take one launch.
         With "stream", rows up to fused_rows or ops.STREAM_MAX_ROWS = 64 (tree verify, EAGLE-3
         draft rounds) and projections of any weight size (Llama-3.1-8B's) take the fused kernels;
-        LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep FUSED_MAX_WEIGHT_BYTES. An A/B
-        switch, "dot" until measured (profile_step.py --ab small_m=dot,stream).
+        LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep FUSED_MAX_WEIGHT_BYTES.
+        "stream_prefetch": "stream" whose GEMM, launched early under PDL, first asks for its first
+        weight columns into L2 (prefetch.global.L2) and only then waits for its inputs, so the weight
+        fetch overlaps the prologue / previous kernel (no effect with pdl=off). An A/B switch, "dot"
+        until measured (profile_step.py --ab small_m=dot,stream,stream_prefetch).
     """
 
     pdl: str = "late"
@@ -162,7 +165,7 @@ _WORDS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0"
 
 def parse_value(name: str, text: str):
     """A command-line word as the value of option ``name`` (true/false/on/off/1/0, null/auto for the
-    tri-state ones, late/early/off for pdl, dot/stream for small_m), validated."""
+    tri-state ones, late/early/off for pdl, dot/stream/stream_prefetch for small_m), validated."""
     word = text.strip().lower()
     if name == "pdl" and word in PDL_MODES:
         return word
@@ -189,7 +192,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
            "fused_rows": "null | 1..64", "gather_rows": "true | false",
-           "small_m": "dot | stream"}
+           "small_m": "dot | stream | stream_prefetch"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

@@ -616,7 +616,9 @@ def test_small_m_option_selects_the_body(launches, kernel_options):
     lin.linear(x, w)
     lin.linear(x[:1], w)
     lin.linear(x, w, config={"small_m": "dot"})
-    assert _bodies(launches) == ["dot", "gemv", "stream", "gemv", "dot"]
+    kernel_options.set_(small_m="stream_prefetch")  # (the prefetch itself needs PDL: CUDA only)
+    lin.linear(x, w)
+    assert _bodies(launches) == ["dot", "gemv", "stream", "gemv", "dot", "stream"]
     with pytest.raises(ValueError, match="small_m body 'fast'"):
         lin.linear(x, w, config={"small_m": "fast"})
     with pytest.raises(ValueError, match="small_m='fast'.*dot, stream"):
@@ -651,7 +653,7 @@ def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, ker
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     pos = torch.arange(n, **i32)
     for opts, want in (({}, 0), (dict(small_m="stream"), 4), (dict(small_m="stream", fused_rows=n - 1), 0),
-                       (dict(small_m="stream", fused_rows=n), 4)):
+                       (dict(small_m="stream_prefetch", fused_rows=n), 4)):
         kernel_options.reset_()
         kernel_options.set_(**opts)
         out = {}
