@@ -81,6 +81,7 @@ from triton.language.extra import cuda as tlc
 
 from . import options
 from .activation import silu_mul_ref
+from .attention import arrival_counters
 from .attention_launch import pdl_mode, sm_count
 from .norm import rms_norm_ref
 from .rope import rope_write_kv_ref_
@@ -305,10 +306,10 @@ def _prefetch_block(w_ptr, o_wa, o_wb, m_w, K, stride_w, TWO_ACC: tl.constexpr, 
 
 
 @triton.jit
-def _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, K, stride_x, stride_w,
+def _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, k_lo, k_hi, stride_x, stride_w,
                        TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
     """The streaming body (swap-AB): acc [BLOCK_N, BLOCK_M] += w chunk [BLOCK_N, BLOCK_K] @ rows^T
-    [BLOCK_K, BLOCK_M] over the whole K. The rows are ready to multiply (already normalised by
+    [BLOCK_K, BLOCK_M] over columns k_lo .. k_hi of K (all of it, or this program's split). The rows are ready to multiply (already normalised by
     _stream_prologue_kernel, or a plain linear's x, gathered through o_xm), so a K step is two or three
     tile loads and the dots: nothing between the loads and the dots for the software pipeliner to
     wait on, and the weight is the MMA's large side (tokens are the small one)."""
@@ -316,8 +317,8 @@ def _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, K
     p_x = x_ptr + o_xm[None, :] * stride_x + o_k[:, None]  # [BK, BM] rows^T
     p_wa = w_ptr + o_wa[:, None] * stride_w + o_k[None, :]  # [BN, BK]
     p_wb = w_ptr + o_wb[:, None] * stride_w + o_k[None, :]
-    for k0 in range(0, K, BLOCK_K):
-        m_k = (k0 + o_k) < K
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        m_k = (k0 + o_k) < k_hi
         b_x = tl.load(p_x + k0, mask=m_k[:, None] & m_m[None, :], other=0.0)  # [BK, BM]
         b_wa = tl.load(p_wa + k0, mask=m_w[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
         acc_a += tl.dot(b_wa, b_x, input_precision=DOT_PREC)  # [BN, BK] @ [BK, BM] -> [BN, BM]
@@ -325,6 +326,36 @@ def _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, K
             b_wb = tl.load(p_wb + k0, mask=m_w[:, None] & m_k[None, :], other=0.0)
             acc_b += tl.dot(b_wb, b_x, input_precision=DOT_PREC)
     return acc_a, acc_b
+
+
+@triton.jit
+def _split_reduce(acc_a, acc_b, part_ptr, cnt_ptr, i_cnt, i_s, SPLIT: tl.constexpr, TWO_ACC: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Split-K: store this split's fp32 partials [BLOCK_N, BLOCK_M] (and B's) in the block's slots of
+    part_ptr and count it in; the block's last split to arrive (-> is_last) sums the SPLIT partials in
+    split order (deterministic), returns the sums for the epilogue and resets the counter to 0 for the
+    next launch. The barrier orders every thread's partial stores before the release of the increment,
+    the acquire orders the last program's loads after all of them (attention.py's merge does the same)."""
+    o_pn = tl.arange(0, BLOCK_N)
+    o_pm = tl.arange(0, BLOCK_M)
+    p_part = part_ptr + i_cnt.to(tl.int64) * (SPLIT * 2 * BLOCK_N * BLOCK_M) + o_pn[:, None] * BLOCK_M + o_pm[None, :]
+    tl.store(p_part + i_s * (2 * BLOCK_N * BLOCK_M), acc_a)
+    if TWO_ACC:
+        tl.store(p_part + i_s * (2 * BLOCK_N * BLOCK_M) + BLOCK_N * BLOCK_M, acc_b)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + i_cnt, 1, sem="acq_rel")
+    is_last = arrived == SPLIT - 1
+    if is_last:
+        tl.store(cnt_ptr + i_cnt, 0)
+    m_last = (o_pn[:, None] >= 0) & is_last  # [BLOCK_N, 1]: only the last split reads the partials
+    acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for j in range(SPLIT):
+        acc_a += tl.load(p_part + j * (2 * BLOCK_N * BLOCK_M), mask=m_last, other=0.0, cache_modifier=".cg")
+        if TWO_ACC:
+            acc_b += tl.load(p_part + j * (2 * BLOCK_N * BLOCK_M) + BLOCK_N * BLOCK_M, mask=m_last, other=0.0,
+                             cache_modifier=".cg")
+    return acc_a, acc_b, is_last
 
 
 @triton.jit
@@ -421,6 +452,8 @@ def _fused_linear_kernel(
     xi_w,  # W: output rows per index row
     xi_group,  # rows of x per index row
     xi_stride,  # index row stride
+    part_ptr,  # [row blocks * n_blocks, SPLIT, 2, BLOCK_N, BLOCK_M] fp32 split-K partials (SPLIT > 1)
+    cnt_ptr,  # [row blocks * n_blocks] int32 arrival counters, zero between launches (SPLIT > 1)
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     HALF: tl.constexpr,  # D / 2 (rope)
@@ -442,13 +475,17 @@ def _fused_linear_kernel(
     STREAM: tl.constexpr,  # the streaming body (x = ready rows, no NORM / residual / second input here)
     PREFETCH: tl.constexpr = 0,  # STREAM with PDL: weight columns of the first block prefetched before the wait
     LINE: tl.constexpr = 64,  # elements per 128-byte line (PREFETCH)
+    SPLIT: tl.constexpr = 1,  # STREAM: K split over SPLIT programs per column block (_split_reduce)
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
         tlc.gdc_launch_dependents()
+    # Split-K: K chunks per split (SPLIT = 1: the whole K)
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
     if STREAM and PREFETCH > 0 and USE_PDL:  # the weights never change: request them while the inputs are made
-        _, _, p_wa, p_wb, p_m = _block_rows(i_p, NOUT, EPI, HALF, PARTS, BLOCK_N)
-        _prefetch_block(w_ptr, p_wa, p_wb, p_m, K, stride_w, EPI != _EPI_NONE, PREFETCH, LINE)
+        _, _, p_wa, p_wb, p_m = _block_rows(i_p // SPLIT, NOUT, EPI, HALF, PARTS, BLOCK_N)
+        p_k0 = (i_p % SPLIT) * k_per_split
+        _prefetch_block(w_ptr + p_k0, p_wa, p_wb, p_m, K - p_k0, stride_w, EPI != _EPI_NONE, PREFETCH, LINE)
     if USE_PDL:
         if not GEMV:  # (GEMV: after requesting its first weight chunk)
             tlc.gdc_wait()
@@ -476,7 +513,10 @@ def _fused_linear_kernel(
 
     # Column blocks i_p, i_p + P, ... (P programs along axis 0; P = n_blocks: one block each). A
     # program with several blocks pays the norm pass above once.
-    for i_n in range(i_p, n_blocks, tl.num_programs(0)):
+    # (Split-K: SPLIT programs per block, task i_t = block i_t // SPLIT, split i_t % SPLIT.)
+    for i_t in range(i_p, n_blocks * SPLIT, tl.num_programs(0)):
+        i_n = i_t // SPLIT
+        i_s = i_t % SPLIT
         i_head, o_hc, o_wa, o_wb, m_w = _block_rows(i_n, NOUT, EPI, HALF, PARTS, BLOCK_N)
 
         if GEMV:
@@ -497,8 +537,10 @@ def _fused_linear_kernel(
                                                 m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
                                                 BLOCK_SS, USE_PDL)
         elif STREAM:
-            acc_a, acc_b = _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, K, stride_x,
-                                              stride_w, EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
+            k_lo = i_s * k_per_split
+            acc_a, acc_b = _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, k_lo,
+                                              tl.minimum(k_lo + k_per_split, K), stride_x, stride_w, EPI != _EPI_NONE,
+                                              BLOCK_K, DOT_PREC)
         else:
             acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_xm, m_m, o_wa, o_wb, m_w,
                                        K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,
@@ -512,6 +554,11 @@ def _fused_linear_kernel(
         if GEMV:
             acc_a = tl.sum(acc_a, axis=1)[None, :]  # [1, BLOCK_N]
             acc_b = tl.sum(acc_b, axis=1)[None, :]
+        m_e = m_m  # the epilogue's rows (split-K: only in the block's last split to arrive)
+        if SPLIT > 1:
+            acc_a, acc_b, is_last = _split_reduce(acc_a, acc_b, part_ptr, cnt_ptr, i_m * n_blocks + i_n, i_s, SPLIT,
+                                                  EPI != _EPI_NONE, BLOCK_N, BLOCK_M)
+            m_e = m_m & is_last
         if STREAM:  # [BLOCK_N, BLOCK_M] -> the epilogue's [BLOCK_M, BLOCK_N]
             acc_a = tl.trans(acc_a)
             acc_b = tl.trans(acc_b)
@@ -519,7 +566,7 @@ def _fused_linear_kernel(
         # Projections are rounded to dt first, exactly where the unfused path stores them.
         b_a = acc_a.to(dt)
         if EPI == _EPI_NONE:
-            m_o = m_m[:, None] & m_w[None, :]
+            m_o = m_e[:, None] & m_w[None, :]
             if HAS_ADD:  # out = dt(x @ w^T + add), one rounding (torch.addmm's)
                 b_add = tl.load(add_ptr + o_m[:, None] * stride_o + o_wa[None, :], mask=m_o, other=0.0)
                 b_a = (acc_a + b_add.to(tl.float32)).to(dt)
@@ -528,17 +575,17 @@ def _fused_linear_kernel(
             b_g = b_a.to(tl.float32)
             b_u = acc_b.to(dt).to(tl.float32)
             b_act = b_g / (1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u in fp32, one rounding
-            m_o = m_m[:, None] & m_w[None, :]
+            m_o = m_e[:, None] & m_w[None, :]
             tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_act.to(o_ptr.dtype.element_ty), mask=m_o)
         else:
             # Head i_head of [q heads | k heads | v heads]; halves a = dims [0, D/2), b = [D/2, D); this
             # program's dims o_hc of each half.
             b_x1 = b_a.to(tl.float32)
             b_x2 = acc_b.to(dt).to(tl.float32)
-            m_o = m_m[:, None] & m_w[None, :]
+            m_o = m_e[:, None] & m_w[None, :]
             if i_head < HQ + HKV:
-                b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
-                m_p = m_m & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
+                b_pos = tl.load(pos_ptr + o_m, mask=m_e, other=0).to(tl.int64)  # [BLOCK_M]
+                m_p = m_e & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
                 p_cs = b_pos[:, None] * stride_cos + o_hc[None, :]
                 b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
                 b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
@@ -552,7 +599,7 @@ def _fused_linear_kernel(
                 tl.store(p_q, b_o1.to(dt), mask=m_o)
                 tl.store(p_q + HALF, b_o2.to(dt), mask=m_o)
             else:
-                b_slot = tl.load(slot_ptr + o_m, mask=m_m, other=-1)  # [BLOCK_M] int64
+                b_slot = tl.load(slot_ptr + o_m, mask=m_e, other=-1)  # [BLOCK_M] int64
                 m_s = m_o & (b_slot >= 0)[:, None]
                 b_slot = tl.maximum(b_slot, 0)
                 b_page = b_slot // PS
@@ -621,11 +668,41 @@ def _check_rows(name, x, rows):
         raise ValueError(f"{name}: at most {MAX_M} gathered rows, got {index.numel()}")
 
 
-def _default_block_n(x, config, epi, dot_block_n, rows=None):
-    """Column block when the caller gave none: the GEMV tile's, else the tl.dot one."""
+def _default_block_n(x, config, epi, dot_block_n, rows=None, n_cols=None, hi=128):
+    """Column block when the caller gave none: the GEMV tile's, the streaming body's (n_cols output
+    columns per accumulator, at most hi) or the tl.dot one."""
     if _gemv_requested(x, config, rows):
         return _gemv_tiles(x.shape[1], epi, x.device)["block_n"]
+    if _peek_body(config) != "dot":
+        return _stream_block_n(lambda bn: triton.cdiv(n_cols, bn), _num_rows(x, rows), 1 if epi == EPI_NONE else 2,
+                               hi, x.device)
     return dot_block_n
+
+
+def _peek_body(config):
+    """The multi-row body config / the kernel option selects (without popping config's key)."""
+    return (config or {}).get("small_m") or options.get().small_m
+
+
+def _stream_block_n(grid_of, M, n_acc, hi, device):
+    """Streaming-body column block: the widest (<= hi) that still gives every SM a column block
+    (grid_of(bn) programs), but no narrower than the row block / n_acc, so the row tiles each program
+    reads (BLOCK_M x K, from L2) stay no larger than its weight tiles (n_acc x BLOCK_N x K, from HBM);
+    too few blocks then are made up by split-K (_stream_split)."""
+    floor = min(hi, max(16, triton.next_power_of_2(_block_m(M) // n_acc)))
+    bn = hi
+    while bn > floor and grid_of(bn) < sm_count(device):
+        bn //= 2
+    return bn
+
+
+def _stream_split(grid_n, K, block_k, device):
+    """Default split-K of the streaming body: with fewer column blocks than SMs, enough splits to give
+    every SM a program, keeping at least two BLOCK_K chunks per split."""
+    sms = sm_count(device)
+    if grid_n >= sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, grid_n), triton.cdiv(K, block_k) // 2))
 
 
 def _use_gemv(x, config, rows=None):
@@ -784,7 +861,18 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     else:
         cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
                "num_warps": 4, "num_stages": 3, **cfg}
-    programs = min(grid_n, cfg.pop("programs", None) or grid_n)
+    split = cfg.pop("split_k", None)
+    split = int(split if split is not None else (_stream_split(grid_n, K, cfg["BLOCK_K"], x.device) if stream else 1))
+    if split < 1 or (split > 1 and not stream):
+        raise ValueError(f"split_k={split}: the streaming body's K split needs small_m stream and >= 1 splits")
+    n_tasks = grid_n * split
+    programs = min(n_tasks, cfg.pop("programs", None) or n_tasks)
+    if split > 1:
+        n_cnt = triton.cdiv(M, block_m) * grid_n
+        part = torch.empty(n_cnt * split * 2 * block_n * block_m, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, n_cnt, owner="fused_linear")
+    else:
+        part = counters = out  # placeholders (SPLIT = 1)
     if rows is not None:
         xi, xi_group = rows
         xi_w, xi_stride = xi.shape[1], xi.stride(0)
@@ -794,13 +882,13 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
         M, K, K2, nout, grid_n, float(eps), n_pos,
         x.stride(0), r.stride(0), x2.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
-        xi, xi_w, int(xi_group), xi_stride,
+        xi, xi_w, int(xi_group), xi_stride, part, counters,
         HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm_main, HAS_RESIDUAL=residual is not None,
         TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
         BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
-        USE_PDL=pdl, GATHER=rows is not None, STREAM=stream, PREFETCH=prefetch, LINE=line,
+        USE_PDL=pdl, GATHER=rows is not None, STREAM=stream, PREFETCH=prefetch, LINE=line, SPLIT=split,
         **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
     return s if norm else None
@@ -819,7 +907,8 @@ def linear(x, w, add=None, config=None, rows=None):
                              f"{tuple(add.shape)} {add.dtype} on {add.device}")
         add = add.contiguous()
     config = _gemv_default(config, NOUT)
-    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), rows)
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), rows,
+                                                         n_cols=NOUT)
     _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config, rows=rows)
     return out
 
@@ -830,7 +919,7 @@ def norm_linear(x, residual, norm_weight, eps, w, config=None):
     M, NOUT = x.shape[0], w.shape[0]
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
     config = _gemv_default(config, NOUT)
-    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device))
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), n_cols=NOUT)
     s = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, residual=residual,
                 norm_weight=norm_weight, eps=eps, nout=NOUT, config=config)
     return out, (x if s is None else s)
@@ -847,7 +936,8 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
     M, F = x.shape[0], w13.shape[0] // 2
     out = torch.empty((M, F), dtype=x.dtype, device=x.device)
     config = dict(config or {})
-    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_SWIGLU, _block_n(F, x.device, hi=64))
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_SWIGLU, _block_n(F, x.device, hi=64),
+                                                         n_cols=F, hi=64)
     s = _launch(x, w13, out, grid_n=triton.cdiv(F, bn), block_n=bn, residual=residual, norm_weight=norm_weight,
                 eps=eps, epi=EPI_SWIGLU, nout=F, config=config)
     return out, s
@@ -914,6 +1004,9 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     gemv = _gemv_requested(x, config, rows)
     if parts is None and gemv:
         parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE, x.device)["block_n"])
+    elif parts is None and _peek_body(config) != "dot":  # streaming body: its column-block rule per half head
+        parts = max(1, half // _stream_block_n(lambda bn: (HQ + 2 * HKV) * triton.cdiv(half, bn), M, 2, max(16, half),
+                                                x.device))
     elif parts is None:
         parts = 1
         while half // (2 * parts) >= 16 and (HQ + 2 * HKV) * 2 * parts <= sm_count(x.device):

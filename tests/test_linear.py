@@ -462,6 +462,9 @@ STREAM_PATHS = {
     "stream": {"small_m": "stream"},
     "stream-chunks": {"small_m": "stream", "BLOCK_K": 32, "num_stages": 2},
     "stream-persistent": {"small_m": "stream", "BLOCK_K": 64, "programs": 2, "block_n": 32},
+    # split-K: 3 splits of K = 200 in 32-column chunks (3, 3, 1 chunks), the last to arrive sums them
+    "stream-split": {"small_m": "stream", "BLOCK_K": 32, "split_k": 3},
+    "stream-split-persistent": {"small_m": "stream", "BLOCK_K": 32, "split_k": 4, "programs": 3, "block_n": 16},
 }
 
 
@@ -550,11 +553,12 @@ def test_stream_body_matches_ref(M, dtype, poison, launches):
     assert "dot" not in _bodies(launches) and "gemv" not in _bodies(launches)
 
 
-@pytest.mark.parametrize("path", ["stream-chunks", "stream-persistent"])
+@pytest.mark.parametrize("path", ["stream-chunks", "stream-persistent", "stream-split", "stream-split-persistent"])
 @pytest.mark.parametrize("M", [5, 40])
 def test_stream_tiles_match_ref(path, M, poison, launches):
-    # Several K chunks (K = 200: BLOCK_K 32 / 64, partial last chunk) and a persistent grid (2 programs
-    # looping over the column blocks), fp32 through ieee dots: near-exact.
+    # Several K chunks (K = 200: BLOCK_K 32 / 64, partial last chunk), a persistent grid (programs
+    # looping over the column blocks) and split-K (every epilogue from the summed partials), fp32
+    # through ieee dots: near-exact. The split-K arrival counters are back at 0 afterwards.
     cfg, dtype = STREAM_PATHS[path], torch.float32
     gen = torch.Generator().manual_seed(M)
     K, NOUT, F = 200, 100, 70
@@ -568,8 +572,25 @@ def test_stream_tiles_match_ref(path, M, poison, launches):
     w13 = _randn(2 * F, K, dtype=dtype, scale=K ** -0.5, gen=gen)
     act, _ = lin.norm_swiglu(x, r, nw, 1e-5, w13, config=dict(cfg))
     _close(act, lin.norm_swiglu_ref(x, r, nw, 1e-5, w13)[0], dtype)
-    assert _bodies(launches) == ["stream", "prologue", "stream", "prologue", "stream"]
-    assert all(kw["BLOCK_K"] == cfg["BLOCK_K"] for n, kw in launches if n == "_fused_linear_kernel")
+    HQ, HKV, D, PS, NP = 3, 1, 64, 4, 16
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    pos = torch.randint(0, 64, (M,), generator=gen).to(DEVICE)
+    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
+    wqkv = _randn((HQ + 2 * HKV) * D, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q, _ = lin.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots, config=dict(cfg))
+    q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(x, r, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref, slots)
+    _close(q, q_ref, dtype)
+    torch.testing.assert_close(kc, kc_ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert _bodies(launches) == ["stream"] + ["prologue", "stream"] * 3
+    main = [kw for n, kw in launches if n == "_fused_linear_kernel"]
+    assert all(kw["BLOCK_K"] == cfg["BLOCK_K"] and kw["SPLIT"] == cfg.get("split_k", kw["SPLIT"]) for kw in main)
+    if "split_k" in cfg:
+        from kernels_triton.attention import arrival_counters
+        assert not arrival_counters(x.device, 1, owner="fused_linear").any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
