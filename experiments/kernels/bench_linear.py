@@ -23,13 +23,17 @@ copy bandwidth measured in this run.
 
 ``--small-m`` (instead of the table above): the multi-row bodies side by side at M in {8, 17, 33, 49}
 (EAGLE-3 draft rounds, tree verify of 16 / 32 / 48 nodes), qkv / wo / mlp_in / w2 of both shapes:
-unfused (norm + cuBLAS + epilogue kernels), the tl.dot body (kernel option small_m="dot") and the
-streaming body ("stream": prologue launch + swap-AB pipelined GEMM), us per call as above, into
-bench_linear_small_m.csv; ``--small-m-sweep`` adds the streaming body's tile variants
-(stream_variants) at those rows into bench_linear_small_m_sweep.csv.
+unfused (norm + cuBLAS + epilogue kernels), the tl.dot body (kernel option small_m="dot"), the
+streaming body ("stream": prologue launch + swap-AB pipelined GEMM, split-K where the column blocks
+do not fill the GPU) and "stream_prefetch" (its L2 weight prefetch before the PDL wait), us per call
+as above, a relative-error check of the streaming output against the unfused one, into
+bench_linear_small_m.csv; ``--small-m-sweep`` adds the streaming body's variants (stream_variants:
+BLOCK_N x split-K, BLOCK_K / stages / warps, persistent grid) into bench_linear_small_m_sweep.csv
+(rows 17 and 49 unless --rows).
 
 Run:  python experiments/kernels/bench_linear.py --out experiments/results/kernels [--sweep]
-      python experiments/kernels/bench_linear.py --small-m [--small-m-sweep] --out $OUT
+      python experiments/kernels/bench_linear.py --small-m --out $OUT
+      python experiments/kernels/bench_linear.py --small-m-sweep --shapes llama8b --out $OUT   (one shape a run)
       python experiments/kernels/bench_linear.py --quick --out /tmp/bench   (CPU smoke run)
 """
 
@@ -147,17 +151,20 @@ def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
 
 
 def stream_variants(op, s, quick):
-    """Tile variants of the streaming body: BLOCK_N (qkv: programs per head ``parts``), then (BLOCK_K,
-    stages, warps), and one persistent grid of one program per SM at the default tile."""
+    """Variants of the streaming body beside its defaults: BLOCK_N (qkv: programs per head ``parts``) x
+    split-K (1, 2, 4), then (BLOCK_K, stages, warps) at the default tile, a persistent grid of one
+    program per SM, and the L2 prefetch before the PDL wait (small_m stream_prefetch)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
     half = s["D"] // 2
     if op == "qkv":
         tiles = [dict(parts=p) for p in (1, 2, 4) if half // p >= 16]
     else:
-        tiles = [dict(block_n=bn) for bn in ((16, 32, 64) if op == "mlp_in" else (16, 32, 64, 128))]
+        tiles = [dict(block_n=bn) for bn in ((16, 32, 64) if op == "mlp_in" else (16, 64, 128))]
+    splits = (1, 2) if quick else (1, 2, 4)
+    out = [dict(t, split_k=sp) for t in tiles for sp in splits]
     sw = ((64, 2, 4),) if quick else ((64, 4, 4), (128, 4, 4), (256, 3, 4), (128, 5, 8))
-    out = [(dict(t, BLOCK_K=bk, num_stages=st, num_warps=wp)) for t in tiles for bk, st, wp in sw]
-    return out + [dict(programs=sms)]
+    out += [dict(BLOCK_K=bk, num_stages=st, num_warps=wp) for bk, st, wp in sw]
+    return out + [dict(programs=sms, split_k=1), dict(small_m="stream_prefetch")]
 
 
 def rel_err(got, ref_fn) -> float:
@@ -171,7 +178,7 @@ def rel_err(got, ref_fn) -> float:
 
 def small_m_main(args, shapes, dtype, copy_gbps, meta):
     """--small-m: unfused vs the tl.dot body vs the streaming body per op and row count (module docstring)."""
-    rows_m = [2, 5] if args.quick else (args.rows or [8, 17, 33, 49])
+    rows_m = [2, 5] if args.quick else (args.rows or ([17, 49] if args.small_m_sweep else [8, 17, 33, 49]))
     op_names = args.ops or ["qkv", "wo", "mlp_in", "w2"]
     rows, sweep = [], []
     gen = torch.Generator().manual_seed(0)
@@ -183,20 +190,23 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
                 unfused_us = timed(call, False)
                 dot_us = timed(lambda: call_cfg({"small_m": "dot", "gemv": False}), True)
                 stream_us = timed(lambda: call_cfg({"small_m": "stream", "gemv": False}), True)
+                prefetch_us = timed(lambda: call_cfg({"small_m": "stream_prefetch", "gemv": False}), True)
                 gbps = wbytes / (stream_us * 1e-6) / 1e9
                 rows.append(dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, unfused_us=unfused_us,
                                  stream_rel_err=rel_err(call_cfg({"small_m": "stream", "gemv": False}), call),
-                                 dot_us=dot_us, stream_us=stream_us, stream_vs_unfused=unfused_us / stream_us,
+                                 dot_us=dot_us, stream_us=stream_us, stream_prefetch_us=prefetch_us,
+                                 stream_vs_unfused=unfused_us / stream_us,
                                  stream_vs_dot=dot_us / stream_us, stream_gbps=gbps, pct_copy=100 * gbps / copy_gbps))
                 if args.small_m_sweep:
                     for v in stream_variants(op, s, args.quick):
-                        cfg = dict(v, small_m="stream", gemv=False)
+                        cfg = dict({"small_m": "stream", "gemv": False}, **v)
                         try:
                             us = timed(lambda: call_cfg(dict(cfg)), True)
                         except Exception as exc:  # e.g. out of shared memory for this tile
                             us = float("nan")
                             print(f"sweep {sname} M={M} {op} {v}: {type(exc).__name__}: {exc}"[:300], flush=True)
-                        sweep.append(dict(meta, shape=sname, M=M, op=op, block_n=v.get("block_n", ""),
+                        sweep.append(dict(meta, shape=sname, M=M, op=op, body=cfg["small_m"],
+                                          split_k=v.get("split_k", ""), block_n=v.get("block_n", ""),
                                           parts=v.get("parts", ""), programs=v.get("programs", ""),
                                           BLOCK_K=v.get("BLOCK_K", ""), num_stages=v.get("num_stages", ""),
                                           num_warps=v.get("num_warps", ""), us=us, default_us=stream_us,
@@ -216,17 +226,19 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
             if row["us"] == row["us"] and (key not in best or row["us"] < best[key]["us"]):
                 best[key] = row
         print_table("best streaming-body variant per op (default tiles: stream us of the table below)",
-                    ["shape", "M", "op", "BLOCK_N", "parts", "programs", "BLOCK_K", "stages", "warps", "us",
-                     "default us", "%copy"],
-                    [[r["shape"], str(r["M"]), r["op"], str(r["block_n"]), str(r["parts"]), str(r["programs"]),
+                    ["shape", "M", "op", "body", "BLOCK_N", "parts", "split", "programs", "BLOCK_K", "stages", "warps",
+                     "us", "default us", "%copy"],
+                    [[r["shape"], str(r["M"]), r["op"], r["body"], str(r["block_n"]), str(r["parts"]), str(r["split_k"]),
+                      str(r["programs"]),
                       str(r["BLOCK_K"]), str(r["num_stages"]), str(r["num_warps"]), f"{r['us']:.2f}",
                       f"{r['default_us']:.2f}", f"{r['pct_copy']:.0f}"] for r in best.values()])
     print_table(f"multi-row bodies: unfused vs tl.dot vs streaming ({meta['device']}, {meta['commit']}, "
                 f"copy {copy_gbps:.0f} GB/s)",
-                ["shape", "M", "op", "weight MB", "unfused us", "dot us", "stream us", "x unfused", "x dot",
-                 "%copy", "rel err"],
+                ["shape", "M", "op", "weight MB", "unfused us", "dot us", "stream us", "prefetch us", "x unfused",
+                 "x dot", "%copy", "rel err"],
                 [[r["shape"], str(r["M"]), r["op"], f"{r['weight_mb']:.2f}", f"{r['unfused_us']:.2f}",
-                  f"{r['dot_us']:.2f}", f"{r['stream_us']:.2f}", f"{r['stream_vs_unfused']:.2f}",
+                  f"{r['dot_us']:.2f}", f"{r['stream_us']:.2f}", f"{r['stream_prefetch_us']:.2f}",
+                  f"{r['stream_vs_unfused']:.2f}",
                   f"{r['stream_vs_dot']:.2f}", f"{r['pct_copy']:.0f}", f"{r['stream_rel_err']:.1e}"] for r in rows])
 
 
