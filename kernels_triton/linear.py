@@ -32,11 +32,26 @@ Kernel layout: grid (programs along the column blocks, row blocks of BLOCK_M). A
 output columns (two accumulators for swiglu: its gate and up columns; for rope a slice of one head's
 two D/2 halves, so the rotation pairs stay in one program) and streams them in BLOCK_K chunks. With
 fewer programs than column blocks (``programs``) each loops over blocks i, i + P, ... (a persistent
-grid). Two bodies:
-- several rows (BLOCK_M = 16, 32, 64): ``[BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]`` tl.dots over the
-  whole K; with the norm prologue each program first sums the squares of its rows (a pass over x,
-  re-read from L2: M x K is a few KB), then normalises each x chunk right before its dot; the program
-  of column block 0 also stores s.
+grid). Three bodies:
+- several rows, kernel option small_m = "dot" (the default; BLOCK_M = 16, 32, 64): ``[BLOCK_M,
+  BLOCK_K] @ [BLOCK_K, BLOCK_N]`` tl.dots over the whole K; with the norm prologue each program first
+  sums the squares of its rows (a pass over x, re-read from L2: M x K is a few KB), then normalises
+  each x chunk right before its dot; the program of column block 0 also stores s.
+- several rows, small_m = "stream" (the streaming body; BLOCK_M = 16, 32, 64): two launches when a
+  norm / residual / second input is involved. ``_stream_prologue_kernel`` (one program per row, and
+  one per row for x2) writes s and the ready rows y = [RMSNorm(x + residual) | RMSNorm2(x2)] (gathered
+  rows read through the index) with the same roundings; then the GEMM kernel streams only weight and y
+  tiles, swap-AB: ``acc[BLOCK_N, BLOCK_M] += w[BLOCK_N, BLOCK_K] @ y^T[BLOCK_K, BLOCK_M]`` (the weight
+  is the MMA's large side, tokens the small one; transposed once for the epilogue), num_stages
+  pipelined (cp.async) loads and nothing else in the K loop. A plain linear (wo, w2, fc over gathered
+  rows) is the GEMM alone, reading x (or its gathered rows) directly. Column blocks: the widest that
+  still gives every SM a block, but no narrower than BLOCK_M / accumulators (the y tiles a program
+  reads from L2 stay no larger than its weight tiles); with fewer blocks than SMs the K range is split
+  over several programs per block (split-K, ``_split_reduce``: fp32 partials, an arrival counter,
+  the last split to arrive sums them in split order and runs the block's epilogue, so every epilogue
+  works split). small_m = "stream_prefetch" is the same with PDL: the GEMM, launched while its
+  predecessor runs, first asks for its first weight columns into L2 (prefetch.global.L2) and only
+  then waits (griddepcontrol.wait) for y. Speed not measured yet (bench_linear.py --small-m).
 - one row (GEMV, BLOCK_M = 1; the default at M = 1): fp32 products on CUDA cores into a
   [BLOCK_N, BLOCK_K] accumulator, summed over k once at the end, so BLOCK_N may be 4 or 8 (many
   programs, each streaming a narrow slab of the weight); the next chunk's weight tiles are loaded
@@ -45,6 +60,8 @@ grid). Two bodies:
   not overlap these loads (num_stages made no difference), so per-iteration memory latency bounded
   each program; the explicit prefetch is what streams the weights.
 M is a runtime argument: one compile per BLOCK_M bucket (1, 16, 32, 64), no recompile per batch size.
+(experiments/kernels/compile_linear_sm90.py compiles the bodies for sm_90 without a GPU: the streaming
+GEMM's loads become cp.async stages, wgmma at BLOCK_N >= 64, mma.sync below.)
 
 Measured on the H200 (bf16, experiments/kernels/bench_linear.py: per call in a graph, consecutive
 calls reading different weight copies so nothing is served from L2; results/kernels/
@@ -68,6 +85,11 @@ costs no launch of its own. EAGLE-3 uses it for the draft's token embeddings (in
 group 0, x = the embedding table) and for the fc over the accepted path's captured features in the
 draft extend (index = accepted node ids [B, Te], group = T, x = the [B * T, 3H] features). Math:
 ``gather_rows_ref`` then the layer's reference; no residual with gathered rows (s is not returned).
+
+Routing (``specdec.models.ops``): with small_m = "dot", up to FUSED_MAX_ROWS rows and
+FUSED_MAX_WEIGHT_BYTES of weight here (one row: any projection, GEMV); with "stream" /
+"stream_prefetch", up to STREAM_MAX_ROWS = 64 rows (tree verify, EAGLE-3 draft rounds) and any
+projection (LM heads keep the weight limit).
 
 Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
 x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-path tests), half
@@ -309,8 +331,9 @@ def _prefetch_block(w_ptr, o_wa, o_wb, m_w, K, stride_w, TWO_ACC: tl.constexpr, 
 def _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, k_lo, k_hi, stride_x, stride_w,
                        TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
     """The streaming body (swap-AB): acc [BLOCK_N, BLOCK_M] += w chunk [BLOCK_N, BLOCK_K] @ rows^T
-    [BLOCK_K, BLOCK_M] over columns k_lo .. k_hi of K (all of it, or this program's split). The rows are ready to multiply (already normalised by
-    _stream_prologue_kernel, or a plain linear's x, gathered through o_xm), so a K step is two or three
+    [BLOCK_K, BLOCK_M] over columns k_lo .. k_hi of K (all of it, or this program's split). The rows
+    are ready to multiply (already normalised by _stream_prologue_kernel, or a plain linear's x,
+    gathered through o_xm), so a K step is two or three
     tile loads and the dots: nothing between the loads and the dots for the software pipeliner to
     wait on, and the weight is the MMA's large side (tokens are the small one)."""
     o_k = tl.arange(0, BLOCK_K)
@@ -789,9 +812,12 @@ def _check(name, x, w, residual=None, norm_weight=None, rows=None):
 
 def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=0.0, epi=EPI_NONE, nout=0,
             rope_args=None, add=None, x2=None, norm_weight2=None, config=None, rows=None):
-    """One launch of the fused kernel; returns s (x + residual, or x) when a norm runs, else None.
-    ``config`` overrides BLOCK_K / num_warps / num_stages (benchmark sweeps; the public launchers also
-    take ``block_n``, and ``parts`` for the qkv kernel). ``rows``: (index, group), gathered rows of x."""
+    """One launch of the fused kernel (the streaming body: its prologue first where a norm runs);
+    returns s (x + residual, or x) when a norm runs, else None. ``config`` overrides BLOCK_K /
+    num_warps / num_stages / programs (benchmark sweeps; the public launchers also take ``block_n``,
+    and ``parts`` for the qkv kernel), "gemv" (one row), "small_m" (the multi-row body, else the
+    kernel option), and for the streaming body "split_k" and "prefetch" (weight columns requested
+    into L2 before the PDL wait, 0 = none). ``rows``: (index, group), gathered rows of x."""
     K = x.shape[1]
     M = _num_rows(x, rows)
     cfg = dict(config or {})

@@ -187,7 +187,8 @@ def parse_value(name: str, text: str):
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
-    ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``, ``--small-m``); unset flags keep the defaults."""
+    ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``, ``--small-m``); unset
+    flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",

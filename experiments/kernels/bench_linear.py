@@ -228,8 +228,8 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
         print_table("best streaming-body variant per op (default tiles: stream us of the table below)",
                     ["shape", "M", "op", "body", "BLOCK_N", "parts", "split", "programs", "BLOCK_K", "stages", "warps",
                      "us", "default us", "%copy"],
-                    [[r["shape"], str(r["M"]), r["op"], r["body"], str(r["block_n"]), str(r["parts"]), str(r["split_k"]),
-                      str(r["programs"]),
+                    [[r["shape"], str(r["M"]), r["op"], r["body"], str(r["block_n"]), str(r["parts"]),
+                      str(r["split_k"]), str(r["programs"]),
                       str(r["BLOCK_K"]), str(r["num_stages"]), str(r["num_warps"]), f"{r['us']:.2f}",
                       f"{r['default_us']:.2f}", f"{r['pct_copy']:.0f}"] for r in best.values()])
     print_table(f"multi-row bodies: unfused vs tl.dot vs streaming ({meta['device']}, {meta['commit']}, "

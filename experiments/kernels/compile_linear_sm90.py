@@ -23,6 +23,7 @@ from kernels_triton import linear as lin  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 DO_NOT_SPECIALIZE = ("M", "n_blocks", "xi_w", "xi_group", "xi_stride", "n_positions", "eps")
 
+
 def compile_kernel(kernel, ptr_args, int_args, float_args, i64_args, consts, options):
     sig = {}
     for name in kernel.arg_names:
@@ -42,6 +43,7 @@ def compile_kernel(kernel, ptr_args, int_args, float_args, i64_args, consts, opt
     src = ASTSource(kernel, sig, constexprs={(kernel.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=TARGET, options=options)
 
+
 def main_kernel(epi, stream, block_m, block_n, block_k, stages, warps, prefetch=0, pdl=1, gather=False,
                 has_add=False, dt="*bf16", split=1):
     k = lin._fused_linear_kernel
@@ -51,8 +53,10 @@ def main_kernel(epi, stream, block_m, block_n, block_k, stages, warps, prefetch=
                 cnt_ptr="*i32")
     consts = dict(HQ=32, HKV=8, HALF=64, PARTS=2, PS=16, NORM=not stream, HAS_RESIDUAL=not stream, TWO_INPUTS=False,
                   HAS_ADD=has_add, EPI=epi, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC="tf32",
-                  GEMV=False, BLOCK_SS=block_k, USE_PDL=pdl, GATHER=gather, STREAM=stream, PREFETCH=prefetch, LINE=64, SPLIT=split)
+                  GEMV=False, BLOCK_SS=block_k, USE_PDL=pdl, GATHER=gather, STREAM=stream, PREFETCH=prefetch, LINE=64,
+                  SPLIT=split)
     return compile_kernel(k, ptrs, (), ("eps",), (), consts, dict(num_warps=warps, num_stages=stages))
+
 
 def prologue(two):
     k = lin._stream_prologue_kernel
@@ -61,23 +65,26 @@ def prologue(two):
     consts = dict(NORM=True, HAS_RESIDUAL=not two, GATHER=two, BLOCK=4096, USE_PDL=1)
     return compile_kernel(k, ptrs, (), ("eps",), (), consts, dict(num_warps=8, num_stages=1))
 
+
 if __name__ == "__main__":
     cases = []
     for epi in (0, 1, 2):
         for bm in (16, 32, 64):
-            cases.append(dict(epi=epi, stream=True, block_m=bm, block_n=32 if epi else 64, block_k=128, stages=4, warps=4,
-                              prefetch=1024))
+            cases.append(dict(epi=epi, stream=True, block_m=bm, block_n=32 if epi else 64, block_k=128, stages=4,
+                              warps=4, prefetch=1024))
     cases += [dict(epi=e, stream=True, block_m=64, block_n=64 if e == 0 else 32, block_k=64, stages=4, warps=4, split=3,
                    prefetch=1024) for e in (0, 1, 2)]
     cases += [dict(epi=e, stream=False, block_m=32, block_n=32, block_k=128, stages=3, warps=4) for e in (0, 2)]
-    cases += [dict(epi=0, stream=True, block_m=16, block_n=16, block_k=256, stages=4, warps=4, gather=True, has_add=True),
+    cases += [dict(epi=0, stream=True, block_m=16, block_n=16, block_k=256, stages=4, warps=4, gather=True,
+                   has_add=True),
               dict(epi=0, stream=True, block_m=64, block_n=128, block_k=64, stages=3, warps=8),
               dict(epi=2, stream=True, block_m=32, block_n=16, block_k=256, stages=4, warps=4, prefetch=1024)]
     for c in cases:
         t = time.time()
         ck = main_kernel(**c)
         ptx = ck.asm["ptx"]
-        print(c, f"{time.time()-t:.1f}s", "wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "no-mma"),
+        mma = "wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "no-mma")
+        print(c, f"{time.time() - t:.1f}s", mma,
               "cp.async" if "cp.async" in ptx else "no-cp.async", "prefetch" if "prefetch.global.L2" in ptx else "",
               "smem", ck.metadata.shared, flush=True)
     for two in (False, True):

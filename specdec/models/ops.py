@@ -109,9 +109,10 @@ FUSED_MAX_ROWS = 16
 # ... and weights up to this size: through the tl.dot body Llama-3.1-8B projections (34-235 MB) stream
 # faster through cuBLAS (8B w2 at M = 1: 36.4 vs 31.9 us; the 57 MB SmolLM2 lm_head ties at 16.2 us).
 FUSED_MAX_WEIGHT_BYTES = 16 << 20
-# With the kernel option small_m="stream" or "stream_prefetch" (the streaming body, kernels_triton/linear.py): rows up to
-# this many (fused_rows overrides it) and projections of any weight size take the fused kernels; LM
-# heads (more than linear.GEMV_MAX_COLUMNS outputs) keep FUSED_MAX_WEIGHT_BYTES. Not measured yet.
+# With the kernel option small_m="stream" or "stream_prefetch" (the streaming body,
+# kernels_triton/linear.py): rows up to this many (fused_rows overrides it) and projections of any
+# weight size take the fused kernels; LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep
+# FUSED_MAX_WEIGHT_BYTES. Not measured yet.
 STREAM_MAX_ROWS = 64
 # One row (batch-1 decode) runs the GEMV body at any weight size for the projections where it wins on
 # the H200 (bench_linear.py, weights streamed from HBM, M = 1): 8B qkv with norm + RoPE + KV write
