@@ -417,10 +417,13 @@ def _stream_prologue_kernel(x_ptr, r_ptr, nw_ptr, s_ptr, x2_ptr, nw2_ptr, y_ptr,
                             USE_PDL: tl.constexpr):
     """The streaming body's first launch, grid (M, 1 or 2): program (m, 0) writes y[m, :K] (the row's
     normalised x + residual, x's row gathered through xi when GATHER) and s[m]; program (m, 1) writes
-    y[m, K : K + K2] = RMSNorm2(x2[m]) (the second input)."""
+    y[m, K : K + K2] = RMSNorm2(x2[m]) (the second input). With PDL it lets the GEMM launch at its
+    start (USE_PDL = 2: pdl early, or the GEMM prefetches its weights meanwhile) or once its rows are
+    written (1)."""
     i_m, i_part = tl.program_id(0), tl.program_id(1)
+    if USE_PDL == 2:  # early: the GEMM may launch (and prefetch its weights) now; it waits for this grid
+        tlc.gdc_launch_dependents()  # before reading y
     if USE_PDL:
-        tlc.gdc_launch_dependents()  # the GEMM may launch now: it waits for this grid before reading y
         tlc.gdc_wait()
     i_m = i_m.to(tl.int64)
     if i_part == 0:
@@ -433,6 +436,8 @@ def _stream_prologue_kernel(x_ptr, r_ptr, nw_ptr, s_ptr, x2_ptr, nw2_ptr, y_ptr,
     else:
         _prologue_row(x2_ptr + i_m * stride_x2, x2_ptr, nw2_ptr, x2_ptr, y_ptr + i_m * stride_y + K, K2, eps, True,
                       False, BLOCK)
+    if USE_PDL == 1:  # late: once the rows are written
+        tlc.gdc_launch_dependents()
 
 
 @triton.jit(do_not_specialize=["M", "n_blocks", "xi_w", "xi_group", "xi_stride"])
@@ -872,7 +877,8 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         _stream_prologue_kernel[(M, 2 if K2 else 1)](
             x, r, nw, s, x2, nw2, y, K, K2, float(eps), x.stride(0), r.stride(0), x2.stride(0), y.stride(0),
             gx, gw, gg, gs, NORM=norm, HAS_RESIDUAL=residual is not None, GATHER=rows is not None, BLOCK=block,
-            USE_PDL=1 if pdl else 0, num_warps=4 if block <= 1024 else 8, **({"launch_pdl": True} if pdl else {}),
+            USE_PDL=(2 if pdl == 2 or prefetch else 1) if pdl else 0, num_warps=4 if block <= 1024 else 8,
+            **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
         x = r = y
         K, K2, rows, residual, norm_main = K + K2, 0, None, None, False

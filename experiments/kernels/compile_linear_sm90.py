@@ -62,7 +62,7 @@ def prologue(two):
     k = lin._stream_prologue_kernel
     ptrs = {n: "*bf16" for n in ("x_ptr", "r_ptr", "nw_ptr", "s_ptr", "x2_ptr", "nw2_ptr", "y_ptr")}
     ptrs["xi_ptr"] = "*i32"
-    consts = dict(NORM=True, HAS_RESIDUAL=not two, GATHER=two, BLOCK=4096, USE_PDL=1)
+    consts = dict(NORM=True, HAS_RESIDUAL=not two, GATHER=two, BLOCK=4096, USE_PDL=2 if two else 1)
     return compile_kernel(k, ptrs, (), ("eps",), (), consts, dict(num_warps=8, num_stages=1))
 
 
