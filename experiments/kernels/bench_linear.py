@@ -71,14 +71,23 @@ SHAPES = {
 TINY = dict(H=64, F=96, HQ=4, HKV=2, D=32, V=300)
 
 
-def make_ops(s, M, dtype, gen):
-    """{op: (callable(config) -> None, weight bytes)} for one shape and row count."""
+def make_ops(s, M, dtype, gen, lm_head=True, weights=None):
+    """{op: (callable(config) -> None, weight bytes)} for one shape and row count (``lm_head`` False:
+    without the LM head, whose weight is the largest to make; ``weights``: a dict that keeps the
+    weights (and their rotating copies) of the first call for the next calls of the same shape)."""
     H, F, HQ, HKV, D, V = (s[k] for k in ("H", "F", "HQ", "HKV", "D", "V"))
     rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)  # noqa: E731
     x, r, nw = rnd(M, H), rnd(M, H), rnd(H)
-    wqkv, wo = rnd((HQ + 2 * HKV) * D, H, scale=H ** -0.5), rnd(H, HQ * D, scale=H ** -0.5)
-    w13, w2 = rnd(2 * F, H, scale=H ** -0.5), rnd(H, F, scale=F ** -0.5)
-    emb = rnd(V, H, scale=H ** -0.5)
+    if weights:
+        wqkv, wo, w13, w2, emb, nxt = weights["all"]
+    else:
+        wqkv, wo = rnd((HQ + 2 * HKV) * D, H, scale=H ** -0.5), rnd(H, HQ * D, scale=H ** -0.5)
+        w13, w2 = rnd(2 * F, H, scale=H ** -0.5), rnd(H, F, scale=F ** -0.5)
+        emb = rnd(V, H, scale=H ** -0.5) if lm_head else None
+        nxt = {name: rotating(w) for name, w in dict(wqkv=wqkv, wo=wo, w13=w13, w2=w2, emb=emb).items()
+               if w is not None}
+        if weights is not None:
+            weights["all"] = (wqkv, wo, w13, w2, emb, nxt)
     o, act = rnd(M, HQ * D), rnd(M, F)
     cos, sin = rope_tables(D, 4096, 10000.0, device=DEVICE)
     pos = torch.randint(0, 4096, (M,), generator=gen).to(DEVICE)
@@ -87,8 +96,7 @@ def make_ops(s, M, dtype, gen):
     vc = torch.zeros_like(kc)
     slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
     nbytes = lambda *ws: sum(w.numel() * w.element_size() for w in ws)  # noqa: E731
-    nxt = {name: rotating(w) for name, w in dict(wqkv=wqkv, wo=wo, w13=w13, w2=w2, emb=emb).items()}
-    return {
+    out = {
         "qkv": (lambda: ops.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, nxt["wqkv"](), HQ, HKV, pos, cos, sin, kc, vc,
                                                     slots),
                 lambda cfg: lin.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, nxt["wqkv"](), HQ, HKV, pos, cos, sin, kc, vc,
@@ -97,9 +105,11 @@ def make_ops(s, M, dtype, gen):
         "mlp_in": (lambda: ops.norm_swiglu(x, r, nw, 1e-5, nxt["w13"]()),
                    lambda cfg: lin.norm_swiglu(x, r, nw, 1e-5, nxt["w13"](), config=cfg), nbytes(w13)),
         "w2": (lambda: ops.linear(act, nxt["w2"]()), lambda cfg: lin.linear(act, nxt["w2"](), config=cfg), nbytes(w2)),
-        "lm_head": (lambda: ops.linear(x, nxt["emb"]()), lambda cfg: lin.linear(x, nxt["emb"](), config=cfg),
-                    nbytes(emb)),
     }
+    if lm_head:
+        out["lm_head"] = (lambda: ops.linear(x, nxt["emb"]()), lambda cfg: lin.linear(x, nxt["emb"](), config=cfg),
+                          nbytes(emb))
+    return out
 
 
 ROTATE_BYTES = 256 << 20  # > the H200's 50 MB L2 several times over
@@ -183,8 +193,10 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
     rows, sweep = [], []
     gen = torch.Generator().manual_seed(0)
     for sname, s in shapes.items():
+        weights = {}  # one set of weights per shape
         for M in rows_m:
-            for op, (call, call_cfg, wbytes) in make_ops(s, M, dtype, gen).items():
+            for op, (call, call_cfg, wbytes) in make_ops(s, M, dtype, gen, lm_head="lm_head" in op_names,
+                                                         weights=weights).items():
                 if op not in op_names:
                     continue
                 unfused_us = timed(call, False)

@@ -4,7 +4,7 @@ real launch gets (16-byte aligned pointers, integer arguments divisible by 16), 
 engages as it does on the device. Prints, per variant, the MMA kind in the PTX (wgmma / mma.sync),
 whether the loads became cp.async (pipelined), whether the L2 prefetch is there, and the shared memory.
 
-Run (CPU, ~20 s):  env -u TRITON_INTERPRET python experiments/kernels/compile_linear_sm90.py
+Run (CPU, ~20 s; --quick: two variants):  python experiments/kernels/compile_linear_sm90.py
 """
 import os
 import sys
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
+    raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU, it does not interpret")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -67,6 +67,11 @@ def prologue(two):
 
 
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two variants only (a smoke run)")
+    args = ap.parse_args()
     cases = []
     for epi in (0, 1, 2):
         for bm in (16, 32, 64):
@@ -79,6 +84,8 @@ if __name__ == "__main__":
                    has_add=True),
               dict(epi=0, stream=True, block_m=64, block_n=128, block_k=64, stages=3, warps=8),
               dict(epi=2, stream=True, block_m=32, block_n=16, block_k=256, stages=4, warps=4, prefetch=1024)]
+    if args.quick:
+        cases = [cases[0], cases[-1]]
     for c in cases:
         t = time.time()
         ck = main_kernel(**c)
