@@ -51,7 +51,10 @@ grid). Three bodies:
   the last split to arrive sums them in split order and runs the block's epilogue, so every epilogue
   works split). small_m = "stream_prefetch" is the same with PDL: the GEMM, launched while its
   predecessor runs, first asks for its first weight columns into L2 (prefetch.global.L2) and only
-  then waits (griddepcontrol.wait) for y. Speed not measured yet (bench_linear.py --small-m).
+  then waits (griddepcontrol.wait) for y. small_m = "stream_inline": one launch, no prologue: the
+  streaming body's tiles and split-K, each rows^T chunk loaded with its residual and normalised in
+  the K loop (``_accumulate_stream_norm``, the tl.dot body's in-loop math; s stored by column block
+  0 of each K range). Speed of all three not measured yet (bench_linear.py --small-m).
 - one row (GEMV, BLOCK_M = 1; the default at M = 1): fp32 products on CUDA cores into a
   [BLOCK_N, BLOCK_K] accumulator, summed over k once at the end, so BLOCK_N may be 4 or 8 (many
   programs, each streaming a narrow slab of the weight); the next chunk's weight tiles are loaded
@@ -87,8 +90,8 @@ draft extend (index = accepted node ids [B, Te], group = T, x = the [B * T, 3H] 
 ``gather_rows_ref`` then the layer's reference; no residual with gathered rows (s is not returned).
 
 Routing (``specdec.models.ops``): with small_m = "dot", up to FUSED_MAX_ROWS rows and
-FUSED_MAX_WEIGHT_BYTES of weight here (one row: any projection, GEMV); with "stream" /
-"stream_prefetch", up to STREAM_MAX_ROWS = 64 rows (tree verify, EAGLE-3 draft rounds) and any
+FUSED_MAX_WEIGHT_BYTES of weight here (one row: any projection, GEMV); with a streaming body
+("stream", "stream_prefetch", "stream_inline"), up to STREAM_MAX_ROWS = 64 rows (tree verify, EAGLE-3 draft rounds) and any
 projection (LM heads keep the weight limit).
 
 Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
@@ -352,6 +355,41 @@ def _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, k
 
 
 @triton.jit
+def _accumulate_stream_norm(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_xm, m_m, o_wa, o_wb, m_w,
+                            k_lo, k_hi, b_rstd, stride_x, stride_r, stride_w, store_s, NORM: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DOT_PREC: tl.constexpr):
+    """_accumulate_stream with the norm prologue in the K loop (small_m = "stream_inline", one launch):
+    each rows^T chunk [BLOCK_K, BLOCK_M] is loaded with its residual (s stored when store_s: column
+    block 0 of each K range) and normalised with b_rstd [BLOCK_M] and nw right before its dot, as the
+    tl.dot body does, on the streaming body's tiles (swap-AB, split-K)."""
+    dt = x_ptr.dtype.element_ty
+    o_k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        m_k = (k0 + o_k) < k_hi
+        m_km = m_k[:, None] & m_m[None, :]
+        p_x = o_xm[None, :] * stride_x + (k0 + o_k)[:, None]  # [BK, BM]
+        b_x = tl.load(x_ptr + p_x, mask=m_km, other=0.0)
+        if HAS_RESIDUAL:
+            b_r = tl.load(r_ptr + o_xm[None, :] * stride_r + (k0 + o_k)[:, None], mask=m_km, other=0.0)
+            b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(dt)  # the new residual
+            if store_s:
+                tl.store(s_ptr + p_x, b_x, mask=m_km)
+        if NORM:
+            b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+            b_y = (b_x.to(tl.float32) * b_rstd[None, :]).to(dt).to(tl.float32)
+            b_x = (b_y * b_nw[:, None]).to(dt)  # [BK, BM] normalised rows^T
+        p_w = w_ptr + w_col0 + (k0 + o_k)[None, :]
+        m_wk = m_w[:, None] & m_k[None, :]
+        b_wa = tl.load(p_w + o_wa[:, None] * stride_w, mask=m_wk, other=0.0)  # [BN, BK]
+        acc_a += tl.dot(b_wa, b_x, input_precision=DOT_PREC)
+        if TWO_ACC:
+            b_wb = tl.load(p_w + o_wb[:, None] * stride_w, mask=m_wk, other=0.0)
+            acc_b += tl.dot(b_wb, b_x, input_precision=DOT_PREC)
+    return acc_a, acc_b
+
+
+@triton.jit
 def _split_reduce(acc_a, acc_b, part_ptr, cnt_ptr, i_cnt, i_s, SPLIT: tl.constexpr, TWO_ACC: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """Split-K: store this split's fp32 partials [BLOCK_N, BLOCK_M] (and B's) in the block's slots of
@@ -500,7 +538,7 @@ def _fused_linear_kernel(
     BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, 1 late or 2 early trigger (attention_launch.pdl_mode)
     GATHER: tl.constexpr,  # x rows read through xi (no residual then)
-    STREAM: tl.constexpr,  # the streaming body (x = ready rows, no NORM / residual / second input here)
+    STREAM: tl.constexpr,  # the streaming body (x = ready rows, or NORM etc. in its K loop: stream_inline)
     PREFETCH: tl.constexpr = 0,  # STREAM with PDL: weight columns of the first block prefetched before the wait
     LINE: tl.constexpr = 64,  # elements per 128-byte line (PREFETCH)
     SPLIT: tl.constexpr = 1,  # STREAM: K split over SPLIT programs per column block (_split_reduce)
@@ -564,6 +602,19 @@ def _fused_linear_kernel(
                 acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb,
                                                 m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
                                                 BLOCK_SS, USE_PDL)
+        elif STREAM and (NORM or HAS_RESIDUAL or TWO_INPUTS):  # stream_inline: the norm in the K loop
+            k_lo = i_s * k_per_split
+            acc_a, acc_b = _accumulate_stream_norm(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_xm, m_m,
+                                                   o_wa, o_wb, m_w, k_lo, tl.minimum(k_lo + k_per_split, K), b_rstd,
+                                                   stride_x, stride_r, stride_w, i_n == 0, NORM, HAS_RESIDUAL,
+                                                   EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
+            if TWO_INPUTS:  # the second K range, split alike
+                k2_per_split = tl.cdiv(tl.cdiv(K2, BLOCK_K), SPLIT) * BLOCK_K
+                k_lo = i_s * k2_per_split
+                acc_a, acc_b = _accumulate_stream_norm(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m,
+                                                       m_m, o_wa, o_wb, m_w, k_lo, tl.minimum(k_lo + k2_per_split, K2),
+                                                       b_rstd2, stride_x2, stride_x2, stride_w, False, True, False,
+                                                       EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
         elif STREAM:
             k_lo = i_s * k_per_split
             acc_a, acc_b = _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, k_lo,
@@ -768,8 +819,9 @@ SMALL_M_BODIES = options.SMALL_M_BODIES
 
 def _small_m_body(config):
     """The body for rows that do not take the GEMV: config's "small_m" (popped) or the kernel option
-    small_m: "dot" (_accumulate), "stream" (_stream_prologue_kernel + _accumulate_stream) or
-    "stream_prefetch" (the same, with the GEMM's L2 prefetch before its PDL wait)."""
+    small_m: "dot" (_accumulate), "stream" (_stream_prologue_kernel + _accumulate_stream),
+    "stream_prefetch" (the same, with the GEMM's L2 prefetch before its PDL wait) or "stream_inline"
+    (one launch: _accumulate_stream_norm)."""
     body = config.pop("small_m", None) or options.get().small_m
     if body not in SMALL_M_BODIES:
         raise ValueError(f"small_m body {body!r}; valid: {', '.join(SMALL_M_BODIES)}")
@@ -867,7 +919,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         nw2, K2 = norm_weight2.contiguous(), x2.shape[1]
     else:
         x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
-    if stream and (norm or residual is not None or K2):
+    if stream and body != "stream_inline" and (norm or residual is not None or K2):
         # First launch: the ready rows y = [RMSNorm(x + residual) | RMSNorm2(x2)] (and s); the GEMM then
         # streams y like a plain linear's x (no residual, norm, second input or gather left).
         y = torch.empty((M, K + K2), dtype=x.dtype, device=x.device)
@@ -889,7 +941,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         cfg = {**_gemv_tiles(K, epi, x.device), "num_stages": 1, **cfg}
         cfg.pop("block_n")
     elif stream:
-        cfg = {**_stream_tiles(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()), **cfg}
+        cfg = {**_stream_tiles(max(K, K2), block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()), **cfg}
     else:
         cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
                "num_warps": 4, "num_stages": 3, **cfg}

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 PDL_MODES = ("late", "early", "off")
-SMALL_M_BODIES = ("dot", "stream", "stream_prefetch")  # kernel option small_m
+SMALL_M_BODIES = ("dot", "stream", "stream_prefetch", "stream_inline")  # kernel option small_m
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,9 @@ class KernelOptions:
         None: when its weights are at most linear.QKV_EARLY_MAX_BYTES; True / False: always / never.
     fused_rows: the most rows a layer may run on the small-M fused kernels (1 .. linear.MAX_M = 64).
         None: the measured default (specdec.models.ops.FUSED_MAX_ROWS = 16: batch-1 decode and draft
-        rows, verify of a 16-node tree on cuBLAS); 64 puts the verify of trees up to 63 nodes on
-        them too: 4 instead of 8 launches per layer (an A/B switch, profile_step.py --fused-rows).
+        rows, verify of a 16-node tree on cuBLAS; with a streaming small_m body
+        ops.STREAM_MAX_ROWS = 64); 64 puts the verify of trees up to 63 nodes on them too: 4 instead
+        of 8 launches per layer (an A/B switch, profile_step.py --fused-rows).
     gather_rows: layers whose input rows are picked from a table (EAGLE-3's token embeddings in every
         draft round, the accepted path's features for the extend's fc) read them through an index in
         the fused kernel (linear.py, gathered rows) instead of a torch gather (+ clamp, cast) first:
@@ -64,8 +65,10 @@ class KernelOptions:
         LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep FUSED_MAX_WEIGHT_BYTES.
         "stream_prefetch": "stream" whose GEMM, launched early under PDL, first asks for its first
         weight columns into L2 (prefetch.global.L2) and only then waits for its inputs, so the weight
-        fetch overlaps the prologue / previous kernel (no effect with pdl=off). An A/B switch, "dot"
-        until measured (profile_step.py --ab small_m=dot,stream,stream_prefetch).
+        fetch overlaps the prologue / previous kernel (no effect with pdl=off). "stream_inline": one
+        launch, no prologue: the streaming body's tiles (swap-AB, split-K) with each row chunk
+        residual-added and normalised in the K loop right before its dot (as "dot" does). An A/B
+        switch, "dot" until measured (profile_step.py --ab small_m=dot,stream,stream_prefetch,stream_inline).
     """
 
     pdl: str = "late"
@@ -165,7 +168,7 @@ _WORDS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0"
 
 def parse_value(name: str, text: str):
     """A command-line word as the value of option ``name`` (true/false/on/off/1/0, null/auto for the
-    tri-state ones, late/early/off for pdl, dot/stream/stream_prefetch for small_m), validated."""
+    tri-state ones, late/early/off for pdl, a body of SMALL_M_BODIES for small_m), validated."""
     word = text.strip().lower()
     if name == "pdl" and word in PDL_MODES:
         return word
@@ -193,7 +196,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
            "fused_rows": "null | 1..64", "gather_rows": "true | false",
-           "small_m": "dot | stream | stream_prefetch"}
+           "small_m": "dot | stream | stream_prefetch | stream_inline"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

@@ -465,7 +465,16 @@ STREAM_PATHS = {
     # split-K: 3 splits of K = 200 in 32-column chunks (3, 3, 1 chunks), the last to arrive sums them
     "stream-split": {"small_m": "stream", "BLOCK_K": 32, "split_k": 3},
     "stream-split-persistent": {"small_m": "stream", "BLOCK_K": 32, "split_k": 4, "programs": 3, "block_n": 16},
+    # stream_inline: one launch, the norm (and s) in the K loop, on the same tiles
+    "inline-chunks": {"small_m": "stream_inline", "BLOCK_K": 32, "num_stages": 2},
+    "inline-split-persistent": {"small_m": "stream_inline", "BLOCK_K": 32, "split_k": 3, "programs": 4,
+                                "block_n": 16},
 }
+
+
+def _norm_launches(body):
+    """The launches of a layer with a norm on ``body``."""
+    return ["stream"] if body == "stream_inline" else ["prologue", "stream"]
 
 
 class _Spy:
@@ -502,9 +511,10 @@ def _bodies(log):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [2, 8, 17, 33, 64])
-def test_stream_body_matches_ref(M, dtype, poison, launches):
-    cfg = STREAM_PATHS["stream"]
+@pytest.mark.parametrize("M,body", [(2, "stream"), (8, "stream"), (17, "stream"), (33, "stream"), (64, "stream"),
+                                    (2, "stream_inline"), (17, "stream_inline"), (64, "stream_inline")])
+def test_stream_body_matches_ref(M, body, dtype, poison, launches):
+    cfg = {"small_m": body}
     gen = torch.Generator().manual_seed(300 + M)
     K, NOUT, F = 75, 37, 21  # odd: partial row, column and K blocks
     x, r = _randn(M, K, dtype=dtype, scale=3.0, gen=gen), _randn(M, K, dtype=dtype, gen=gen)
@@ -518,7 +528,7 @@ def test_stream_body_matches_ref(M, dtype, poison, launches):
         launches.clear()
         out, s = lin.norm_linear(x, res, nw, 1e-5, w, config=dict(cfg))
         out_ref, s_ref = lin.norm_linear_ref(x, res, nw, 1e-5, w)
-        assert _bodies(launches) == ["prologue", "stream"]
+        assert _bodies(launches) == _norm_launches(body)
         torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
         _close(out, out_ref, dtype)
     w13 = _randn(2 * F, K, dtype=dtype, scale=K ** -0.5, gen=gen)
@@ -553,7 +563,8 @@ def test_stream_body_matches_ref(M, dtype, poison, launches):
     assert "dot" not in _bodies(launches) and "gemv" not in _bodies(launches)
 
 
-@pytest.mark.parametrize("path", ["stream-chunks", "stream-persistent", "stream-split", "stream-split-persistent"])
+@pytest.mark.parametrize("path", ["stream-chunks", "stream-persistent", "stream-split", "stream-split-persistent",
+                                  "inline-chunks", "inline-split-persistent"])
 @pytest.mark.parametrize("M", [5, 40])
 def test_stream_tiles_match_ref(path, M, poison, launches):
     # Several K chunks (K = 200: BLOCK_K 32 / 64, partial last chunk), a persistent grid (programs
@@ -585,7 +596,7 @@ def test_stream_tiles_match_ref(path, M, poison, launches):
     _close(q, q_ref, dtype)
     torch.testing.assert_close(kc, kc_ref, atol=1e-5, rtol=1e-5, equal_nan=True)
     torch.testing.assert_close(vc, vc_ref, atol=1e-5, rtol=1e-5, equal_nan=True)
-    assert _bodies(launches) == ["stream"] + ["prologue", "stream"] * 3
+    assert _bodies(launches) == ["stream"] + _norm_launches(cfg["small_m"]) * 3
     main = [kw for n, kw in launches if n == "_fused_linear_kernel"]
     assert all(kw["BLOCK_K"] == cfg["BLOCK_K"] and kw["SPLIT"] == cfg.get("split_k", kw["SPLIT"]) for kw in main)
     if "split_k" in cfg:
@@ -594,12 +605,13 @@ def test_stream_tiles_match_ref(path, M, poison, launches):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("body", ["stream", "stream_inline"])
 @pytest.mark.parametrize("shape,group", [((1, 2), 0), ((2, 9), 11), ((1, 33), 0)])
-def test_stream_gathered_rows_match_ref(shape, group, dtype, poison, launches):
+def test_stream_gathered_rows_match_ref(shape, group, body, dtype, poison, launches):
     # Gathered rows: a plain linear reads them in its K loop (one launch), the two-input qkv in its
-    # prologue (the draft layer's token embeddings straight from the table).
+    # prologue (the draft layer's token embeddings straight from the table) or its K loop (inline).
     gen = torch.Generator().manual_seed(50 + shape[1] + group)
-    cfg = STREAM_PATHS["stream"]
+    cfg = {"small_m": body}
     n_rows = shape[0] * group if group else 60
     table = _randn(n_rows, 72, dtype=dtype, scale=2.0, gen=gen)
     w = _randn(40, 72, dtype=dtype, scale=72 ** -0.5, gen=gen)
@@ -620,7 +632,7 @@ def test_stream_gathered_rows_match_ref(shape, group, dtype, poison, launches):
     launches.clear()
     q, s = lin.norm_qkv_rope_write_kv_(table, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
                                        x2=x2, norm_weight2=nw2, rows=rows, config=dict(cfg))
-    assert s is None and _bodies(launches) == ["prologue", "stream"]
+    assert s is None and _bodies(launches) == _norm_launches(body)
     q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(table, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref,
                                                vc_ref, slots, x2=x2, norm_weight2=nw2, rows=rows)
     _close(q, q_ref, dtype)
@@ -639,7 +651,9 @@ def test_small_m_option_selects_the_body(launches, kernel_options):
     lin.linear(x, w, config={"small_m": "dot"})
     kernel_options.set_(small_m="stream_prefetch")  # (the prefetch itself needs PDL: CUDA only)
     lin.linear(x, w)
-    assert _bodies(launches) == ["dot", "gemv", "stream", "gemv", "dot", "stream"]
+    kernel_options.set_(small_m="stream_inline")
+    lin.norm_linear(x, None, torch.ones(64, device=DEVICE), 1e-5, w)
+    assert _bodies(launches) == ["dot", "gemv", "stream", "gemv", "dot", "stream", "stream"]
     with pytest.raises(ValueError, match="small_m body 'fast'"):
         lin.linear(x, w, config={"small_m": "fast"})
     with pytest.raises(ValueError, match="small_m='fast'.*dot, stream"):
@@ -674,7 +688,7 @@ def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, ker
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     pos = torch.arange(n, **i32)
     for opts, want in (({}, 0), (dict(small_m="stream"), 4), (dict(small_m="stream", fused_rows=n - 1), 0),
-                       (dict(small_m="stream_prefetch", fused_rows=n), 4)):
+                       (dict(small_m="stream_prefetch", fused_rows=n), 4), (dict(small_m="stream_inline"), 4)):
         kernel_options.reset_()
         kernel_options.set_(**opts)
         out = {}

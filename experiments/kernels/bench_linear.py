@@ -25,8 +25,9 @@ copy bandwidth measured in this run.
 (EAGLE-3 draft rounds, tree verify of 16 / 32 / 48 nodes), qkv / wo / mlp_in / w2 of both shapes:
 unfused (norm + cuBLAS + epilogue kernels), the tl.dot body (kernel option small_m="dot"), the
 streaming body ("stream": prologue launch + swap-AB pipelined GEMM, split-K where the column blocks
-do not fill the GPU) and "stream_prefetch" (its L2 weight prefetch before the PDL wait), us per call
-as above, a relative-error check of the streaming output against the unfused one, into
+do not fill the GPU), "stream_prefetch" (its L2 weight prefetch before the PDL wait) and
+"stream_inline" (one launch, the norm in the K loop) (--bodies: a subset), us per call as above, a
+relative-error check of the fastest streaming variant's output against the unfused one, into
 bench_linear_small_m.csv; ``--small-m-sweep`` adds the streaming body's variants (stream_variants:
 BLOCK_N x split-K, BLOCK_K / stages / warps, persistent grid) into bench_linear_small_m_sweep.csv
 (rows 17 and 49 unless --rows).
@@ -163,7 +164,8 @@ def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
 def stream_variants(op, s, quick):
     """Variants of the streaming body beside its defaults: BLOCK_N (qkv: programs per head ``parts``) x
     split-K (1, 2, 4), then (BLOCK_K, stages, warps) at the default tile, a persistent grid of one
-    program per SM, and the L2 prefetch before the PDL wait (small_m stream_prefetch)."""
+    program per SM, the L2 prefetch before the PDL wait (small_m stream_prefetch) and the one-launch
+    stream_inline (default split-K and none)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
     half = s["D"] // 2
     if op == "qkv":
@@ -174,7 +176,8 @@ def stream_variants(op, s, quick):
     out = [dict(t, split_k=sp) for t in tiles for sp in splits]
     sw = ((64, 2, 4),) if quick else ((64, 4, 4), (128, 4, 4), (256, 3, 4), (128, 5, 8))
     out += [dict(BLOCK_K=bk, num_stages=st, num_warps=wp) for bk, st, wp in sw]
-    return out + [dict(programs=sms, split_k=1), dict(small_m="stream_prefetch")]
+    return out + [dict(programs=sms, split_k=1), dict(small_m="stream_prefetch"), dict(small_m="stream_inline"),
+                  dict(small_m="stream_inline", split_k=1)]
 
 
 def rel_err(got, ref_fn) -> float:
@@ -187,7 +190,8 @@ def rel_err(got, ref_fn) -> float:
 
 
 def small_m_main(args, shapes, dtype, copy_gbps, meta):
-    """--small-m: unfused vs the tl.dot body vs the streaming body per op and row count (module docstring)."""
+    """--small-m: unfused vs the tl.dot body vs the streaming bodies per op and row count (module docstring)."""
+    bodies = args.bodies
     rows_m = [2, 5] if args.quick else (args.rows or ([17, 49] if args.small_m_sweep else [8, 17, 33, 49]))
     op_names = args.ops or ["qkv", "wo", "mlp_in", "w2"]
     rows, sweep = [], []
@@ -200,15 +204,18 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
                 if op not in op_names:
                     continue
                 unfused_us = timed(call, False)
-                dot_us = timed(lambda: call_cfg({"small_m": "dot", "gemv": False}), True)
-                stream_us = timed(lambda: call_cfg({"small_m": "stream", "gemv": False}), True)
-                prefetch_us = timed(lambda: call_cfg({"small_m": "stream_prefetch", "gemv": False}), True)
-                gbps = wbytes / (stream_us * 1e-6) / 1e9
-                rows.append(dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, unfused_us=unfused_us,
-                                 stream_rel_err=rel_err(call_cfg({"small_m": "stream", "gemv": False}), call),
-                                 dot_us=dot_us, stream_us=stream_us, stream_prefetch_us=prefetch_us,
-                                 stream_vs_unfused=unfused_us / stream_us,
-                                 stream_vs_dot=dot_us / stream_us, stream_gbps=gbps, pct_copy=100 * gbps / copy_gbps))
+                us = {b: timed(lambda: call_cfg({"small_m": b, "gemv": False}), True) for b in bodies}
+                row = dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, unfused_us=unfused_us,
+                           **{f"{b}_us": t for b, t in us.items()})
+                best = min((b for b in bodies if b != "dot"), key=lambda b: us[b], default=None)
+                if best is not None:  # the fastest streaming variant: its speed-ups, bandwidth and error
+                    gbps = wbytes / (us[best] * 1e-6) / 1e9
+                    row.update(best_stream=best, best_vs_unfused=unfused_us / us[best],
+                               best_vs_dot=us.get("dot", float("nan")) / us[best], best_gbps=gbps,
+                               pct_copy=100 * gbps / copy_gbps,
+                               rel_err=rel_err(call_cfg({"small_m": best, "gemv": False}), call))
+                rows.append(row)
+                stream_us = us.get("stream", float("nan"))
                 if args.small_m_sweep:
                     for v in stream_variants(op, s, args.quick):
                         cfg = dict({"small_m": "stream", "gemv": False}, **v)
@@ -244,14 +251,15 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
                       str(r["split_k"]), str(r["programs"]),
                       str(r["BLOCK_K"]), str(r["num_stages"]), str(r["num_warps"]), f"{r['us']:.2f}",
                       f"{r['default_us']:.2f}", f"{r['pct_copy']:.0f}"] for r in best.values()])
-    print_table(f"multi-row bodies: unfused vs tl.dot vs streaming ({meta['device']}, {meta['commit']}, "
-                f"copy {copy_gbps:.0f} GB/s)",
-                ["shape", "M", "op", "weight MB", "unfused us", "dot us", "stream us", "prefetch us", "x unfused",
-                 "x dot", "%copy", "rel err"],
-                [[r["shape"], str(r["M"]), r["op"], f"{r['weight_mb']:.2f}", f"{r['unfused_us']:.2f}",
-                  f"{r['dot_us']:.2f}", f"{r['stream_us']:.2f}", f"{r['stream_prefetch_us']:.2f}",
-                  f"{r['stream_vs_unfused']:.2f}",
-                  f"{r['stream_vs_dot']:.2f}", f"{r['pct_copy']:.0f}", f"{r['stream_rel_err']:.1e}"] for r in rows])
+    cols = [f"{b}_us" for b in bodies]
+    print_table(f"multi-row bodies, us per call ({meta['device']}, {meta['commit']}, copy {copy_gbps:.0f} GB/s; "
+                "best: the fastest streaming variant)",
+                ["shape", "M", "op", "weight MB", "unfused"] + list(bodies) + ["best", "x unfused", "x dot", "%copy",
+                                                                              "rel err"],
+                [[r["shape"], str(r["M"]), r["op"], f"{r['weight_mb']:.2f}", f"{r['unfused_us']:.2f}"]
+                 + [f"{r[c]:.2f}" for c in cols]
+                 + ([r["best_stream"], f"{r['best_vs_unfused']:.2f}", f"{r['best_vs_dot']:.2f}", f"{r['pct_copy']:.0f}",
+                     f"{r['rel_err']:.1e}"] if "best_stream" in r else ["-"] * 5) for r in rows])
 
 
 def timed(fn, fused: bool) -> float:
@@ -274,6 +282,8 @@ def main():
     ap.add_argument("--small-m", action="store_true",
                     help="unfused vs tl.dot body vs streaming body at M in {8, 17, 33, 49} (or --rows)")
     ap.add_argument("--small-m-sweep", action="store_true", help="with --small-m: the streaming body's tile variants")
+    ap.add_argument("--bodies", nargs="+", choices=options.SMALL_M_BODIES, default=list(options.SMALL_M_BODIES),
+                    help="--small-m: the multi-row bodies to time (kernel option small_m values)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if CUDA else torch.float32
     shapes = {"tiny": TINY} if args.quick else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}

@@ -45,13 +45,14 @@ def compile_kernel(kernel, ptr_args, int_args, float_args, i64_args, consts, opt
 
 
 def main_kernel(epi, stream, block_m, block_n, block_k, stages, warps, prefetch=0, pdl=1, gather=False,
-                has_add=False, dt="*bf16", split=1):
+                has_add=False, dt="*bf16", split=1, inline=False):
     k = lin._fused_linear_kernel
     ptrs = {n: dt for n in ("x_ptr", "r_ptr", "nw_ptr", "s_ptr", "x2_ptr", "nw2_ptr", "w_ptr", "o_ptr", "add_ptr",
                              "kc_ptr", "vc_ptr")}
     ptrs.update(pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", xi_ptr="*i32", part_ptr="*fp32",
                 cnt_ptr="*i32")
-    consts = dict(HQ=32, HKV=8, HALF=64, PARTS=2, PS=16, NORM=not stream, HAS_RESIDUAL=not stream, TWO_INPUTS=False,
+    consts = dict(HQ=32, HKV=8, HALF=64, PARTS=2, PS=16, NORM=inline or not stream, HAS_RESIDUAL=inline or not stream,
+                  TWO_INPUTS=False,
                   HAS_ADD=has_add, EPI=epi, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC="tf32",
                   GEMV=False, BLOCK_SS=block_k, USE_PDL=pdl, GATHER=gather, STREAM=stream, PREFETCH=prefetch, LINE=64,
                   SPLIT=split)
@@ -79,6 +80,8 @@ if __name__ == "__main__":
                               warps=4, prefetch=1024))
     cases += [dict(epi=e, stream=True, block_m=64, block_n=64 if e == 0 else 32, block_k=64, stages=4, warps=4, split=3,
                    prefetch=1024) for e in (0, 1, 2)]
+    cases += [dict(epi=e, stream=True, inline=True, block_m=32, block_n=32, block_k=128, stages=4, warps=4,
+                   split=2 if e == 0 else 1) for e in (0, 1, 2)]
     cases += [dict(epi=e, stream=False, block_m=32, block_n=32, block_k=128, stages=3, warps=4) for e in (0, 2)]
     cases += [dict(epi=0, stream=True, block_m=16, block_n=16, block_k=256, stages=4, warps=4, gather=True,
                    has_add=True),

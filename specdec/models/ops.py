@@ -109,7 +109,7 @@ FUSED_MAX_ROWS = 16
 # ... and weights up to this size: through the tl.dot body Llama-3.1-8B projections (34-235 MB) stream
 # faster through cuBLAS (8B w2 at M = 1: 36.4 vs 31.9 us; the 57 MB SmolLM2 lm_head ties at 16.2 us).
 FUSED_MAX_WEIGHT_BYTES = 16 << 20
-# With the kernel option small_m="stream" or "stream_prefetch" (the streaming body,
+# With the kernel option small_m="stream" / "stream_prefetch" / "stream_inline" (the streaming bodies,
 # kernels_triton/linear.py): rows up to this many (fused_rows overrides it) and projections of any
 # weight size take the fused kernels; LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep
 # FUSED_MAX_WEIGHT_BYTES. Not measured yet.
@@ -129,8 +129,7 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     switch for benchmarks). ``one_row_any_size``: a
     single row goes to the fused GEMV whatever the weight size (output widths up to
     kernels_triton.linear.GEMV_MAX_COLUMNS; wider ones, LM heads, keep the limits), and so do up to
-    STREAM_MAX_ROWS rows under the kernel option small_m="stream" / "stream_prefetch" (the streaming
-    body)."""
+    STREAM_MAX_ROWS rows under a streaming body (kernel option small_m other than "dot")."""
     from kernels_triton import linear as lin
     from kernels_triton import options
 
@@ -141,7 +140,7 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     if one_row_any_size and M == 1 and projection:
         return True
     opts = options.get()
-    stream = opts.small_m != "dot"  # "stream" / "stream_prefetch": the streaming body
+    stream = opts.small_m != "dot"  # "stream" / "stream_prefetch" / "stream_inline": the streaming bodies
     # kernel option fused_rows: an A/B of tree verify; small_m: the body for more than one row
     if M > (opts.fused_rows or (STREAM_MAX_ROWS if stream else FUSED_MAX_ROWS)):
         return False
