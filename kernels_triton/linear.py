@@ -91,8 +91,8 @@ draft extend (index = accepted node ids [B, Te], group = T, x = the [B * T, 3H] 
 
 Routing (``specdec.models.ops``): with small_m = "dot", up to FUSED_MAX_ROWS rows and
 FUSED_MAX_WEIGHT_BYTES of weight here (one row: any projection, GEMV); with a streaming body
-("stream", "stream_prefetch", "stream_inline"), up to STREAM_MAX_ROWS = 64 rows (tree verify, EAGLE-3 draft rounds) and any
-projection (LM heads keep the weight limit).
+("stream", "stream_prefetch", "stream_inline"), up to STREAM_MAX_ROWS = 64 rows (tree verify,
+EAGLE-3 draft rounds) and any projection (LM heads keep the weight limit).
 
 Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
 x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-path tests), half
