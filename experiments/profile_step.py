@@ -24,8 +24,10 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --steps-only --phases --ab fused_rows=null,64 --out $OUT/ab_rows
     python experiments/profile_step.py --steps-only --phases --trees tree16,tree32,tree48 \
         --ab gather_rows=false,true --ab fused_rows=null,64 --out $OUT/ab_draft   # before / after
+    python experiments/profile_step.py --steps-only --phases --ab small_m=dot,stream,stream_prefetch,stream_inline \
+        --out $OUT/ab_small_m   # the multi-row body (and with --shape llama8b)
 The kernel options (--pdl, --fused-linear, --step-kernels, --fused-merge, --attn-prewait,
---pdl-qkv-early, --fused-rows; kernels_triton/options.py) are recorded in profile_step.json as
+--pdl-qkv-early, --fused-rows, --gather-rows, --small-m; kernels_triton/options.py) are recorded in profile_step.json as
 "kernel_options".
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step

@@ -32,11 +32,29 @@ Kernel layout: grid (programs along the column blocks, row blocks of BLOCK_M). A
 output columns (two accumulators for swiglu: its gate and up columns; for rope a slice of one head's
 two D/2 halves, so the rotation pairs stay in one program) and streams them in BLOCK_K chunks. With
 fewer programs than column blocks (``programs``) each loops over blocks i, i + P, ... (a persistent
-grid). Two bodies:
-- several rows (BLOCK_M = 16, 32, 64): ``[BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N]`` tl.dots over the
-  whole K; with the norm prologue each program first sums the squares of its rows (a pass over x,
-  re-read from L2: M x K is a few KB), then normalises each x chunk right before its dot; the program
-  of column block 0 also stores s.
+grid). Three bodies:
+- several rows, kernel option small_m = "dot" (the default; BLOCK_M = 16, 32, 64): ``[BLOCK_M,
+  BLOCK_K] @ [BLOCK_K, BLOCK_N]`` tl.dots over the whole K; with the norm prologue each program first
+  sums the squares of its rows (a pass over x, re-read from L2: M x K is a few KB), then normalises
+  each x chunk right before its dot; the program of column block 0 also stores s.
+- several rows, small_m = "stream" (the streaming body; BLOCK_M = 16, 32, 64): two launches when a
+  norm / residual / second input is involved. ``_stream_prologue_kernel`` (one program per row, and
+  one per row for x2) writes s and the ready rows y = [RMSNorm(x + residual) | RMSNorm2(x2)] (gathered
+  rows read through the index) with the same roundings; then the GEMM kernel streams only weight and y
+  tiles, swap-AB: ``acc[BLOCK_N, BLOCK_M] += w[BLOCK_N, BLOCK_K] @ y^T[BLOCK_K, BLOCK_M]`` (the weight
+  is the MMA's large side, tokens the small one; transposed once for the epilogue), num_stages
+  pipelined (cp.async) loads and nothing else in the K loop. A plain linear (wo, w2, fc over gathered
+  rows) is the GEMM alone, reading x (or its gathered rows) directly. Column blocks: the widest that
+  still gives every SM a block, but no narrower than BLOCK_M / accumulators (the y tiles a program
+  reads from L2 stay no larger than its weight tiles); with fewer blocks than SMs the K range is split
+  over several programs per block (split-K, ``_split_reduce``: fp32 partials, an arrival counter,
+  the last split to arrive sums them in split order and runs the block's epilogue, so every epilogue
+  works split). small_m = "stream_prefetch" is the same with PDL: the GEMM, launched while its
+  predecessor runs, first asks for its first weight columns into L2 (prefetch.global.L2) and only
+  then waits (griddepcontrol.wait) for y. small_m = "stream_inline": one launch, no prologue: the
+  streaming body's tiles and split-K, each rows^T chunk loaded with its residual and normalised in
+  the K loop (``_accumulate_stream_norm``, the tl.dot body's in-loop math; s stored by column block
+  0 of each K range). Speed of all three not measured yet (bench_linear.py --small-m).
 - one row (GEMV, BLOCK_M = 1; the default at M = 1): fp32 products on CUDA cores into a
   [BLOCK_N, BLOCK_K] accumulator, summed over k once at the end, so BLOCK_N may be 4 or 8 (many
   programs, each streaming a narrow slab of the weight); the next chunk's weight tiles are loaded
@@ -45,6 +63,8 @@ grid). Two bodies:
   not overlap these loads (num_stages made no difference), so per-iteration memory latency bounded
   each program; the explicit prefetch is what streams the weights.
 M is a runtime argument: one compile per BLOCK_M bucket (1, 16, 32, 64), no recompile per batch size.
+(experiments/kernels/compile_linear_sm90.py compiles the bodies for sm_90 without a GPU: the streaming
+GEMM's loads become cp.async stages, wgmma at BLOCK_N >= 64, mma.sync below.)
 
 Measured on the H200 (bf16, experiments/kernels/bench_linear.py: per call in a graph, consecutive
 calls reading different weight copies so nothing is served from L2; results/kernels/
@@ -69,6 +89,11 @@ group 0, x = the embedding table) and for the fc over the accepted path's captur
 draft extend (index = accepted node ids [B, Te], group = T, x = the [B * T, 3H] features). Math:
 ``gather_rows_ref`` then the layer's reference; no residual with gathered rows (s is not returned).
 
+Routing (``specdec.models.ops``): with small_m = "dot", up to FUSED_MAX_ROWS rows and
+FUSED_MAX_WEIGHT_BYTES of weight here (one row: any projection, GEMV); with a streaming body
+("stream", "stream_prefetch", "stream_inline"), up to STREAM_MAX_ROWS = 64 rows (tree verify,
+EAGLE-3 draft rounds) and any projection (LM heads keep the weight limit).
+
 Invariants: M <= MAX_M (larger M goes to cuBLAS through ``specdec.models.ops``); last dims contiguous;
 x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-path tests), half
 precision ones tensor-core dots with fp32 accumulation.
@@ -81,6 +106,7 @@ from triton.language.extra import cuda as tlc
 
 from . import options
 from .activation import silu_mul_ref
+from .attention import arrival_counters
 from .attention_launch import pdl_mode, sm_count
 from .norm import rms_norm_ref
 from .rope import rope_write_kv_ref_
@@ -262,6 +288,196 @@ def _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_m, m
     return acc_a, acc_b
 
 
+@triton.jit
+def _block_rows(i_n, NOUT, EPI: tl.constexpr, HALF: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column block i_n's weight rows of the two accumulators: A = its columns (gate / first rope
+    half), B = the up columns (swiglu) or the second half of the head (rope); -> (head, dims within
+    a half (rope), rows A, rows B, row mask)."""
+    o_c = tl.arange(0, BLOCK_N)
+    i_head = i_n // PARTS
+    o_hc = (i_n % PARTS) * BLOCK_N + o_c  # [BLOCK_N] dims within a half (rope)
+    if EPI == _EPI_ROPE:  # program i_n: part i_n % PARTS of head i_n // PARTS (BLOCK_N dims of each half)
+        o_wa = i_head * (2 * HALF) + o_hc
+        o_wb = o_wa + HALF
+        m_w = o_hc < HALF
+    elif EPI == _EPI_SWIGLU:
+        o_wa = i_n * BLOCK_N + o_c
+        o_wb = o_wa + NOUT
+        m_w = o_wa < NOUT
+    else:
+        o_wa = i_n * BLOCK_N + o_c
+        o_wb = o_wa
+        m_w = o_wa < NOUT
+    return i_head, o_hc, o_wa.to(tl.int64), o_wb.to(tl.int64), m_w
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at ``ptrs`` to be brought into L2 (prefetch.global.L2): no result, no
+    wait, so a program can start its weight stream before it may read its inputs. CUDA only."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_block(w_ptr, o_wa, o_wb, m_w, K, stride_w, TWO_ACC: tl.constexpr, PREFETCH: tl.constexpr,
+                    LINE: tl.constexpr):
+    """L2 prefetch of the block's first PREFETCH weight columns (one request per LINE elements =
+    128 bytes; masked rows and columns clamped to valid addresses)."""
+    o_l = tl.minimum(tl.arange(0, PREFETCH // LINE) * LINE, K - 1)[None, :]
+    _prefetch_l2(w_ptr + tl.where(m_w, o_wa, 0)[:, None] * stride_w + o_l)
+    if TWO_ACC:
+        _prefetch_l2(w_ptr + tl.where(m_w, o_wb, 0)[:, None] * stride_w + o_l)
+
+
+@triton.jit
+def _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, k_lo, k_hi, stride_x, stride_w,
+                       TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The streaming body (swap-AB): acc [BLOCK_N, BLOCK_M] += w chunk [BLOCK_N, BLOCK_K] @ rows^T
+    [BLOCK_K, BLOCK_M] over columns k_lo .. k_hi of K (all of it, or this program's split). The rows
+    are ready to multiply (already normalised by _stream_prologue_kernel, or a plain linear's x,
+    gathered through o_xm), so a K step is two or three
+    tile loads and the dots: nothing between the loads and the dots for the software pipeliner to
+    wait on, and the weight is the MMA's large side (tokens are the small one)."""
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = x_ptr + o_xm[None, :] * stride_x + o_k[:, None]  # [BK, BM] rows^T
+    p_wa = w_ptr + o_wa[:, None] * stride_w + o_k[None, :]  # [BN, BK]
+    p_wb = w_ptr + o_wb[:, None] * stride_w + o_k[None, :]
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        m_k = (k0 + o_k) < k_hi
+        b_x = tl.load(p_x + k0, mask=m_k[:, None] & m_m[None, :], other=0.0)  # [BK, BM]
+        b_wa = tl.load(p_wa + k0, mask=m_w[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
+        acc_a += tl.dot(b_wa, b_x, input_precision=DOT_PREC)  # [BN, BK] @ [BK, BM] -> [BN, BM]
+        if TWO_ACC:
+            b_wb = tl.load(p_wb + k0, mask=m_w[:, None] & m_k[None, :], other=0.0)
+            acc_b += tl.dot(b_wb, b_x, input_precision=DOT_PREC)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _accumulate_stream_norm(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, w_col0, o_xm, m_m, o_wa, o_wb, m_w,
+                            k_lo, k_hi, b_rstd, stride_x, stride_r, stride_w, store_s, NORM: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, TWO_ACC: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DOT_PREC: tl.constexpr):
+    """_accumulate_stream with the norm prologue in the K loop (small_m = "stream_inline", one launch):
+    each rows^T chunk [BLOCK_K, BLOCK_M] is loaded with its residual (s stored when store_s: column
+    block 0 of each K range) and normalised with b_rstd [BLOCK_M] and nw right before its dot, as the
+    tl.dot body does, on the streaming body's tiles (swap-AB, split-K)."""
+    dt = x_ptr.dtype.element_ty
+    o_k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        m_k = (k0 + o_k) < k_hi
+        m_km = m_k[:, None] & m_m[None, :]
+        p_x = o_xm[None, :] * stride_x + (k0 + o_k)[:, None]  # [BK, BM]
+        b_x = tl.load(x_ptr + p_x, mask=m_km, other=0.0)
+        if HAS_RESIDUAL:
+            b_r = tl.load(r_ptr + o_xm[None, :] * stride_r + (k0 + o_k)[:, None], mask=m_km, other=0.0)
+            b_x = (b_x.to(tl.float32) + b_r.to(tl.float32)).to(dt)  # the new residual
+            if store_s:
+                tl.store(s_ptr + p_x, b_x, mask=m_km)
+        if NORM:
+            b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+            b_y = (b_x.to(tl.float32) * b_rstd[None, :]).to(dt).to(tl.float32)
+            b_x = (b_y * b_nw[:, None]).to(dt)  # [BK, BM] normalised rows^T
+        p_w = w_ptr + w_col0 + (k0 + o_k)[None, :]
+        m_wk = m_w[:, None] & m_k[None, :]
+        b_wa = tl.load(p_w + o_wa[:, None] * stride_w, mask=m_wk, other=0.0)  # [BN, BK]
+        acc_a += tl.dot(b_wa, b_x, input_precision=DOT_PREC)
+        if TWO_ACC:
+            b_wb = tl.load(p_w + o_wb[:, None] * stride_w, mask=m_wk, other=0.0)
+            acc_b += tl.dot(b_wb, b_x, input_precision=DOT_PREC)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _split_reduce(acc_a, acc_b, part_ptr, cnt_ptr, i_cnt, i_s, SPLIT: tl.constexpr, TWO_ACC: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Split-K: store this split's fp32 partials [BLOCK_N, BLOCK_M] (and B's) in the block's slots of
+    part_ptr and count it in; the block's last split to arrive (-> is_last) sums the SPLIT partials in
+    split order (deterministic), returns the sums for the epilogue and resets the counter to 0 for the
+    next launch. The barrier orders every thread's partial stores before the release of the increment,
+    the acquire orders the last program's loads after all of them (attention.py's merge does the same)."""
+    o_pn = tl.arange(0, BLOCK_N)
+    o_pm = tl.arange(0, BLOCK_M)
+    p_part = part_ptr + i_cnt.to(tl.int64) * (SPLIT * 2 * BLOCK_N * BLOCK_M) + o_pn[:, None] * BLOCK_M + o_pm[None, :]
+    tl.store(p_part + i_s * (2 * BLOCK_N * BLOCK_M), acc_a)
+    if TWO_ACC:
+        tl.store(p_part + i_s * (2 * BLOCK_N * BLOCK_M) + BLOCK_N * BLOCK_M, acc_b)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + i_cnt, 1, sem="acq_rel")
+    is_last = arrived == SPLIT - 1
+    if is_last:
+        tl.store(cnt_ptr + i_cnt, 0)
+    m_last = (o_pn[:, None] >= 0) & is_last  # [BLOCK_N, 1]: only the last split reads the partials
+    acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for j in range(SPLIT):
+        acc_a += tl.load(p_part + j * (2 * BLOCK_N * BLOCK_M), mask=m_last, other=0.0, cache_modifier=".cg")
+        if TWO_ACC:
+            acc_b += tl.load(p_part + j * (2 * BLOCK_N * BLOCK_M) + BLOCK_N * BLOCK_M, mask=m_last, other=0.0,
+                             cache_modifier=".cg")
+    return acc_a, acc_b, is_last
+
+
+@triton.jit
+def _prologue_row(x_ptr, r_ptr, nw_ptr, s_ptr, y_ptr, K, eps, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """One row: s = dt(x + r) (stored when HAS_RESIDUAL), y = dt(nw * dt(s * rstd)) (NORM; else y = s)
+    into y_ptr: the norm prologue's math (module docstring), chunks of BLOCK, two passes when K > BLOCK."""
+    dt = x_ptr.dtype.element_ty
+    o_k = tl.arange(0, BLOCK)
+    b_rstd = 0.0
+    if NORM:
+        b_ss = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            m_k = (k0 + o_k) < K
+            b_x = tl.load(x_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                b_x = (b_x + tl.load(r_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+            b_ss += b_x * b_x
+        b_rstd = tl.math.rsqrt(tl.sum(b_ss, 0) / K + eps)
+    for k0 in range(0, K, BLOCK):
+        m_k = (k0 + o_k) < K
+        b_x = tl.load(x_ptr + k0 + o_k, mask=m_k, other=0.0)
+        if HAS_RESIDUAL:
+            b_x = (b_x.to(tl.float32) + tl.load(r_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)).to(dt)
+            tl.store(s_ptr + k0 + o_k, b_x, mask=m_k)
+        if NORM:
+            b_nw = tl.load(nw_ptr + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_x = ((b_x.to(tl.float32) * b_rstd).to(dt).to(tl.float32) * b_nw).to(dt)
+        tl.store(y_ptr + k0 + o_k, b_x, mask=m_k)
+
+
+@triton.jit(do_not_specialize=["xi_w", "xi_group", "xi_stride"])
+def _stream_prologue_kernel(x_ptr, r_ptr, nw_ptr, s_ptr, x2_ptr, nw2_ptr, y_ptr, K, K2, eps, stride_x, stride_r,
+                            stride_x2, stride_y, xi_ptr, xi_w, xi_group, xi_stride, NORM: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                            USE_PDL: tl.constexpr):
+    """The streaming body's first launch, grid (M, 1 or 2): program (m, 0) writes y[m, :K] (the row's
+    normalised x + residual, x's row gathered through xi when GATHER) and s[m]; program (m, 1) writes
+    y[m, K : K + K2] = RMSNorm2(x2[m]) (the second input). With PDL it lets the GEMM launch at its
+    start (USE_PDL = 2: pdl early, or the GEMM prefetches its weights meanwhile) or once its rows are
+    written (1)."""
+    i_m, i_part = tl.program_id(0), tl.program_id(1)
+    if USE_PDL == 2:  # early: the GEMM may launch (and prefetch its weights) now; it waits for this grid
+        tlc.gdc_launch_dependents()  # before reading y
+    if USE_PDL:
+        tlc.gdc_wait()
+    i_m = i_m.to(tl.int64)
+    if i_part == 0:
+        i_xm = i_m
+        if GATHER:
+            i_g = i_m // xi_w
+            i_xm = i_g * xi_group + tl.maximum(tl.load(xi_ptr + i_g * xi_stride + (i_m - i_g * xi_w)).to(tl.int64), 0)
+        _prologue_row(x_ptr + i_xm * stride_x, r_ptr + i_m * stride_r, nw_ptr, s_ptr + i_m * stride_x,
+                      y_ptr + i_m * stride_y, K, eps, NORM, HAS_RESIDUAL, BLOCK)
+    else:
+        _prologue_row(x2_ptr + i_m * stride_x2, x2_ptr, nw2_ptr, x2_ptr, y_ptr + i_m * stride_y + K, K2, eps, True,
+                      False, BLOCK)
+    if USE_PDL == 1:  # late: once the rows are written
+        tlc.gdc_launch_dependents()
+
+
 @triton.jit(do_not_specialize=["M", "n_blocks", "xi_w", "xi_group", "xi_stride"])
 def _fused_linear_kernel(
     x_ptr,  # [M, K] input rows
@@ -302,6 +518,8 @@ def _fused_linear_kernel(
     xi_w,  # W: output rows per index row
     xi_group,  # rows of x per index row
     xi_stride,  # index row stride
+    part_ptr,  # [row blocks * n_blocks, SPLIT, 2, BLOCK_N, BLOCK_M] fp32 split-K partials (SPLIT > 1)
+    cnt_ptr,  # [row blocks * n_blocks] int32 arrival counters, zero between launches (SPLIT > 1)
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     HALF: tl.constexpr,  # D / 2 (rope)
@@ -320,10 +538,20 @@ def _fused_linear_kernel(
     BLOCK_SS: tl.constexpr,  # chunk of the sum-of-squares pass (GEMV: the whole row in one load)
     USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, 1 late or 2 early trigger (attention_launch.pdl_mode)
     GATHER: tl.constexpr,  # x rows read through xi (no residual then)
+    STREAM: tl.constexpr,  # the streaming body (x = ready rows, or NORM etc. in its K loop: stream_inline)
+    PREFETCH: tl.constexpr = 0,  # STREAM with PDL: weight columns of the first block prefetched before the wait
+    LINE: tl.constexpr = 64,  # elements per 128-byte line (PREFETCH)
+    SPLIT: tl.constexpr = 1,  # STREAM: K split over SPLIT programs per column block (_split_reduce)
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
         tlc.gdc_launch_dependents()
+    # Split-K: K chunks per split (SPLIT = 1: the whole K)
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    if STREAM and PREFETCH > 0 and USE_PDL:  # the weights never change: request them while the inputs are made
+        _, _, p_wa, p_wb, p_m = _block_rows(i_p // SPLIT, NOUT, EPI, HALF, PARTS, BLOCK_N)
+        p_k0 = (i_p % SPLIT) * k_per_split
+        _prefetch_block(w_ptr + p_k0, p_wa, p_wb, p_m, K - p_k0, stride_w, EPI != _EPI_NONE, PREFETCH, LINE)
     if USE_PDL:
         if not GEMV:  # (GEMV: after requesting its first weight chunk)
             tlc.gdc_wait()
@@ -337,7 +565,6 @@ def _fused_linear_kernel(
         o_xm = i_g * xi_group + tl.maximum(b_idx, 0)
         if GEMV:  # one row: its x row by pointer (the GEMV body reads row 0 of x_ptr)
             x_ptr += tl.sum(o_xm, 0) * stride_x
-    o_c = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
     # Pass 1 (norms): each row's 1 / rms; pass 2: the normalised chunks streamed against the weight.
@@ -352,29 +579,18 @@ def _fused_linear_kernel(
 
     # Column blocks i_p, i_p + P, ... (P programs along axis 0; P = n_blocks: one block each). A
     # program with several blocks pays the norm pass above once.
-    for i_n in range(i_p, n_blocks, tl.num_programs(0)):
-        # Weight rows of the two accumulators: A = this block's columns (gate / first rope half), B = the
-        # up columns (swiglu) or the second half of the head (rope).
-        if EPI == _EPI_ROPE:  # program i_n: part i_n % PARTS of head i_n // PARTS (BLOCK_N dims of each half)
-            i_head = i_n // PARTS
-            o_hc = (i_n % PARTS) * BLOCK_N + o_c  # [BLOCK_N] dims within a half
-            o_wa = i_head * (2 * HALF) + o_hc
-            o_wb = o_wa + HALF
-            m_w = o_hc < HALF
-        elif EPI == _EPI_SWIGLU:
-            o_wa = i_n * BLOCK_N + o_c
-            o_wb = o_wa + NOUT
-            m_w = o_wa < NOUT
-        else:
-            o_wa = i_n * BLOCK_N + o_c
-            o_wb = o_wa
-            m_w = o_wa < NOUT
-        o_wa = o_wa.to(tl.int64)
-        o_wb = o_wb.to(tl.int64)
+    # (Split-K: SPLIT programs per block, task i_t = block i_t // SPLIT, split i_t % SPLIT.)
+    for i_t in range(i_p, n_blocks * SPLIT, tl.num_programs(0)):
+        i_n = i_t // SPLIT
+        i_s = i_t % SPLIT
+        i_head, o_hc, o_wa, o_wb, m_w = _block_rows(i_n, NOUT, EPI, HALF, PARTS, BLOCK_N)
 
         if GEMV:
             acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        elif STREAM:
+            acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -386,6 +602,24 @@ def _fused_linear_kernel(
                 acc_a, acc_b = _accumulate_gemv(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_wa, o_wb,
                                                 m_w, K2, eps, stride_w, i_n, True, False, EPI != _EPI_NONE, BLOCK_K,
                                                 BLOCK_SS, USE_PDL)
+        elif STREAM and (NORM or HAS_RESIDUAL or TWO_INPUTS):  # stream_inline: the norm in the K loop
+            k_lo = i_s * k_per_split
+            acc_a, acc_b = _accumulate_stream_norm(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_xm, m_m,
+                                                   o_wa, o_wb, m_w, k_lo, tl.minimum(k_lo + k_per_split, K), b_rstd,
+                                                   stride_x, stride_r, stride_w, i_n == 0, NORM, HAS_RESIDUAL,
+                                                   EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
+            if TWO_INPUTS:  # the second K range, split alike
+                k2_per_split = tl.cdiv(tl.cdiv(K2, BLOCK_K), SPLIT) * BLOCK_K
+                k_lo = i_s * k2_per_split
+                acc_a, acc_b = _accumulate_stream_norm(acc_a, acc_b, x2_ptr, x2_ptr, nw2_ptr, x2_ptr, w_ptr, K, o_m,
+                                                       m_m, o_wa, o_wb, m_w, k_lo, tl.minimum(k_lo + k2_per_split, K2),
+                                                       b_rstd2, stride_x2, stride_x2, stride_w, False, True, False,
+                                                       EPI != _EPI_NONE, BLOCK_K, DOT_PREC)
+        elif STREAM:
+            k_lo = i_s * k_per_split
+            acc_a, acc_b = _accumulate_stream(acc_a, acc_b, x_ptr, w_ptr, o_xm, m_m, o_wa, o_wb, m_w, k_lo,
+                                              tl.minimum(k_lo + k_per_split, K), stride_x, stride_w, EPI != _EPI_NONE,
+                                              BLOCK_K, DOT_PREC)
         else:
             acc_a, acc_b = _accumulate(acc_a, acc_b, x_ptr, r_ptr, nw_ptr, s_ptr, w_ptr, 0, o_xm, m_m, o_wa, o_wb, m_w,
                                        K, b_rstd, stride_x, stride_r, stride_w, i_n, NORM, HAS_RESIDUAL,
@@ -399,11 +633,19 @@ def _fused_linear_kernel(
         if GEMV:
             acc_a = tl.sum(acc_a, axis=1)[None, :]  # [1, BLOCK_N]
             acc_b = tl.sum(acc_b, axis=1)[None, :]
+        m_e = m_m  # the epilogue's rows (split-K: only in the block's last split to arrive)
+        if SPLIT > 1:
+            acc_a, acc_b, is_last = _split_reduce(acc_a, acc_b, part_ptr, cnt_ptr, i_m * n_blocks + i_n, i_s, SPLIT,
+                                                  EPI != _EPI_NONE, BLOCK_N, BLOCK_M)
+            m_e = m_m & is_last
+        if STREAM:  # [BLOCK_N, BLOCK_M] -> the epilogue's [BLOCK_M, BLOCK_N]
+            acc_a = tl.trans(acc_a)
+            acc_b = tl.trans(acc_b)
 
         # Projections are rounded to dt first, exactly where the unfused path stores them.
         b_a = acc_a.to(dt)
         if EPI == _EPI_NONE:
-            m_o = m_m[:, None] & m_w[None, :]
+            m_o = m_e[:, None] & m_w[None, :]
             if HAS_ADD:  # out = dt(x @ w^T + add), one rounding (torch.addmm's)
                 b_add = tl.load(add_ptr + o_m[:, None] * stride_o + o_wa[None, :], mask=m_o, other=0.0)
                 b_a = (acc_a + b_add.to(tl.float32)).to(dt)
@@ -412,17 +654,17 @@ def _fused_linear_kernel(
             b_g = b_a.to(tl.float32)
             b_u = acc_b.to(dt).to(tl.float32)
             b_act = b_g / (1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u in fp32, one rounding
-            m_o = m_m[:, None] & m_w[None, :]
+            m_o = m_e[:, None] & m_w[None, :]
             tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_act.to(o_ptr.dtype.element_ty), mask=m_o)
         else:
             # Head i_head of [q heads | k heads | v heads]; halves a = dims [0, D/2), b = [D/2, D); this
             # program's dims o_hc of each half.
             b_x1 = b_a.to(tl.float32)
             b_x2 = acc_b.to(dt).to(tl.float32)
-            m_o = m_m[:, None] & m_w[None, :]
+            m_o = m_e[:, None] & m_w[None, :]
             if i_head < HQ + HKV:
-                b_pos = tl.load(pos_ptr + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
-                m_p = m_m & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
+                b_pos = tl.load(pos_ptr + o_m, mask=m_e, other=0).to(tl.int64)  # [BLOCK_M]
+                m_p = m_e & (b_pos >= 0) & (b_pos < n_positions)  # out of range: cos = sin = 0
                 p_cs = b_pos[:, None] * stride_cos + o_hc[None, :]
                 b_cos = tl.load(cos_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
                 b_sin = tl.load(sin_ptr + p_cs, mask=m_p[:, None] & m_w[None, :], other=0.0)  # [BLOCK_M, BLOCK_N] fp32
@@ -436,7 +678,7 @@ def _fused_linear_kernel(
                 tl.store(p_q, b_o1.to(dt), mask=m_o)
                 tl.store(p_q + HALF, b_o2.to(dt), mask=m_o)
             else:
-                b_slot = tl.load(slot_ptr + o_m, mask=m_m, other=-1)  # [BLOCK_M] int64
+                b_slot = tl.load(slot_ptr + o_m, mask=m_e, other=-1)  # [BLOCK_M] int64
                 m_s = m_o & (b_slot >= 0)[:, None]
                 b_slot = tl.maximum(b_slot, 0)
                 b_page = b_slot // PS
@@ -505,11 +747,41 @@ def _check_rows(name, x, rows):
         raise ValueError(f"{name}: at most {MAX_M} gathered rows, got {index.numel()}")
 
 
-def _default_block_n(x, config, epi, dot_block_n, rows=None):
-    """Column block when the caller gave none: the GEMV tile's, else the tl.dot one."""
+def _default_block_n(x, config, epi, dot_block_n, rows=None, n_cols=None, hi=128):
+    """Column block when the caller gave none: the GEMV tile's, the streaming body's (n_cols output
+    columns per accumulator, at most hi) or the tl.dot one."""
     if _gemv_requested(x, config, rows):
         return _gemv_tiles(x.shape[1], epi, x.device)["block_n"]
+    if _peek_body(config) != "dot":
+        return _stream_block_n(lambda bn: triton.cdiv(n_cols, bn), _num_rows(x, rows), 1 if epi == EPI_NONE else 2,
+                               hi, x.device)
     return dot_block_n
+
+
+def _peek_body(config):
+    """The multi-row body config / the kernel option selects (without popping config's key)."""
+    return (config or {}).get("small_m") or options.get().small_m
+
+
+def _stream_block_n(grid_of, M, n_acc, hi, device):
+    """Streaming-body column block: the widest (<= hi) that still gives every SM a column block
+    (grid_of(bn) programs), but no narrower than the row block / n_acc, so the row tiles each program
+    reads (BLOCK_M x K, from L2) stay no larger than its weight tiles (n_acc x BLOCK_N x K, from HBM);
+    too few blocks then are made up by split-K (_stream_split)."""
+    floor = min(hi, max(16, triton.next_power_of_2(_block_m(M) // n_acc)))
+    bn = hi
+    while bn > floor and grid_of(bn) < sm_count(device):
+        bn //= 2
+    return bn
+
+
+def _stream_split(grid_n, K, block_k, device):
+    """Default split-K of the streaming body: with fewer column blocks than SMs, enough splits to give
+    every SM a program, keeping at least two BLOCK_K chunks per split."""
+    sms = sm_count(device)
+    if grid_n >= sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, grid_n), triton.cdiv(K, block_k) // 2))
 
 
 def _use_gemv(x, config, rows=None):
@@ -540,6 +812,30 @@ def _gemv_tiles(K, epi, device):
     if K <= 2048:
         return {"block_n": 4, "BLOCK_K": 128, "num_warps": 8}
     return {"block_n": 8, "BLOCK_K": 512, "num_warps": 4}
+
+
+SMALL_M_BODIES = options.SMALL_M_BODIES
+
+
+def _small_m_body(config):
+    """The body for rows that do not take the GEMV: config's "small_m" (popped) or the kernel option
+    small_m: "dot" (_accumulate), "stream" (_stream_prologue_kernel + _accumulate_stream),
+    "stream_prefetch" (the same, with the GEMM's L2 prefetch before its PDL wait) or "stream_inline"
+    (one launch: _accumulate_stream_norm)."""
+    body = config.pop("small_m", None) or options.get().small_m
+    if body not in SMALL_M_BODIES:
+        raise ValueError(f"small_m body {body!r}; valid: {', '.join(SMALL_M_BODIES)}")
+    return body
+
+
+def _stream_tiles(K, block_m, block_n, n_acc, esize):
+    """Streaming-body defaults: BLOCK_K for ~24 KB of weight and rows per pipeline stage (n_acc x
+    [BLOCK_N, BLOCK_K] + [BLOCK_M, BLOCK_K]), between 32 and 256 and no wider than K needs; 4 stages
+    (~96 KB of shared memory in flight per program), 4 warps. Not tuned on a GPU yet (bench_linear.py
+    --small-m sweeps the alternatives)."""
+    bk = 24576 // ((n_acc * block_n + block_m) * esize)
+    bk = min(256, max(32, 1 << (bk.bit_length() - 1)))
+    return {"BLOCK_K": min(bk, max(32, triton.next_power_of_2(K))), "num_warps": 4, "num_stages": 4}
 
 
 def _dot_prec(dtype):
@@ -573,13 +869,25 @@ def _check(name, x, w, residual=None, norm_weight=None, rows=None):
 
 def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=0.0, epi=EPI_NONE, nout=0,
             rope_args=None, add=None, x2=None, norm_weight2=None, config=None, rows=None):
-    """One launch of the fused kernel; returns s (x + residual, or x) when a norm runs, else None.
-    ``config`` overrides BLOCK_K / num_warps / num_stages (benchmark sweeps; the public launchers also
-    take ``block_n``, and ``parts`` for the qkv kernel). ``rows``: (index, group), gathered rows of x."""
+    """One launch of the fused kernel (the streaming body: its prologue first where a norm runs);
+    returns s (x + residual, or x) when a norm runs, else None. ``config`` overrides BLOCK_K /
+    num_warps / num_stages / programs (benchmark sweeps; the public launchers also take ``block_n``,
+    and ``parts`` for the qkv kernel), "gemv" (one row), "small_m" (the multi-row body, else the
+    kernel option), and for the streaming body "split_k" and "prefetch" (weight columns requested
+    into L2 before the PDL wait, 0 = none). ``rows``: (index, group), gathered rows of x."""
     K = x.shape[1]
     M = _num_rows(x, rows)
     cfg = dict(config or {})
     gemv = _use_gemv(x, cfg, rows)
+    body = _small_m_body(cfg)
+    stream = body != "dot" and not gemv
+    # stream_prefetch: the GEMM's first weight columns requested into L2 before its PDL wait
+    prefetch = cfg.pop("prefetch", None)
+    if prefetch is None:
+        prefetch = min(1024, triton.next_power_of_2(K + (x2.shape[1] if x2 is not None else 0))) \
+            if body == "stream_prefetch" else 0
+    line = 128 // x.element_size()
+    prefetch = max(line, triton.next_power_of_2(prefetch)) if prefetch and stream else 0
     pdl = int(cfg.pop("pdl", pdl_mode(x.device)))  # 0 off, 1 late, 2 early trigger
     if pdl == 1 and epi == EPI_ROPE:  # the attention after it may launch at once (see QKV_EARLY_MAX_BYTES)
         early = options.get().pdl_qkv_early
@@ -611,13 +919,44 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         nw2, K2 = norm_weight2.contiguous(), x2.shape[1]
     else:
         x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
+    if stream and body != "stream_inline" and (norm or residual is not None or K2):
+        # First launch: the ready rows y = [RMSNorm(x + residual) | RMSNorm2(x2)] (and s); the GEMM then
+        # streams y like a plain linear's x (no residual, norm, second input or gather left).
+        y = torch.empty((M, K + K2), dtype=x.dtype, device=x.device)
+        gx, gw, gg, gs = (rows[0], rows[0].shape[1], int(rows[1]), rows[0].stride(0)) if rows is not None \
+            else (x, 1, 0, 0)
+        block = min(4096, triton.next_power_of_2(max(K, K2)))
+        _stream_prologue_kernel[(M, 2 if K2 else 1)](
+            x, r, nw, s, x2, nw2, y, K, K2, float(eps), x.stride(0), r.stride(0), x2.stride(0), y.stride(0),
+            gx, gw, gg, gs, NORM=norm, HAS_RESIDUAL=residual is not None, GATHER=rows is not None, BLOCK=block,
+            USE_PDL=(2 if pdl == 2 or prefetch else 1) if pdl else 0, num_warps=4 if block <= 1024 else 8,
+            **({"launch_pdl": True} if pdl else {}),
+        )  # fmt: skip
+        x = r = y
+        K, K2, rows, residual, norm_main = K + K2, 0, None, None, False
+        x2 = nw2 = nw = y
+    else:
+        norm_main = norm
     if gemv:
         cfg = {**_gemv_tiles(K, epi, x.device), "num_stages": 1, **cfg}
         cfg.pop("block_n")
+    elif stream:
+        cfg = {**_stream_tiles(max(K, K2), block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()), **cfg}
     else:
         cfg = {"BLOCK_K": _block_k(K, block_m, block_n, 1 if epi == EPI_NONE else 2, x.element_size()),
                "num_warps": 4, "num_stages": 3, **cfg}
-    programs = min(grid_n, cfg.pop("programs", None) or grid_n)
+    split = cfg.pop("split_k", None)
+    split = int(split if split is not None else (_stream_split(grid_n, K, cfg["BLOCK_K"], x.device) if stream else 1))
+    if split < 1 or (split > 1 and not stream):
+        raise ValueError(f"split_k={split}: the streaming body's K split needs small_m stream and >= 1 splits")
+    n_tasks = grid_n * split
+    programs = min(n_tasks, cfg.pop("programs", None) or n_tasks)
+    if split > 1:
+        n_cnt = triton.cdiv(M, block_m) * grid_n
+        part = torch.empty(n_cnt * split * 2 * block_n * block_m, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, n_cnt, owner="fused_linear")
+    else:
+        part = counters = out  # placeholders (SPLIT = 1)
     if rows is not None:
         xi, xi_group = rows
         xi_w, xi_stride = xi.shape[1], xi.stride(0)
@@ -627,12 +966,14 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
         M, K, K2, nout, grid_n, float(eps), n_pos,
         x.stride(0), r.stride(0), x2.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
-        xi, xi_w, int(xi_group), xi_stride,
-        HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm, HAS_RESIDUAL=residual is not None, TWO_INPUTS=K2 > 0,
+        xi, xi_w, int(xi_group), xi_stride, part, counters,
+        HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm_main, HAS_RESIDUAL=residual is not None,
+        TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
         BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
-        USE_PDL=pdl, GATHER=rows is not None, **({"launch_pdl": True} if pdl else {}), **cfg,
+        USE_PDL=pdl, GATHER=rows is not None, STREAM=stream, PREFETCH=prefetch, LINE=line, SPLIT=split,
+        **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
     return s if norm else None
 
@@ -650,7 +991,8 @@ def linear(x, w, add=None, config=None, rows=None):
                              f"{tuple(add.shape)} {add.dtype} on {add.device}")
         add = add.contiguous()
     config = _gemv_default(config, NOUT)
-    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), rows)
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), rows,
+                                                         n_cols=NOUT)
     _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config, rows=rows)
     return out
 
@@ -661,7 +1003,7 @@ def norm_linear(x, residual, norm_weight, eps, w, config=None):
     M, NOUT = x.shape[0], w.shape[0]
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
     config = _gemv_default(config, NOUT)
-    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device))
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), n_cols=NOUT)
     s = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, residual=residual,
                 norm_weight=norm_weight, eps=eps, nout=NOUT, config=config)
     return out, (x if s is None else s)
@@ -678,7 +1020,8 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
     M, F = x.shape[0], w13.shape[0] // 2
     out = torch.empty((M, F), dtype=x.dtype, device=x.device)
     config = dict(config or {})
-    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_SWIGLU, _block_n(F, x.device, hi=64))
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_SWIGLU, _block_n(F, x.device, hi=64),
+                                                         n_cols=F, hi=64)
     s = _launch(x, w13, out, grid_n=triton.cdiv(F, bn), block_n=bn, residual=residual, norm_weight=norm_weight,
                 eps=eps, epi=EPI_SWIGLU, nout=F, config=config)
     return out, s
@@ -745,6 +1088,9 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     gemv = _gemv_requested(x, config, rows)
     if parts is None and gemv:
         parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE, x.device)["block_n"])
+    elif parts is None and _peek_body(config) != "dot":  # streaming body: its column-block rule per half head
+        parts = max(1, half // _stream_block_n(lambda bn: (HQ + 2 * HKV) * triton.cdiv(half, bn), M, 2, max(16, half),
+                                                x.device))
     elif parts is None:
         parts = 1
         while half // (2 * parts) >= 16 and (HQ + 2 * HKV) * 2 * parts <= sm_count(x.device):

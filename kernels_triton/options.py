@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 PDL_MODES = ("late", "early", "off")
+SMALL_M_BODIES = ("dot", "stream", "stream_prefetch", "stream_inline")  # kernel option small_m
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ class KernelOptions:
         None: when its weights are at most linear.QKV_EARLY_MAX_BYTES; True / False: always / never.
     fused_rows: the most rows a layer may run on the small-M fused kernels (1 .. linear.MAX_M = 64).
         None: the measured default (specdec.models.ops.FUSED_MAX_ROWS = 16: batch-1 decode and draft
-        rows, verify of a 16-node tree on cuBLAS); 64 puts the verify of trees up to 63 nodes on
-        them too: 4 instead of 8 launches per layer (an A/B switch, profile_step.py --fused-rows).
+        rows, verify of a 16-node tree on cuBLAS; with a streaming small_m body
+        ops.STREAM_MAX_ROWS = 64); 64 puts the verify of trees up to 63 nodes on them too: 4 instead
+        of 8 launches per layer (an A/B switch, profile_step.py --fused-rows).
     gather_rows: layers whose input rows are picked from a table (EAGLE-3's token embeddings in every
         draft round, the accepted path's features for the extend's fc) read them through an index in
         the fused kernel (linear.py, gathered rows) instead of a torch gather (+ clamp, cast) first:
@@ -55,6 +57,22 @@ class KernelOptions:
         kernels_triton.topk.MAX_V = 16384 ids (32000-id EAGLE-3 draft vocabularies of Llama-3
         targets, full 128256 / 151936 vocabularies) run as the split-row Triton kernels (2 launches)
         on the Triton backend. False: torch log_softmax + topk there (an A/B switch).
+    small_m: the fused kernels' body for more than one row (linear.py; one row keeps the GEMV).
+        "dot": the tl.dot body (each K chunk of x loaded, residual-added and normalised right
+        before its dot, [rows, K] @ [K, columns]); routing as today (rows <= fused_rows or
+        ops.FUSED_MAX_ROWS = 16, weights <= ops.FUSED_MAX_WEIGHT_BYTES). "stream": a prologue launch
+        writes the ready rows (RMSNorm(x + residual), the second input's norm, gathered rows) and
+        s once, then the GEMM streams only weight and row tiles (swap-AB: [columns, K] @ [K, rows],
+        pipelined), with the same epilogues; layers without a norm (wo, w2, fc) take one launch.
+        With "stream", rows up to fused_rows or ops.STREAM_MAX_ROWS = 64 (tree verify, EAGLE-3
+        draft rounds) and projections of any weight size (Llama-3.1-8B's) take the fused kernels;
+        LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep FUSED_MAX_WEIGHT_BYTES.
+        "stream_prefetch": "stream" whose GEMM, launched early under PDL, first asks for its first
+        weight columns into L2 (prefetch.global.L2) and only then waits for its inputs, so the weight
+        fetch overlaps the prologue / previous kernel (no effect with pdl=off). "stream_inline": one
+        launch, no prologue: the streaming body's tiles (swap-AB, split-K) with each row chunk
+        residual-added and normalised in the K loop right before its dot (as "dot" does). An A/B
+        switch, "dot" until measured (profile_step.py --ab small_m=dot,stream,stream_prefetch,stream_inline).
     """
 
     pdl: str = "late"
@@ -66,6 +84,7 @@ class KernelOptions:
     fused_rows: int | None = None
     gather_rows: bool = True
     wide_topk: bool = True
+    small_m: str = "dot"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -89,6 +108,10 @@ def _validated(name: str, value):
         if value not in PDL_MODES:
             raise ValueError(f"kernel option pdl={value!r}; valid: {', '.join(PDL_MODES)} (or true = late, "
                              "false = off)")
+        return value
+    if name == "small_m":
+        if value not in SMALL_M_BODIES:
+            raise ValueError(f"kernel option small_m={value!r}; valid: {', '.join(SMALL_M_BODIES)}")
         return value
     if name in _ROWS:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -150,10 +173,12 @@ _WORDS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0"
 
 def parse_value(name: str, text: str):
     """A command-line word as the value of option ``name`` (true/false/on/off/1/0, null/auto for the
-    tri-state ones, late/early/off for pdl), validated."""
+    tri-state ones, late/early/off for pdl, a body of SMALL_M_BODIES for small_m), validated."""
     word = text.strip().lower()
     if name == "pdl" and word in PDL_MODES:
         return word
+    if name == "small_m":
+        return _validated(name, word)
     if name in _ROWS:
         if word in ("null", "auto", "none"):
             return None
@@ -171,12 +196,13 @@ def parse_value(name: str, text: str):
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
     ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``,
-    ``--wide-topk``); unset flags keep the defaults."""
+    ``--wide-topk``, ``--small-m``); unset flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
            "fused_rows": "null | 1..64", "gather_rows": "true | false",
-           "wide_topk": "true | false"}
+           "wide_topk": "true | false",
+           "small_m": "dot | stream | stream_prefetch | stream_inline"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

@@ -17,12 +17,13 @@ def test_defaults_and_validation(kernel_options):
     o = kernel_options.get()
     assert o.as_dict() == dict(pdl="late", fused_linear=True, step_kernels=None, fused_merge=None,
                                attn_prewait=True, pdl_qkv_early=None, fused_rows=None,
-                               gather_rows=True, wide_topk=True)
+                               gather_rows=True, wide_topk=True, small_m="dot")
     for name, bad, needle in (("fused_linear", "yes", "true, false"), ("attn_prewait", None, "true, false"),
                               ("fused_rows", 65, "1..64"), ("fused_rows", 0, "1..64"), ("fused_rows", True, "1..64"),
                               ("fused_rows", "17", "1..64"),
                               ("step_kernels", "on", "null (the measured default), true, false"),
-                              ("fused_merge", 1, "null"), ("pdl", "sometimes", "late, early, off")):
+                              ("fused_merge", 1, "null"), ("pdl", "sometimes", "late, early, off"),
+                              ("small_m", "gemv", "dot, stream"), ("small_m", None, "dot, stream")):
         with pytest.raises(ValueError, match=name) as e:
             kernel_options.set_(**{name: bad})
         assert needle in str(e.value)
@@ -58,6 +59,10 @@ def test_command_line_flags(kernel_options):
     assert kernel_options.set_from_flags_(ap.parse_args(["--fused-rows", "null"])).fused_rows is None
     with pytest.raises(SystemExit, match="--fused-rows: kernel option fused_rows='99'.*1..64"):
         kernel_options.set_from_flags_(ap.parse_args(["--fused-rows", "99"]))
+    assert kernel_options.set_from_flags_(ap.parse_args(["--small-m", "Stream"])).small_m == "stream"
+    assert kernel_options.parse_value("small_m", "dot") == "dot"
+    with pytest.raises(SystemExit, match="--small-m: kernel option small_m='tiles'.*dot, stream"):
+        kernel_options.set_from_flags_(ap.parse_args(["--small-m", "tiles"]))
     with pytest.raises(SystemExit, match="--fused-linear: kernel option fused_linear='maybe'"):
         kernel_options.set_from_flags_(ap.parse_args(["--fused-linear", "maybe"]))
 

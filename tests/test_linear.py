@@ -452,3 +452,253 @@ def test_gathered_rows_reject_bad_input():
         lin.linear(x, w, rows=(torch.zeros(1, 65, dtype=torch.int32, device=DEVICE), 0))
     with pytest.raises(ValueError, match="group -1"):
         lin.linear(x, w, rows=(torch.zeros(1, 2, dtype=torch.int32, device=DEVICE), -1))
+
+
+# The streaming body (kernel option small_m="stream", or config {"small_m": "stream"}): a prologue launch
+# writes the ready rows (norm of x + residual, second input's norm, gathered rows) and s, then the GEMM
+# streams weight and row tiles (swap-AB). Every epilogue, M from 2 to 64 (BLOCK_M 16, 32, 64), odd K and
+# output counts, several K chunks with a partial last one, persistent grids, gathered rows.
+STREAM_PATHS = {
+    "stream": {"small_m": "stream"},
+    "stream-chunks": {"small_m": "stream", "BLOCK_K": 32, "num_stages": 2},
+    "stream-persistent": {"small_m": "stream", "BLOCK_K": 64, "programs": 2, "block_n": 32},
+    # split-K: 3 splits of K = 200 in 32-column chunks (3, 3, 1 chunks), the last to arrive sums them
+    "stream-split": {"small_m": "stream", "BLOCK_K": 32, "split_k": 3},
+    "stream-split-persistent": {"small_m": "stream", "BLOCK_K": 32, "split_k": 4, "programs": 3, "block_n": 16},
+    # stream_inline: one launch, the norm (and s) in the K loop, on the same tiles
+    "inline-chunks": {"small_m": "stream_inline", "BLOCK_K": 32, "num_stages": 2},
+    "inline-split-persistent": {"small_m": "stream_inline", "BLOCK_K": 32, "split_k": 3, "programs": 4,
+                                "block_n": 16},
+}
+
+
+def _norm_launches(body):
+    """The launches of a layer with a norm on ``body``."""
+    return ["stream"] if body == "stream_inline" else ["prologue", "stream"]
+
+
+class _Spy:
+    """Wraps a @triton.jit kernel: records the constexpr / keyword arguments of each launch."""
+
+    def __init__(self, kernel, log, name):
+        self.kernel, self.log, self.name = kernel, log, name
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.log.append((self.name, kw))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """[(kernel name, launch kwargs)] of the fused-linear kernels launched in the test."""
+    log = []
+    for name in ("_fused_linear_kernel", "_stream_prologue_kernel"):
+        monkeypatch.setattr(lin, name, _Spy(getattr(lin, name), log, name))
+    return log
+
+
+def _bodies(log):
+    """'prologue' / 'stream' / 'dot' / 'gemv' per launch."""
+    out = []
+    for name, kw in log:
+        if name == "_stream_prologue_kernel":
+            out.append("prologue")
+        else:
+            out.append("gemv" if kw["GEMV"] else "stream" if kw["STREAM"] else "dot")
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,body", [(2, "stream"), (8, "stream"), (17, "stream"), (33, "stream"), (64, "stream"),
+                                    (2, "stream_inline"), (17, "stream_inline"), (64, "stream_inline")])
+def test_stream_body_matches_ref(M, body, dtype, poison, launches):
+    cfg = {"small_m": body}
+    gen = torch.Generator().manual_seed(300 + M)
+    K, NOUT, F = 75, 37, 21  # odd: partial row, column and K blocks
+    x, r = _randn(M, K, dtype=dtype, scale=3.0, gen=gen), _randn(M, K, dtype=dtype, gen=gen)
+    nw = _randn(K, dtype=dtype, gen=gen)
+    w = _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    add = _randn(M, NOUT, dtype=dtype, scale=2.0, gen=gen)
+    _close(lin.linear(x, w, config=dict(cfg)), lin.linear_ref(x, w), dtype)
+    _close(lin.linear(x, w, add, config=dict(cfg)), lin.linear_ref(x, w, add), dtype)
+    assert _bodies(launches) == ["stream", "stream"]  # no norm: one launch
+    for res in (None, r):
+        launches.clear()
+        out, s = lin.norm_linear(x, res, nw, 1e-5, w, config=dict(cfg))
+        out_ref, s_ref = lin.norm_linear_ref(x, res, nw, 1e-5, w)
+        assert _bodies(launches) == _norm_launches(body)
+        torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+        _close(out, out_ref, dtype)
+    w13 = _randn(2 * F, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    act, s = lin.norm_swiglu(x, r, nw, 1e-5, w13, config=dict(cfg))
+    act_ref, s_ref = lin.norm_swiglu_ref(x, r, nw, 1e-5, w13)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    _close(act, act_ref, dtype)
+
+    HQ, HKV, D, PS, NP = 3, 1, 24, 4, 24  # D = 24: half 12, masked columns
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    pos = torch.randint(0, 64, (M,), generator=gen).to(DEVICE)
+    slots = torch.randperm(NP * PS, generator=gen)[:M]
+    slots[1::4] = -1  # padding rows
+    slots = slots.to(DEVICE)
+    x2, nw2 = _randn(M, 40, dtype=dtype, scale=0.3, gen=gen), _randn(40, dtype=dtype, gen=gen)
+    for two_inputs in (False, True):
+        kk = K + 40 if two_inputs else K
+        wqkv = _randn((HQ + 2 * HKV) * D, kk, dtype=dtype, scale=kk ** -0.5, gen=gen)
+        extra = dict(x2=x2, norm_weight2=nw2) if two_inputs else {}
+        res = None if two_inputs else r
+        kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+        vc = torch.full_like(kc, float("nan"))
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q, s = lin.norm_qkv_rope_write_kv_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
+                                           config=dict(cfg), **extra)
+        q_ref, s_ref = lin.norm_qkv_rope_write_kv_ref_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref,
+                                                       vc_ref, slots, **extra)
+        torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+        _close(q, q_ref, dtype)
+        for c, c_ref in ((kc, kc_ref), (vc, vc_ref)):  # untouched slots stay NaN in both
+            torch.testing.assert_close(c, c_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    assert "dot" not in _bodies(launches) and "gemv" not in _bodies(launches)
+
+
+@pytest.mark.parametrize("path", ["stream-chunks", "stream-persistent", "stream-split", "stream-split-persistent",
+                                  "inline-chunks", "inline-split-persistent"])
+@pytest.mark.parametrize("M", [5, 40])
+def test_stream_tiles_match_ref(path, M, poison, launches):
+    # Several K chunks (K = 200: BLOCK_K 32 / 64, partial last chunk), a persistent grid (programs
+    # looping over the column blocks) and split-K (every epilogue from the summed partials), fp32
+    # through ieee dots: near-exact. The split-K arrival counters are back at 0 afterwards.
+    cfg, dtype = STREAM_PATHS[path], torch.float32
+    gen = torch.Generator().manual_seed(M)
+    K, NOUT, F = 200, 100, 70
+    x, r, nw = _randn(M, K, dtype=dtype, gen=gen), _randn(M, K, dtype=dtype, gen=gen), _randn(K, dtype=dtype, gen=gen)
+    w = _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    _close(lin.linear(x, w, config=dict(cfg)), lin.linear_ref(x, w), dtype)
+    out, s = lin.norm_linear(x, r, nw, 1e-5, w, config=dict(cfg))
+    out_ref, s_ref = lin.norm_linear_ref(x, r, nw, 1e-5, w)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+    _close(out, out_ref, dtype)
+    w13 = _randn(2 * F, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    act, _ = lin.norm_swiglu(x, r, nw, 1e-5, w13, config=dict(cfg))
+    _close(act, lin.norm_swiglu_ref(x, r, nw, 1e-5, w13)[0], dtype)
+    HQ, HKV, D, PS, NP = 3, 1, 64, 4, 16
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    pos = torch.randint(0, 64, (M,), generator=gen).to(DEVICE)
+    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
+    wqkv = _randn((HQ + 2 * HKV) * D, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q, _ = lin.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots, config=dict(cfg))
+    q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(x, r, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref, slots)
+    _close(q, q_ref, dtype)
+    torch.testing.assert_close(kc, kc_ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert _bodies(launches) == ["stream"] + _norm_launches(cfg["small_m"]) * 3
+    main = [kw for n, kw in launches if n == "_fused_linear_kernel"]
+    assert all(kw["BLOCK_K"] == cfg["BLOCK_K"] and kw["SPLIT"] == cfg.get("split_k", kw["SPLIT"]) for kw in main)
+    if "split_k" in cfg:
+        from kernels_triton.attention import arrival_counters
+        assert not arrival_counters(x.device, 1, owner="fused_linear").any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("body", ["stream", "stream_inline"])
+@pytest.mark.parametrize("shape,group", [((1, 2), 0), ((2, 9), 11), ((1, 33), 0)])
+def test_stream_gathered_rows_match_ref(shape, group, body, dtype, poison, launches):
+    # Gathered rows: a plain linear reads them in its K loop (one launch), the two-input qkv in its
+    # prologue (the draft layer's token embeddings straight from the table) or its K loop (inline).
+    gen = torch.Generator().manual_seed(50 + shape[1] + group)
+    cfg = {"small_m": body}
+    n_rows = shape[0] * group if group else 60
+    table = _randn(n_rows, 72, dtype=dtype, scale=2.0, gen=gen)
+    w = _randn(40, 72, dtype=dtype, scale=72 ** -0.5, gen=gen)
+    rows = _rows_case(shape, group, n_rows, gen)
+    _close(lin.linear(table, w, rows=rows, config=dict(cfg)), lin.linear_ref(table, w, rows=rows), dtype)
+    assert _bodies(launches) == ["stream"]
+    M = shape[0] * shape[1]
+    HQ, HKV, D, PS, NP = 2, 1, 32, 4, 16
+    x2, nw, nw2 = _randn(M, 48, dtype=dtype, scale=0.2, gen=gen), _randn(72, dtype=dtype, gen=gen), \
+        _randn(48, dtype=dtype, gen=gen)
+    wqkv = _randn((HQ + 2 * HKV) * D, 72 + 48, dtype=dtype, scale=120 ** -0.5, gen=gen)
+    cos, sin = rope_tables(D, 128, 10000.0, device=DEVICE)
+    pos = torch.randint(0, 128, (M,), generator=gen).to(DEVICE)
+    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
+    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    launches.clear()
+    q, s = lin.norm_qkv_rope_write_kv_(table, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
+                                       x2=x2, norm_weight2=nw2, rows=rows, config=dict(cfg))
+    assert s is None and _bodies(launches) == _norm_launches(body)
+    q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(table, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref,
+                                               vc_ref, slots, x2=x2, norm_weight2=nw2, rows=rows)
+    _close(q, q_ref, dtype)
+    torch.testing.assert_close(kc, kc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+
+
+def test_small_m_option_selects_the_body(launches, kernel_options):
+    # The kernel option picks the body for 2+ rows; one row keeps the GEMV; a config key overrides it.
+    x, w = torch.randn(3, 64, device=DEVICE), torch.randn(40, 64, device=DEVICE)
+    lin.linear(x, w)
+    lin.linear(x[:1], w)
+    kernel_options.set_(small_m="stream")
+    lin.linear(x, w)
+    lin.linear(x[:1], w)
+    lin.linear(x, w, config={"small_m": "dot"})
+    kernel_options.set_(small_m="stream_prefetch")  # (the prefetch itself needs PDL: CUDA only)
+    lin.linear(x, w)
+    kernel_options.set_(small_m="stream_inline")
+    lin.norm_linear(x, None, torch.ones(64, device=DEVICE), 1e-5, w)
+    assert _bodies(launches) == ["dot", "gemv", "stream", "gemv", "dot", "stream", "stream"]
+    with pytest.raises(ValueError, match="small_m body 'fast'"):
+        lin.linear(x, w, config={"small_m": "fast"})
+    with pytest.raises(ValueError, match="small_m='fast'.*dot, stream"):
+        kernel_options.set_(small_m="fast")
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
+@pytest.mark.parametrize("n", [17, 64])
+def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, kernel_options, launches):
+    # small_m="stream": n rows (a tree verify) take the fused kernels (4 per layer, streaming body) even
+    # with every weight "too large" (FUSED_MAX_WEIGHT_BYTES = 0); an LM head (more than GEMV_MAX_COLUMNS
+    # outputs) keeps the weight limit (cuBLAS); fused_rows still caps the rows. The default ("dot") keeps
+    # the old routing (cuBLAS). All match the torch-reference model.
+    from specdec.models import ops
+    from specdec.models.llama import LlamaModel
+    from specdec.models.loading import LlamaConfig
+
+    monkeypatch.setattr(ops, "FUSED_MAX_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(lin, "GEMV_MAX_COLUMNS", 64)  # qkv: 64 outputs, F = 48; the 100-token LM head: more
+    calls = []
+    for name in ("linear", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
+        real = getattr(lin, name)
+        monkeypatch.setattr(lin, name,
+                            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=100, head_dim=16, max_position_embeddings=128)
+    models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=3, backend=be)
+              for be in ("triton", "torch")}
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    meta = ops.AttentionMeta(torch.tensor([0, n], **i32), torch.tensor([n], **i32), torch.arange(17, **i32)[None],
+                             torch.arange(n, device=DEVICE), n)
+    ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    pos = torch.arange(n, **i32)
+    for opts, want in (({}, 0), (dict(small_m="stream"), 4), (dict(small_m="stream", fused_rows=n - 1), 0),
+                       (dict(small_m="stream_prefetch", fused_rows=n), 4), (dict(small_m="stream_inline"), 4)):
+        kernel_options.reset_()
+        kernel_options.set_(**opts)
+        out = {}
+        for be, model in models.items():
+            calls.clear()
+            launches.clear()
+            k, v = model.new_kv_cache(17, 4)
+            h = model(ids, pos, meta, k, v).hidden
+            out[be] = model.logits(h)
+            if be == "triton":
+                assert len(calls) == want, (opts, calls)
+                assert set(_bodies(launches)) <= {"prologue", "stream"}, (opts, _bodies(launches))
+        torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)

@@ -21,7 +21,20 @@ copy bandwidth measured in this run.
 ``--sweep`` also times tile / grid / BLOCK_K / stages / warps variants of the fused kernels at M = 1
 (see sweep_variants).
 
+``--small-m`` (instead of the table above): the multi-row bodies side by side at M in {8, 17, 33, 49}
+(EAGLE-3 draft rounds, tree verify of 16 / 32 / 48 nodes), qkv / wo / mlp_in / w2 of both shapes:
+unfused (norm + cuBLAS + epilogue kernels), the tl.dot body (kernel option small_m="dot"), the
+streaming body ("stream": prologue launch + swap-AB pipelined GEMM, split-K where the column blocks
+do not fill the GPU), "stream_prefetch" (its L2 weight prefetch before the PDL wait) and
+"stream_inline" (one launch, the norm in the K loop) (--bodies: a subset), us per call as above, a
+relative-error check of the fastest streaming variant's output against the unfused one, into
+bench_linear_small_m.csv; ``--small-m-sweep`` adds the streaming body's variants (stream_variants:
+BLOCK_N x split-K, BLOCK_K / stages / warps, persistent grid) into bench_linear_small_m_sweep.csv
+(rows 17 and 49 unless --rows).
+
 Run:  python experiments/kernels/bench_linear.py --out experiments/results/kernels [--sweep]
+      python experiments/kernels/bench_linear.py --small-m --out $OUT
+      python experiments/kernels/bench_linear.py --small-m-sweep --shapes llama8b --out $OUT   (one shape a run)
       python experiments/kernels/bench_linear.py --quick --out /tmp/bench   (CPU smoke run)
 """
 
@@ -59,14 +72,23 @@ SHAPES = {
 TINY = dict(H=64, F=96, HQ=4, HKV=2, D=32, V=300)
 
 
-def make_ops(s, M, dtype, gen):
-    """{op: (callable(config) -> None, weight bytes)} for one shape and row count."""
+def make_ops(s, M, dtype, gen, lm_head=True, weights=None):
+    """{op: (callable(config) -> None, weight bytes)} for one shape and row count (``lm_head`` False:
+    without the LM head, whose weight is the largest to make; ``weights``: a dict that keeps the
+    weights (and their rotating copies) of the first call for the next calls of the same shape)."""
     H, F, HQ, HKV, D, V = (s[k] for k in ("H", "F", "HQ", "HKV", "D", "V"))
     rnd = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)  # noqa: E731
     x, r, nw = rnd(M, H), rnd(M, H), rnd(H)
-    wqkv, wo = rnd((HQ + 2 * HKV) * D, H, scale=H ** -0.5), rnd(H, HQ * D, scale=H ** -0.5)
-    w13, w2 = rnd(2 * F, H, scale=H ** -0.5), rnd(H, F, scale=F ** -0.5)
-    emb = rnd(V, H, scale=H ** -0.5)
+    if weights:
+        wqkv, wo, w13, w2, emb, nxt = weights["all"]
+    else:
+        wqkv, wo = rnd((HQ + 2 * HKV) * D, H, scale=H ** -0.5), rnd(H, HQ * D, scale=H ** -0.5)
+        w13, w2 = rnd(2 * F, H, scale=H ** -0.5), rnd(H, F, scale=F ** -0.5)
+        emb = rnd(V, H, scale=H ** -0.5) if lm_head else None
+        nxt = {name: rotating(w) for name, w in dict(wqkv=wqkv, wo=wo, w13=w13, w2=w2, emb=emb).items()
+               if w is not None}
+        if weights is not None:
+            weights["all"] = (wqkv, wo, w13, w2, emb, nxt)
     o, act = rnd(M, HQ * D), rnd(M, F)
     cos, sin = rope_tables(D, 4096, 10000.0, device=DEVICE)
     pos = torch.randint(0, 4096, (M,), generator=gen).to(DEVICE)
@@ -75,8 +97,7 @@ def make_ops(s, M, dtype, gen):
     vc = torch.zeros_like(kc)
     slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
     nbytes = lambda *ws: sum(w.numel() * w.element_size() for w in ws)  # noqa: E731
-    nxt = {name: rotating(w) for name, w in dict(wqkv=wqkv, wo=wo, w13=w13, w2=w2, emb=emb).items()}
-    return {
+    out = {
         "qkv": (lambda: ops.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, nxt["wqkv"](), HQ, HKV, pos, cos, sin, kc, vc,
                                                     slots),
                 lambda cfg: lin.norm_qkv_rope_write_kv_(x, r, nw, 1e-5, nxt["wqkv"](), HQ, HKV, pos, cos, sin, kc, vc,
@@ -85,9 +106,11 @@ def make_ops(s, M, dtype, gen):
         "mlp_in": (lambda: ops.norm_swiglu(x, r, nw, 1e-5, nxt["w13"]()),
                    lambda cfg: lin.norm_swiglu(x, r, nw, 1e-5, nxt["w13"](), config=cfg), nbytes(w13)),
         "w2": (lambda: ops.linear(act, nxt["w2"]()), lambda cfg: lin.linear(act, nxt["w2"](), config=cfg), nbytes(w2)),
-        "lm_head": (lambda: ops.linear(x, nxt["emb"]()), lambda cfg: lin.linear(x, nxt["emb"](), config=cfg),
-                    nbytes(emb)),
     }
+    if lm_head:
+        out["lm_head"] = (lambda: ops.linear(x, nxt["emb"]()), lambda cfg: lin.linear(x, nxt["emb"](), config=cfg),
+                          nbytes(emb))
+    return out
 
 
 ROTATE_BYTES = 256 << 20  # > the H200's 50 MB L2 several times over
@@ -138,6 +161,107 @@ def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
     return out
 
 
+def stream_variants(op, s, quick):
+    """Variants of the streaming body beside its defaults: BLOCK_N (qkv: programs per head ``parts``) x
+    split-K (1, 2, 4), then (BLOCK_K, stages, warps) at the default tile, a persistent grid of one
+    program per SM, the L2 prefetch before the PDL wait (small_m stream_prefetch) and the one-launch
+    stream_inline (default split-K and none)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
+    half = s["D"] // 2
+    if op == "qkv":
+        tiles = [dict(parts=p) for p in (1, 2, 4) if half // p >= 16]
+    else:
+        tiles = [dict(block_n=bn) for bn in ((16, 32, 64) if op == "mlp_in" else (16, 64, 128))]
+    splits = (1, 2) if quick else (1, 2, 4)
+    out = [dict(t, split_k=sp) for t in tiles for sp in splits]
+    sw = ((64, 2, 4),) if quick else ((64, 4, 4), (128, 4, 4), (256, 3, 4), (128, 5, 8))
+    out += [dict(BLOCK_K=bk, num_stages=st, num_warps=wp) for bk, st, wp in sw]
+    return out + [dict(programs=sms, split_k=1), dict(small_m="stream_prefetch"), dict(small_m="stream_inline"),
+                  dict(small_m="stream_inline", split_k=1)]
+
+
+def rel_err(got, ref_fn) -> float:
+    """max |got - ref| / max |ref| of an op's first output against the unfused path's (a correctness
+    check of the kernels on this device: bf16 roundings differ, so ~1e-2 is expected)."""
+    with options.use(fused_linear=False):
+        ref = ref_fn()
+    got, ref = (t[0] if isinstance(t, tuple) else t for t in (got, ref))
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
+
+
+def small_m_main(args, shapes, dtype, copy_gbps, meta):
+    """--small-m: unfused vs the tl.dot body vs the streaming bodies per op and row count (module docstring)."""
+    bodies = args.bodies
+    rows_m = [2, 5] if args.quick else (args.rows or ([17, 49] if args.small_m_sweep else [8, 17, 33, 49]))
+    op_names = args.ops or ["qkv", "wo", "mlp_in", "w2"]
+    rows, sweep = [], []
+    gen = torch.Generator().manual_seed(0)
+    for sname, s in shapes.items():
+        weights = {}  # one set of weights per shape
+        for M in rows_m:
+            for op, (call, call_cfg, wbytes) in make_ops(s, M, dtype, gen, lm_head="lm_head" in op_names,
+                                                         weights=weights).items():
+                if op not in op_names:
+                    continue
+                unfused_us = timed(call, False)
+                us = {b: timed(lambda: call_cfg({"small_m": b, "gemv": False}), True) for b in bodies}
+                row = dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, unfused_us=unfused_us,
+                           **{f"{b}_us": t for b, t in us.items()})
+                best = min((b for b in bodies if b != "dot"), key=lambda b: us[b], default=None)
+                if best is not None:  # the fastest streaming variant: its speed-ups, bandwidth and error
+                    gbps = wbytes / (us[best] * 1e-6) / 1e9
+                    row.update(best_stream=best, best_vs_unfused=unfused_us / us[best],
+                               best_vs_dot=us.get("dot", float("nan")) / us[best], best_gbps=gbps,
+                               pct_copy=100 * gbps / copy_gbps,
+                               rel_err=rel_err(call_cfg({"small_m": best, "gemv": False}), call))
+                rows.append(row)
+                stream_us = us.get("stream", float("nan"))
+                if args.small_m_sweep:
+                    for v in stream_variants(op, s, args.quick):
+                        cfg = dict({"small_m": "stream", "gemv": False}, **v)
+                        try:
+                            us = timed(lambda: call_cfg(dict(cfg)), True)
+                        except Exception as exc:  # e.g. out of shared memory for this tile
+                            us = float("nan")
+                            print(f"sweep {sname} M={M} {op} {v}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                        sweep.append(dict(meta, shape=sname, M=M, op=op, body=cfg["small_m"],
+                                          split_k=v.get("split_k", ""), block_n=v.get("block_n", ""),
+                                          parts=v.get("parts", ""), programs=v.get("programs", ""),
+                                          BLOCK_K=v.get("BLOCK_K", ""), num_stages=v.get("num_stages", ""),
+                                          num_warps=v.get("num_warps", ""), us=us, default_us=stream_us,
+                                          pct_copy=100 * wbytes / (us * 1e-6) / 1e9 / copy_gbps))
+            print(f"done {sname} M={M}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, data in (("bench_linear_small_m.csv", rows), ("bench_linear_small_m_sweep.csv", sweep)):
+        if data:
+            with open(args.out / name, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(data[0]))
+                w.writeheader()
+                w.writerows(data)
+    if sweep:
+        best = {}
+        for row in sweep:
+            key = (row["shape"], row["M"], row["op"])
+            if row["us"] == row["us"] and (key not in best or row["us"] < best[key]["us"]):
+                best[key] = row
+        print_table("best streaming-body variant per op (default tiles: stream us of the table below)",
+                    ["shape", "M", "op", "body", "BLOCK_N", "parts", "split", "programs", "BLOCK_K", "stages", "warps",
+                     "us", "default us", "%copy"],
+                    [[r["shape"], str(r["M"]), r["op"], r["body"], str(r["block_n"]), str(r["parts"]),
+                      str(r["split_k"]), str(r["programs"]),
+                      str(r["BLOCK_K"]), str(r["num_stages"]), str(r["num_warps"]), f"{r['us']:.2f}",
+                      f"{r['default_us']:.2f}", f"{r['pct_copy']:.0f}"] for r in best.values()])
+    cols = [f"{b}_us" for b in bodies]
+    print_table(f"multi-row bodies, us per call ({meta['device']}, {meta['commit']}, copy {copy_gbps:.0f} GB/s; "
+                "best: the fastest streaming variant)",
+                ["shape", "M", "op", "weight MB", "unfused"] + list(bodies) + ["best", "x unfused", "x dot", "%copy",
+                                                                              "rel err"],
+                [[r["shape"], str(r["M"]), r["op"], f"{r['weight_mb']:.2f}", f"{r['unfused_us']:.2f}"]
+                 + [f"{r[c]:.2f}" for c in cols]
+                 + ([r["best_stream"], f"{r['best_vs_unfused']:.2f}", f"{r['best_vs_dot']:.2f}", f"{r['pct_copy']:.0f}",
+                     f"{r['rel_err']:.1e}"] if "best_stream" in r else ["-"] * 5) for r in rows])
+
+
 def timed(fn, fused: bool) -> float:
     """us per call in a graph of back-to-back calls; ``fused=False`` switches the ops path to cuBLAS."""
     with options.use(fused_linear=fused):
@@ -155,12 +279,19 @@ def main():
     ap.add_argument("--ops", nargs="+", default=None, help="subset of ops")
     ap.add_argument("--kinds", nargs="+", choices=["dot", "gemv"], default=["dot", "gemv"],
                     help="sweep tl.dot tiles, GEMV tiles or both")
+    ap.add_argument("--small-m", action="store_true",
+                    help="unfused vs tl.dot body vs streaming body at M in {8, 17, 33, 49} (or --rows)")
+    ap.add_argument("--small-m-sweep", action="store_true", help="with --small-m: the streaming body's tile variants")
+    ap.add_argument("--bodies", nargs="+", choices=options.SMALL_M_BODIES, default=list(options.SMALL_M_BODIES),
+                    help="--small-m: the multi-row bodies to time (kernel option small_m values)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if CUDA else torch.float32
     shapes = {"tiny": TINY} if args.quick else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
-    rows_m = [1, 5] if args.quick else (args.rows or [1, 17, 64])
     copy_gbps = copy_bandwidth_gbps() if CUDA else float("nan")
     meta = dict(commit=git_commit(), device=device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"))
+    if args.small_m or args.small_m_sweep:
+        return small_m_main(args, shapes, dtype, copy_gbps, meta)
+    rows_m = [1, 5] if args.quick else (args.rows or [1, 17, 64])
     rows, sweep = [], []
     gen = torch.Generator().manual_seed(0)
     for sname, s in shapes.items():

@@ -109,6 +109,11 @@ FUSED_MAX_ROWS = 16
 # ... and weights up to this size: through the tl.dot body Llama-3.1-8B projections (34-235 MB) stream
 # faster through cuBLAS (8B w2 at M = 1: 36.4 vs 31.9 us; the 57 MB SmolLM2 lm_head ties at 16.2 us).
 FUSED_MAX_WEIGHT_BYTES = 16 << 20
+# With the kernel option small_m="stream" / "stream_prefetch" / "stream_inline" (the streaming bodies,
+# kernels_triton/linear.py): rows up to this many (fused_rows overrides it) and projections of any
+# weight size take the fused kernels; LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep
+# FUSED_MAX_WEIGHT_BYTES. Not measured yet.
+STREAM_MAX_ROWS = 64
 # One row (batch-1 decode) runs the GEMV body at any weight size for the projections where it wins on
 # the H200 (bench_linear.py, weights streamed from HBM, M = 1): 8B qkv with norm + RoPE + KV write
 # 17.8 us vs 20.7 unfused, wo 10.5 vs 13.2, w2 29.8 vs 31.6 (SmolLM2 qkv 3.4 vs 6.6, wo 2.0 vs 3.1,
@@ -123,17 +128,23 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     fused_linear=False (kernels_triton/options.py) falls back to the unfused kernels + cuBLAS (an A/B
     switch for benchmarks). ``one_row_any_size``: a
     single row goes to the fused GEMV whatever the weight size (output widths up to
-    kernels_triton.linear.GEMV_MAX_COLUMNS; wider ones, LM heads, keep the limits)."""
+    kernels_triton.linear.GEMV_MAX_COLUMNS; wider ones, LM heads, keep the limits), and so do up to
+    STREAM_MAX_ROWS rows under a streaming body (kernel option small_m other than "dot")."""
     from kernels_triton import linear as lin
     from kernels_triton import options
 
     if not use_triton(backend, x) or not options.get().fused_linear:
         return False
     M = x.shape[0] if m is None else m  # m: the rows a gathered input yields
-    if one_row_any_size and M == 1 and w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS:
+    projection = w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS  # not an LM head
+    if one_row_any_size and M == 1 and projection:
         return True
-    rows = options.get().fused_rows or FUSED_MAX_ROWS  # kernel option fused_rows: an A/B of tree verify
-    return M <= rows and w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
+    opts = options.get()
+    stream = opts.small_m != "dot"  # "stream" / "stream_prefetch" / "stream_inline": the streaming bodies
+    # kernel option fused_rows: an A/B of tree verify; small_m: the body for more than one row
+    if M > (opts.fused_rows or (STREAM_MAX_ROWS if stream else FUSED_MAX_ROWS)):
+        return False
+    return (stream and one_row_any_size and projection) or w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
 
 
 def gathers_rows(backend: str, x: torch.Tensor, w: torch.Tensor, rows) -> bool:
