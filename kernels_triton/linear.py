@@ -760,7 +760,13 @@ def _default_block_n(x, config, epi, dot_block_n, rows=None, n_cols=None, hi=128
 
 def _peek_body(config):
     """The multi-row body config / the kernel option selects (without popping config's key)."""
-    return (config or {}).get("small_m") or options.get().small_m
+    return _resolve_body((config or {}).get("small_m") or options.get().small_m)
+
+
+def _resolve_body(body):
+    """The body "auto" stands for where rows reach the fused kernels (specdec.models.ops routes only
+    small weights and few rows here under it): "stream_prefetch"."""
+    return "stream_prefetch" if body == "auto" else body
 
 
 def _stream_block_n(grid_of, M, n_acc, hi, device):
@@ -819,13 +825,14 @@ SMALL_M_BODIES = options.SMALL_M_BODIES
 
 def _small_m_body(config):
     """The body for rows that do not take the GEMV: config's "small_m" (popped) or the kernel option
-    small_m: "dot" (_accumulate), "stream" (_stream_prologue_kernel + _accumulate_stream),
+    small_m: "dot" (_accumulate), "stream" (_stream_prologue_kernel + _accumulate_stream), "auto" (as
+    "stream_prefetch"; specdec.models.ops decides which rows come here),
     "stream_prefetch" (the same, with the GEMM's L2 prefetch before its PDL wait) or "stream_inline"
     (one launch: _accumulate_stream_norm)."""
     body = config.pop("small_m", None) or options.get().small_m
     if body not in SMALL_M_BODIES:
         raise ValueError(f"small_m body {body!r}; valid: {', '.join(SMALL_M_BODIES)}")
-    return body
+    return _resolve_body(body)
 
 
 def _stream_tiles(K, block_m, block_n, n_acc, esize):

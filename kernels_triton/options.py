@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 PDL_MODES = ("late", "early", "off")
-SMALL_M_BODIES = ("dot", "stream", "stream_prefetch", "stream_inline")  # kernel option small_m
+SMALL_M_BODIES = ("auto", "dot", "stream", "stream_prefetch", "stream_inline")  # kernel option small_m
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,14 @@ class KernelOptions:
         weight columns into L2 (prefetch.global.L2) and only then waits for its inputs, so the weight
         fetch overlaps the prologue / previous kernel (no effect with pdl=off). "stream_inline": one
         launch, no prologue: the streaming body's tiles (swap-AB, split-K) with each row chunk
-        residual-added and normalised in the K loop right before its dot (as "dot" does). An A/B
-        switch, "dot" until measured (profile_step.py --ab small_m=dot,stream,stream_prefetch,stream_inline).
+        residual-added and normalised in the K loop right before its dot (as "dot" does). "auto"
+        (the default): "stream_prefetch" for up to ops.AUTO_STREAM_MAX_ROWS = 24 rows (fused_rows
+        overrides it) of weights up to ops.FUSED_MAX_WEIGHT_BYTES (SmolLM2's layers: a 16-node tree's
+        verify, draft rounds), norm + cuBLAS + epilogues above (Llama-3.1-8B projections at more than
+        one row). H200, 2026-12-02, 6e40d5d (experiments/results/profile/ab_small_m_6e40d5d*.json):
+        graphed batch-1 SmolLM2 steps, tree16 / tree48 1.232 / 1.371 ms with "dot", 1.054 / 1.556
+        with "stream_prefetch" (49-row verify streamed), 1.060 / 1.337 with "stream_prefetch" and
+        fused_rows 24; at the 8B shape tree16 6.16 ms with "dot" against 6.26 streamed.
     """
 
     pdl: str = "late"
@@ -84,7 +90,7 @@ class KernelOptions:
     fused_rows: int | None = None
     gather_rows: bool = True
     wide_topk: bool = True
-    small_m: str = "dot"
+    small_m: str = "auto"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -256,7 +256,9 @@ def test_goodput_counterfactual_config():
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load("conf/policy/goodput.yaml")
-    assert cfg.counterfactual is False and not build_policy(cfg, sizes=(3, 8)).wants_counterfactual
+    assert cfg.counterfactual is True and build_policy(cfg, sizes=(3, 8)).wants_counterfactual
+    cfg.counterfactual = "false"
+    assert not build_policy(cfg, sizes=(3, 8)).wants_counterfactual
     cfg.counterfactual = "true"
     assert build_policy(cfg, sizes=(3, 8)).wants_counterfactual
     cfg.counterfactual = "maybe"

@@ -373,14 +373,16 @@ def test_fused_rows_option_routes_tree_verify_rows(monkeypatch, kernel_options):
     ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     pos = torch.arange(n, **i32)
     hidden = {}
-    for rows in (None, 16, 17, 64):
-        kernel_options.set_(fused_rows=rows)
+    # small_m "dot": 16 rows by default (17 on cuBLAS); "auto" (the default): up to 24 rows streamed
+    for body, rows, fused in (("dot", None, False), ("dot", 16, False), ("dot", 17, True), ("dot", 64, True),
+                              ("auto", None, True), ("auto", 16, False)):
+        kernel_options.set_(fused_rows=rows, small_m=body)
         for be, model in models.items():
             calls.clear()
             k, v = model.new_kv_cache(5, 4)
             hidden[be, rows] = model(ids, pos, meta, k, v).hidden
             if be == "triton":
-                assert len(calls) == (4 if rows is not None and rows >= n else 0), (rows, calls)
+                assert len(calls) == (4 if fused else 0), (body, rows, calls)
         torch.testing.assert_close(hidden["triton", rows], hidden["torch", rows], atol=1e-4, rtol=1e-4)
 
 
@@ -643,6 +645,7 @@ def test_stream_gathered_rows_match_ref(shape, group, body, dtype, poison, launc
 def test_small_m_option_selects_the_body(launches, kernel_options):
     # The kernel option picks the body for 2+ rows; one row keeps the GEMV; a config key overrides it.
     x, w = torch.randn(3, 64, device=DEVICE), torch.randn(40, 64, device=DEVICE)
+    kernel_options.set_(small_m="dot")
     lin.linear(x, w)
     lin.linear(x[:1], w)
     kernel_options.set_(small_m="stream")
@@ -653,7 +656,9 @@ def test_small_m_option_selects_the_body(launches, kernel_options):
     lin.linear(x, w)
     kernel_options.set_(small_m="stream_inline")
     lin.norm_linear(x, None, torch.ones(64, device=DEVICE), 1e-5, w)
-    assert _bodies(launches) == ["dot", "gemv", "stream", "gemv", "dot", "stream", "stream"]
+    kernel_options.set_(small_m="auto")  # the default: the streaming body (with its prefetch) wherever rows come
+    lin.linear(x, w)
+    assert _bodies(launches) == ["dot", "gemv", "stream", "gemv", "dot", "stream", "stream", "stream"]
     with pytest.raises(ValueError, match="small_m body 'fast'"):
         lin.linear(x, w, config={"small_m": "fast"})
     with pytest.raises(ValueError, match="small_m='fast'.*dot, stream"):

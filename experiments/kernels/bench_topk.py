@@ -6,7 +6,9 @@ before the split row, ~20 launches) versus the split-row Triton kernels (kernels
 launches), and which CHUNK suits the split? Per-call microseconds from replaying a CUDA graph of 20
 back-to-back calls (launch overhead excluded, as inside the engine's graphed step), bf16 logits,
 rows N in {1, 8, 16, 64}, K in {8, 10}. Each split row's values are checked against torch in the
-same run (max_abs_err column; ids_match: the same ids as torch, which may differ only at ties).
+same run (max_abs_err column; ids_match: the same ids as torch, which may differ only at ties, and
+bf16 rows of random logits have many; ids_valid: the log-probabilities at the returned ids equal
+torch's top-k values, ties or not).
 
 Rows of the CSV: impl = torch (log_softmax + topk) | split (chunk = the default split_plan) |
 split_cN (chunk forced to N); S = chunks per row.
@@ -60,7 +62,8 @@ def main() -> None:
                     topk_mod.topk_logprobs_ref(x, k)
 
                 rows.append(dict(stamp, impl="torch", V=V, rows=n_rows, k=k, chunk="", S="",
-                                 us=time_graph(torch_call, calls=20), max_abs_err=0.0, ids_match=True))
+                                 us=time_graph(torch_call, calls=20), max_abs_err=0.0, ids_match=True, ids_valid=True))
+                lp = torch.log_softmax(x.float(), dim=-1)
                 for chunk in chunks:
                     c, S = topk_mod.split_plan(V, chunk)
 
@@ -73,7 +76,8 @@ def main() -> None:
                         raise SystemExit(f"split V={V} N={n_rows} k={k} chunk={c}: max |err| {err} vs torch")
                     rows.append(dict(stamp, impl="split" if chunk is None else f"split_c{c}", V=V, rows=n_rows, k=k,
                                      chunk=c, S=S, us=time_graph(split_call, calls=20), max_abs_err=err,
-                                     ids_match=bool(torch.equal(i, ref_i))))
+                                     ids_match=bool(torch.equal(i, ref_i)),
+                                     ids_valid=bool(torch.allclose(lp.gather(-1, i), ref_v, atol=1e-5, rtol=0))))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_topk.csv"
     with open(path, "w", newline="") as f:
@@ -82,7 +86,7 @@ def main() -> None:
         w.writerows(rows)
     for r in rows:
         print(f"V {r['V']:6d} rows {r['rows']:2d} k {r['k']:2d} {r['impl']:12s} chunk {str(r['chunk']):>5s} "
-              f"S {str(r['S']):>2s}: {r['us']:7.2f} us  err {r['max_abs_err']:.1e} ids_match {r['ids_match']}")
+              f"S {str(r['S']):>2s}: {r['us']:7.2f} us  err {r['max_abs_err']:.1e} ids_match {r['ids_match']} ids_valid {r['ids_valid']}")
     print(f"{stamp} -> {path}")
 
 

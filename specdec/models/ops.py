@@ -112,8 +112,14 @@ FUSED_MAX_WEIGHT_BYTES = 16 << 20
 # With the kernel option small_m="stream" / "stream_prefetch" / "stream_inline" (the streaming bodies,
 # kernels_triton/linear.py): rows up to this many (fused_rows overrides it) and projections of any
 # weight size take the fused kernels; LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep
-# FUSED_MAX_WEIGHT_BYTES. Not measured yet.
+# FUSED_MAX_WEIGHT_BYTES.
 STREAM_MAX_ROWS = 64
+# The default small_m="auto": the streaming body (with its L2 prefetch) for up to this many rows of
+# weights up to FUSED_MAX_WEIGHT_BYTES, cuBLAS above. H200, 2026-12-02, 6e40d5d: graphed batch-1
+# SmolLM2 tree16 / tree48 steps 1.232 / 1.371 ms on "dot", 1.054 / 1.556 streaming up to 64 rows
+# (its 49-row verify loses to cuBLAS: bench_linear --small-m, qkv 9.7 vs 6.4 us), 1.060 / 1.337
+# streaming up to 24; Llama-3.1-8B tree16 6.16 ms with cuBLAS verify and draft rounds, 6.26 streamed.
+AUTO_STREAM_MAX_ROWS = 24
 # One row (batch-1 decode) runs the GEMV body at any weight size for the projections where it wins on
 # the H200 (bench_linear.py, weights streamed from HBM, M = 1): 8B qkv with norm + RoPE + KV write
 # 17.8 us vs 20.7 unfused, wo 10.5 vs 13.2, w2 29.8 vs 31.6 (SmolLM2 qkv 3.4 vs 6.6, wo 2.0 vs 3.1,
@@ -140,9 +146,11 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     if one_row_any_size and M == 1 and projection:
         return True
     opts = options.get()
-    stream = opts.small_m != "dot"  # "stream" / "stream_prefetch" / "stream_inline": the streaming bodies
+    auto = opts.small_m == "auto"  # streaming for few rows of small weights only (AUTO_STREAM_MAX_ROWS)
+    stream = opts.small_m not in ("dot", "auto")  # "stream" / "stream_prefetch" / "stream_inline", any size
     # kernel option fused_rows: an A/B of tree verify; small_m: the body for more than one row
-    if M > (opts.fused_rows or (STREAM_MAX_ROWS if stream else FUSED_MAX_ROWS)):
+    cap = AUTO_STREAM_MAX_ROWS if auto else STREAM_MAX_ROWS if stream else FUSED_MAX_ROWS
+    if M > (opts.fused_rows or cap):
         return False
     return (stream and one_row_any_size and projection) or w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
 

@@ -66,7 +66,12 @@ class Goodput:
     k-tree), a lower bound (a chain under a wider tree) or approximate (other growths); describe()
     lists them beside the counterfactual rows each k' got. H200 policy envelope on HumanEval at C =
     1 without it: a(3) = 1.9 from 24 rows, a(8) = 1.6 from 5, a(16) = 2.7 from 48 where always
-    (tree32) accepted 3.9 on average, and goodput ran 3-6% below always; with it: not measured.
+    (tree32) accepted 3.9 on average, and goodput ran 3-6% below always. With it (H200, 2026-12-02,
+    6e40d5d, experiments/results/spec/counterfactual_6e40d5d, on / off in one sweep): a(3) / a(8) /
+    a(16) = 2.5 / 3.2 / 3.8 at C = 1 from 315-542 counterfactual rows, mean accepted length 3.67 /
+    3.93 / 4.03 at C = 1 / 2 / 4 (off: 3.76 / 3.47 / 3.89), 2471 / 4758 / 8031 tok/s (off: 2534 /
+    4189 / 7895); two runs of always per C differed by 4-8% in the same sweep, so only C = 2 is
+    outside the noise.
     Each k's first tries run until its prior covers ``probe_rows`` rows (several steps at a small
     batch, one at a large one). The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
     EMA: one first step does not set it (n-gram's first step at C = 1 accepted nothing, a prior of
