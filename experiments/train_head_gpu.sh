@@ -11,6 +11,9 @@
 #                                              #   schedule fitted to it) + held-out eval; the checkpoint
 #                                              #   (shards <= 15 MiB), its model card and metrics into $OUT.
 #                                              #   Fails at once (exit 2) when the data is not on this machine.
+#   bash experiments/train_head_gpu.sh all     # data, then train, in ONE call (~9.5 min: DATA_BUDGET_S 180,
+#                                              #   TRAIN_BUDGET_S 300 by default): nothing is lost if the
+#                                              #   machine is given back between calls (its data would be)
 #   bash experiments/train_head_gpu.sh trees   # ~3 min: tree shapes at batch 1 on 10 HumanEval prompts
 #                                              #   for the new head (HEAD_DIR, default $S/ckpt10x), report in $OUT
 #
@@ -26,7 +29,8 @@
 # data_stats.json (data and training stay on the lent machine; the model card records their provenance).
 set -uo pipefail
 mode=${1:-}
-case "$mode" in data|train|trees) ;; *) echo "usage: bash experiments/train_head_gpu.sh data|train|trees" >&2; exit 64;; esac
+case "$mode" in data|train|all|trees) ;; *) echo "usage: bash experiments/train_head_gpu.sh data|train|all|trees" >&2; exit 64;; esac
+if [ "$mode" = all ]; then : "${DATA_BUDGET_S:=180}" "${TRAIN_BUDGET_S:=300}"; fi
 : "${OUT:?OUT must name the folder whose files come back}"
 source experiments/lent_gpu_setup.sh >/dev/null 2>&1  # idempotent; sets SPECDEC_CACHE and PYTHONPATH
 set -e
@@ -42,7 +46,7 @@ mkdir -p "$S/runs" "$OUT"
 stamp=$(date +%Y%m%d-%H%M%S)
 exp=+experiment=train_eagle3_smollm2_large
 
-if [ "$mode" = data ]; then
+if [ "$mode" = data ] || [ "$mode" = all ]; then
   budget=${DATA_BUDGET_S:-430}
   # timeout: a last guard; shards are written whole, so whatever finished before it is kept.
   timeout -s INT $((budget + 100)) python -m specdec.train "$exp" logger=none device=cuda \
@@ -60,10 +64,10 @@ print(f"staged data {d}: {len(shard_paths(d))} shards, {len(done)} items, {len(s
       f"{tokens} tokens ({answer} answer tokens), sequences per sample {per}")
 EOF
   cp "$DATA/data_stats.json" "$OUT/data_stats.json" 2>/dev/null || true
-  exit 0
+  [ "$mode" = all ] || exit 0
 fi
 
-if [ "$mode" = train ]; then
+if [ "$mode" = train ] || [ "$mode" = all ]; then
   if [ ! -f "$DATA/prompts.jsonl" ] || ! ls "$DATA"/answers/shard-*.jsonl >/dev/null 2>&1; then
     echo "error: no staged data in $DATA (this machine did not run 'data', or it was given back since):" \
          "run 'bash experiments/train_head_gpu.sh data' on it first" >&2
