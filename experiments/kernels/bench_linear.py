@@ -72,6 +72,27 @@ SHAPES = {
 TINY = dict(H=64, F=96, HQ=4, HKV=2, D=32, V=300)
 
 
+def write_csvs(out: Path, tables: dict) -> None:
+    """Each non-empty list of row dicts into out/NAME as a CSV (header: the first row's keys)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in tables.items():
+        if data:
+            with open(out / name, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(data[0]))
+                w.writeheader()
+                w.writerows(data)
+
+
+def fastest(rows: list, key_fields: tuple) -> dict:
+    """The row with the smallest "us" (NaN: skipped) per value of key_fields."""
+    best = {}
+    for row in rows:
+        key = tuple(row[k] for k in key_fields)
+        if row["us"] == row["us"] and (key not in best or row["us"] < best[key]["us"]):
+            best[key] = row
+    return best
+
+
 def make_ops(s, M, dtype, gen, lm_head=True, weights=None):
     """{op: (callable(config) -> None, weight bytes)} for one shape and row count (``lm_head`` False:
     without the LM head, whose weight is the largest to make; ``weights``: a dict that keeps the
@@ -231,19 +252,9 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
                                           num_warps=v.get("num_warps", ""), us=us, default_us=stream_us,
                                           pct_copy=100 * wbytes / (us * 1e-6) / 1e9 / copy_gbps))
             print(f"done {sname} M={M}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, data in (("bench_linear_small_m.csv", rows), ("bench_linear_small_m_sweep.csv", sweep)):
-        if data:
-            with open(args.out / name, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(data[0]))
-                w.writeheader()
-                w.writerows(data)
+    write_csvs(args.out, {"bench_linear_small_m.csv": rows, "bench_linear_small_m_sweep.csv": sweep})
     if sweep:
-        best = {}
-        for row in sweep:
-            key = (row["shape"], row["M"], row["op"])
-            if row["us"] == row["us"] and (key not in best or row["us"] < best[key]["us"]):
-                best[key] = row
+        best = fastest(sweep, ("shape", "M", "op"))
         print_table("best streaming-body variant per op (default tiles: stream us of the table below)",
                     ["shape", "M", "op", "body", "BLOCK_N", "parts", "split", "programs", "BLOCK_K", "stages", "warps",
                      "us", "default us", "%copy"],
@@ -282,7 +293,7 @@ def main():
     ap.add_argument("--small-m", action="store_true",
                     help="unfused vs tl.dot body vs streaming body at M in {8, 17, 33, 49} (or --rows)")
     ap.add_argument("--small-m-sweep", action="store_true", help="with --small-m: the streaming body's tile variants")
-    ap.add_argument("--bodies", nargs="+", choices=options.SMALL_M_BODIES, default=list(options.SMALL_M_BODIES),
+    ap.add_argument("--bodies", nargs="+", choices=options.SMALL_M_BODIES, default=[b for b in options.SMALL_M_BODIES if b != "auto"],
                     help="--small-m: the multi-row bodies to time (kernel option small_m values)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -320,19 +331,9 @@ def main():
                                           num_warps=warps, us=us,
                                           pct_copy=100 * wbytes / (us * 1e-6) / 1e9 / copy_gbps))
             print(f"done {sname} M={M}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, data in (("bench_linear.csv", rows), ("bench_linear_sweep.csv", sweep)):
-        if data:
-            with open(args.out / name, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(data[0]))
-                w.writeheader()
-                w.writerows(data)
+    write_csvs(args.out, {"bench_linear.csv": rows, "bench_linear_sweep.csv": sweep})
     if sweep:
-        best = {}
-        for row in sweep:
-            key = (row["shape"], row["M"], row["op"], row["gemv"])
-            if row["us"] == row["us"] and (key not in best or row["us"] < best[key]["us"]):
-                best[key] = row
+        best = fastest(sweep, ("shape", "M", "op", "gemv"))
         print_table("best sweep config per op", ["shape", "M", "op", "gemv", "BLOCK_N", "parts", "programs",
                                                  "BLOCK_K", "stages", "warps", "us", "%copy"],
                     [[r["shape"], str(r["M"]), r["op"], str(r["gemv"]), str(r["block_n"]), str(r["parts"]),
