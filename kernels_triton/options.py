@@ -75,10 +75,7 @@ class KernelOptions:
         (the default): "stream_prefetch" for up to ops.AUTO_STREAM_MAX_ROWS = 24 rows (fused_rows
         overrides it) of weights up to ops.FUSED_MAX_WEIGHT_BYTES (SmolLM2's layers: a 16-node tree's
         verify, draft rounds), norm + cuBLAS + epilogues above (Llama-3.1-8B projections at more than
-        one row). H200, 2026-12-02, 6e40d5d (experiments/results/profile/ab_small_m_6e40d5d*.json):
-        graphed batch-1 SmolLM2 steps, tree16 / tree48 1.232 / 1.371 ms with "dot", 1.054 / 1.556
-        with "stream_prefetch" (49-row verify streamed), 1.060 / 1.337 with "stream_prefetch" and
-        fused_rows 24; at the 8B shape tree16 6.16 ms with "dot" against 6.26 streamed.
+        one row): the measured winner (docs/kernel_notes.md, "Fused small-M layers").
     """
 
     pdl: str = "late"

@@ -339,8 +339,7 @@ class Engine:
                 continue
             shapes = [list(drafter.shape_for(j)) for j in small]
             plan[drafter.num_nodes(k)] = Counterfactual(tuple(small), torch.tensor(shapes, dtype=torch.int32,
-                                                                                     device=dev),
-                                                        shapes, max(s for _, s, _ in shapes))
+                                                                                     device=dev), shapes)
             drafter.counterfactual_sizes.add(k)
             pairs.update({(j, k): drafter.counterfactual_label(j, k) for j in small})
         if not plan:

@@ -58,7 +58,10 @@ class Counterfactual:
     ks: tuple[int, ...]
     shapes: torch.Tensor
     shapes_host: list
-    max_steps: int
+
+    @property
+    def max_steps(self) -> int:
+        return max(s for _, s, _ in self.shapes_host)
 
 
 def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperature: float,
