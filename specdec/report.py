@@ -635,14 +635,34 @@ def _k_choice(run: Run) -> dict:
         raise SpecdecError(f"{path}: unreadable step records ({e})") from None
 
 
+def _steady(rs: list[Run]) -> bool:
+    """Whether every run of a study served a timed closed loop (workload.duration_s) and has its
+    steady-window throughput: the envelope tables then compare that, not whole-run tok/s."""
+    return bool(rs) and all(r.metrics.get("duration_s") is not None and _is_num(r.metrics.get("steady_tok_per_s"))
+                            for r in rs)
+
+
+def _steady_note(rs: list[Run]) -> str:
+    """The caption's words for the throughput an envelope table compares."""
+    if not _steady(rs):
+        return "output tok/s"
+    warm = sorted({r.metrics.get("steady_warmup_s") for r in rs}, key=str)
+    dur = sorted({r.metrics.get("duration_s") for r in rs}, key=str)
+    return (f"steady-window output tok/s (timed closed loop of {'/'.join(_show(d) for d in dur)} s; tokens "
+            f"committed from {'/'.join(_show(w) for w in warm)} s after the first send to the last send, so the "
+            "ramp-up and the drain are left out; whole-run tok/s in the Runs table)")
+
+
 def _policy_envelope(rs: list[Run]):
     """Mean tok/s per policy label and C over runs of one study, with the envelope max(never, always)
     per C. Returns (tok {policy: {C: tok/s}}, policy names, Cs, envelope {C: tok/s}, policies in table
-    order: never, always, then the rest), or None without both a never and an always run over 2+ Cs."""
+    order: never, always, then the rest), or None without both a never and an always run over 2+ Cs.
+    tok/s is the steady window's when every run of the study has one (``_steady``), else the whole run's."""
     by: dict[str, dict[int, list]] = {}
     names = {}
+    key = "steady_tok_per_s" if _steady(rs) else "output_tok_per_s"
     for r in rs:
-        by.setdefault(policy_label(r), {}).setdefault(_concurrency(r), []).append(r.metrics.get("output_tok_per_s"))
+        by.setdefault(policy_label(r), {}).setdefault(_concurrency(r), []).append(r.metrics.get(key))
         names[policy_label(r)] = r.get("policy.name", "never")
     tok = {p: {c: _mean(v) for c, v in cs.items()} for p, cs in by.items()}
     bounds = [p for p in tok if names[p] in ("never", "always")]
@@ -684,8 +704,8 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
         rows.append(["envelope tok/s"] + format_column([env[c] for c in cs]) + ["", ""])
         label = f"{key[0]}, {key[1]}, {key[2]}" + (f", T = {key[3]}" if key[3] not in ("0.0", "0") else "")
         label += "".join(f", {k}={json.loads(v) if v != 'null' else None}" for k, v in zip(extras, key[4:]))
-        caption = (f"Policy envelope ({label}): output tok/s of each policy over max(never, always) at closed-loop "
-                   "concurrency C; min / max over C. Target: >= 0.98 at every C and >= 1.05 somewhere.")
+        caption = (f"Policy envelope ({label}): {_steady_note(rs)} of each policy over max(never, always) at "
+                   "closed-loop concurrency C; min / max over C. Target: >= 0.98 at every C and >= 1.05 somewhere.")
         table = Table(f"Policy envelope: {label}", caption, f"envelope{len(out) + 1}", columns, rows)
         series = [(p, cs, [tok[p].get(c) for c in cs]) for p in order]
         series.append(("envelope max(never, always)", cs, [env[c] for c in cs]))
@@ -761,7 +781,7 @@ def crossover_tables(runs: list[Run]) -> list[tuple[Table, Table, list, str]]:
         rows.append(["envelope max(never, always)"] + flat[len(order) * n:])
         top = cs[-1]
         ref = tok[next(p for p in order if names[p] == "never")]
-        caption = (f"Crossover ({label}): output tok/s per policy at closed-loop concurrency C, REPLAYED ACCEPTANCE "
+        caption = (f"Crossover ({label}): {_steady_note(rs)} per policy at closed-loop concurrency C, REPLAYED ACCEPTANCE "
                    "(accepted lengths drawn from the trace named; committed tokens are tree tokens, not the "
                    "target's greedy output); envelope = max(never, every always) at each C.")
         table = Table(f"Crossover, replayed acceptance: {label}", caption, f"crossover{len(out) + 1}", columns, rows,

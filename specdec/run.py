@@ -247,6 +247,25 @@ def build_engine(model, tokenizer, cfg, trace=None):
     return tp.wrap_engine(engine)
 
 
+def steady_settings(wl) -> tuple[float | None, float | None]:
+    """(workload.duration_s, workload.warmup_s), checked: a timed closed loop serves for duration_s
+    seconds (prompts cycled), and its steady-window tok/s starts warmup_s after the first send."""
+    duration_s, warmup_s = wl.get("duration_s"), wl.get("warmup_s")
+    for name, v in (("duration_s", duration_s), ("warmup_s", warmup_s)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise ConfigError(f"workload.{name}={v!r}: must be a number of seconds >= 0, or null")
+    if duration_s is not None:
+        if wl.get("mode", "closed") != "closed" or wl.get("concurrency") is None:
+            raise ConfigError(f"workload.duration_s={duration_s!r} needs a closed loop with a concurrency "
+                              f"(got mode={wl.get('mode', 'closed')!r}, concurrency={wl.get('concurrency')!r})")
+        if not duration_s > 0:
+            raise ConfigError(f"workload.duration_s={duration_s!r}: must be > 0 seconds, or null")
+        if warmup_s is not None and not warmup_s < duration_s:
+            raise ConfigError(f"workload.warmup_s={warmup_s!r} must be below workload.duration_s="
+                              f"{duration_s!r}: the steady window runs from one to the other")
+    return (None if duration_s is None else float(duration_s)), (None if warmup_s is None else float(warmup_s))
+
+
 def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, profile=True) -> list[dict]:
     """Serve every prompt through the engine; records come back in prompt order.
 
@@ -273,31 +292,51 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     order: dict[int, int] = {}  # id(request) -> prompt index
     by_index: dict[int, dict] = {}
 
+    sent: list = []  # prompts in submit order (a timed closed loop sends them again under new ids)
+    token_times: list = []  # each finished request's commit times: the steady window's tokens
+
     def submit(p, arrival_s):
         req = engine.add_request(p.prompt_ids, p.max_new_tokens or max_new, request_id=p.id, stop=stop,
                                  ignore_eos=ignore_eos, arrival_s=arrival_s)
         order[id(req)] = len(order)
+        sent.append(p)
         return req
 
     def finish(req):
         i = order[id(req)]
         text = "" if req.error else _truncate_at_stop(tokenizer.decode(req.output_ids), stop)
-        rec = request_record(req, prompts[i].text, text)
+        rec = request_record(req, sent[i].text, text)
         by_index[i] = rec
+        if not req.error:
+            token_times.append(req.token_times)
         if progress_cb:
             progress_cb(rec)
 
     mode = wl.get("mode", "closed")
     if mode not in ("closed", "open"):
         raise ConfigError(f"workload.mode={mode!r}; valid: closed, open")
+    duration_s, warmup_s = steady_settings(wl)
+    window: dict = {}
     with FrozenHeap() as heap:
         t0 = time.perf_counter()
         if mode == "closed":
-            closed_loop(engine, prompts, wl.get("concurrency"), submit, finish)
+            closed_loop(engine, prompts, wl.get("concurrency"), submit, finish, duration_s=duration_s,
+                        window=window)
         else:
             open_loop(engine, prompts, wl.get("rate"), submit, seed=int(cfg.seed), on_finish=finish)
         serve_s = time.perf_counter() - t0
     if trace is not None:
+        if window:
+            # Output tok/s over the steady window: from warmup_s after the first send to the last send
+            # (the ramp-up and the drain left out; metrics' output_tok_per_s keeps the whole run).
+            from .bench.clients import steady_window
+
+            start = window["t0"] + (warmup_s or 0.0)
+            n, span = steady_window(token_times, start, window["t_stop"])
+            trace.meta.update(steady_window_s=span, steady_output_tokens=n,
+                              steady_tok_per_s=n / span if span > 0 else None,
+                              steady_warmup_s=warmup_s or 0.0, duration_s=duration_s,
+                              prompt_rounds=window.get("rounds", 1))
         trace.meta.update(serve_wall_s=serve_s, serve_gc_collections=heap.collections,
                           engine_startup_s=engine.startup_s,
                           cuda_graphs=engine.graphed, kv_pages=engine.kv.num_pages,
@@ -405,7 +444,8 @@ def serve(cfg: DictConfig, model, tokenizer, prompts, device: str, run_dir: Path
     trace = StepTrace(run_dir / "steps.jsonl")  # one line per engine step
     stream = RecordStream(run_dir / "requests.jsonl")
     try:
-        with LiveProgress(len(prompts), f"{title} ({device})") as live:
+        timed = cfg.workload.get("duration_s") is not None  # a timed loop: as many requests as fit
+        with LiveProgress(None if timed else len(prompts), f"{title} ({device})") as live:
             trace.listeners.append(live.on_step)
 
             def on_request(rec):
@@ -489,6 +529,10 @@ def run(cfg: DictConfig) -> dict:
     if compare_plain and cfg.draft.name == "none":
         raise ConfigError("compare_plain=true compares a drafter with plain decoding, but draft=none; "
                           "choose a drafter (draft=ngram, eagle3_smollm2, eagle3) or compare_plain=false")
+    duration_s, _ = steady_settings(cfg.workload)  # bad values fail before the model loads
+    if compare_plain and duration_s is not None:
+        raise ConfigError(f"compare_plain=true compares the same prompts request by request, but "
+                          f"workload.duration_s={duration_s} serves as many as fit in the time; set one of them")
     from .dist import current as tp_group
     from .dist.runner import run_tp, tp_settings
 

@@ -154,3 +154,69 @@ def test_generate_all_through_engine(smollm2, smollm2_tokenizer, tmp_path):
     assert m["output_tokens"] == 9 and m["mean_batch_size"] <= 2 and m["cuda_graphs"] is False
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert len(lines) == m["steps"] and "decode_ms" in json.loads(lines[0])
+
+
+def test_timed_closed_loop_cycles_prompts_and_records_its_window(tiny, monkeypatch):
+    """workload.duration_s: the clients keep sending (the prompts again under ids ID@round) until the
+    duration has passed, then drain; the window runs from the first send to the last, and the steady
+    window counts exactly the tokens committed inside it. A fake clock: 10 ms per engine step."""
+    import specdec.bench.clients as clients
+    from specdec.bench.workloads import Prompt
+
+    clock = [100.0]
+    monkeypatch.setattr(clients.time, "perf_counter", lambda: clock[0])
+    prompts = [Prompt(f"p{i}", f"text {i}", None, p, None)
+               for i, p in enumerate(rand_prompts([4, 9, 2, 7], seed=5))]
+    engine = Engine(tiny, EngineConfig(kv_cache_tokens=1024, max_batch_size=8))
+    real_step = engine.step
+
+    def step(k=None):
+        clock[0] += 0.01
+        return real_step(k)
+
+    engine.step = step
+    ids, sent_at = [], []
+
+    def submit(p, arrival):
+        ids.append(p.id)
+        sent_at.append(clock[0])
+        return engine.add_request(p.prompt_ids, 5, request_id=p.id)
+
+    window = {}
+    done = clients.closed_loop(engine, prompts, 2, submit, duration_s=0.4, window=window)
+    assert len(done) == len(ids) > len(prompts)  # every request sent finished: the drain ran
+    assert len(set(ids)) == len(ids) and ids[:6] == ["p0", "p1", "p2", "p3", "p0@1", "p1@1"]
+    assert window["t0"] == 100.0 and window["t_stop"] == max(sent_at) and window["rounds"] >= 2
+    assert max(sent_at) < 100.0 + 0.4 + 1e-9  # nothing sent after the duration
+    by_id = {r.id: r for r in done}
+    for i in ids:  # each cycled request is its prompt's continuation, whatever its id
+        assert by_id[i].output_ids == reference(tiny, prompts[int(i.split("@")[0][1:])].prompt_ids, 5)
+    times = [r.token_times for r in done]
+    n, span = clients.steady_window(times, 100.1, window["t_stop"])
+    assert span == pytest.approx(window["t_stop"] - 100.1)
+    assert n == sum(100.1 <= t < window["t_stop"] for ts in times for t in ts) and 0 < n < sum(map(len, times))
+    assert clients.steady_window(times, 5.0, 5.0) == (0, 0.0)
+    # Without a duration the window ends at the last send made as a request finished.
+    engine = Engine(tiny, EngineConfig(kv_cache_tokens=1024, max_batch_size=8))
+    engine.step, real_step = step, engine.step
+    ids.clear(), sent_at.clear()
+    window = {}
+    clients.closed_loop(engine, prompts, 2, submit, window=window)
+    assert ids == ["p0", "p1", "p2", "p3"] and window["t_stop"] == sent_at[-1] and window["rounds"] == 1
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"duration_s": -1}, "duration_s=-1"), ({"duration_s": "5"}, "duration_s='5'"),
+    ({"duration_s": 0}, "must be > 0"), ({"duration_s": 2, "warmup_s": 2}, "warmup_s=2 must be below"),
+    ({"duration_s": 2, "mode": "open", "rate": 5.0}, "needs a closed loop"),
+    ({"duration_s": 2, "concurrency": None}, "needs a closed loop"), ({"warmup_s": True}, "warmup_s=True"),
+])
+def test_timed_loop_settings_are_checked(bad, match):
+    from specdec.errors import ConfigError
+    from specdec.run import steady_settings
+
+    wl = {"mode": "closed", "concurrency": 4, **bad}
+    with pytest.raises(ConfigError, match=match):
+        steady_settings(wl)
+    assert steady_settings({"mode": "closed", "concurrency": 4, "duration_s": 5, "warmup_s": 1}) == (5.0, 1.0)
+    assert steady_settings({"mode": "open"}) == (None, None)

@@ -24,6 +24,7 @@ def test_full_study_composes_to_the_sweep_it_promises():
     assert params["workload.concurrency"] == "1,2,4,8,16,32,64,128,256"
     assert [t["num_draft_tokens"] for t in cfg.draft.trees] == [3, 8, 16, 32]
     assert cfg.policy.k is None and cfg.workload.requests_per_client == 3
+    assert cfg.workload.duration_s == 5 and cfg.workload.warmup_s == 1  # timed points, steady window
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=policy_envelope", "policy=goodput", "draft=ngram_chains",
                                            "workload=mt_bench"])
@@ -45,6 +46,7 @@ def test_policy_envelope_smoke_runs_and_reports(tmp_path):
     for r in runs:
         m = json.loads((r / "metrics.json").read_text())
         assert m["failed_requests"] == 0 and "steady_k" in m
+        assert m["duration_s"] == 0.5 and m["steady_warmup_s"] == 0.1 and "steady_tok_per_s" in m
     proc = subprocess.run([sys.executable, "-m", "specdec.report", str(sweep), "--out", str(tmp_path / "rep")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -453,3 +453,24 @@ def test_crossover_table_for_replayed_acceptance(tmp_path):
     # every table names the replay in its Target column
     runs_rows = table(md, "Runs")
     assert all("replayed acceptance" in r[runs_rows[0].index("Target")] for r in runs_rows[1:])
+
+
+def test_policy_envelope_uses_the_steady_window_of_timed_runs(tmp_path):
+    """Timed closed loops (workload.duration_s): the envelope compares steady-window tok/s, says so in
+    its caption, and falls back to whole-run tok/s when a run of the study lacks the window."""
+    steady = {"never": [100.0, 400.0], "always": [200.0, 300.0], "goodput": [196.0, 420.0]}
+    for policy, vals in steady.items():
+        for c, v in zip([1, 4], vals):
+            make_run(tmp_path / "sweep" / f"{policy}_{c}", tok_s=50.0 * c, draft="ngram", policy=policy,
+                     concurrency=c, k=8, duration_s=5.0, steady_warmup_s=1.0, steady_tok_per_s=v)
+    md, _ = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out")
+    title = next(line[3:] for line in md.splitlines() if line.startswith("## Policy envelope"))
+    by = {r[0].split()[0]: r for r in table(md, title)[1:]}
+    assert by["goodput"][1:3] == ["0.980", "1.050"] and by["never"][1:3] == ["0.500", "1.000"]
+    assert "steady-window output tok/s (timed closed loop of 5 s; tokens committed from 1 s after" in md
+    # One run without the window: the whole study goes back to whole-run tok/s (all 50 C: ratios 1).
+    m = tmp_path / "sweep" / "goodput_4" / "metrics.json"
+    m.write_text(json.dumps({k: v for k, v in json.loads(m.read_text()).items() if k != "steady_tok_per_s"}))
+    md, _ = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out2")
+    by = {r[0].split()[0]: r for r in table(md, title)[1:]}
+    assert by["goodput"][1:3] == ["1.000", "1.000"] and "steady-window" not in md.split(title, 1)[1].split("\n## ", 1)[0]

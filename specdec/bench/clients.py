@@ -4,7 +4,11 @@ The engine runs in this process, so a "client" is a driver loop around ``engine.
 
 - closed loop at concurrency C (the parallel-throughput benchmark): C requests in flight; each time
   one finishes (or is rejected), that client sends its next prompt. Throughput vs C is the
-  curve where speculation's benefit at low load turns into a cost at high load.
+  curve where speculation's benefit at low load turns into a cost at high load. With
+  ``duration_s`` the clients keep sending (the prompts again, in order, under new ids) until that
+  many seconds of serving have passed, then the requests in flight drain: every C serves for about
+  the same time, and ``window`` records when sending stopped, so throughput can be read over the
+  steady window alone (``steady_window``), without the ramp-up and the drain.
 - open loop (latency studies): prompts arrive at Poisson times (rate r/s, seeded) whatever the
   engine's state; a request's arrival time is its scheduled time, so time spent waiting for a busy
   engine step counts toward its TTFT.
@@ -15,6 +19,7 @@ ignore_eos) and return finished requests in finishing order.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from typing import Callable, Sequence
@@ -24,28 +29,86 @@ from ..errors import ConfigError
 Submit = Callable[[object, float | None], object]
 
 
+def _again(p, rnd: int):
+    """Prompt ``p`` sent again in round ``rnd`` >= 1 of a timed closed loop: a new id (``ID@rnd``) so
+    that records and aborts stay keyed by request; objects without an ``id`` field go as they are."""
+    if dataclasses.is_dataclass(p) and hasattr(p, "id"):
+        return dataclasses.replace(p, id=f"{p.id}@{rnd}")
+    return p
+
+
 def closed_loop(engine, prompts: Sequence, concurrency: int | None, submit: Submit,
-                on_finish: Callable[[object], None] | None = None) -> list:
-    """Keep ``concurrency`` requests in flight (None: all prompts at once) until all are done."""
+                on_finish: Callable[[object], None] | None = None, *, duration_s: float | None = None,
+                window: dict | None = None) -> list:
+    """Keep ``concurrency`` requests in flight (None: all prompts at once) until all are done.
+
+    ``duration_s``: keep sending, cycling through ``prompts`` (round r >= 1 under ids ``ID@r``), until
+    ``duration_s`` seconds after the first submit, then drain. ``window`` (a dict) receives ``t0`` (the
+    first submit, perf_counter seconds) and ``t_stop`` (when the last prompt was sent: with a duration,
+    when it ran out; without, when the list did), the end of the loop's steady state."""
     if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
                                     or concurrency < 1):
         raise ConfigError(f"workload.concurrency={concurrency!r}: must be an integer >= 1, or null "
                           "(every prompt at once)")
-    todo = iter(prompts)
-    first = len(prompts) if concurrency is None else min(int(concurrency), len(prompts))
+    if duration_s is not None and (isinstance(duration_s, bool) or not isinstance(duration_s, (int, float))
+                                   or not duration_s > 0 or concurrency is None or not prompts):
+        raise ConfigError(f"workload.duration_s={duration_s!r}: must be a number of seconds > 0, with a "
+                          f"closed-loop concurrency (got concurrency={concurrency!r}) and at least one prompt")
+    t0 = time.perf_counter()
+    rounds = [0]
+
+    def prompt_iter():
+        while True:
+            for p in prompts:
+                yield p if rounds[0] == 0 else _again(p, rounds[0])
+            if duration_s is None:
+                return
+            rounds[0] += 1
+
+    todo = prompt_iter()
+    t_stop = [t0]
+    stopped = [False]
+
+    def send_next() -> bool:
+        if stopped[0] or (duration_s is not None and time.perf_counter() - t0 >= duration_s):
+            stopped[0] = True
+            return False
+        nxt = next(todo, None)
+        if nxt is None:
+            stopped[0] = True
+            return False
+        submit(nxt, None)
+        t_stop[0] = time.perf_counter()
+        return True
+
+    first = len(prompts) if concurrency is None else (
+        int(concurrency) if duration_s is not None else min(int(concurrency), len(prompts)))
     for _ in range(first):
-        submit(next(todo), None)
-    done = []
+        if not send_next():
+            break
+    done, late = [], False
     while engine.has_work():
         for req in engine.step():
             done.append(req)
             if on_finish is not None:
                 on_finish(req)
-            nxt = next(todo, None)
-            if nxt is not None:
-                submit(nxt, None)  # this client's next prompt, sent as its previous one finishes
+            late |= send_next()  # this client's next prompt, sent as its previous one finishes
+    if window is not None:
+        # The steady state ends with the last send made as a request finished; when every prompt went
+        # out at the start (C >= the prompts) there is no such send: the whole run.
+        window.update(t0=t0, t_stop=t_stop[0] if late else time.perf_counter(),
+                      rounds=rounds[0] + 1 if duration_s is not None else 1)
     engine.flush_trace()
     return done
+
+
+def steady_window(token_times: Sequence[Sequence[float]], start: float, stop: float) -> tuple[int, float]:
+    """(tokens committed at times in [start, stop), the window's length in s): output tok/s of the
+    steady state is their ratio. ``token_times``: each request's commit times (perf_counter s)."""
+    if not stop > start:
+        return 0, 0.0
+    n = sum(1 for times in token_times for t in times if start <= t < stop)
+    return n, stop - start
 
 
 def poisson_arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
