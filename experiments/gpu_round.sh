@@ -26,8 +26,10 @@ export WANDB_MODE=disabled SPECDEC_COMMIT=${SPECDEC_COMMIT:-$(git rev-parse --sh
 R=/root/runs-$SPECDEC_COMMIT
 mkdir -p "$R" "$OUT"
 run() { local t=$1; shift; echo "+ $*"; timeout "$t" "$@" > "$R/last.log" 2>&1; local rc=$?; echo "rc=$rc"; tail -n 4 "$R/last.log"; }
-pack() {  # pack NAME DIR...: the small files of finished runs
-  tar czf "$OUT/$1.tgz" --exclude=requests.jsonl --exclude=steps.jsonl --exclude='*.log' -C "$R" "${@:2}" 2>/dev/null
+pack() {  # pack NAME DIR...: the small files of finished runs (PACK_STEPS=1: with each run's steps.jsonl,
+  # the per-step k, batch and commits that explain a policy's choices; ~0.4 MB per run before compression)
+  local steps=(--exclude=steps.jsonl); [ "${PACK_STEPS:-0}" = 1 ] && steps=()
+  tar czf "$OUT/$1.tgz" --exclude=requests.jsonl "${steps[@]}" --exclude='*.log' -C "$R" "${@:2}" 2>/dev/null
   ls -l "$OUT/$1.tgz"
 }
 case "$stage" in

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import specdec  # noqa: F401  (registers the config resolvers)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,10 @@ def test_full_study_composes_to_the_sweep_it_promises():
     assert [t["num_draft_tokens"] for t in cfg.draft.trees] == [3, 8, 16, 32]
     assert cfg.policy.k is None and cfg.workload.requests_per_client == 3
     assert cfg.workload.duration_s == 5 and cfg.workload.warmup_s == 1  # timed points, steady window
+    assert cfg.engine.max_batch_size == 256  # no concurrency: every bucket; with one, the buckets up to it
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=policy_envelope", "workload.concurrency=8"])
+    assert cfg.engine.max_batch_size == 8
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=policy_envelope", "policy=goodput", "draft=ngram_chains",
                                            "workload=mt_bench"])
