@@ -537,6 +537,41 @@ def fit(trainer: Trainer, train_store, held_store: FeatureStore, tc, logger, see
                 history=history, eval=eval_metrics, train_s=train_s, eval_s=eval_s, finished=step >= total)
 
 
+def feature_store_bytes(n_tokens: int, hidden: int, n_layers: int, dtype: torch.dtype) -> int:
+    """Bytes of a stored feature set (training.data.capture): per token the captured layers and the
+    final hidden state in ``dtype``, the target's argmax and the token id (int64)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return int(n_tokens) * ((n_layers + 1) * hidden * size + 16)
+
+
+def resolve_online(setting, n_tokens: int, hidden: int, n_layers: int, dtype: torch.dtype, device: str,
+                   budget_frac: float = 0.4, total_bytes: int | None = None) -> tuple[bool, str]:
+    """train.online_features: true / false as given; ``auto``: store the features when they take at most
+    ``budget_frac`` of the device's memory (``total_bytes``, default: the GPU's total memory, or the
+    host's RAM on CPU), else capture them per batch. Stored features make a training step cheaper (H200,
+    b48c50b: 152-232 ms per step captured per batch on 19,594 sequences; 107 ms stored on 7,408 at
+    65631dd), per-batch capture bounds memory. Returns (online, why)."""
+    if isinstance(setting, bool):
+        return setting, "train.online_features=" + str(setting).lower()
+    if setting != "auto":
+        raise ConfigError(f"train.online_features={setting!r}; valid: true, false, auto")
+    if not 0.0 < float(budget_frac) <= 1.0:
+        raise ConfigError(f"train.store_budget_frac={budget_frac!r}: must be in (0, 1]")
+    need = feature_store_bytes(n_tokens, hidden, n_layers, dtype)
+    if total_bytes is None:
+        if str(device).startswith("cuda") and torch.cuda.is_available():
+            total_bytes = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        else:
+            import os
+
+            total_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    budget = float(budget_frac) * total_bytes
+    online = need > budget
+    return online, (f"train.online_features=auto: {need / 2**30:.1f} GiB of features "
+                    f"{'>' if online else '<='} {budget / 2**30:.1f} GiB ({float(budget_frac):g} of "
+                    f"{total_bytes / 2**30:.0f} GiB): {'captured per batch' if online else 'stored'}")
+
+
 def run(cfg: DictConfig) -> dict:
     from rich.progress import Progress
 
@@ -619,7 +654,11 @@ def run(cfg: DictConfig) -> dict:
             n_held = min(max(1, round(float(tc.data.heldout_fraction) * len(order))), len(order) - 1)
             held, train_idx = sorted(order[:n_held]), sorted(order[n_held:])
         t0 = time.perf_counter()
-        online = bool(tc.get("online_features"))
+        online, why = resolve_online(tc.get("online_features", False), sum(map(len, ids_list)), model.config.hidden_size,
+                                     len(head_cfg.target_layers), model.dtype, device,
+                                     float(tc.get("store_budget_frac", 0.4)))
+        if tc.get("online_features", False) == "auto":
+            log(why)
         to_store = held if online else list(range(len(ids_list)))
         with Progress(transient=True) as bar:
             task = bar.add_task(f"capturing target features ({device})", total=sum(len(ids_list[i]) for i in to_store))

@@ -74,6 +74,8 @@ def smoke_overrides(name: str) -> list[str]:
         out.append("engine.kv_cache_tokens=4096")
     if cfg.policy.name == "goodput":
         out.append("policy.profile_context=32")
+    if cfg.workload.get("duration_s") is not None:  # a timed closed loop: briefly
+        out += ["workload.duration_s=0.5", "workload.warmup_s=0.1"]
     return out
 
 

@@ -436,3 +436,28 @@ def test_answer_stage_writes_shards_and_resumes(tiny, tmp_path):
     assert {stages.prompt_of(ids[i]) for i in held}.isdisjoint({stages.prompt_of(ids[i]) for i in train})
     with pytest.raises(TrainingDataError, match="no prompts.jsonl"):
         stages.load_staged(tmp_path)
+
+
+def test_online_features_auto_stores_what_fits():
+    """train.online_features=auto: stored when the feature store (captured layers + final hidden in the
+    model dtype, argmax and token ids) fits in store_budget_frac of the device's memory, else per batch."""
+    import torch
+
+    from specdec.errors import ConfigError
+    from specdec.train import feature_store_bytes, resolve_online
+
+    per_token = 4 * 576 * 2 + 16  # 3 captured layers + final hidden, bf16; argmax + token, int64
+    assert feature_store_bytes(10, 576, 3, torch.bfloat16) == 10 * per_token
+    assert feature_store_bytes(10, 576, 3, torch.float32) == 10 * (4 * 576 * 4 + 16)
+    n = 6_353_392  # the 10x-data run's tokens: 27.4 GiB, stored on a 141 GiB GPU at 0.4, not at 0.15
+    online, why = resolve_online("auto", n, 576, 3, torch.bfloat16, "cuda:0", 0.4, total_bytes=141 * 2**30)
+    assert not online and "stored" in why and "GiB" in why
+    assert resolve_online("auto", n, 576, 3, torch.bfloat16, "cuda:0", 0.15, total_bytes=141 * 2**30)[0]
+    assert resolve_online("auto", 4 * n, 576, 3, torch.bfloat16, "cuda:0", 0.4, total_bytes=141 * 2**30)[0]
+    assert resolve_online(True, 1, 576, 3, torch.bfloat16, "cpu") == (True, "train.online_features=true")
+    assert resolve_online(False, 10**12, 576, 3, torch.bfloat16, "cpu")[0] is False
+    assert resolve_online("auto", 1000, 64, 3, torch.float32, "cpu")[0] is False  # host RAM on the CPU
+    with pytest.raises(ConfigError, match="online_features='sometimes'"):
+        resolve_online("sometimes", 1, 576, 3, torch.bfloat16, "cpu")
+    with pytest.raises(ConfigError, match="store_budget_frac"):
+        resolve_online("auto", 1, 576, 3, torch.bfloat16, "cpu", 0.0)
