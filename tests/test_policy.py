@@ -532,3 +532,52 @@ def test_goodput_first_tries_wait_for_a_batch_where_they_are_cheap():
     run_k(pol, 4, [3])  # at one row: 1.4 <= 3 x 1.0
     with pytest.raises(ConfigError, match="probe_cost"):
         Goodput([4], probe_cost=0.5)
+
+
+def test_goodput_refreshes_the_largest_k_while_a_smaller_one_runs():
+    """refresh_every: a(32) learnt low stays low while tree 8 runs (it is only sampled at k = 32); a
+    refresh step at k = 32 every refresh_every steps below it re-samples it, so goodput moves to tree 32
+    once it has become the better one, and then stays (no refresh while at the largest k). A refresh
+    that does not move the choice doubles the gap; one too dear at this batch waits."""
+    table = {0: {2: 1.0, 64: 2.0}, 8: {2: 1.1, 64: 4.0}, 32: {2: 1.3, 64: 12.0}}
+    pol = Goodput([8, 32], margin=0.0, explore_every=0, refresh_every=4, explore_backoff=2.0,
+                  explore_max=64, prior_ema=0.5, ema=0.5)
+    pol.set_table(table)
+    run_k(pol, 8, [2.5, 2.5])   # first tries: a(8) = 2.5 (2.27 per ms), a(32) = 2.0 (1.54 per ms)
+    run_k(pol, 32, [2.0, 2.0])
+    ks = []
+    for _ in range(3):  # tree 8 on its merits, then the refresh at the 4th step below 32
+        k = pol.choose(view(2))
+        ks.append(k)
+        pol.update(StepStats(k=k, num_decode=2, committed=[2.5, 2.5] if k == 8 else [2.0, 2.0]))
+    assert ks == [8, 8, 8] and pol.choose(view(2)) == 32 and pol.refreshes == 1
+    pol.update(StepStats(k=32, num_decode=2, committed=[2.0, 2.0]))  # still low: back to 8, gap 8
+    assert pol.choose(view(2)) == 8 and pol.refresh_gap == 8
+    ks = []
+    for _ in range(7):
+        pol.update(StepStats(k=8, num_decode=2, committed=[2.5, 2.5]))
+        ks.append(pol.choose(view(2)))
+    assert ks == [8] * 6 + [32] and pol.refreshes == 2  # the 8th step below 32 is the refresh
+    pol.update(StepStats(k=32, num_decode=2, committed=[4.0, 4.0]))  # the text got easier: 3.0 / 1.3 > 2.27
+    assert pol.choose(view(2)) == 32 and pol.refresh_gap == 4
+    for _ in range(10):  # at the largest k: no refreshes
+        pol.update(StepStats(k=32, num_decode=2, committed=[4.0, 4.0]))
+        assert pol.choose(view(2)) == 32
+    assert pol.refreshes == 2
+    # At 64 rows tree 32 costs 12 ms against tree 8's 4: a refresh after 4 steps would add 8 ms > 5% of
+    # 4 x 4 ms, so it waits (the gap doubles) until the steps since cover it: 8 / (0.05 x 4) = 40 steps.
+    dear = Goodput([8, 32], margin=0.0, explore_every=0, refresh_every=4, explore_backoff=2.0, explore_max=64)
+    dear.set_table(table)
+    run_k(dear, 8, [3.0] * 64)
+    run_k(dear, 32, [1.0] * 64)
+    got = []
+    for _ in range(60):
+        got.append(dear.choose(view(64)))
+        dear.update(StepStats(k=got[-1], num_decode=64, committed=[3.0] * 64 if got[-1] == 8 else [1.0] * 64))
+    assert got.index(32) == 39 and got.count(32) == 1
+    with pytest.raises(ConfigError, match="refresh_every"):
+        Goodput([8], refresh_every=-1)
+    cfg = OmegaConf.load("conf/policy/goodput.yaml")
+    assert build_policy(cfg, sizes=(8, 32)).refresh_every == 0  # off by default (not yet measured on a GPU)
+    cfg.refresh_every = 32
+    assert build_policy(cfg, sizes=(8, 32)).refresh_every == 32

@@ -77,7 +77,8 @@ def build_policy(cfg, sizes=None):
                        switch_horizon=int(cfg.get("switch_horizon", 32)),
                        explore_budget=float(cfg.get("explore_budget", 0.05)),
                        probe_cost=float("inf") if cfg.get("probe_cost") is None else float(cfg.probe_cost),
-                       counterfactual=_flag(cfg.get("counterfactual", False), "policy.counterfactual"))
+                       counterfactual=_flag(cfg.get("counterfactual", False), "policy.counterfactual"),
+                       refresh_every=int(cfg.get("refresh_every", 0) or 0))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")
