@@ -577,7 +577,9 @@ def test_goodput_refreshes_the_largest_k_while_a_smaller_one_runs():
     assert got.index(32) == 39 and got.count(32) == 1
     with pytest.raises(ConfigError, match="refresh_every"):
         Goodput([8], refresh_every=-1)
-    cfg = OmegaConf.load("conf/policy/goodput.yaml")
+    from pathlib import Path
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "policy" / "goodput.yaml")
     assert build_policy(cfg, sizes=(8, 32)).refresh_every == 0  # off by default (not yet measured on a GPU)
     cfg.refresh_every = 32
     assert build_policy(cfg, sizes=(8, 32)).refresh_every == 32
