@@ -230,13 +230,15 @@ def model_card(m: dict, cfg: DictConfig, final: bool) -> str:
     chain = " | ".join(f"{ev.get(f'eval/chain_acc_{i}', float('nan')):.3f}" for i in range(1, S + 1))
     status = "final" if final else f"intermediate (step {m['train']['steps']})"
     reused = f"\n- Sequences reused from {d['reused']}." if d.get("reused") else ""
+    held_note = (f" (greedy answers only: the {d['heldout_sampled_left_out']} sampled answers of held-out prompts "
+                 "are on neither side)" if d.get("heldout_sampled_left_out") else "")
     if d.get("staged_dir"):
         per = d.get("sequences_per_sample", {})
         reused += (f"\n- Staged data directory {d['staged_dir']} ({d.get('shards', '?')} answer shards; "
                    f"sequences per sample {per}: sample 0 is the greedy answer"
                    + (f", samples 1-{d['samples']} sampled at temperature {d.get('sample_temperature')}"
-                      if d.get("samples") else "") + "); held out by prompt (every sample of a held-out "
-                   "prompt), target features " + str(d.get("features", "stored")) + ".")
+                      if d.get("samples") else "") + "); held out by prompt (no sample of a held-out "
+                   "prompt is trained on), target features " + str(d.get("features", "stored")) + ".")
     if m["phase_s"].get("resumed_from_step") is not None:
         reused += f"\n- Training resumed from a saved state at step {m['phase_s']['resumed_from_step']}."
     wall = ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_s"].items() if k != "resumed_from_step")
@@ -257,7 +259,7 @@ Official EAGLE-3 layout (`LlamaForCausalLMEagle3`, one layer, captured target la
   (exact, normalised substring either way, shared 13-word n-gram).
 - Answers: the target's own, chat template, temperature {d['answer_temperature']}, at most
   {d['max_new_tokens']} new tokens: {d['sequences']} sequences, {d['tokens']} tokens
-  ({d['answer_tokens']} answer tokens); held out: {d['heldout_sequences']} sequences.{reused}
+  ({d['answer_tokens']} answer tokens); held out: {d['heldout_sequences']} sequences{held_note}.{reused}
 - Draft vocabulary: {m['draft_vocab_size']} most frequent answer tokens (special tokens included),
   covering {100 * m['vocab_coverage']:.1f}% of answer tokens.
 
@@ -648,6 +650,11 @@ def run(cfg: DictConfig) -> dict:
             cap = tc.data.get("heldout_max_sequences")
             held, train_idx = stages.split_by_prompt([s.id for s in seqs], float(tc.data.heldout_fraction), rng,
                                                      None if cap is None else int(cap))
+            if tc.data.get("heldout_greedy_only", False):
+                greedy = stages.greedy_only([s.id for s in seqs], held)
+                if greedy:  # sampled answers of held-out prompts: on neither side
+                    data_stats["heldout_sampled_left_out"] = len(held) - len(greedy)
+                    held = greedy
         else:
             order = list(range(len(ids_list)))
             rng.shuffle(order)

@@ -461,3 +461,21 @@ def test_online_features_auto_stores_what_fits():
         resolve_online("sometimes", 1, 576, 3, torch.bfloat16, "cpu")
     with pytest.raises(ConfigError, match="store_budget_frac"):
         resolve_online("auto", 1, 576, 3, torch.bfloat16, "cpu", 0.0)
+
+
+def test_heldout_greedy_only_keeps_sample_zero():
+    """train.data.heldout_greedy_only: the held-out split keeps each held-out prompt's greedy answer
+    (sample 0, or an id without a suffix) and leaves its sampled answers out of both sides."""
+    import random
+
+    from specdec.training.stages import greedy_only, split_by_prompt
+
+    ids = [f"p{i}#{s}" for i in range(20) for s in range(3)] + ["plain-a", "x#y"]
+    held, train = split_by_prompt(ids, 0.25, random.Random(0))
+    kept = greedy_only(ids, held)
+    assert kept and set(kept) <= set(held) and all(ids[i].endswith("#0") or "#" not in ids[i]
+                                                  or not ids[i].rpartition("#")[2].isdigit() for i in kept)
+    prompts = {ids[i].rpartition("#")[0] for i in held if ids[i].rpartition("#")[2].isdigit()}
+    assert {ids[i] for i in kept if "#" in ids[i]} >= {f"{p}#0" for p in prompts}
+    assert not {ids[i].rpartition("#")[0] for i in train} & prompts  # held-out prompts never trained on
+    assert greedy_only(["a#1", "a#2"], [0, 1]) == [] and greedy_only(["a", "b#0"], [0, 1]) == [0, 1]

@@ -92,6 +92,18 @@ def prompt_of(seq_id: str) -> str:
     return head if sep and tail.isdigit() else seq_id
 
 
+def greedy_only(ids: list[str], held: list[int]) -> list[int]:
+    """The held-out indices whose sequence is a prompt's greedy answer (sample 0, or an id without a
+    sample suffix): a held-out score over the target's own greedy text, comparable between heads
+    trained with and without sampled answers. The sampled answers of held-out prompts are left out of
+    both sides (their prompts stay unseen in training)."""
+    def sample(sid: str) -> int | None:
+        head, sep, tail = sid.rpartition("#")
+        return int(tail) if sep and tail.isdigit() else None
+
+    return [i for i in held if sample(ids[i]) in (None, 0)]
+
+
 def shard_paths(data_dir: Path) -> list[Path]:
     return sorted((Path(data_dir) / "answers").glob("shard-*.jsonl"))
 
