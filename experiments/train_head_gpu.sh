@@ -11,10 +11,11 @@
 #                                              #   schedule fitted to it) + held-out eval; the checkpoint
 #                                              #   (shards <= 15 MiB), its model card and metrics into $OUT.
 #                                              #   Fails at once (exit 2) when the data is not on this machine.
-#   bash experiments/train_head_gpu.sh all     # data, then train, in ONE call (~9 min: DATA_BUDGET_S 170,
-#                                              #   TRAIN_BUDGET_S 280 by default; with the setup call's
-#                                              #   conversion it fits a 600 s call): nothing is lost if the
-#                                              #   machine is given back between calls (its data would be)
+#   bash experiments/train_head_gpu.sh all     # data, then train, in ONE call (~8.5 min: DATA_BUDGET_S 170,
+#                                              #   TRAIN_BUDGET_S 340 by default; with the setup call's
+#                                              #   conversion it fits a 600 s call: 452 s with 280 at
+#                                              #   b48c50b): nothing is lost if the machine is given back
+#                                              #   between calls (its data would be)
 #   bash experiments/train_head_gpu.sh trees   # ~3 min: tree shapes at batch 1 on 10 HumanEval prompts
 #                                              #   for the new head (HEAD_DIR, default $S/ckpt10x), report in $OUT
 #
@@ -31,7 +32,7 @@
 set -uo pipefail
 mode=${1:-}
 case "$mode" in data|train|all|trees) ;; *) echo "usage: bash experiments/train_head_gpu.sh data|train|all|trees" >&2; exit 64;; esac
-if [ "$mode" = all ]; then : "${DATA_BUDGET_S:=170}" "${TRAIN_BUDGET_S:=280}"; fi
+if [ "$mode" = all ]; then : "${DATA_BUDGET_S:=170}" "${TRAIN_BUDGET_S:=340}"; fi
 : "${OUT:?OUT must name the folder whose files come back}"
 source experiments/lent_gpu_setup.sh >/dev/null 2>&1  # idempotent; sets SPECDEC_CACHE and PYTHONPATH
 set -e
