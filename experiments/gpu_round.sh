@@ -69,7 +69,11 @@ envelope_eagle3|envelope_ngram)
   d=eagle3_smollm2_trees; [ "$stage" = envelope_ngram ] && d=ngram_chains
   run ${ENVELOPE_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=$d \
     workload=${ENVELOPE_WORKLOADS:-humaneval,mt_bench} hydra.sweep.dir="$R/$stage"
-  pack "$stage" "$stage" ;;
+  pack "$stage" "$stage"
+  # The adaptive runs' per-step records (k, batch, commits per step) in a second tarball: what a
+  # policy's choices rest on, for the diagnosis the metrics' end-of-run state cannot give.
+  (cd "$R" && grep -l '"goodput"' "$stage"/*/config.json 2>/dev/null | sed 's|config.json$|steps.jsonl|' \
+     | xargs -r tar czf "$OUT/${stage}_goodput_steps.tgz" 2>/dev/null) && ls -l "$OUT/${stage}_goodput_steps.tgz" ;;
 eagle3head)  # HEAD_DIR: a head trained on this machine (experiments/train_head_gpu.sh train), else the committed one
   h=${HEAD_DIR:-$PWD/checkpoints/eagle3-smollm2-135m}
   run ${HEAD_FULL_S:-240} python -m specdec.run --multirun +experiment=eagle3_humaneval_full ++draft.path="$h" \
