@@ -857,8 +857,10 @@ def paired_off_cost(runs: list[Run]) -> list[dict]:
         for i, r in enumerate(rs):
             tok, dec = r.metrics.get("output_tok_per_s"), _decode_tok_s(r)
             pre = r.metrics.get("prefill_ms_total")
+            steady = r.metrics.get("steady_tok_per_s")
             row = {"draft": str(r.get("draft.name", "none")), "label": drafter_label(r), "tok_s": tok,
                    "decode_tok_s": dec, "prefill_s": pre / 1e3 if _is_num(pre) else None,
+                   "steady_tok_s": steady if _is_num(steady) else None, "steady_ratio": None,
                    "kv_pages": r.metrics.get("kv_pages"), "preemptions": r.metrics.get("preemptions"),
                    "path": str(r.path), "neighbours": [], "ratio": None, "decode_ratio": None}
             if i not in plain:
@@ -870,12 +872,16 @@ def paired_off_cost(runs: list[Run]) -> list[dict]:
                 base_dec = _mean(_decode_tok_s(rs[j]) for j in nb)
                 row["ratio"] = tok / base if _is_num(tok) and base else None
                 row["decode_ratio"] = dec / base_dec if dec is not None and base_dec else None
+                nb_steady = [rs[j].metrics.get("steady_tok_per_s") for j in nb]
+                if row["steady_tok_s"] is not None and nb_steady and all(_is_num(v) and v > 0 for v in nb_steady):
+                    row["steady_ratio"] = row["steady_tok_s"] / _mean(nb_steady)
             rows.append(row)
         label = f"{key[0]}, {key[1]}" + (f", T = {key[2]}" if key[2] not in ("0.0", "0") else "")
         label += "".join(f", {k}={json.loads(v) if v != 'null' else None}" for k, v in zip(extras, key[3:-1]))
         out.append({"study": label, "C": key[-1], "runs": rows,
                     "none": {"tok_s": [rows[j]["tok_s"] for j in plain],
-                             "decode_tok_s": [rows[j]["decode_tok_s"] for j in plain]}})
+                             "decode_tok_s": [rows[j]["decode_tok_s"] for j in plain],
+                             "steady_tok_s": [rows[j]["steady_tok_s"] for j in plain]}})
     return out
 
 
@@ -898,12 +904,15 @@ def off_cost_tables(runs: list[Run]) -> list[Table]:
             pre = sum(r["preemptions"] or 0 for r in p["runs"])
             pages_s = " / ".join(map(_show, pages)) + (" (differ)" if len(pages) > 1 else "")
             sp, dsp = _spread(none_tok), _spread(none_dec)
+            none_steady = p["none"].get("steady_tok_s") or []
+            ssp = _spread(none_steady) if none_steady and all(v is not None for v in none_steady) else None
             for lab in labels:
                 mine = [r for r in p["runs"] if r["label"] == lab and r["ratio"] is not None]
                 if not mine:
                     continue
                 ratios = [r["ratio"] for r in mine]
                 dec = [r["decode_ratio"] for r in mine if r["decode_ratio"] is not None]
+                st = [r["steady_ratio"] for r in mine if r["steady_ratio"] is not None]
                 rows.append([str(p["C"]), names[lab], str(len(mine)),
                              format_column([_mean(r["tok_s"] for r in mine)])[0],
                              f"{_mean(ratios):.4f}", f"{min(ratios):.4f} .. {max(ratios):.4f}",
@@ -911,17 +920,21 @@ def off_cost_tables(runs: list[Run]) -> list[Table]:
                              format_column([_mean(none_tok)])[0], str(len(none_tok)),
                              "-" if sp is None else f"{100 * sp:.1f}%",
                              "-" if dsp is None else f"{100 * dsp:.1f}%",
+                             f"{_mean(st):.4f}" if st else "-", "-" if ssp is None else f"{100 * ssp:.1f}%",
                              pages_s + (f", {pre} preempted" if pre else "")])
         columns = [Column("C", "$C$", "r"), Column("Drafter"), Column("runs", None, "r"),
                    Column("tok/s", None, "r"), Column("/ none", None, "r"), Column("range", None, "r"),
                    Column("decode / none", None, "r"), Column("none tok/s", None, "r"),
                    Column("none runs", None, "r"), Column("none spread", None, "r"),
-                   Column("none decode spread", None, "r"), Column("KV pages", None, "l")]
+                   Column("none decode spread", None, "r"), Column("steady / none", None, "r"),
+                   Column("none steady spread", None, "r"), Column("KV pages", None, "l")]
         caption = (f"Speculation off ({study}; policy=never, closed loop): each drafter run's output tok/s over "
                    "the mean of the draft=none runs adjacent to it in run order at the same C (the nearest "
                    "before and after), averaged over its runs (range: min .. max); decode / none: the same "
                    "ratio of output tokens per second of decode-step device time; none spread: (max - min) / "
-                   "mean over the draft=none runs at that C, the run-to-run noise the ratios sit in. Target: "
+                   "mean over the draft=none runs at that C, the run-to-run noise the ratios sit in; steady / none: "
+                   "the ratio of steady-window tok/s (from workload.warmup_s after the first send to the last send: "
+                   "the start-up burst of prefills and the drain left out) and its none spread. Target: "
                    "/ none >= 0.99 at every C.")
         tables.append(Table(f"Speculation off: {study}", caption, f"offcost{len(tables) // 2 + 1}", columns, rows))
         orows = []

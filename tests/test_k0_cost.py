@@ -183,7 +183,7 @@ def test_k0_cost_sweeps_c_outermost_and_the_arms_in_order():
 
 # ------------------------------------------------------------------------------- the paired table
 def make_run(path: Path, *, draft: str, c: int, tok_s: float, decode_ms: float, date: str,
-             kv_pages: int = 32768, **cfg_engine) -> Path:
+             kv_pages: int = 32768, steady: float | None = None, **cfg_engine) -> Path:
     config = {"target": {"name": "smollm2-135m-instruct", "path": None}, "draft": {"name": draft},
               "policy": {"name": "never"}, "tp": {"size": 1},
               "workload": {"name": "humaneval", "mode": "closed", "concurrency": c},
@@ -193,6 +193,8 @@ def make_run(path: Path, *, draft: str, c: int, tok_s: float, decode_ms: float, 
                "decode_ms_total": decode_ms, "prefill_ms_total": 500.0, "kv_pages": kv_pages, "preemptions": 0,
                "speculating_step_fraction": 0.0, "device": "cuda", "dtype": "torch.bfloat16",
                "date_utc": date, "target": "smollm2-135m-instruct", "workload": "humaneval"}
+    if steady is not None:
+        metrics.update(steady_tok_per_s=steady, steady_warmup_s=1.0)
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config))
     (path / "metrics.json").write_text(json.dumps(metrics))
@@ -242,7 +244,7 @@ def test_paired_ratios_use_the_adjacent_none_runs(tmp_path):
     assert ng[5] == f"{99 / 105:.4f} .. {117 / 115:.4f}"
     assert float(ng[7]) == pytest.approx(110.0)  # none tok/s: the mean of the three
     assert ng[8] == "3" and ng[9] == f"{100 * 20 / 110:.1f}%"  # spread (max - min) / mean
-    assert ng[11] == "32768"
+    assert ng[11] == "-" and ng[-1] == "32768"  # no steady window in these runs
     order = table(md, next(ln[3:] for ln in md.splitlines() if ln.startswith("## Speculation off, run order")))
     assert [r[2] for r in order[1:]] == [d for d, _, _ in SEQ]
     assert order[2][-1] == "#1, #4" and order[5][-1] == "#4, #7" and order[1][-1] == "-"
@@ -318,3 +320,26 @@ def test_k0_cost_stage_smoke_on_cpu(tmp_path, smollm2_path, prompts_path):
     rows = table(rep.stdout, next(ln[3:] for ln in rep.stdout.splitlines() if ln.startswith("## Speculation off: ")))
     assert sorted((r[0], r[1], r[2]) for r in rows[1:]) == [
         ("1", "eagle3", "1"), ("1", "ngram", "1"), ("2", "eagle3", "1"), ("2", "ngram", "1")]
+
+
+def test_paired_steady_window_ratio(tmp_path):
+    """With steady-window tok/s (workload.warmup_s), each drafter run is also divided by its adjacent
+    draft=none runs' steady tok/s; a neighbour without one leaves the ratio out."""
+    steady = [100.0, 99.0, 101.0, 100.0, 100.5, 99.5, 102.0]
+    for i, ((d, tok, dec), st) in enumerate(zip(SEQ, steady)):
+        make_run(tmp_path / "s" / str(i), draft=d, c=4, tok_s=tok, decode_ms=dec, steady=st,
+                 date=f"2026-12-01T22:{i:02d}:00Z")
+    (point,) = report.paired_off_cost(report.load_runs([tmp_path / "s"]))
+    got = [r["steady_ratio"] for r in point["runs"]]
+    want = [None, 99 / 100, 101 / 100, None, 100.5 / 101, 99.5 / 101, None]
+    assert got == [pytest.approx(w) if w else None for w in want]
+    md, _ = report.build_report(report.load_runs([tmp_path / "s"]), tmp_path / "out")
+    rows = table(md, next(ln[3:] for ln in md.splitlines() if ln.startswith("## Speculation off: ")))
+    col = rows[0].index("steady / none")
+    by = {r[1]: r for r in rows[1:]}
+    assert float(by["ngram"][col]) == pytest.approx((0.99 + 99.5 / 101) / 2, abs=1e-4)
+    assert by["ngram"][col + 1] == f"{100 * 2 / (304 / 3):.1f}%"  # none steady spread
+    m = tmp_path / "s" / "6" / "metrics.json"  # the last none run without a window
+    m.write_text(json.dumps({k: v for k, v in json.loads(m.read_text()).items() if k != "steady_tok_per_s"}))
+    (point,) = report.paired_off_cost(report.load_runs([tmp_path / "s"]))
+    assert [r["steady_ratio"] is None for r in point["runs"]] == [True, False, False, True, True, True, True]
