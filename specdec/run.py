@@ -275,7 +275,7 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     bench.metrics.StepTrace) receives one record per engine step, plus run-level facts in ``meta``;
     with ``profile`` also the step-time profiles the run asks for (``engine.profile_steps``).
     """
-    from .bench.clients import closed_loop, open_loop
+    from .bench.clients import closed_loop, open_loop, steady_window
     from .bench.metrics import request_record
     from .dist.plan import run_everywhere
 
@@ -329,8 +329,6 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
         if window:
             # Output tok/s over the steady window: from warmup_s after the first send to the last send
             # (the ramp-up and the drain left out; metrics' output_tok_per_s keeps the whole run).
-            from .bench.clients import steady_window
-
             start = window["t0"] + (warmup_s or 0.0)
             n, span = steady_window(token_times, start, window["t_stop"])
             trace.meta.update(steady_window_s=span, steady_output_tokens=n,

@@ -255,6 +255,31 @@ FEW_ROW_PATHS = {
 }
 
 
+def _check_qkv_rope_write(x, r, nw, K, cfg, dtype, gen, HQ, HKV, D, PS, NP, cos, sin, pos, slots):
+    """norm + QKV + RoPE + KV write against its reference, with one input (residual r) and with two
+    (a second input x2 with its own norm weight: K + 40 columns): q and the residual sum equal, the
+    caches equal (untouched slots NaN in both) and every written slot (slot >= 0) filled."""
+    M = x.shape[0]
+    x2, nw2 = _randn(M, 40, dtype=dtype, scale=0.3, gen=gen), _randn(40, dtype=dtype, gen=gen)
+    for two_inputs in (False, True):
+        kk = K + 40 if two_inputs else K
+        wqkv = _randn((HQ + 2 * HKV) * D, kk, dtype=dtype, scale=kk ** -0.5, gen=gen)
+        extra = dict(x2=x2, norm_weight2=nw2) if two_inputs else {}
+        res = None if two_inputs else r
+        kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+        vc = torch.full_like(kc, float("nan"))
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q, s = lin.norm_qkv_rope_write_kv_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
+                                           config=dict(cfg), **extra)
+        q_ref, s_ref = lin.norm_qkv_rope_write_kv_ref_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref,
+                                                       vc_ref, slots, **extra)
+        torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
+        _close(q, q_ref, dtype)
+        for c, c_ref in ((kc, kc_ref), (vc, vc_ref)):
+            torch.testing.assert_close(c, c_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+            assert not torch.isnan(c.view(-1, HKV, D)[slots[slots >= 0]]).any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("path", sorted(FEW_ROW_PATHS))
@@ -282,24 +307,7 @@ def test_few_row_paths_match_ref(path, M, dtype, poison):
     cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
     pos = torch.tensor([37, 5, 60][:M], device=DEVICE)
     slots = torch.tensor([9, 2, 14][:M], device=DEVICE)
-    x2, nw2 = _randn(M, 40, dtype=dtype, scale=0.3, gen=gen), _randn(40, dtype=dtype, gen=gen)
-    for two_inputs in (False, True):
-        kk = K + 40 if two_inputs else K
-        wqkv = _randn((HQ + 2 * HKV) * D, kk, dtype=dtype, scale=kk ** -0.5, gen=gen)
-        extra = dict(x2=x2, norm_weight2=nw2) if two_inputs else {}
-        res = None if two_inputs else r
-        kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
-        vc = torch.full_like(kc, float("nan"))
-        kc_ref, vc_ref = kc.clone(), vc.clone()
-        q, _ = lin.norm_qkv_rope_write_kv_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
-                                           config=dict(cfg), **extra)
-        q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref,
-                                                   slots, **extra)
-        _close(q, q_ref, dtype)
-        for c, c_ref in ((kc, kc_ref), (vc, vc_ref)):
-            torch.testing.assert_close(c, c_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
-            assert not torch.isnan(c.view(-1, HKV, D)[slots]).any()
-
+    _check_qkv_rope_write(x, r, nw, K, cfg, dtype, gen, HQ, HKV, D, PS, NP, cos, sin, pos, slots)
 
 def test_gemv_only_for_one_row():
     # The GEMV body serves one row; more rows run the tl.dot body even when GEMV is asked for.
@@ -545,23 +553,7 @@ def test_stream_body_matches_ref(M, body, dtype, poison, launches):
     slots = torch.randperm(NP * PS, generator=gen)[:M]
     slots[1::4] = -1  # padding rows
     slots = slots.to(DEVICE)
-    x2, nw2 = _randn(M, 40, dtype=dtype, scale=0.3, gen=gen), _randn(40, dtype=dtype, gen=gen)
-    for two_inputs in (False, True):
-        kk = K + 40 if two_inputs else K
-        wqkv = _randn((HQ + 2 * HKV) * D, kk, dtype=dtype, scale=kk ** -0.5, gen=gen)
-        extra = dict(x2=x2, norm_weight2=nw2) if two_inputs else {}
-        res = None if two_inputs else r
-        kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
-        vc = torch.full_like(kc, float("nan"))
-        kc_ref, vc_ref = kc.clone(), vc.clone()
-        q, s = lin.norm_qkv_rope_write_kv_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
-                                           config=dict(cfg), **extra)
-        q_ref, s_ref = lin.norm_qkv_rope_write_kv_ref_(x, res, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref,
-                                                       vc_ref, slots, **extra)
-        torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
-        _close(q, q_ref, dtype)
-        for c, c_ref in ((kc, kc_ref), (vc, vc_ref)):  # untouched slots stay NaN in both
-            torch.testing.assert_close(c, c_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    _check_qkv_rope_write(x, r, nw, K, cfg, dtype, gen, HQ, HKV, D, PS, NP, cos, sin, pos, slots)
     assert "dot" not in _bodies(launches) and "gemv" not in _bodies(launches)
 
 

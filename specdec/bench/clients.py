@@ -50,35 +50,34 @@ def closed_loop(engine, prompts: Sequence, concurrency: int | None, submit: Subm
                                     or concurrency < 1):
         raise ConfigError(f"workload.concurrency={concurrency!r}: must be an integer >= 1, or null "
                           "(every prompt at once)")
-    if duration_s is not None and (isinstance(duration_s, bool) or not isinstance(duration_s, (int, float))
-                                   or not duration_s > 0 or concurrency is None or not prompts):
-        raise ConfigError(f"workload.duration_s={duration_s!r}: must be a number of seconds > 0, with a "
-                          f"closed-loop concurrency (got concurrency={concurrency!r}) and at least one prompt")
-    t0 = time.perf_counter()
-    rounds = [0]
+    if duration_s is not None and (concurrency is None or not prompts):
+        raise ConfigError(f"workload.duration_s={duration_s!r} needs a closed-loop concurrency (got "
+                          f"{concurrency!r}) and at least one prompt")
+    t0 = t_stop = time.perf_counter()
+    rounds = 1  # passes over the prompts begun
+    stopped = False
 
     def prompt_iter():
+        nonlocal rounds
         while True:
             for p in prompts:
-                yield p if rounds[0] == 0 else _again(p, rounds[0])
+                yield p if rounds == 1 else _again(p, rounds - 1)
             if duration_s is None:
                 return
-            rounds[0] += 1
+            rounds += 1
 
     todo = prompt_iter()
-    t_stop = [t0]
-    stopped = [False]
 
     def send_next() -> bool:
-        if stopped[0] or (duration_s is not None and time.perf_counter() - t0 >= duration_s):
-            stopped[0] = True
-            return False
-        nxt = next(todo, None)
+        nonlocal stopped, t_stop
+        if not stopped and duration_s is not None and time.perf_counter() - t0 >= duration_s:
+            stopped = True
+        nxt = None if stopped else next(todo, None)
         if nxt is None:
-            stopped[0] = True
+            stopped = True
             return False
         submit(nxt, None)
-        t_stop[0] = time.perf_counter()
+        t_stop = time.perf_counter()
         return True
 
     first = len(prompts) if concurrency is None else (
@@ -96,8 +95,7 @@ def closed_loop(engine, prompts: Sequence, concurrency: int | None, submit: Subm
     if window is not None:
         # The steady state ends with the last send made as a request finished; when every prompt went
         # out at the start (C >= the prompts) there is no such send: the whole run.
-        window.update(t0=t0, t_stop=t_stop[0] if late else time.perf_counter(),
-                      rounds=rounds[0] + 1 if duration_s is not None else 1)
+        window.update(t0=t0, t_stop=t_stop if late else time.perf_counter(), rounds=rounds)
     engine.flush_trace()
     return done
 
