@@ -86,10 +86,16 @@ def item_id(prompt_id: str, sample: int) -> str:
     return f"{prompt_id}#{sample}"
 
 
-def prompt_of(seq_id: str) -> str:
-    """The prompt id of a sequence id (``item_id``'s inverse; ids without a sample suffix are their own)."""
+def split_id(seq_id: str) -> tuple[str, int | None]:
+    """(prompt id, sample) of a sequence id: ``item_id``'s inverse; an id without a sample suffix is
+    its own prompt, sample None."""
     head, sep, tail = seq_id.rpartition("#")
-    return head if sep and tail.isdigit() else seq_id
+    return (head, int(tail)) if sep and tail.isdigit() else (seq_id, None)
+
+
+def prompt_of(seq_id: str) -> str:
+    """The prompt id of a sequence id."""
+    return split_id(seq_id)[0]
 
 
 def greedy_only(ids: list[str], held: list[int]) -> list[int]:
@@ -97,11 +103,7 @@ def greedy_only(ids: list[str], held: list[int]) -> list[int]:
     sample suffix): a held-out score over the target's own greedy text, comparable between heads
     trained with and without sampled answers. The sampled answers of held-out prompts are left out of
     both sides (their prompts stay unseen in training)."""
-    def sample(sid: str) -> int | None:
-        head, sep, tail = sid.rpartition("#")
-        return int(tail) if sep and tail.isdigit() else None
-
-    return [i for i in held if sample(ids[i]) in (None, 0)]
+    return [i for i in held if split_id(ids[i])[1] in (None, 0)]
 
 
 def shard_paths(data_dir: Path) -> list[Path]:
