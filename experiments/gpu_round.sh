@@ -14,6 +14,8 @@
 #                                             committed one): all 164 HumanEval prompts, and the T = 0
 #                                             eagle3_table (40 prompts of HumanEval and MT-bench), plain beside
 #                                             (HEAD_EXTRA: more overrides for both sweeps, e.g. kernel options)
+#   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
+#                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
 #   bash experiments/gpu_round.sh gputests    # pytest -m gpu, one line per test as it ends ($OUT/gpu_tests.txt):
 #                                             a time limit (GPU_TESTS_S, 280) keeps the names of what ran;
 #                                             SmolLM2 tests skip until the q3 call has converted it
@@ -82,6 +84,12 @@ eagle3head)  # HEAD_DIR: a head trained on this machine (experiments/train_head_
     "+method=${HEAD_TABLE_METHODS:-plain,eagle3_tree16,eagle3_tree32}" ${HEAD_EXTRA:-} hydra.sweep.dir="$R/table"
   for d in humaneval_full table; do python -m specdec.report "$R/$d" --out "$R/$d/report" > /dev/null 2>&1 && cat "$R/$d/report/report.md"; done
   pack eagle3head humaneval_full table ;;
+sweep)
+  n=${SWEEP_NAME:?SWEEP_NAME}
+  # shellcheck disable=SC2086  # SWEEP_ARGS: overrides, split on spaces
+  run ${SWEEP_S:-300} python -m specdec.run --multirun ${SWEEP_ARGS:?SWEEP_ARGS} hydra.sweep.dir="$R/$n"
+  python -m specdec.report "$R/$n" --out "$R/$n/report" > /dev/null 2>&1
+  pack "$n" "$n" ;;
 gputests)
   SPECDEC_TESTS_OFFLINE=1 timeout ${GPU_TESTS_S:-280} python -m pytest -m gpu -v -rfEs -p no:cacheprovider \
     > "$OUT/gpu_tests.txt" 2>&1; echo "rc=$?"

@@ -327,7 +327,8 @@ class Goodput:
         last steps left it. A greedy choice on such estimates keeps the arms it has seen at their low
         draws: H200 policy envelope at b48c50b, EAGLE-3 on HumanEval, C = 2: goodput held a(32) = 2.77
         where always (tree 32) accepted 3.59, flipped 42 times between trees 8 and 32 and ran 0.93x of
-        always. A refresh step at the largest k updates it, and counterfactually every smaller one."""
+        always. A refresh step at the largest k updates it, and counterfactually every smaller one.
+        Not with shadow samples (n-gram): those score every k on every k = 0 step already."""
         top = self.ks[-1]
         was_refresh, self._refreshed = self._refreshed, False
         if k == top:  # chosen on its merits (after a refresh or not): the gap starts afresh
@@ -335,7 +336,7 @@ class Goodput:
             return k
         if was_refresh:  # the refresh did not move the choice to the largest k: wait longer next time
             self.refresh_gap = min(self.refresh_gap * self.explore_backoff, float(self.explore_max))
-        if k == 0 or not self.refresh_every:
+        if k == 0 or not self.refresh_every or self.shadowed:  # shadow samples keep every a(k) current
             self.since_top = 0
             return k
         self.since_top += 1
