@@ -69,7 +69,7 @@ batch1)
   pack batch1 humaneval_full step_floor ;;  # the speculation-off cost: stage k0cost (paired)
 envelope_eagle3|envelope_ngram)
   d=eagle3_smollm2_trees; [ "$stage" = envelope_ngram ] && d=ngram_chains
-  run ${ENVELOPE_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=$d \
+  run ${ENVELOPE_S:-560} python -m specdec.run --multirun +experiment=policy_envelope draft=$d \
     workload=${ENVELOPE_WORKLOADS:-humaneval,mt_bench} hydra.sweep.dir="$R/$stage"
   pack "$stage" "$stage"
   # The adaptive runs' per-step records (k, batch, commits per step) in a second tarball: what a

@@ -324,6 +324,23 @@ def distinguishing_keys(runs: list[Run], ignore=()) -> list[str]:
     return sorted(keys, key=lambda k: (k != "workload.concurrency", k))
 
 
+def follows_concurrency(runs: list[Run], key: str) -> bool:
+    """Whether ``key`` varies with the closed-loop C alone: runs of one C share its value and runs of
+    different Cs do not all share it (a setting resolved from C, e.g. policy_envelope's
+    ``engine.max_batch_size: ${specdec.or:${workload.concurrency},256}``). Such a key is part of the
+    sweep over C, not a study setting of its own."""
+    by: dict = {}
+    for r in runs:
+        if key in r.settings and _concurrency(r) is not None:
+            by.setdefault(_concurrency(r), set()).add(_h(r.settings[key]))
+    return len(by) > 1 and all(len(v) == 1 for v in by.values()) and len(set().union(*by.values())) > 1
+
+
+def _swept_keys(runs: list[Run]) -> list[str]:
+    """distinguishing_keys of a sweep over C, less C itself and the keys that follow it."""
+    return [k for k in distinguishing_keys(runs, ignore=("workload.concurrency",)) if not follows_concurrency(runs, k)]
+
+
 def _baseline_key(run: Run) -> str:
     return _h({k: v for k, v in run.settings.items() if not k.startswith(SPEC_ONLY)})
 
@@ -594,7 +611,7 @@ def concurrency_table(runs: list[Run]) -> tuple[Table, list[tuple[str, list, lis
     if len(cs) < 2:
         return None
     context, ctx_keys = _context(swept)
-    extras = distinguishing_keys(swept, ignore=("workload.concurrency",)) + ctx_keys
+    extras = _swept_keys(swept) + ctx_keys
     desc = [c for c in ("Workload", "Target", "Drafter", "Policy", "T")
             if c in ("Target", "Drafter", "Policy") or len({descriptors(r)[c] for r in swept}) > 1]
     fixed = [("workload " if c == "Workload" else "T = ") + descriptors(swept[0])[c]
@@ -681,7 +698,7 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
     swept = [r for r in runs if _concurrency(r) is not None and r.get("draft.name", "none") != "none"]
     if not swept:
         return []
-    extras = [k for k in distinguishing_keys(swept, ignore=("workload.concurrency",)) if not k.startswith("policy.")]
+    extras = [k for k in _swept_keys(swept) if not k.startswith("policy.")]
 
     def study_key(r: Run) -> tuple:
         d = descriptors(r)
@@ -841,7 +858,7 @@ def paired_off_cost(runs: list[Run]) -> list[dict]:
     sel = [r for r in runs if _concurrency(r) is not None and r.get("policy.name", "never") == "never"]
     if not sel:
         return []
-    extras = [k for k in distinguishing_keys(sel, ignore=("workload.concurrency",)) if not k.startswith(SPEC_ONLY)]
+    extras = [k for k in _swept_keys(sel) if not k.startswith(SPEC_ONLY)]
 
     def study_key(r: Run) -> tuple:
         d = descriptors(r)

@@ -455,6 +455,33 @@ def test_crossover_table_for_replayed_acceptance(tmp_path):
     assert all("replayed acceptance" in r[runs_rows[0].index("Target")] for r in runs_rows[1:])
 
 
+def test_policy_envelope_ignores_settings_resolved_from_c(tmp_path):
+    """policy_envelope sizes its graphs by C (engine.max_batch_size = C): a key that varies with C
+    alone belongs to the sweep over C, so the runs stay one study with one envelope table; a key
+    that differs between runs of one C still splits it."""
+    tok = {"never": [100.0, 190.0], "always": [150.0, 200.0], "goodput": [150.0, 220.0]}
+    for policy, vals in tok.items():
+        for c, v in zip([1, 4], vals):
+            d = make_run(tmp_path / "sweep" / f"{policy}_{c}", tok_s=v, draft="ngram", policy=policy, concurrency=c)
+            cfg = json.loads((d / "config.json").read_text())
+            cfg["engine"]["max_batch_size"] = c
+            (d / "config.json").write_text(json.dumps(cfg))
+    runs = report.load_runs([tmp_path / "sweep"])
+    assert report.follows_concurrency(runs, "engine.max_batch_size")
+    assert not report.follows_concurrency(runs, "engine.page_size")
+    md, _ = report.build_report(runs, tmp_path / "out")
+    titles = [line[3:] for line in md.splitlines() if line.startswith("## Policy envelope")]
+    assert len(titles) == 1 and "max_batch_size" not in titles[0]
+    by = {r[0].split()[0]: r for r in table(md, titles[0])[1:]}
+    assert by["goodput"][1:3] == ["1.000", "1.100"]
+    # The same key set apart within one C (max_batch_size 64 for one goodput run at C = 4): a setting again.
+    d = tmp_path / "sweep" / "goodput_4"
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["engine"]["max_batch_size"] = 64
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert not report.follows_concurrency(report.load_runs([tmp_path / "sweep"]), "engine.max_batch_size")
+
+
 def test_policy_envelope_uses_the_steady_window_of_timed_runs(tmp_path):
     """Timed closed loops (workload.duration_s): the envelope compares steady-window tok/s, says so in
     its caption, and falls back to whole-run tok/s when a run of the study lacks the window."""
