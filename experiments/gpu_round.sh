@@ -17,7 +17,7 @@
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
 #                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
 #   bash experiments/gpu_round.sh gputests    # pytest -m gpu, one line per test as it ends ($OUT/gpu_tests.txt):
-#                                             a time limit (GPU_TESTS_S, 280) keeps the names of what ran;
+#                                             a time limit (GPU_TESTS_S, 560) keeps the names of what ran;
 #                                             SmolLM2 tests skip until the q3 call has converted it
 # Back here: tar xzf FILE -C experiments/results/...; python -m specdec.report DIR.
 set -uo pipefail
@@ -91,7 +91,7 @@ sweep)
   python -m specdec.report "$R/$n" --out "$R/$n/report" > /dev/null 2>&1
   pack "$n" "$n" ;;
 gputests)
-  SPECDEC_TESTS_OFFLINE=1 timeout ${GPU_TESTS_S:-280} python -m pytest -m gpu -v -rfEs -p no:cacheprovider \
+  SPECDEC_TESTS_OFFLINE=1 timeout ${GPU_TESTS_S:-560} python -m pytest -m gpu -v -rfEs -p no:cacheprovider \
     > "$OUT/gpu_tests.txt" 2>&1; echo "rc=$?"
   grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -n 20 ;;
 *) echo "unknown stage $stage" >&2; exit 64 ;;
