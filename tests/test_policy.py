@@ -584,8 +584,8 @@ def test_goodput_refreshes_the_largest_k_while_a_smaller_one_runs():
     cfg.refresh_every = 32
     assert build_policy(cfg, sizes=(8, 32)).refresh_every == 32
     # With shadow samples (n-gram) every a(k) is scored on k = 0 steps: no refresh steps.
-    shadowed = Goodput([8, 32], margin=0.0, explore_every=0, refresh_every=1)
-    shadowed.set_table(table)
+    shadowed = Goodput([8, 32], margin=0.0, explore_every=0, refresh_every=1, explore_budget=1.0)
+    shadowed.set_table({0: {2: 1.0}, 8: {2: 1.1}, 32: {2: 1.1}})  # a refresh would cost nothing extra
     shadowed.shadowed_()
     shadowed.update(StepStats(k=0, num_decode=2, committed=[1, 1], shadow=[(8, "a", 3.0), (32, "a", 1.0)]))
     assert [shadowed.choose(view(2)) for _ in range(5)] == [8] * 5 and shadowed.refreshes == 0
