@@ -324,6 +324,9 @@ def distinguishing_keys(runs: list[Run], ignore=()) -> list[str]:
     return sorted(keys, key=lambda k: (k != "workload.concurrency", k))
 
 
+REPEAT_KEYS = ("seed",)  # settings that only repeat a run (averaged in the envelope tables)
+
+
 def follows_concurrency(runs: list[Run], key: str) -> bool:
     """Whether ``key`` varies with the closed-loop C alone: runs of one C share its value and runs of
     different Cs do not all share it (a setting resolved from C, e.g. policy_envelope's
@@ -698,7 +701,8 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
     swept = [r for r in runs if _concurrency(r) is not None and r.get("draft.name", "none") != "none"]
     if not swept:
         return []
-    extras = [k for k in _swept_keys(swept) if not k.startswith("policy.")]
+    # seed: repeats of a point (``seed=0,1,2``), averaged per policy and C, as other repeats are
+    extras = [k for k in _swept_keys(swept) if not k.startswith("policy.") and k not in REPEAT_KEYS]
 
     def study_key(r: Run) -> tuple:
         d = descriptors(r)
@@ -721,8 +725,14 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
         rows.append(["envelope tok/s"] + format_column([env[c] for c in cs]) + ["", ""])
         label = f"{key[0]}, {key[1]}, {key[2]}" + (f", T = {key[3]}" if key[3] not in ("0.0", "0") else "")
         label += "".join(f", {k}={json.loads(v) if v != 'null' else None}" for k, v in zip(extras, key[4:]))
+        counts = {}
+        for r in rs:
+            counts[(policy_label(r), _concurrency(r))] = counts.get((policy_label(r), _concurrency(r)), 0) + 1
+        lo, hi = min(counts.values()), max(counts.values())
+        repeats = "" if hi == 1 else f" Each point is the mean of {lo if lo == hi else f'{lo}-{hi}'} runs."
         caption = (f"Policy envelope ({label}): {_steady_note(rs)} of each policy over max(never, always) at "
-                   "closed-loop concurrency C; min / max over C. Target: >= 0.98 at every C and >= 1.05 somewhere.")
+                   f"closed-loop concurrency C; min / max over C.{repeats} Target: >= 0.98 at every C and >= 1.05 "
+                   "somewhere.")
         table = Table(f"Policy envelope: {label}", caption, f"envelope{len(out) + 1}", columns, rows)
         series = [(p, cs, [tok[p].get(c) for c in cs]) for p in order]
         series.append(("envelope max(never, always)", cs, [env[c] for c in cs]))

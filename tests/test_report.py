@@ -482,6 +482,27 @@ def test_policy_envelope_ignores_settings_resolved_from_c(tmp_path):
     assert not report.follows_concurrency(report.load_runs([tmp_path / "sweep"]), "engine.max_batch_size")
 
 
+def test_policy_envelope_averages_repeats_over_seed(tmp_path):
+    """Repeats of a sweep (seed=0,1) stay one study: each policy's tok/s per C is the mean of its runs,
+    and the caption says how many runs a point averages."""
+    tok = {"never": [[100.0, 110.0], [190.0, 190.0]], "always": [[150.0, 170.0], [200.0, 200.0]],
+           "goodput": [[150.0, 160.0], [220.0, 200.0]]}
+    for policy, per_c in tok.items():
+        for c, vals in zip([1, 4], per_c):
+            for seed, v in enumerate(vals):
+                d = make_run(tmp_path / "sweep" / f"{policy}_{c}_{seed}", tok_s=v, draft="ngram", policy=policy,
+                             concurrency=c)
+                cfg = json.loads((d / "config.json").read_text())
+                cfg["seed"] = seed
+                (d / "config.json").write_text(json.dumps(cfg))
+    md, _ = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out")
+    titles = [line[3:] for line in md.splitlines() if line.startswith("## Policy envelope")]
+    assert len(titles) == 1 and "seed" not in titles[0]
+    by = {r[0].split()[0]: r for r in table(md, titles[0])[1:]}
+    assert by["goodput"][1:3] == ["0.969", "1.050"]  # 155 / 160, 210 / 200
+    assert "Each point is the mean of 2 runs." in md
+
+
 def test_policy_envelope_uses_the_steady_window_of_timed_runs(tmp_path):
     """Timed closed loops (workload.duration_s): the envelope compares steady-window tok/s, says so in
     its caption, and falls back to whole-run tok/s when a run of the study lacks the window."""
