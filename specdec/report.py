@@ -66,6 +66,7 @@ import os
 import re
 import sys
 import textwrap
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -324,7 +325,7 @@ def distinguishing_keys(runs: list[Run], ignore=()) -> list[str]:
     return sorted(keys, key=lambda k: (k != "workload.concurrency", k))
 
 
-REPEAT_KEYS = ("seed",)  # settings that only repeat a run (averaged in the envelope tables)
+REPEAT_KEYS = ("seed",)  # settings that only repeat a run: a sweep over C averages its repeats
 
 
 def follows_concurrency(runs: list[Run], key: str) -> bool:
@@ -340,8 +341,10 @@ def follows_concurrency(runs: list[Run], key: str) -> bool:
 
 
 def _swept_keys(runs: list[Run]) -> list[str]:
-    """distinguishing_keys of a sweep over C, less C itself and the keys that follow it."""
-    return [k for k in distinguishing_keys(runs, ignore=("workload.concurrency",)) if not follows_concurrency(runs, k)]
+    """distinguishing_keys of a sweep over C, less C itself, the keys that follow it and the keys
+    that only repeat a run (REPEAT_KEYS: ``seed=0,1,2`` repeats every point; the tables average them)."""
+    return [k for k in distinguishing_keys(runs, ignore=("workload.concurrency", *REPEAT_KEYS))
+            if not follows_concurrency(runs, k)]
 
 
 def _baseline_key(run: Run) -> str:
@@ -701,8 +704,7 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
     swept = [r for r in runs if _concurrency(r) is not None and r.get("draft.name", "none") != "none"]
     if not swept:
         return []
-    # seed: repeats of a point (``seed=0,1,2``), averaged per policy and C, as other repeats are
-    extras = [k for k in _swept_keys(swept) if not k.startswith("policy.") and k not in REPEAT_KEYS]
+    extras = [k for k in _swept_keys(swept) if not k.startswith("policy.")]
 
     def study_key(r: Run) -> tuple:
         d = descriptors(r)
@@ -725,9 +727,7 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
         rows.append(["envelope tok/s"] + format_column([env[c] for c in cs]) + ["", ""])
         label = f"{key[0]}, {key[1]}, {key[2]}" + (f", T = {key[3]}" if key[3] not in ("0.0", "0") else "")
         label += "".join(f", {k}={json.loads(v) if v != 'null' else None}" for k, v in zip(extras, key[4:]))
-        counts = {}
-        for r in rs:
-            counts[(policy_label(r), _concurrency(r))] = counts.get((policy_label(r), _concurrency(r)), 0) + 1
+        counts = Counter((policy_label(r), _concurrency(r)) for r in rs)
         lo, hi = min(counts.values()), max(counts.values())
         repeats = "" if hi == 1 else f" Each point is the mean of {lo if lo == hi else f'{lo}-{hi}'} runs."
         caption = (f"Policy envelope ({label}): {_steady_note(rs)} of each policy over max(never, always) at "
