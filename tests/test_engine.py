@@ -335,6 +335,27 @@ def test_deleted_engine_frees_its_kv_pool_without_the_cycle_collector(tiny):
         gc.enable()
 
 
+def test_prefill_request_buckets_stop_at_the_batch_limit(tiny):
+    """No prefill forward holds more chunks than requests in flight: request buckets above
+    max_batch_size (but the smallest one that holds it) are never captured."""
+    from specdec.engine.graphs import prefill_request_buckets
+
+    assert prefill_request_buckets((1, 8, 64), 1) == [1]
+    assert prefill_request_buckets((1, 8, 64), 4) == [1, 8]
+    assert prefill_request_buckets((8, 64), 8) == [1, 8]
+    assert prefill_request_buckets((1, 8, 64), 9) == [1, 8, 64]
+    assert prefill_request_buckets((1, 8, 64), 256) == [1, 8, 64]
+    engine = Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=256, pad_eager=True,
+                                       graph_buckets=(1, 2), prefill_chunk=32, prefill_buckets=(8, 16),
+                                       prefill_requests=(1, 8, 64)))
+    runner = engine.stepper.prefill_runner
+    assert runner.request_buckets == [1, 8] and runner.shapes == [(8, 1), (8, 8), (16, 1), (16, 8), (32, 1), (32, 8)]
+    prompts = rand_prompts([5, 9], seed=4)
+    reqs = drive(engine, [(0, prompts[0]), (0, prompts[1])], 4)
+    for p, r in zip(prompts, reqs):
+        assert r.output_ids == reference(tiny, p, 4)
+
+
 def test_padded_prefill_shapes():
     from specdec.engine.graphs import PaddedPrefill
     from specdec.engine.step import PrefillChunk

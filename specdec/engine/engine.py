@@ -43,7 +43,7 @@ from ..policy.base import BatchView, StepStats, shadow_evals, wants_counterfactu
 from ..spec.base import capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
 from . import profiling
-from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets
+from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets, prefill_request_buckets
 from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
 from .shadow import ShadowAcceptance
@@ -268,6 +268,7 @@ class Engine:
         prefill_buckets = [b for b in cfg.prefill_buckets if 1 <= b < cfg.prefill_chunk]
         if cfg.prefill_buckets:  # and a full chunk, the largest prefill forward
             prefill_buckets.append(cfg.prefill_chunk)
+        request_buckets = prefill_request_buckets(cfg.prefill_requests, cfg.max_batch_size)
         if prefill_buckets and (runner.graphed or cfg.pad_eager):
             t0 = time.perf_counter()
             # The body closes over the model, KV and drafter, not the stepper that will hold the runner
@@ -275,17 +276,17 @@ class Engine:
             prefill = functools.partial(prefill_body_, model, self.kv, drafter if prefills(drafter) else None)
             self.stepper.prefill_runner = PaddedPrefill(prefill, model.device, prefill_buckets,
                                                         max_pages, graphed=runner.graphed,
-                                                        request_buckets=cfg.prefill_requests)
+                                                        request_buckets=request_buckets)
             if catches_up(drafter) and prefills(drafter):  # prefill while speculation is off: the target's alone
                 plain = functools.partial(prefill_body_, model, self.kv, None)
                 self.stepper.plain_prefill_runner = PaddedPrefill(plain, model.device, prefill_buckets,
                                                                   max_pages, graphed=runner.graphed,
-                                                                  request_buckets=cfg.prefill_requests)
+                                                                  request_buckets=request_buckets)
             if catches_up(drafter):  # the draft catch-up after k = 0 steps replays the same shapes
                 catch_up = functools.partial(catch_up_body_, model, self.kv, drafter)
                 self.stepper.catch_up_runner = PaddedPrefill(catch_up, model.device, prefill_buckets,
                                                              max_pages, graphed=runner.graphed,
-                                                             request_buckets=cfg.prefill_requests)
+                                                             request_buckets=request_buckets)
             self.startup_s += time.perf_counter() - t0
         self._timer = PhaseTimer(model.device)
         self._pending_trace: dict[int, dict] = {}

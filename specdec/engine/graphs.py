@@ -43,6 +43,17 @@ def make_buckets(max_batch_size: int, buckets=None) -> list[int]:
     return sorted({b for b in chosen if b < max_batch_size} | {max_batch_size})
 
 
+def prefill_request_buckets(requests, max_batch_size: int) -> list[int]:
+    """The prefill request buckets a forward can use when at most ``max_batch_size`` requests are in
+    flight: those below it and the smallest one at or above it (a prefill or catch-up forward
+    holds one chunk per request, so no forward has more). Each bucket is captured once per token
+    bucket and prefill runner (an EAGLE-3 engine has three), so at C = 1 the default (1, 8, 64)
+    captures a third of the shapes."""
+    chosen = sorted({int(r) for r in requests} | {1})
+    above = [r for r in chosen if r >= max_batch_size]
+    return [r for r in chosen if r < max_batch_size] + above[:1]
+
+
 def bucket_for(buckets: list[int], n: int) -> int:
     i = bisect.bisect_left(buckets, n)
     if i == len(buckets):
