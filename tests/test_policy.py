@@ -3,7 +3,7 @@ its start-up calibration through the engine, and greedy identity whatever it cho
 
 import pytest
 from omegaconf import OmegaConf
-from test_engine import reference, tiny_model
+from test_engine import rand_prompts, reference, tiny_model
 from test_spec import repetitive_prompts, run_engine, tiny_head
 
 from specdec.engine.engine import Engine, EngineConfig
@@ -440,6 +440,51 @@ def test_engine_reports_prefill_iterations_as_mixed(tiny):
     assert [m for _, _, m in calls[:2]] == [True, engine.overlap]
     assert calls[2][2] is True and calls[-1][2] is False
     assert all(b >= 1 for _, b, _ in calls)
+
+
+def test_overlapped_iterations_are_charged_to_the_step_they_waited_for(tiny):
+    """Overlapped, an iteration queues its step and waits for the one before: its wall time is that
+    step's. An iteration whose step differs in k from the step before is reported mixed, so a re-try
+    at k > 0 is not charged the k = 0 step it waited for (nor the k = 0 step after it the tree)."""
+    class Alternate:
+        name = "alternate"
+        ks = (0, 3)
+
+        def __init__(self):
+            self.launched, self.reports, self.i = [], [], 0
+
+        def choose(self, view):
+            if view.num_decode == 0:
+                return 0
+            k = (0, 0, 0, 3, 3, 3)[self.i % 6]
+            self.i += 1
+            self.launched.append(k)
+            return k
+
+        def update(self, stats):
+            pass
+
+        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False):
+            self.reports.append((k, mixed))
+
+    for overlap in (True, False):
+        pol = Alternate()
+        drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=1, steps=3, num_draft_tokens=3)
+        engine = Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=1024, overlap=overlap),
+                        drafter=drafter, policy=pol, ks=(3,))
+        engine.add_request(rand_prompts([7], seed=2)[0], 40)
+        engine.step()  # prefill: mixed either way
+        for _ in range(24):
+            engine.step()
+        assert [k for k, _ in pol.reports] == pol.launched[:len(pol.reports)]
+        reports = list(enumerate(pol.reports))[2:]
+        # A switch back on catches the draft up (mixed anyway); a switch off (k = 3 -> 0) runs no extra work,
+        # so only the step it waited for makes it mixed.
+        off = [mixed for i, (k, mixed) in reports if k == 0 and pol.launched[i - 1] == 3]
+        assert off and (all(off) if overlap else not any(off))
+        on = [mixed for i, (k, mixed) in reports if k == 3 and pol.launched[i - 1] == 3]
+        steady_off = [mixed for i, (k, mixed) in reports if k == 0 and pol.launched[i - 1] == 0]
+        assert False in on and False in steady_off  # steady iterations still count
 
 
 def test_goodput_probes_each_k_over_probe_rows_rows():

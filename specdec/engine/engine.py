@@ -303,6 +303,7 @@ class Engine:
         self._waited_s = 0.0  # this iteration's time blocked on the device (reading a step's tokens)
         self._iter_prev = None  # (k, rows, start, waited, mixed) of the last iteration that decoded
         self._extra_prev = False  # that iteration also prefilled or switched speculation on
+        self._shape_prev = None  # (k, batch bucket) of the last step launched
         self._catches_up = catches_up(drafter)
         self._stages_rows = prefills(drafter)  # new decode rows take the draft state of their prefill
         self._synced_at_k0 = drafter is None or extends_at_k0(drafter)
@@ -509,8 +510,19 @@ class Engine:
             # in flight, caught the draft up) is ``mixed``: its wall time is not what a steady step
             # at k costs (prefill costs the same whatever k the decode step runs). With overlapped
             # decoding the next iteration is too: it waits for the step launched behind that work.
+            # With overlapped decoding an iteration queues its step and then waits for the one
+            # before, so its wall time is that step's: an iteration whose step differs in k or batch
+            # bucket from the one it waited for is mixed too. H200 crossover_8b at 778ebbe (parametric,
+            # C = 64): charged the other way, every re-try of tree16 after k = 0 steps cost a k = 0
+            # iteration (6 ms) and the k = 0 step after it the tree16 one (31 ms), so goodput estimated
+            # k = 0 at 9.4 ms an iteration against its 6.0 ms steps and tree16 at 10.1 ms against 17.8
+            # (C = 32), and speculated on 94% of its steps at 0.82x of never.
+            shape = (k, self._bucket(n))
+            switched = self.overlap and self._shape_prev is not None and self._shape_prev != shape
+            self._shape_prev = shape
             extra = bool(plan) or resume or self.num_catch_ups != caught_up
-            self._iter_prev = (k, n, t_start, self._waited_s, extra or (self.overlap and self._extra_prev))
+            self._iter_prev = (k, n, t_start, self._waited_s,
+                               extra or switched or (self.overlap and self._extra_prev))
             self._extra_prev = extra
         finished = sched.pop_finished()
         if timed:
