@@ -19,6 +19,7 @@ records the graphed plain step time at those decode batches beside the weight-ba
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
 from .bench.provenance import provenance
@@ -218,6 +219,15 @@ def _truncate_at_stop(text: str, stop) -> str:
     return text if cut < 0 else text[:cut]
 
 
+def workload_context(prompts, max_new_tokens: int) -> int | None:
+    """Mean context of a decode step over ``prompts``: prompt length + half the new tokens (each
+    prompt's own budget, else ``max_new_tokens``); None without prompts."""
+    if not prompts:
+        return None
+    total = sum(len(p.prompt_ids) + (p.max_new_tokens or max_new_tokens) / 2 for p in prompts)
+    return round(total / len(prompts))
+
+
 def build_engine(model, tokenizer, cfg, trace=None):
     """The engine for one serve of ``cfg`` (drafter, policy, engine config). Under tensor parallelism
     every rank builds it (rank 0 announces it first), the policy decides on rank 0 only, and rank 0
@@ -288,6 +298,11 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     # An engine served before in this process (compare_plain's plain run) is gone before this one
     # sizes its KV pool.
     release_device_memory(model.device.type)
+    pc = cfg.policy.get("profile_context")
+    if isinstance(pc, str) and pc.strip().lower() == "auto":  # resolved here, so every rank builds the same policy
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            cfg.policy.profile_context = workload_context(prompts, max_new) or 512
     engine = build_engine(model, tokenizer, cfg, trace)
     order: dict[int, int] = {}  # id(request) -> prompt index
     by_index: dict[int, dict] = {}

@@ -634,3 +634,44 @@ def test_goodput_refreshes_the_largest_k_while_a_smaller_one_runs():
     shadowed.shadowed_()
     shadowed.update(StepStats(k=0, num_decode=2, committed=[1, 1], shadow=[(8, "a", 3.0), (32, "a", 1.0)]))
     assert [shadowed.choose(view(2)) for _ in range(5)] == [8] * 5 and shadowed.refreshes == 0
+
+
+def test_goodput_profile_context_auto_is_the_workloads_mean_decode_context():
+    """profile_context: auto profiles the start-up table at the served workload's mean context (prompt
+    length + half the new tokens), resolved before the engine is built; a number stays a number."""
+    from specdec.bench.workloads import Prompt
+    from specdec.run import workload_context
+
+    prompts = [Prompt(id="a", text="", messages=None, prompt_ids=[1] * 100),
+               Prompt(id="b", text="", messages=None, prompt_ids=[1] * 200, max_new_tokens=64)]
+    assert workload_context(prompts, 128) == round((100 + 64 + 200 + 32) / 2)
+    assert workload_context([], 128) is None
+    auto = build_policy(OmegaConf.create({"name": "goodput", "profile_context": "auto"}), sizes=(2,),
+                        workload_context=198)
+    assert auto.profile_context == 198 and auto.describe()["profile_context"] == 198
+    assert build_policy(OmegaConf.create({"name": "goodput", "profile_context": 300}), sizes=(2,)).profile_context == 300
+    with pytest.raises(ConfigError, match="profile_context=auto needs"):
+        build_policy(OmegaConf.create({"name": "goodput", "profile_context": "auto"}), sizes=(2,))
+    with pytest.raises(ConfigError, match="profile_context='long'"):
+        build_policy(OmegaConf.create({"name": "goodput", "profile_context": "long"}), sizes=(2,))
+
+
+def test_profile_context_auto_reaches_a_served_goodput(tmp_path):
+    """Through specdec.run: the run's goodput profiled its table at the synthetic workload's mean
+    decode context (20-token prompts, 8 new tokens: 24), recorded in metrics.json."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096)
+    cmd = [sys.executable, "-m", "specdec.run", "target=llama31_8b_random", "draft=eagle3_random", "acceptance=replay",
+           "acceptance.parametric.mean=3", "policy=goodput", "policy.profile_context=auto", "workload=synthetic",
+           "workload.concurrency=2", "workload.sources.0.num_prompts=3", "workload.sources.0.prompt_len=20",
+           "workload.sources.0.output_len=8", "engine.max_new_tokens=8", "engine.dtype=float32",
+           "engine.kv_cache_tokens=2048", "engine.profile_iters=1", "device=cpu", "logger=none",
+           f"hydra.run.dir={tmp_path}", *(f"target.config.{k}={v}" for k, v in tiny.items())]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "metrics.json").read_text())["policy_state"]["profile_context"] == 24

@@ -43,9 +43,11 @@ def _flag(value, key: str) -> bool:
     raise ConfigError(f"{key}={value!r}: must be true or false")
 
 
-def build_policy(cfg, sizes=None):
+def build_policy(cfg, sizes=None, workload_context: int | None = None):
     """From the Hydra ``policy`` group. ``sizes``: the drafter's configured draft lengths (None: any)
-    -- always / batch_threshold default to the largest, goodput's ks to all of them."""
+    -- always / batch_threshold default to the largest, goodput's ks to all of them.
+    ``workload_context``: the mean context of a decode step in the workload served (mean prompt
+    length + half the new tokens), what goodput's ``profile_context: auto`` profiles at."""
     name = cfg.get("name", "never")
     if name == "never":
         return Never()
@@ -67,7 +69,8 @@ def build_policy(cfg, sizes=None):
                               f"{list(sizes)} (EAGLE-3: draft.trees num_draft_tokens; n-gram: draft.chains)")
         return Goodput(ks, ema=float(cfg.get("ema", 0.1)),
                        margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 32)),
-                       profile_context=int(cfg.get("profile_context", 512)), time_ema=float(cfg.get("time_ema", 0.1)),
+                       profile_context=_profile_context(cfg.get("profile_context", 512), workload_context),
+                       time_ema=float(cfg.get("time_ema", 0.1)),
                        prior_ema=float(cfg.get("prior_ema", 0.01)),
                        explore_backoff=float(cfg.get("explore_backoff", 1.0)),
                        explore_max=int(cfg.get("explore_max", 1024)),
@@ -82,3 +85,17 @@ def build_policy(cfg, sizes=None):
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")
+
+
+def _profile_context(value, workload_context: int | None) -> int:
+    """goodput's profile_context: an int, or "auto" (the workload's mean decode context)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        if workload_context is None:
+            raise ConfigError("policy.profile_context=auto needs the workload's prompts (serving through "
+                              "specdec.run); set a number of tokens instead")
+        return max(16, int(workload_context))
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"policy.profile_context={value!r}: a number of context tokens, or auto (the "
+                          "workload's mean prompt length + half its new tokens)") from None

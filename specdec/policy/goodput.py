@@ -373,7 +373,8 @@ class Goodput:
         """What the choices rest on, for run logs: the step-time table (ms by k and batch), the prior
         a(k) and the live requests' own estimates, the rows behind each prior (counterfactual ones
         also counted apart) and the counterfactual pairs with their labels."""
-        return {"step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
+        return {"profile_context": self.profile_context,
+                "step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
                 "served_step_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.observed.items()) if kk == k}
                                    for k in self.ks},
                 "served_iter_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.iter_observed.items()) if kk == k}
