@@ -40,9 +40,9 @@ case "$stage" in
   tail -n 30 "$R/last.log"
   run 150 python -m specdec.run +experiment=step_8b hydra.run.dir="$R/step_8b"
   pack 8b tp step_8b ;;
-crossover)  # CROSSOVER_MEAN=6: the parametric trace; CROSSOVER_POLICIES / CROSSOVER_C: the sweep
+crossover)  # CROSSOVER_MEAN=6: the parametric trace; CROSSOVER_POLICIES / CROSSOVER_C: the sweep (27 runs: 330-415 s at f079697)
   m=${CROSSOVER_MEAN:-null}; d=crossover_8b; [ "$m" = null ] || d=crossover_8b_parametric
-  run ${CROSSOVER_S:-420} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=$m \
+  run ${CROSSOVER_S:-560} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=$m \
     policy=${CROSSOVER_POLICIES:-never,always16,goodput} workload.concurrency=${CROSSOVER_C:-1,2,4,8,16,32,64,128,256} \
     hydra.sweep.dir="$R/$d"
   pack $d $d ;;
