@@ -664,14 +664,14 @@ def test_profile_context_auto_reaches_a_served_goodput(tmp_path):
     import sys
     from pathlib import Path
 
-    tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096)
+    from test_experiments import TINY_SHAPES
+
     cmd = [sys.executable, "-m", "specdec.run", "target=llama31_8b_random", "draft=eagle3_random", "acceptance=replay",
            "acceptance.parametric.mean=3", "policy=goodput", "policy.profile_context=auto", "workload=synthetic",
            "workload.concurrency=2", "workload.sources.0.num_prompts=3", "workload.sources.0.prompt_len=20",
            "workload.sources.0.output_len=8", "engine.max_new_tokens=8", "engine.dtype=float32",
            "engine.kv_cache_tokens=2048", "engine.profile_iters=1", "device=cpu", "logger=none",
-           f"hydra.run.dir={tmp_path}", *(f"target.config.{k}={v}" for k, v in tiny.items())]
+           f"hydra.run.dir={tmp_path}", *(f"target.config.{k}={v}" for k, v in TINY_SHAPES.items())]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "metrics.json").read_text())["policy_state"]["profile_context"] == 24
