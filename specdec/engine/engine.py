@@ -510,9 +510,9 @@ class Engine:
             # in flight, caught the draft up) is ``mixed``: its wall time is not what a steady step
             # at k costs (prefill costs the same whatever k the decode step runs). With overlapped
             # decoding the next iteration is too: it waits for the step launched behind that work.
-            # With overlapped decoding an iteration queues its step and then waits for the one
-            # before, so its wall time is that step's: an iteration whose step differs in k or batch
-            # bucket from the one it waited for is mixed too. H200 crossover_8b at 778ebbe (parametric,
+            # Overlapped, an iteration queues its step and then waits for the one before, so its wall
+            # time is that step's: an iteration whose step differs in k or batch bucket from the one
+            # it waited for is mixed too. H200 crossover_8b at 778ebbe (parametric,
             # C = 64): charged the other way, every re-try of tree16 after k = 0 steps cost a k = 0
             # iteration (6 ms) and the k = 0 step after it the tree16 one (31 ms), so goodput estimated
             # k = 0 at 9.4 ms an iteration against its 6.0 ms steps and tree16 at 10.1 ms against 17.8
