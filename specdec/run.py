@@ -290,6 +290,7 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     from .dist.plan import run_everywhere
 
     from .engine.engine import config_number
+    from .policy import profile_context_auto
 
     max_new = config_number("engine.max_new_tokens", cfg.engine.max_new_tokens, int, 1)
     wl = cfg.workload
@@ -298,11 +299,10 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     # An engine served before in this process (compare_plain's plain run) is gone before this one
     # sizes its KV pool.
     release_device_memory(model.device.type)
-    pc = cfg.policy.get("profile_context")
-    if isinstance(pc, str) and pc.strip().lower() == "auto":  # resolved here, so every rank builds the same policy
+    if profile_context_auto(cfg.policy):  # resolved here, so every rank builds the same policy
         cfg = copy.deepcopy(cfg)
         with open_dict(cfg):
-            cfg.policy.profile_context = workload_context(prompts, max_new) or 512
+            cfg.policy.profile_context = max(16, workload_context(prompts, max_new) or 512)
     engine = build_engine(model, tokenizer, cfg, trace)
     order: dict[int, int] = {}  # id(request) -> prompt index
     by_index: dict[int, dict] = {}

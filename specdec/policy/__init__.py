@@ -43,11 +43,9 @@ def _flag(value, key: str) -> bool:
     raise ConfigError(f"{key}={value!r}: must be true or false")
 
 
-def build_policy(cfg, sizes=None, workload_context: int | None = None):
+def build_policy(cfg, sizes=None):
     """From the Hydra ``policy`` group. ``sizes``: the drafter's configured draft lengths (None: any)
-    -- always / batch_threshold default to the largest, goodput's ks to all of them.
-    ``workload_context``: the mean context of a decode step in the workload served (mean prompt
-    length + half the new tokens), what goodput's ``profile_context: auto`` profiles at."""
+    -- always / batch_threshold default to the largest, goodput's ks to all of them."""
     name = cfg.get("name", "never")
     if name == "never":
         return Never()
@@ -69,7 +67,7 @@ def build_policy(cfg, sizes=None, workload_context: int | None = None):
                               f"{list(sizes)} (EAGLE-3: draft.trees num_draft_tokens; n-gram: draft.chains)")
         return Goodput(ks, ema=float(cfg.get("ema", 0.1)),
                        margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 32)),
-                       profile_context=_profile_context(cfg.get("profile_context", 512), workload_context),
+                       profile_context=_profile_context(cfg.get("profile_context", 512)),
                        time_ema=float(cfg.get("time_ema", 0.1)),
                        prior_ema=float(cfg.get("prior_ema", 0.01)),
                        explore_backoff=float(cfg.get("explore_backoff", 1.0)),
@@ -87,13 +85,17 @@ def build_policy(cfg, sizes=None, workload_context: int | None = None):
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")
 
 
-def _profile_context(value, workload_context: int | None) -> int:
-    """goodput's profile_context: an int, or "auto" (the workload's mean decode context)."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        if workload_context is None:
-            raise ConfigError("policy.profile_context=auto needs the workload's prompts (serving through "
-                              "specdec.run); set a number of tokens instead")
-        return max(16, int(workload_context))
+def profile_context_auto(cfg) -> bool:
+    """goodput's ``profile_context: auto``: the workload's mean decode context, which the caller
+    (specdec.run, which has the prompts) writes into the config before the policy is built."""
+    return str(cfg.get("profile_context", "")).strip().lower() == "auto"
+
+
+def _profile_context(value) -> int:
+    """goodput's profile_context: a number of context tokens ("auto" resolved by the caller)."""
+    if profile_context_auto({"profile_context": value}):
+        raise ConfigError("policy.profile_context=auto needs the workload's prompts (serving through "
+                          "specdec.run); set a number of tokens instead")
     try:
         return int(value)
     except (TypeError, ValueError):
