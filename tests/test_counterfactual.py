@@ -256,6 +256,7 @@ def test_goodput_counterfactual_config():
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load("conf/policy/goodput.yaml")
+    cfg.profile_context = 512  # auto is resolved by specdec.run from the workload
     assert cfg.counterfactual is True and build_policy(cfg, sizes=(3, 8)).wants_counterfactual
     cfg.counterfactual = "false"
     assert not build_policy(cfg, sizes=(3, 8)).wants_counterfactual

@@ -405,6 +405,27 @@ def test_profile_decode_step_returns_pages(tiny):
     assert r.output_ids == reference(tiny, [5, 6, 7], 4)
 
 
+def test_profile_decode_step_budget_sizes_the_timed_loop(tiny, monkeypatch):
+    """With budget_ms, the last warm-up step is timed and the loop runs only as many steps as fit in
+    the budget (at least 2, at most iters): a dear table entry costs a few steps, not iters + warm-up."""
+    from specdec.engine import profiling
+
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=512))
+    calls = []
+    run_ = engine.stepper.runner.run_
+    monkeypatch.setattr(engine.stepper.runner, "run_", lambda *a, **kw: calls.append(1) or run_(*a, **kw))
+    clock = iter(range(0, 10_000, 50))  # every perf_counter call 50 s later: each step "takes" 50 s
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: next(clock))
+    assert profiling.decode_step_ms(engine, 2, 20, iters=8, warmup=3, budget_ms=1.0) > 0
+    assert len(calls) == 2 + 1 + 2  # warm-up 2, the timed warm-up step, then the minimum of 2
+    calls.clear()
+    profiling.decode_step_ms(engine, 2, 20, iters=8, warmup=3, budget_ms=1e9)
+    assert len(calls) == 2 + 1 + 8  # a cheap entry keeps every step
+    calls.clear()
+    profiling.decode_step_ms(engine, 2, 20, iters=8, warmup=3)
+    assert len(calls) == 3 + 8 and engine.kv.num_free == engine.kv.num_pages
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_match_eager():

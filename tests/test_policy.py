@@ -625,6 +625,8 @@ def test_goodput_refreshes_the_largest_k_while_a_smaller_one_runs():
     from pathlib import Path
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "policy" / "goodput.yaml")
+    assert str(cfg.profile_context) == "auto"  # the default: resolved by specdec.run from the workload
+    cfg.profile_context = 512
     assert build_policy(cfg, sizes=(8, 32)).refresh_every == 0  # off by default (no gain on the H200 at C = 1, 2)
     cfg.refresh_every = 32
     assert build_policy(cfg, sizes=(8, 32)).refresh_every == 32

@@ -17,6 +17,7 @@ so the engine is exactly as it was afterwards (tests check the page accounting).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -59,12 +60,15 @@ def _check_k(engine, k: int) -> int:
 
 
 def decode_step_ms(engine, batch_size: int, context_len: int, iters: int = 50, warmup: int = 3,
-                   k: int = 0) -> float:
+                   k: int = 0, budget_ms: float | None = None) -> float:
     """Device milliseconds of one decode step with k draft tokens (k = 0: plain) at ``batch_size``
     rows of ``context_len`` tokens each: ``iters`` back-to-back steps (graph replays when graphed)
     with no host sync in between, so host scheduling is excluded (a drafter that drafts on the
     host, e.g. n-gram, does that work between the launches, on histories of one repeated token).
-    The step-time table a goodput policy profiles at start-up."""
+    The step-time table a goodput policy profiles at start-up. ``budget_ms``: the last warm-up step
+    is timed, and the timed loop runs only as many steps (at least 2, at most ``iters``) as fit in
+    about that many ms: a 49-token tree over 256 rows of an 8B model is ~330 ms a step, which
+    averages as well over 2 steps as a 5 ms step over 20."""
     if batch_size > engine.config.max_batch_size:
         raise ValueError(f"batch_size {batch_size} > engine.max_batch_size {engine.config.max_batch_size}")
     T = _check_k(engine, k)
@@ -87,21 +91,27 @@ def decode_step_ms(engine, batch_size: int, context_len: int, iters: int = 50, w
                 prepare(st, batch_size, T, context)
             engine.stepper.runner.run_(batch_size, T, context)
 
-        for _ in range(warmup):
-            run()
         cuda = engine.model.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        for _ in range(iters):
+
+        def timed(n: int) -> float:  # ms per step over n back-to-back steps
+            if cuda:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                run()
+            if cuda:
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / n
+            return (time.perf_counter() - t0) * 1e3 / n
+
+        for _ in range(warmup - 1 if budget_ms is not None and warmup > 0 else warmup):
             run()
-        if cuda:
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / iters
-        return (time.perf_counter() - t0) * 1e3 / iters
+        if budget_ms is not None and warmup > 0:
+            iters = max(min(2, iters), min(iters, math.ceil(budget_ms / max(timed(1), 1e-3))))
+        return timed(iters)
 
 
 # The marks step_body_ (and the EAGLE-3 drafter's propose, when profiled) sets, in step order, and the
@@ -319,6 +329,13 @@ def _top_kernels(evs, reps: int, n: int = 6) -> list:
     return [(name, round(c[0], 2), round(c[1], 1)) for name, c in sorted(by.items(), key=lambda kv: -kv[1][1])[:n]]
 
 
+# Timed steps per start-up table entry: profile_iters, or as many as fit in about this many ms (at
+# least 2). H200, crossover_8b at f079697, C = 256: goodput's start-up took 20.0 s against never's
+# 5.8 s; 11 steps (3 warm-up, 8 timed) of each entry of its table were ~9 s of the difference
+# (tree48 at 256 rows: 334 ms a step).
+CALIBRATE_BUDGET_MS = 100.0
+
+
 def calibrate_policy_(engine) -> None:
     """Give a policy that wants one (``calibrate_``) its step-time table: graphed steps for every k
     of its ks at every graph bucket, at its profile_context tokens of context (less where the pool
@@ -329,6 +346,7 @@ def calibrate_policy_(engine) -> None:
         return
     cuda = engine.model.device.type == "cuda"
     iters, warmup = (int(getattr(policy, "profile_iters", 20)), 3) if cuda else (1, 1)
+    budget = CALIBRATE_BUDGET_MS if cuda else None
     T_max = max(engine.stepper.num_nodes(k) for k in engine.ks)
 
     def context(batch: int) -> int:
@@ -336,7 +354,7 @@ def calibrate_policy_(engine) -> None:
         return min(policy.profile_context, room - profile_slots(engine, 0, warmup + iters, T_max))
 
     def profile(batch: int, k: int) -> float:
-        return decode_step_ms(engine, batch, context(batch), iters=iters, warmup=warmup, k=k)
+        return decode_step_ms(engine, batch, context(batch), iters=iters, warmup=warmup, k=k, budget_ms=budget)
 
     # A bucket whose rows the pool cannot hold even at a short context is one the scheduler never
     # fills either (admission is by capacity): it is left out, and the largest profiled bucket
