@@ -444,3 +444,43 @@ def test_cuda_graphs_match_eager():
             assert engine.stepper.prefill_runner is not None and engine.stepper.prefill_runner.graphs
     assert outs["graph"] == outs["eager_padded"]
     assert outs["graph"] == [reference(model, p, 24) for p in prompts]
+
+
+def test_prefill_fit_prices_padding_against_a_second_forward():
+    """fit_tokens keeps n unless the bucket below n plus a forward over the rest (alone) costs less
+    than padding n up, by the runner's bucket timings; no timings: n."""
+    from specdec.engine.graphs import PaddedPrefill
+
+    runner = PaddedPrefill(lambda *a: None, "cpu", [128, 256, 512, 1024, 2048], 4, graphed=False)
+    assert runner.fit_tokens(1035) == 1035  # not timed (eager): nothing to price
+    runner.forward_ms = {128: 4.0, 256: 6.0, 512: 12.0, 1024: 24.0, 2048: 48.0}  # weight-bound below ~200 tokens
+    assert runner.fit_tokens(1035) == 1024  # 24 + 4 (11 tokens at 128) < 48
+    assert runner.fit_tokens(300) == 256  # 6 + 4 < 12
+    assert runner.fit_tokens(1900) == 1900  # 24 + 24 is not below 48
+    assert [runner.fit_tokens(n) for n in (100, 512, 2048)] == [100, 512, 2048]  # nothing below / a bucket
+    runner.forward_ms = dict.fromkeys(runner.buckets, 1.0)  # launch-bound: padding is free
+    assert runner.fit_tokens(1035) == 1035
+
+
+def test_prefill_fit_defers_the_newest_chunks_and_keeps_outputs(tiny, monkeypatch):
+    """With a compute-bound timing table the engine prefills a 38-token plan (two 20-token prompts, the
+    last token of each pending) as 32 tokens (the second request's chunk cut short, its last 6 tokens
+    in the next forward), outputs equal to the reference; engine.prefill_fit=false keeps one forward."""
+    prompts = rand_prompts([20, 20], seed=3)
+    sizes = {}
+    for fit in (True, False):
+        engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=512, pad_eager=True,
+                                           prefill_buckets=(16, 32), prefill_chunk=64, prefill_fit=fit))
+        runner = engine.stepper.prefill_runner
+        runner.forward_ms = {16: 1.0, 32: 2.0, 64: 4.0}
+        seen = sizes[fit] = []
+        prefill = engine.stepper.prefill_
+        monkeypatch.setattr(engine.stepper, "prefill_",
+                            lambda chunks, draft=True, _p=prefill, _s=seen: _s.append(sum(len(c.token_ids) for c in chunks))
+                            or _p(chunks, draft=draft))
+        reqs = drive(engine, [(0, prompts[0]), (0, prompts[1])], 4)
+        for p, r in zip(prompts, reqs):
+            assert r.output_ids == reference(tiny, p, 4)
+    assert sizes[True] == [32, 6] and sizes[False] == [38]
+    with pytest.raises(ConfigError, match="prefill_fit"):
+        EngineConfig.from_cfg({"prefill_fit": "sometimes"})

@@ -83,7 +83,21 @@ def agree_engine_config(ecfg, model):
 
 def wrap_engine(engine):
     group = current()
-    return plan_mod.LeaderEngine(engine, group) if group is not None and group.is_leader else engine
+    if group is None:
+        return engine
+    agree_prefill_timings_(engine, group)
+    return plan_mod.LeaderEngine(engine, group) if group.is_leader else engine
+
+
+def agree_prefill_timings_(engine, group) -> None:
+    """Rank 0's prefill bucket timings on every rank: the scheduler's prefill fit plans from them
+    (PaddedPrefill.fit_tokens), and every rank must plan the same forwards."""
+    st = engine.stepper
+    runners = (st.prefill_runner, st.plain_prefill_runner)
+    times = group.broadcast_object([None if r is None else dict(r.forward_ms) for r in runners])
+    for runner, t in zip(runners, times):
+        if runner is not None and t is not None:
+            runner.forward_ms = t
 
 
 def _rank_main(group: TPGroup, container: dict):

@@ -69,6 +69,9 @@ class EngineConfig:
     # Prefill forwards graphed (padded) at these token counts x request counts; see PaddedPrefill
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)  # capped at prefill_chunk
     prefill_requests: tuple[int, ...] = (1, 8, 64)
+    # Graphed prefill: time each token bucket at start-up and prefill a plan's tokens only up to the
+    # bucket below where padding costs more than a second forward (PaddedPrefill.fit_tokens)
+    prefill_fit: bool = True
     # Overlapped decoding: launch step i + 1 before reading step i's tokens, so the host's work
     # (commit, finishes, scheduling) runs while the GPU computes. auto: on with CUDA graphs (a
     # host-context drafter's speculative steps still commit the step in flight first); true forces
@@ -105,6 +108,7 @@ class EngineConfig:
             max_seq_len=num("max_seq_len", None, minimum=1),
             prefill_buckets=ints("prefill_graph_tokens", cls.prefill_buckets) or (),
             prefill_requests=ints("prefill_graph_requests", cls.prefill_requests) or (1,),
+            prefill_fit=config_flag("engine.prefill_fit", get("prefill_fit", True)),
             overlap=get("overlap", "auto"),
             temperature=config_number("sampling.temperature", temperature, float, 0),
             seed=config_number("seed", seed, int),
@@ -117,6 +121,15 @@ class EngineConfig:
             config_number(f"engine.{key}", getattr(self, key), int, minimum)
         if not 0 < float(self.kv_memory_fraction) <= 1:
             raise ConfigError(f"engine.kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
+
+
+def config_flag(key: str, value) -> bool:
+    """A boolean setting: true / false, also as the strings a command line gives; else a ConfigError."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ConfigError(f"{key}={value!r}: must be true or false")
 
 
 def config_number(key: str, value, kind=int, minimum=None):
@@ -276,12 +289,13 @@ class Engine:
             prefill = functools.partial(prefill_body_, model, self.kv, drafter if prefills(drafter) else None)
             self.stepper.prefill_runner = PaddedPrefill(prefill, model.device, prefill_buckets,
                                                         max_pages, graphed=runner.graphed,
-                                                        request_buckets=request_buckets)
+                                                        request_buckets=request_buckets, timed=cfg.prefill_fit)
             if catches_up(drafter) and prefills(drafter):  # prefill while speculation is off: the target's alone
                 plain = functools.partial(prefill_body_, model, self.kv, None)
                 self.stepper.plain_prefill_runner = PaddedPrefill(plain, model.device, prefill_buckets,
                                                                   max_pages, graphed=runner.graphed,
-                                                                  request_buckets=request_buckets)
+                                                                  request_buckets=request_buckets,
+                                                                  timed=cfg.prefill_fit)
             if catches_up(drafter):  # the draft catch-up after k = 0 steps replays the same shapes
                 catch_up = functools.partial(catch_up_body_, model, self.kv, drafter)
                 self.stepper.catch_up_runner = PaddedPrefill(catch_up, model.device, prefill_buckets,
@@ -438,8 +452,8 @@ class Engine:
         # them up below, so rows hold no tree's slots while speculation is off.
         preempted = sched.ensure_decode_capacity_(self._ahead(0))
         sched.admit_(t_start)
-        plan = sched.plan_prefill()
         draft_prefill = not (self._catches_up and self._last_k == 0)
+        plan = sched.plan_prefill(self.stepper.prefill_fit(draft_prefill) if self.config.prefill_fit else None)
         if plan:
             if timed:
                 self._timer.start(no, "prefill")

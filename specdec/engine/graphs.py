@@ -150,7 +150,7 @@ class PaddedPrefill:
     """
 
     def __init__(self, forward: Callable, device, buckets, max_pages: int, *, graphed: bool,
-                 request_buckets=(1,)):
+                 request_buckets=(1,), timed: bool = False):
         self.forward = forward
         self.buckets = sorted({int(b) for b in buckets})
         self.request_buckets = sorted({int(r) for r in request_buckets} | {1})
@@ -174,6 +174,8 @@ class PaddedPrefill:
         self.outputs: dict[tuple[int, int], object] = {}
         self.captures = 0  # graphs captured, ever
         self._copied = None  # event after the last upload: the pinned host buffers are free again
+        # token bucket -> device ms of its graph at one request (``timed``, graphed): what fit_tokens prices
+        self.forward_ms: dict[int, float] = {}
         if graphed:
             if dev.type != "cuda":
                 raise ConfigError("CUDA graphs need a CUDA device; use engine.cuda_graphs=false on the CPU")
@@ -194,6 +196,40 @@ class PaddedPrefill:
                 self.graphs[shape] = graph
                 self.captures += 1
             torch.cuda.synchronize()
+            if timed:
+                self.forward_ms = self._time_buckets()
+
+    def _time_buckets(self) -> dict[int, float]:
+        """Device ms of each token bucket's graph at one request (a replay after a first one; the
+        warm-up / capture state writes no KV), for fit_tokens."""
+        times = {}
+        for N in self.buckets:
+            graph = self.graphs[(N, 1)]
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[N] = start.elapsed_time(end)
+        return times
+
+    def fit_tokens(self, n: int) -> int:
+        """How many of the n prompt tokens planned for one forward to prefill now: n, or the token
+        bucket just below n when that forward plus a later one over the rest (alone, at its own
+        bucket) costs less than padding n up to the bucket above, by ``forward_ms`` (n otherwise,
+        and always without timings). The rest stays queued: at load it joins the next forward's
+        chunks. A compute-bound forward pays for its padding (8B shapes: a forward of 1035 tokens
+        runs in the 2048-token bucket); a launch- or weight-bound one does not, and keeps n."""
+        t = self.forward_ms
+        if not t or n >= self.buckets[-1] or n in t:
+            return n
+        below = [b for b in self.buckets if b < n]
+        if not below:
+            return n
+        down, up = below[-1], bucket_for(self.buckets, n)
+        rest = bucket_for(self.buckets, n - down)
+        return down if t[down] + t[rest] < t[up] else n
 
     def _body(self, N: int, R: int):
         from ..models.ops import AttentionMeta

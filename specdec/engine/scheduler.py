@@ -270,8 +270,10 @@ class Scheduler:
             n += 1
         return n
 
-    def plan_prefill(self) -> list[tuple[Request, int]]:
-        """(request, chunk length) pairs for this iteration, oldest first, within prefill_chunk."""
+    def plan_prefill(self, fit=None) -> list[tuple[Request, int]]:
+        """(request, chunk length) pairs for this iteration, oldest first, within prefill_chunk.
+        ``fit(n) -> m <= n``: prefill only the first m of the n planned tokens (the newest chunks
+        shortened or left out; their requests stay in prefill), e.g. a padded runner's fit_tokens."""
         budget = self.prefill_chunk
         plan = []
         for req in self.admitted:
@@ -284,6 +286,15 @@ class Scheduler:
                 c = min(remaining, budget)
                 plan.append((req, c))
                 budget -= c
+        if fit is not None and plan:
+            left = fit(sum(c for _, c in plan))
+            kept = []
+            for req, c in plan:
+                if left <= 0:
+                    break
+                kept.append((req, min(c, left)))
+                left -= c
+            plan = kept
         return plan
 
     def prefill_chunks(self, plan: list[tuple[Request, int]]) -> list[PrefillChunk]:

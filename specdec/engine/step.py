@@ -230,9 +230,7 @@ class Stepper:
         if not chunks:
             return None
         draft = draft and self._prefills
-        runner = self.prefill_runner
-        if not draft and self._prefills:
-            runner = self.plain_prefill_runner
+        runner = self._prefill_runner(draft)
         # The token after each prefill token: only a drafter with prompt state reads it (row j pairs
         # with token j + 1); n-gram does not, so its prefill builds no per-token list.
         next_ids = _next_ids(chunks) if draft else None
@@ -241,6 +239,18 @@ class Stepper:
         ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
         nxt = None if next_ids is None else torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
         return self.prefill_body(ids, pos, meta, nxt, draft)
+
+    def _prefill_runner(self, draft: bool):
+        """The padded runner a prefill with (``draft``) or without the drafter's prefill uses, or None."""
+        if self._prefills and not draft:
+            return self.plain_prefill_runner
+        return self.prefill_runner
+
+    def prefill_fit(self, draft: bool = True):
+        """The token fit (PaddedPrefill.fit_tokens) of the runner ``prefill_(draft=draft)`` uses, or
+        None where it has no timings (eager, or not timed)."""
+        runner = self._prefill_runner(draft and self._prefills)
+        return runner.fit_tokens if runner is not None and runner.forward_ms else None
 
     def catch_up_(self, chunks: list[PrefillChunk]):
         """Extend the draft KV over backlog chunks (tokens whose target KV exists but whose draft KV
