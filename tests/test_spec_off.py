@@ -436,3 +436,27 @@ def test_goodput_with_shadow_scores_turns_ngram_speculation_on(tiny):
     assert pol.shadow_samples > 0 and pol.accept[5] is not None and pol.lookup_ms is not None
     assert any(ks), ks
     assert [r.output_ids for r in reqs] == want
+
+
+def test_only_the_prefill_paths_a_policy_reaches_are_captured(tiny):
+    """never (k = 0 only) gets no drafted prefill and no catch-up runner, and its first prompt prefills
+    without the draft; always (one k > 0) no plain prefill and no catch-up; a policy that switches gets
+    all three. Greedy outputs stay plain greedy's (pad_eager: the padded runners' shapes on the CPU)."""
+    from specdec.policy import Always, BatchThreshold
+
+    prompts = rand_prompts([9, 14], seed=11)
+    runners = {}
+    for name, policy in (("never", Never()), ("always", Always(4)), ("switching", BatchThreshold(4, 1, 1))):
+        drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
+        engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024, pad_eager=True,
+                                           prefill_buckets=(8, 32), graph_buckets=(1, 2, 4)),
+                        drafter=drafter, policy=policy)
+        st = engine.stepper
+        runners[name] = tuple(r is not None for r in (st.prefill_runner, st.plain_prefill_runner, st.catch_up_runner))
+        reqs = [engine.add_request(p, 6) for p in prompts]
+        engine.run_until_done()
+        for p, r in zip(prompts, reqs):
+            assert r.output_ids == reference(tiny, p, 6), name
+        if name == "never":
+            assert engine.undrafted_prefill_tokens == sum(len(p) - 1 for p in prompts)
+    assert runners == {"never": (False, True, False), "always": (True, False, False), "switching": (True, True, True)}

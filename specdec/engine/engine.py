@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ConfigError
-from ..policy.base import BatchView, StepStats, shadow_evals, wants_counterfactual, wants_rows, wants_step_ms
+from ..policy.base import BatchView, StepStats, choices, shadow_evals, wants_counterfactual, wants_rows, wants_step_ms
 from ..spec.base import capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
 from . import profiling
@@ -208,6 +208,10 @@ class Engine:
         self.ks = sorted({0, *(int(k) for k in ks), *(policy.ks if policy is not None else ())})
         if drafter is None and self.ks != [0]:
             raise ConfigError(f"speculation lengths {self.ks} need a drafter (draft=none)")
+        # The ks the policy's choose() can return (without a policy: any of ks): whether steps ever
+        # speculate (k > 0) and ever rest (k = 0) decides which prefill paths are captured below.
+        reach = choices(policy, self.ks) if policy is not None else frozenset(self.ks)
+        self._speculates, self._rests = any(k > 0 for k in reach), 0 in reach
         tree_sizes = sorted({1} | {drafter.num_nodes(k) for k in self.ks if k > 0})
         cfg.max_tree_tokens = max(cfg.max_tree_tokens, tree_sizes[-1])
         self.drafter = drafter
@@ -286,17 +290,24 @@ class Engine:
             t0 = time.perf_counter()
             # The body closes over the model, KV and drafter, not the stepper that will hold the runner
             # (no reference cycle: see `body` above).
-            prefill = functools.partial(prefill_body_, model, self.kv, drafter if prefills(drafter) else None)
-            self.stepper.prefill_runner = PaddedPrefill(prefill, model.device, prefill_buckets,
-                                                        max_pages, graphed=runner.graphed,
-                                                        request_buckets=request_buckets, timed=cfg.prefill_fit)
-            if catches_up(drafter) and prefills(drafter):  # prefill while speculation is off: the target's alone
+            # Only the paths the policy can reach: with a drafter that catches up, prefill drafts only
+            # while speculating (never: not at all) and runs the target alone only while off (always:
+            # never), and the catch-up runs only on a switch back on. A path not captured runs eagerly
+            # if ever taken (e.g. engine.step(0) called by hand under always). H200, 8B shapes at
+            # 533a1d2: each prefill runner is ~15-18 captured shapes of up to 2048 tokens.
+            split = catches_up(drafter) and prefills(drafter)  # drafted and plain prefill differ
+            if not split or self._speculates:
+                prefill = functools.partial(prefill_body_, model, self.kv, drafter if prefills(drafter) else None)
+                self.stepper.prefill_runner = PaddedPrefill(prefill, model.device, prefill_buckets,
+                                                            max_pages, graphed=runner.graphed,
+                                                            request_buckets=request_buckets, timed=cfg.prefill_fit)
+            if split and self._rests:  # prefill while speculation is off: the target's alone
                 plain = functools.partial(prefill_body_, model, self.kv, None)
                 self.stepper.plain_prefill_runner = PaddedPrefill(plain, model.device, prefill_buckets,
                                                                   max_pages, graphed=runner.graphed,
                                                                   request_buckets=request_buckets,
                                                                   timed=cfg.prefill_fit)
-            if catches_up(drafter):  # the draft catch-up after k = 0 steps replays the same shapes
+            if catches_up(drafter) and self._speculates and self._rests:  # a switch back on replays these shapes
                 catch_up = functools.partial(catch_up_body_, model, self.kv, drafter)
                 self.stepper.catch_up_runner = PaddedPrefill(catch_up, model.device, prefill_buckets,
                                                              max_pages, graphed=runner.graphed,
@@ -326,7 +337,8 @@ class Engine:
         # Prefill while speculation is off (the last decode step ran k = 0) skips the draft of a
         # drafter that catches up: the prompt joins the row's backlog, caught up if and when the row
         # drafts (H200, C = 256, policy=never: the EAGLE-3 draft prefill cost 0.87x of no drafter).
-        self._last_k: int | None = None  # k of the last decode step (None: none yet: prefill drafts)
+        # k of the last decode step (None: none yet: prefill drafts, unless the policy never speculates)
+        self._last_k: int | None = None if self._speculates else 0
         # Drafts scored from the committed tokens while off (n-gram, for a policy that asks for it).
         self._shadow = None
         if shadow_evals(policy) and hasattr(drafter, "shadow_commits") and len(self.ks) > 1:

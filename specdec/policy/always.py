@@ -16,6 +16,7 @@ class Always:
             raise ConfigError(f"policy.k={k}: always-speculate needs k >= 1")
         self.k = k
         self.ks = (0, k)
+        self.choices = (k,)  # never 0: the engine captures no prefill path for speculation off
 
     def choose(self, view: BatchView) -> int:
         return self.k

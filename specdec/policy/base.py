@@ -72,6 +72,13 @@ class Policy(Protocol):
     def update(self, stats: StepStats) -> None: ...
 
 
+def choices(policy, ks) -> frozenset[int]:
+    """The ks ``choose()`` can return: the policy's ``choices`` where it declares them (never: 0;
+    always: its k), else every k of ``ks``. The engine captures only the prefill paths these reach."""
+    declared = getattr(policy, "choices", None)
+    return frozenset(int(k) for k in (ks if declared is None else declared))
+
+
 def wants_step_ms(policy) -> bool:
     return bool(getattr(policy, "wants_step_ms", False))
 

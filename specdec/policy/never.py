@@ -10,6 +10,7 @@ class Never:
 
     name = "never"
     ks = (0,)
+    choices = (0,)
 
     def choose(self, view: BatchView) -> int:
         return 0
