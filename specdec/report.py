@@ -1294,12 +1294,26 @@ def _slug(s: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------- entry
+def split_partial(runs: list[Run]) -> tuple[list[Run], list[Path]]:
+    """(finished runs, directories of partial ones): a run stopped before the end (a call's time
+    limit, Ctrl-C) writes metrics.json marked ``"partial": true`` over the requests it finished. Its
+    throughput is not a point of its sweep (0 tok/s when no request had finished) and it has no
+    steady window, so in a table it would be averaged with a finished repeat of the same point, and
+    turn a timed sweep's tables from steady-window to whole-run tok/s."""
+    partial = [r.path for r in runs if r.metrics.get("partial")]
+    done = [r for r in runs if not r.metrics.get("partial")]
+    if runs and not done:
+        raise SpecdecError(f"every run found is partial (stopped before the end): {', '.join(map(str, partial))}")
+    return done, partial
+
+
 def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
-                 metrics: list[str] | None = None, unfinished=()) -> tuple[str, list[str]]:
+                 metrics: list[str] | None = None, unfinished=(), partial=()) -> tuple[str, list[str]]:
     """Write report.md, report.tex and plots into ``out``; return the markdown and the plot files.
 
     ``unfinished``: run directories without metrics.json, named in the report so that a sweep
-    missing a point (a failed run) says so.
+    missing a point (a failed run) says so; ``partial``: those of partial runs (``split_partial``),
+    left out of every table and named the same way.
     """
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -1373,6 +1387,9 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
     if unfinished:
         md += [f"Not included: {len(unfinished)} run director{'ies' if len(unfinished) > 1 else 'y'} "
                f"without metrics.json (failed or unfinished): {', '.join(map(str, unfinished))}.", ""]
+    if partial:
+        md += [f"Not included: {len(partial)} partial run{'s' * (len(partial) != 1)} (stopped before the end; "
+               f"metrics.json marked partial): {', '.join(map(str, partial))}.", ""]
     for t in tables:
         md += [to_markdown(t), ""]
     if figures:
@@ -1404,9 +1421,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated metrics.json keys for that table, e.g. output_tok_per_s")
     args = ap.parse_args(argv)
     try:
-        runs = load_runs(args.paths)
+        runs, partial = split_partial(load_runs(args.paths))
         markdown, plots = build_report(runs, Path(args.out), args.group_by, args.metrics,
-                                       unfinished=find_unfinished(args.paths))
+                                       unfinished=find_unfinished(args.paths), partial=partial)
     except SpecdecError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -92,6 +92,24 @@ def test_finds_run_dirs_below_sweep_folders(tmp_path):
     assert run.row["device"] == "cpu" and run.row["config.device"] == "auto"  # measured value keeps the key
 
 
+def test_partial_runs_are_named_not_tabulated(tmp_path):
+    """A run stopped before the end (metrics.json "partial": true, no steady window) stays out of the
+    tables (its point keeps the finished repeat's value, not the average with 0 tok/s) and is named."""
+    sweep = tmp_path / "multirun"
+    for i, c in enumerate([1, 2]):
+        make_run(sweep / str(i), tok_s=100.0 * c, concurrency=c, workload="synthetic", duration_s=5.0,
+                 steady_tok_per_s=90.0 * c)
+    make_run(sweep / "2", tok_s=0.0, concurrency=2, workload="synthetic", partial=True)
+    runs, partial = report.split_partial(report.load_runs([sweep]))
+    assert [r.path.name for r in runs] == ["0", "1"] and partial == [sweep / "2"]
+    md, _ = report.build_report(runs, tmp_path / "out", partial=partial)
+    assert f"partial run (stopped before the end; metrics.json marked partial): {sweep / '2'}" in md
+    rows = table(md, "Throughput vs concurrency")
+    assert rows[-1][-2:] == ["100.0", "200.0"]  # C = 2: the finished run's 200, not (200 + 0) / 2
+    proc = cli(sweep / "2", "--out", tmp_path / "o2")
+    assert proc.returncode == 2 and "every run found is partial" in proc.stderr
+
+
 def test_speedup_is_against_the_matching_plain_run(tmp_path):
     # Baselines: one per (workload, temperature, device, output budget); speculative runs must each
     # find their own, and a run without one shows "-".
