@@ -40,10 +40,12 @@ case "$stage" in
   tail -n 30 "$R/last.log"
   run 150 python -m specdec.run +experiment=step_8b hydra.run.dir="$R/step_8b"
   pack 8b tp step_8b ;;
-crossover)  # CROSSOVER_MEAN=6: the parametric trace; CROSSOVER_POLICIES / CROSSOVER_C: the sweep (27 runs: 330-415 s at f079697)
-  m=${CROSSOVER_MEAN:-null}; d=crossover_8b; [ "$m" = null ] || d=crossover_8b_parametric
+crossover)  # CROSSOVER_MEAN=6: the parametric trace; CROSSOVER_POLICIES / CROSSOVER_C: the sweep (every policy:
+  # 54 runs, 8-21 s each at 533a1d2: two calls, e.g. CROSSOVER_POLICIES=never,always3,always16,always48 CROSSOVER_TAG=a,
+  # then batch_threshold,goodput with CROSSOVER_TAG=b; `python -m specdec.report DIR_a DIR_b` reads both folders)
+  m=${CROSSOVER_MEAN:-null}; d=crossover_8b; [ "$m" = null ] || d=crossover_8b_parametric; d=$d${CROSSOVER_TAG:+_$CROSSOVER_TAG}
   run ${CROSSOVER_S:-560} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=$m \
-    policy=${CROSSOVER_POLICIES:-never,always16,goodput} workload.concurrency=${CROSSOVER_C:-1,2,4,8,16,32,64,128,256} \
+    policy=${CROSSOVER_POLICIES:-never,always3,always16,always48,batch_threshold,goodput} workload.concurrency=${CROSSOVER_C:-1,2,4,8,16,32,64,128,256} \
     hydra.sweep.dir="$R/$d"
   pack $d $d ;;
 profile8b)  # the 8B-shape batch-1 tree steps split into phases (kernels per phase)
