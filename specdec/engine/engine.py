@@ -38,7 +38,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, config_flag
 from ..policy.base import BatchView, StepStats, choices, shadow_evals, wants_counterfactual, wants_rows, wants_step_ms
 from ..spec.base import capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
@@ -121,15 +121,6 @@ class EngineConfig:
             config_number(f"engine.{key}", getattr(self, key), int, minimum)
         if not 0 < float(self.kv_memory_fraction) <= 1:
             raise ConfigError(f"engine.kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
-
-
-def config_flag(key: str, value) -> bool:
-    """A boolean setting: true / false, also as the strings a command line gives; else a ConfigError."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    raise ConfigError(f"{key}={value!r}: must be true or false")
 
 
 def config_number(key: str, value, kind=int, minimum=None):

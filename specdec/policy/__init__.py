@@ -6,7 +6,7 @@ One file per policy (never, always, batch_threshold, goodput, schedule) over the
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ..errors import ConfigError, config_flag
 from .always import Always
 from .base import BatchView, Policy, StepStats
 from .batch_threshold import BatchThreshold
@@ -32,15 +32,6 @@ def _size(cfg, key: str, sizes) -> int:
         raise ConfigError(f"policy.{key}={k} is not a size the drafter is configured for; configured sizes: "
                           f"{list(sizes)} (EAGLE-3: draft.trees num_draft_tokens; n-gram: draft.chains)")
     return k
-
-
-def _flag(value, key: str) -> bool:
-    """A boolean setting (true / false, also as the strings a command line gives)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ConfigError(f"{key}={value!r}: must be true or false")
 
 
 def build_policy(cfg, sizes=None):
@@ -78,7 +69,7 @@ def build_policy(cfg, sizes=None):
                        switch_horizon=int(cfg.get("switch_horizon", 32)),
                        explore_budget=float(cfg.get("explore_budget", 0.05)),
                        probe_cost=float("inf") if cfg.get("probe_cost") is None else float(cfg.probe_cost),
-                       counterfactual=_flag(cfg.get("counterfactual", False), "policy.counterfactual"),
+                       counterfactual=config_flag("policy.counterfactual", cfg.get("counterfactual", False)),
                        refresh_every=int(cfg.get("refresh_every", 0) or 0))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
