@@ -484,3 +484,47 @@ def test_prefill_fit_defers_the_newest_chunks_and_keeps_outputs(tiny, monkeypatc
     assert sizes[True] == [32, 6] and sizes[False] == [38]
     with pytest.raises(ConfigError, match="prefill_fit"):
         EngineConfig.from_cfg({"prefill_fit": "sometimes"})
+
+
+def test_pack_chunks_matches_a_per_chunk_reference():
+    """PaddedPrefill's host packing (vectorized) against the per-chunk definition, on random chunks:
+    ids, positions start .. start + n - 1, slots through each chunk's pages, next ids, padding (slot
+    -1), cu_q_lens (empty requests repeat the total), kv_lens and the page table rows."""
+    import random
+
+    import numpy as np
+
+    from specdec.engine.graphs import pack_chunks_
+    from specdec.engine.step import PrefillChunk
+
+    rng = random.Random(4)
+    ps, max_pages, r_max = 4, 12, 8
+    kv0, pt0 = r_max + 1, 2 * r_max + 1
+    for _ in range(30):
+        C = rng.randrange(1, r_max + 1)
+        chunks = []
+        for _ in range(C):
+            n, start = rng.randrange(1, 9), rng.randrange(0, 20)
+            pages = rng.sample(range(100), (start + n + ps - 1) // ps)
+            chunks.append(PrefillChunk([rng.randrange(50) for _ in range(n)], start, pages))
+        total = sum(len(c.token_ids) for c in chunks)
+        N, R = total + rng.randrange(0, 5), rng.randrange(C, r_max + 1)
+        nxt = [rng.randrange(50) for _ in range(total)] if rng.random() < 0.5 else None
+        tokens = np.full((4, 80), 7, np.int64)
+        ints = np.full(pt0 + r_max * max_pages, 7, np.int32)
+        assert pack_chunks_(tokens, ints, chunks, ps, N, R, kv0, pt0, max_pages, nxt) == total
+        want_t = np.zeros((4, N), np.int64)
+        want_t[2] = -1
+        want_i = np.zeros_like(ints)
+        off = 0
+        for b, c in enumerate(chunks):
+            for j, tok in enumerate(c.token_ids):
+                s = c.start + j
+                want_t[:3, off + j] = (tok, s, c.pages[s // ps] * ps + s % ps)
+            off += len(c.token_ids)
+            want_i[b + 1], want_i[kv0 + b] = off, c.start + len(c.token_ids)
+            want_i[pt0 + b * max_pages:pt0 + b * max_pages + len(c.pages)] = c.pages
+        want_i[C + 1:R + 1] = off
+        if nxt is not None:
+            want_t[3, :total] = nxt
+        assert (tokens[:, :N] == want_t).all() and (tokens[:, N:] == 7).all() and (ints == want_i).all()
