@@ -67,8 +67,8 @@ def pack_chunks_(tokens, ints, chunks, page_size: int, N: int, R: int, kv0: int,
     rows ids / positions / slots / next ids over the first N columns (padding: id 0, position 0,
     slot -1, next id 0), ``ints`` cu_q_lens [R + 1] at 0, kv_lens at kv0, the [r_max, max_pages] page
     table at pt0 (zeros elsewhere); returns the chunks' token count. A few array operations
-    whatever the number of chunks (a Python loop of torch calls per chunk took ~50 us a chunk on the
-    serving host, between steps)."""
+    whatever the number of chunks: a Python loop of torch calls per chunk took 581 us for 12 chunks on
+    a 2-core CPU, this 104 us (host work between steps, which bounds a host-bound batch)."""
     C = len(chunks)
     lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, C)
     starts = np.fromiter((c.start for c in chunks), np.int64, C)

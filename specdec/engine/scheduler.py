@@ -145,8 +145,9 @@ class Scheduler:
         except TypeError:
             return [], f"prompt_ids must be a list of integer token ids, got {type(prompt_ids).__name__}"
         V = self.vocab_size
-        # Fast path (C-level loops; 53 us per 130-token prompt in Python, paid between steps on the
-        # serving host): plain ints within the vocabulary. Anything else takes the loop that names it.
+        # Fast path (C-level loops; the Python loop below took 53 us per 130-token prompt on a 2-core
+        # CPU, 5 us this way, paid between steps): plain ints within the vocabulary. Anything else
+        # takes the loop that names the bad token.
         if raw and set(map(type, raw)) == {int} and min(raw) >= 0 and (V is None or max(raw) < V):
             return raw, None
         ids = []
