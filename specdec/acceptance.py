@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from .engine.state import upload
 from .errors import ConfigError
 
 TRACE_FORMAT = "specdec-acceptance-trace/1"
@@ -357,8 +358,7 @@ class ReplayAcceptance:
         (a small host-to-device copy, queued: no sync)."""
         if k <= 0 or n == 0:
             return
-        vals = torch.tensor(self.draw(k, request_ids), dtype=torch.int32)
-        self.buffer[:n].copy_(vals.to(self.buffer.device, non_blocking=True))
+        self.buffer[:n].copy_(upload(self.draw(k, request_ids), torch.int32, self.buffer.device))
 
     def fill_(self, n: int, k: int) -> None:
         """Rows 0 .. n-1 accept the trace's mean at size k (rounded): profiled steps commit what a

@@ -25,9 +25,19 @@ import operator
 import torch
 
 
+def host_tensor(values, dtype, device) -> torch.Tensor:
+    """``values`` as a host tensor bound for ``device``: in pinned memory when that is a GPU, so a
+    non_blocking copy from it is queued without waiting for the GPU work queued before it (from
+    pageable memory the driver may synchronize with the stream to stage the copy: CUDA's "API
+    synchronization behavior"; with overlapped decoding that would wait for the step in flight).
+    Each call allocates afresh from torch's pinned-memory cache, which keeps a block until the copies
+    queued from it have run, so nothing overwrites a buffer still being copied."""
+    return torch.tensor(values, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+
+
 def upload(values, dtype, device) -> torch.Tensor:
     """Host list -> device tensor without waiting for queued GPU work (small transfers only)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return host_tensor(values, dtype, device).to(device, non_blocking=True)
 
 
 class DecodeState:
@@ -118,7 +128,8 @@ class DecodeState:
         r0 = self.num_rows
         if r0 + m > self.max_rows:
             raise RuntimeError(f"DecodeState: {r0} + {m} rows exceed max_rows={self.max_rows}")
-        table = torch.zeros(m, self.max_pages_per_row, dtype=torch.int32)  # [m, MP] host
+        table = torch.zeros(m, self.max_pages_per_row, dtype=torch.int32,  # [m, MP] host (see host_tensor)
+                            pin_memory=self.device.type == "cuda")
         for i, p in enumerate(pages):
             if len(p) > self.max_pages_per_row:
                 raise RuntimeError(f"DecodeState: {len(p)} pages exceed max_pages_per_row={self.max_pages_per_row}")

@@ -31,7 +31,7 @@ from ..spec.base import extends_at_k0, preparer, prefills
 from ..spec.tree import DraftTree, single_node_tree
 from . import step_ops
 from .kv_cache import KVCache
-from .state import DecodeState
+from .state import DecodeState, host_tensor, upload
 
 
 def tree_inputs(state: DecodeState, kv: KVCache, tree: DraftTree, B: int, valid: torch.Tensor):
@@ -173,7 +173,8 @@ def prefill_inputs(chunks: list[PrefillChunk], page_size: int, device):
     """Host-built (input_ids [N], positions [N], AttentionMeta) for a batch of prefill chunks."""
     ids, pos, slots, cu, kv_lens = [], [], [], [0], []
     width = max(len(c.pages) for c in chunks)
-    table = torch.zeros(len(chunks), width, dtype=torch.int32)  # [Bp, MPp] host
+    table = torch.zeros(len(chunks), width, dtype=torch.int32,  # [Bp, MPp] host (see host_tensor)
+                        pin_memory=torch.device(device).type == "cuda")
     for b, c in enumerate(chunks):
         n = len(c.token_ids)
         ids.extend(c.token_ids)
@@ -184,7 +185,7 @@ def prefill_inputs(chunks: list[PrefillChunk], page_size: int, device):
         table[b, : len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
 
     def up(x, dtype):
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+        return host_tensor(x, dtype, device).to(device, non_blocking=True)
 
     meta = AttentionMeta(cu_q_lens=up(cu, torch.int32), kv_lens=up(kv_lens, torch.int32),
                          page_table=table.to(device, non_blocking=True), slot_mapping=up(slots, torch.int64),
@@ -237,7 +238,7 @@ class Stepper:
         if runner is not None and runner.fits(chunks):
             return runner.run_(chunks, self.kv.page_size, next_ids)
         ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
-        nxt = None if next_ids is None else torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
+        nxt = None if next_ids is None else upload(next_ids, torch.int64, ids.device)
         return self.prefill_body(ids, pos, meta, nxt, draft)
 
     def _prefill_runner(self, draft: bool):
@@ -264,7 +265,7 @@ class Stepper:
         if runner is not None and runner.fits(chunks):
             return runner.run_(chunks, self.kv.page_size, next_ids)
         ids, pos, meta = prefill_inputs(chunks, self.kv.page_size, self.kv.k.device)
-        nxt = torch.tensor(next_ids, dtype=torch.int64).to(ids.device, non_blocking=True)
+        nxt = upload(next_ids, torch.int64, ids.device)
         return catch_up_body_(self.model, self.kv, self.drafter, ids, pos, meta, nxt)
 
     def prefill_body(self, ids, pos, meta, next_ids, draft: bool = True):
