@@ -304,6 +304,10 @@ class ReplayAcceptance:
         self._cursor: dict[tuple[int, str], int] = {}
         self.buffer = None
         self.drawn = 0
+        # Counterfactual samples (``counterfactual_``): {k: smaller sizes scored on a step at k}; each
+        # draw at k also sets ``last_cf`` {smaller k': tokens it would have committed, per row}
+        self.cf_ks: dict[int, tuple[int, ...]] = {}
+        self.last_cf: dict[int, list[int]] | None = None
 
     # -- set-up -----------------------------------------------------------------------------------
     def bind_(self, state, drafter, ks) -> None:
@@ -332,6 +336,20 @@ class ReplayAcceptance:
     def depth(self, k: int) -> int:
         return self._depth[k]
 
+    def counterfactual_(self, smaller: dict[int, tuple[int, ...]]) -> None:
+        """Score, on every step at k, the sizes ``smaller[k]`` too (a policy's counterfactual
+        acceptance, replayed): each row's k' length is the k' distribution's value at the quantile
+        of its k draw (the same uniform draw; a recorded per-request length at the middle of its
+        quantile range), so a row that accepts much at k accepts much at k', and the k' samples have
+        the trace's k' distribution. A replayed run's policy then learns every smaller size from the
+        steps of a larger one, as it does from a real drafter's counterfactual commits."""
+        for k, small in smaller.items():
+            missing = [j for j in (k, *small) if j not in self._cdf]
+            if missing:
+                raise ConfigError(f"replayed acceptance: counterfactual sizes {missing} were not bound "
+                                  f"(configured sizes {sorted(self._cdf)})")
+        self.cf_ks = {int(k): tuple(int(j) for j in small) for k, small in smaller.items() if small}
+
     # -- per step ----------------------------------------------------------------------------------
     def draw(self, k: int, request_ids) -> list[int]:
         """Accepted drafts for each row of a step at size k (request ids in row order)."""
@@ -339,7 +357,8 @@ class ReplayAcceptance:
             raise ConfigError(f"replayed acceptance: k={k} was not bound (configured sizes {sorted(self._cdf)})")
         depth, cdf = self._depth[k], self._cdf[k]
         seqs = self.trace.sizes[self.size_map[k]].requests if self.trace.kind != "parametric" else {}
-        out = []
+        small = self.cf_ks.get(k, ())
+        out, quantiles = [], []
         for rid in request_ids:
             seq = seqs.get(_base_id(rid)) if self.per_request and seqs else None
             if seq is not None:
@@ -347,10 +366,17 @@ class ReplayAcceptance:
                 i = self._cursor.get(key, 0)
                 if i < len(seq):
                     self._cursor[key] = i + 1
-                    out.append(min(int(seq[i]), depth))
+                    a = min(int(seq[i]), depth)
+                    out.append(a)
+                    if small:  # the middle of the recorded length's quantile range
+                        quantiles.append(((cdf[a - 1] if a > 0 else 0.0) + cdf[a]) / 2 / cdf[-1])
                     continue
-            out.append(int(min(cdf.searchsorted(self.rng.random() * cdf[-1], side="right"), depth)))
+            u = self.rng.random()
+            out.append(int(min(cdf.searchsorted(u * cdf[-1], side="right"), depth)))
+            quantiles.append(u)
         self.drawn += len(out)
+        self.last_cf = {j: [1 + int(min(self._cdf[j].searchsorted(u * self._cdf[j][-1], side="right"),
+                                        self._depth[j])) for u in quantiles] for j in small} if small else None
         return out
 
     def prepare_(self, state, n: int, k: int, request_ids) -> None:

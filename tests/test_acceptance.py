@@ -314,3 +314,60 @@ def test_bad_replay_configs_are_named(tmp_path):
     Engine(model, EngineConfig(max_batch_size=1, kv_cache_tokens=256),
            drafter=Eagle3Drafter(head, model, trees=[(2, 4, 8)]), ks=(8,), acceptance=r)
     assert r.size_map == {8: 16}
+
+
+def test_replay_counterfactual_is_quantile_coupled():
+    """With counterfactual sizes, a draw at k also scores each smaller k' at the same quantile: the
+    k draws are the ones drawn without it (same seed), the k' samples follow the trace's k'
+    distribution, and (k' shallower, stochastically smaller) never exceed the row's k length."""
+    tr = AcceptanceTrace(sizes={3: SizeTrace({0: 500, 1: 300, 2: 150, 3: 50}),
+                                16: SizeTrace({0: 200, 1: 200, 2: 200, 3: 200, 4: 100, 5: 100})}, source=["t"])
+
+    class FakeDrafter:
+        def num_nodes(self, k):
+            return k + 1
+
+        def max_path_nodes(self, T):
+            return 4 if T == 4 else 6
+
+    class FakeState:
+        def add_row_buffer(self, name, shape, dtype, follows="rows"):
+            return torch.zeros(8, dtype=dtype)
+
+    def make(cf):
+        r = ReplayAcceptance(tr, seed=3)
+        r.bind_(FakeState(), FakeDrafter(), [3, 16])
+        if cf:
+            r.counterfactual_({16: (3,)})
+        return r
+
+    ids = [f"x{i}" for i in range(20000)]
+    plain, coupled = make(False), make(True)
+    big = coupled.draw(16, ids)
+    assert big == plain.draw(16, ids) and plain.last_cf is None
+    small = [c - 1 for c in coupled.last_cf[3]]  # commits -> accepted drafts
+    for a, want in ((0, 0.5), (1, 0.3), (2, 0.15), (3, 0.05)):
+        assert abs(small.count(a) / len(small) - want) < 0.015, a
+    assert all(s <= b for s, b in zip(small, big)) and sum(small) < sum(big)
+    assert coupled.draw(3, ids[:5]) and coupled.last_cf is None  # nothing smaller than 3 was asked for
+    with pytest.raises(ConfigError, match="not bound"):
+        coupled.counterfactual_({16: (8,)})
+
+
+def test_replayed_goodput_learns_smaller_sizes_from_larger_steps():
+    """An engine with replayed acceptance feeds a counterfactual goodput the smaller sizes' samples
+    from every step at a larger one (labelled "replayed"), as a real EAGLE-3 drafter does."""
+    from specdec.policy import Goodput
+
+    model = tiny_model(layers=2)
+    head = random_eagle3_head(model, 64, None, device="cpu", dtype=torch.float32, backend="torch")
+    drafter = Eagle3Drafter(head, model, trees=[(1, 3, 3), (2, 4, 8)])
+    policy = Goodput([3, 8], counterfactual=True, explore_every=0, probe_rows=1)
+    policy.set_table({0: {1: 1.0, 2: 1.0}, 3: {1: 1.0, 2: 1.0}, 8: {1: 1.0, 2: 1.0}})  # speculation is free
+    engine = Engine(model, EngineConfig(max_batch_size=2, kv_cache_tokens=1024), drafter=drafter, policy=policy,
+                    acceptance=ReplayAcceptance(parametric_trace(3.0, 4), seed=0))
+    for p in rand_prompts([9, 13], seed=2):
+        engine.add_request(p, 24, ignore_eos=True)
+    engine.run_until_done()
+    assert policy.counterfactual_pairs == {(3, 8): "replayed"}
+    assert policy.counterfactual_rows[3] > 0 and policy.rows_seen[3] >= policy.counterfactual_rows[3]

@@ -345,9 +345,17 @@ class Engine:
         """{T: Counterfactual} for the policy's speculative ks that have smaller ones (reserving their
         output columns, asking the drafter for candidate ids, telling the policy the pairs), or {}
         when the policy does not ask, the drafter cannot score (no ``counterfactual_commits_``), or
-        acceptance is replayed."""
-        if (policy is None or not wants_counterfactual(policy) or acceptance is not None
-                or not hasattr(drafter, "counterfactual_commits_")):
+        acceptance is replayed (then the replay scores the smaller sizes itself: no device plan)."""
+        if policy is None or not wants_counterfactual(policy):
+            return {}
+        if acceptance is not None:
+            if hasattr(acceptance, "counterfactual_"):
+                ks = sorted(k for k in policy.ks if k > 0)
+                acceptance.counterfactual_({k: tuple(j for j in ks if j < k) for k in ks})
+                if hasattr(policy, "counterfactual_"):
+                    policy.counterfactual_({(j, k): "replayed" for k in ks for j in ks if j < k})
+            return {}
+        if not hasattr(drafter, "counterfactual_commits_"):
             return {}
         ks = sorted(k for k in policy.ks if k > 0)
         plan, pairs = {}, {}
@@ -509,10 +517,14 @@ class Engine:
         if n:
             if timed:
                 self._timer.start(no, "decode")
+            replay_cf = None
             if k > 0 and self.acceptance is not None:  # the rows' replayed lengths, before the launch
                 self.acceptance.prepare_(self.state, n, k, [r.id for r in sched.rows])
+                replay_cf = getattr(self.acceptance, "last_cf", None)
             # If the launch raises, nothing is queued and the step in flight stays queued.
             step = self.stepper.launch_(k, launched, context, timed=self._policy_times)
+            if replay_cf:  # the replay's counterfactual commits, per smaller size, rows in launch order
+                step.cf_by_k = replay_cf
             step.rows = [(r, r.row_epoch) for r in sched.rows]
             self._unread.append(step)
         # The steps whose tokens this iteration commits: this one, or with overlapped decoding the
@@ -576,6 +588,8 @@ class Engine:
             if step.cf is not None:  # columns in the order of the plan's smaller ks
                 ks = self._counterfactual[self.stepper.num_nodes(step.k)].ks
                 cf = {j: [row[i] for row in step.cf] for i, j in enumerate(ks)}
+            elif step.cf_by_k is not None:
+                cf = step.cf_by_k
             self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
                                          rows=[r.id for r, _ in step.rows] if self._policy_rows else None,
                                          step_ms=self.stepper.step_ms(step), shadow=shadow, shadow_ms=shadow_ms,

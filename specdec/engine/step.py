@@ -369,6 +369,7 @@ class LaunchedStep:
     policy_fed: bool = False  # the policy has seen this step's stats (not fed twice on a retry)
     cf_width: int = 0  # counterfactual columns after the tokens in ``host``
     cf: list | None = None  # per row, the smaller trees' counterfactual commits (once collected)
+    cf_by_k: dict | None = None  # replayed acceptance: {smaller k: commits per row}, known at launch
 
 
 class PhaseTimer:
