@@ -92,8 +92,9 @@ sweep)
   run ${SWEEP_S:-300} python -m specdec.run --multirun ${SWEEP_ARGS:?SWEEP_ARGS} hydra.sweep.dir="$R/$n"
   python -m specdec.report "$R/$n" --out "$R/$n/report" > /dev/null 2>&1
   pack "$n" "$n" ;;
-gputests)
-  SPECDEC_TESTS_OFFLINE=1 timeout ${GPU_TESTS_S:-560} python -m pytest -m gpu -v -rfEs -p no:cacheprovider \
+gputests)  # GPU_TESTS_FILES: test files to run (default: all of tests/), e.g. "tests/test_engine.py tests/test_spec.py"
+  # shellcheck disable=SC2086  # GPU_TESTS_FILES: paths, split on spaces
+  SPECDEC_TESTS_OFFLINE=1 timeout ${GPU_TESTS_S:-560} python -m pytest -m gpu -v -rfEs -p no:cacheprovider ${GPU_TESTS_FILES:-} \
     > "$OUT/gpu_tests.txt" 2>&1; echo "rc=$?"
   grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -n 20 ;;
 *) echo "unknown stage $stage" >&2; exit 64 ;;

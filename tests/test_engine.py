@@ -446,6 +446,28 @@ def test_cuda_graphs_match_eager():
     assert outs["graph"] == [reference(model, p, 24) for p in prompts]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_prefill_fit_keeps_outputs():
+    """Graphed prefill times its buckets at start-up; with a compute-bound table put in their place,
+    plans are cut to buckets (two forwards where one padded forward ran) and greedy outputs stay the
+    fp32 reference's."""
+    model = tiny_model(device="cuda", backend="auto")
+    prompts = rand_prompts([20, 20, 40], seed=12)
+    engine = Engine(model, EngineConfig(max_batch_size=4, kv_cache_tokens=4096, page_size=16,
+                                        prefill_buckets=(16, 32, 64), prefill_chunk=128))
+    runner = engine.stepper.prefill_runner
+    assert runner.graphs and sorted(runner.forward_ms) == [16, 32, 64, 128] and min(runner.forward_ms.values()) > 0
+    runner.forward_ms = {16: 1.0, 32: 2.0, 64: 4.0, 128: 8.0}
+    sizes = []
+    prefill = engine.stepper.prefill_
+    engine.stepper.prefill_ = lambda chunks, draft=True: sizes.append(sum(len(c.token_ids) for c in chunks)) or \
+        prefill(chunks, draft=draft)
+    reqs = drive(engine, [(0, p) for p in prompts], 12)
+    assert sizes[0] == 64 and sum(sizes) == sum(len(p) - 1 for p in prompts)  # 77 tokens: 64, then 13
+    assert [r.output_ids for r in reqs] == [reference(model, p, 12) for p in prompts]
+
+
 def test_prefill_fit_prices_padding_against_a_second_forward():
     """fit_tokens keeps n unless the bucket below n plus a forward over the rest (alone) costs less
     than padding n up, by the runner's bucket timings; no timings: n."""
