@@ -438,6 +438,39 @@ def test_goodput_with_shadow_scores_turns_ngram_speculation_on(tiny):
     assert [r.output_ids for r in reqs] == want
 
 
+def test_goodput_spaces_shadow_scoring_out_while_speculation_trails(tiny):
+    """shadow_due: every k = 0 step while some k > 0 is close to k = 0; while every k > 0 trails by
+    more than SHADOW_SLACK the gap between scorings doubles (explore_backoff), and a batch where
+    speculation is close again resets it. Through the engine: far fewer lookups than k = 0 steps."""
+    from specdec.policy import BatchView, Goodput, StepStats
+
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2, explore_backoff=2.0, explore_max=64)
+    pol.set_table({0: {1: 1.0, 8: 1.0}, 2: {1: 1.05, 8: 4.0}, 5: {1: 1.1, 8: 8.0}})  # dear at 8 rows only
+    pol.shadowed_()
+    pol.update(StepStats(k=0, num_decode=8, committed=[1] * 8, shadow=[(2, "a", 2.0), (5, "a", 2.0)]))
+    due = []
+    for _ in range(40):
+        assert pol.choose(BatchView(num_decode=8, num_waiting=0)) == 0
+        due.append(pol.shadow_due())
+    assert [i for i, d in enumerate(due) if d] == [0, 2, 6, 14, 30]  # gaps 2, 4, 8, 16
+    assert pol.shadow_skipped == 40 - 5
+    pol.choose(BatchView(num_decode=1, num_waiting=0))  # one row: speculation is close again
+    assert pol.shadow_gap == 1.0 and pol.shadow_due()
+
+    prompts = rand_prompts([12, 15, 9, 11], seed=8)
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2, explore_backoff=2.0)
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=NgramDrafter(chains=[2, 5]), policy=pol)
+    pol.set_table({0: {4: 1.0}, 2: {4: 50.0}, 5: {4: 100.0}})  # speculation far too dear at any batch
+    reqs = [engine.add_request(p, 40) for p in prompts]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    assert engine._shadow.lookups <= 2 * 12 and pol.shadow_skipped > steps // 2
+    assert [r.output_ids for r in reqs] == [reference(tiny, p, 40) for p in prompts]
+
+
 def test_only_the_prefill_paths_a_policy_reaches_are_captured(tiny):
     """never (k = 0 only) gets no drafted prefill and no catch-up runner, and its first prompt prefills
     without the draft; always (one k > 0) no plain prefill and no catch-up; a policy that switches gets

@@ -334,6 +334,8 @@ class Engine:
         self._shadow = None
         if shadow_evals(policy) and hasattr(drafter, "shadow_commits") and len(self.ks) > 1:
             self._shadow = ShadowAcceptance(drafter, self.ks, shadow_evals(policy))
+            # the policy may space the scorings out (goodput: while speculation trails far behind)
+            self._shadow_due = getattr(policy, "shadow_due", None) or (lambda: True)
             if hasattr(policy, "shadowed_"):
                 policy.shadowed_()
         if policy is not None:
@@ -579,7 +581,7 @@ class Engine:
         tokens = step.tokens
         if self.policy is not None and not step.policy_fed:
             shadow = shadow_ms = None
-            if self._shadow is not None and step.k == 0 and step.rows:
+            if self._shadow is not None and step.k == 0 and step.rows and self._shadow_due():
                 sh, rows, n0, s0 = self._shadow, step.rows, self._shadow.lookups, self._shadow.lookup_s
                 shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i])
                 if sh.lookups > n0:
