@@ -253,8 +253,8 @@ class Goodput:
         between scorings grows by ``explore_backoff`` per scoring, up to ``explore_max`` steps (the
         re-tries' backoff), and a choice where speculation is close again resets it. The lookups are
         host work between steps: H200 policy envelope at 6238c1f, n-gram, C = 128, goodput at k = 0
-        on 98% of its steps spent 0.75 s of host time outside its steps against never's 0.38 s and
-        ran 0.86x of never."""
+        on 98% of its steps spent 0.75 s of host time outside its steps against never's 0.38 s (its
+        3848 lookups 0.21 s of it) and ran 0.86x of never."""
         self._since_shadow += 1
         if self._since_shadow < self.shadow_gap:
             self.shadow_skipped += 1
