@@ -373,7 +373,8 @@ class ReplayAcceptance:
                     continue
             u = self.rng.random()
             out.append(int(min(cdf.searchsorted(u * cdf[-1], side="right"), depth)))
-            quantiles.append(u)
+            if small:
+                quantiles.append(u)
         self.drawn += len(out)
         self.last_cf = {j: [1 + int(min(self._cdf[j].searchsorted(u * self._cdf[j][-1], side="right"),
                                         self._depth[j])) for u in quantiles] for j in small} if small else None

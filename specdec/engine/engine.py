@@ -522,7 +522,7 @@ class Engine:
             replay_cf = None
             if k > 0 and self.acceptance is not None:  # the rows' replayed lengths, before the launch
                 self.acceptance.prepare_(self.state, n, k, [r.id for r in sched.rows])
-                replay_cf = getattr(self.acceptance, "last_cf", None)
+                replay_cf = self.acceptance.last_cf
             # If the launch raises, nothing is queued and the step in flight stays queued.
             step = self.stepper.launch_(k, launched, context, timed=self._policy_times)
             if replay_cf:  # the replay's counterfactual commits, per smaller size, rows in launch order

@@ -89,7 +89,7 @@ def pack_chunks_(tokens, ints, chunks, page_size: int, N: int, R: int, kv0: int,
     ints[1:C + 1] = cu  # cu_q_lens
     ints[C + 1:R + 1] = off  # empty requests: T_b = 0
     ints[kv0:kv0 + C] = starts + lens  # kv_lens
-    table = ints[pt0:pt0 + (len(ints) - pt0) // max_pages * max_pages].reshape(-1, max_pages)
+    table = ints[pt0:].reshape(-1, max_pages)
     table[np.repeat(np.arange(C), npages), np.arange(n_pages) - np.repeat(first_page, npages)] = pages
     return off
 
@@ -293,8 +293,7 @@ class PaddedPrefill:
         ht, hi = self._host_tokens, self._host_ints
         if self._copied is not None:
             self._copied.synchronize()
-        off = pack_chunks_(ht.numpy(), hi.numpy(), chunks, page_size, N, R, self._kv0, self._pt0, self.max_pages,
-                           next_ids)
+        pack_chunks_(ht.numpy(), hi.numpy(), chunks, page_size, N, R, self._kv0, self._pt0, self.max_pages, next_ids)
         self.tokens[:, :N].copy_(ht[:, :N], non_blocking=True)
         self.ints.copy_(hi, non_blocking=True)
         if self.tokens.is_cuda:

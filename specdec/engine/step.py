@@ -31,7 +31,7 @@ from ..spec.base import extends_at_k0, preparer, prefills
 from ..spec.tree import DraftTree, single_node_tree
 from . import step_ops
 from .kv_cache import KVCache
-from .state import DecodeState, host_tensor, upload
+from .state import DecodeState, upload
 
 
 def tree_inputs(state: DecodeState, kv: KVCache, tree: DraftTree, B: int, valid: torch.Tensor):
@@ -184,13 +184,10 @@ def prefill_inputs(chunks: list[PrefillChunk], page_size: int, device):
         kv_lens.append(c.start + n)
         table[b, : len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
 
-    def up(x, dtype):
-        return host_tensor(x, dtype, device).to(device, non_blocking=True)
-
-    meta = AttentionMeta(cu_q_lens=up(cu, torch.int32), kv_lens=up(kv_lens, torch.int32),
-                         page_table=table.to(device, non_blocking=True), slot_mapping=up(slots, torch.int64),
+    meta = AttentionMeta(cu_q_lens=upload(cu, torch.int32, device), kv_lens=upload(kv_lens, torch.int32, device),
+                         page_table=table.to(device, non_blocking=True), slot_mapping=upload(slots, torch.int64, device),
                          max_q_len=max(len(c.token_ids) for c in chunks))
-    return up(ids, torch.int64), up(pos, torch.int64), meta
+    return upload(ids, torch.int64, device), upload(pos, torch.int64, device), meta
 
 
 class Stepper:
@@ -250,7 +247,7 @@ class Stepper:
     def prefill_fit(self, draft: bool = True):
         """The token fit (PaddedPrefill.fit_tokens) of the runner ``prefill_(draft=draft)`` uses, or
         None where it has no timings (eager, or not timed)."""
-        runner = self._prefill_runner(draft and self._prefills)
+        runner = self._prefill_runner(draft)
         return runner.fit_tokens if runner is not None and runner.forward_ms else None
 
     def catch_up_(self, chunks: list[PrefillChunk]):
