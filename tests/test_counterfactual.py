@@ -395,3 +395,25 @@ def test_graphed_counterfactual_samples_equal_eager():
         assert [r.output_ids for r in reqs] == want
         seen[graphed] = pol.seen
     assert seen[True] == seen[False] and sum(bool(cf) for _, cf in seen[True]) >= 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_engine_gives_goodput_its_catch_up_forward_times():
+    """On the GPU, graphed: goodput's switch back on is priced by the catch-up forwards timed at
+    start-up (one entry per prefill token bucket, positive), not by the decode table's ms per row."""
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.policy.goodput import Goodput
+
+    model = tiny_model(layers=2, device="cuda", backend="auto")
+    head = tiny_head(model)
+    head.backend = "auto"
+    drafter = Eagle3Drafter(head, model, trees=[(1, 3, 3), (2, 3, 6)])
+    pol = Goodput([3, 6], profile_context=32, profile_iters=1)
+    engine = Engine(model, EngineConfig(max_batch_size=4, page_size=16, kv_cache_tokens=4096, graph_buckets=(1, 2, 4),
+                                        prefill_buckets=(64, 128), prefill_chunk=256),
+                    drafter=drafter, ks=[3, 6], policy=pol)
+    runner = engine.stepper.catch_up_runner
+    assert engine.graphed and runner is not None and set(runner.forward_ms) == {64, 128, 256}
+    assert pol.describe()["catch_up_forward_ms"] == runner.forward_ms
+    assert all(ms > 0 for ms in runner.forward_ms.values())

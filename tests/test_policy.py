@@ -566,6 +566,35 @@ def test_goodput_prices_the_catch_up_of_a_switch_on():
         Goodput([8], switch_horizon=0)
 
 
+def test_goodput_prices_the_catch_up_by_its_timed_forwards():
+    """With the catch-up forwards timed (catch_up_table_), a backlog costs full forwards of the
+    largest bucket plus one over the rest, not the decode table's ms per row: at batch 1 (the H200
+    envelope at C = 1) a 200-token prompt prefilled while off is one ~1 ms forward, and the switch
+    back on pays; priced at the batch-1 step's 0.57 ms a token (114 ms) it never did."""
+    backlog = {"n": 200}
+    bview = BatchView(num_decode=1, num_waiting=0, backlog=lambda: backlog["n"])
+
+    def off_then_better(timed):
+        pol = Goodput([16], margin=0.0, explore_every=0, switch_horizon=32)
+        pol.set_table({0: {1: 0.57}, 16: {1: 1.05}})
+        if timed:
+            pol.catch_up_table_({128: 0.6, 256: 0.8, 512: 1.0})
+        pol.accept[16], pol.rows_seen[16] = 1.2, 8  # the last request: 1.2 tokens a step, k = 0 wins
+        assert pol.choose(bview) == 0
+        pol.accept[16] = 2.8  # the next request's prior: 2.8 tokens in 1.05 ms against 1 in 0.57
+        return pol
+
+    assert off_then_better(timed=False).choose(bview) == 0  # 200 x 0.57 = 114 ms > 32 x 0.49 ms saved
+    pol = off_then_better(timed=True)
+    assert pol._catch_up_ms(bview) == pytest.approx(0.8)  # one 256-token forward
+    assert pol.choose(bview) == 16
+    backlog["n"] = 1100  # two full 512-token forwards + one 128-token forward over the 76 left
+    assert pol._catch_up_ms(bview) == pytest.approx(2 * 1.0 + 0.6)
+    backlog["n"] = 1024
+    assert pol._catch_up_ms(bview) == pytest.approx(2.0)
+    assert pol.describe()["catch_up_forward_ms"] == {128: 0.6, 256: 0.8, 512: 1.0}
+
+
 def test_goodput_first_tries_wait_for_a_batch_where_they_are_cheap():
     """A k's first try waits while its step costs more than probe_cost plain steps at this batch
     (tree steps at 128+ rows of an 8B target cost 10-25 plain steps): k = 0 meanwhile, the try at a

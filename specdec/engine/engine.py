@@ -300,9 +300,11 @@ class Engine:
                                                                   timed=cfg.prefill_fit)
             if catches_up(drafter) and self._speculates and self._rests:  # a switch back on replays these shapes
                 catch_up = functools.partial(catch_up_body_, model, self.kv, drafter)
+                # timed (graphed) for a policy that prices a switch back on by its catch-up
                 self.stepper.catch_up_runner = PaddedPrefill(catch_up, model.device, prefill_buckets,
                                                              max_pages, graphed=runner.graphed,
-                                                             request_buckets=request_buckets)
+                                                             request_buckets=request_buckets,
+                                                             timed=hasattr(policy, "catch_up_table_"))
             self.startup_s += time.perf_counter() - t0
         self._timer = PhaseTimer(model.device)
         self._pending_trace: dict[int, dict] = {}
@@ -340,6 +342,9 @@ class Engine:
                 policy.shadowed_()
         if policy is not None:
             profiling.calibrate_policy_(self)
+            catch_up = self.stepper.catch_up_runner
+            if catch_up is not None and catch_up.forward_ms and hasattr(policy, "catch_up_table_"):
+                policy.catch_up_table_(catch_up.forward_ms)
         self.startup_graph_captures = self.graph_captures()
         self.t0 = time.perf_counter()
 

@@ -158,6 +158,7 @@ class Goodput:
         self.observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of served step ms
         self.profile_context = int(profile_context)
         self.table: dict[int, list[tuple[int, float]]] | None = None  # k -> [(batch, ms)], batch ascending
+        self._catch_up_fwd: list[tuple[int, float]] | None = None  # [(tokens, ms)] of a catch-up forward
         self.accept: dict[int, float | None] = {k: None for k in ks}  # prior: all requests' rows
         self.row_accept: dict[int, dict] = {k: {} for k in ks}  # k -> {request id: its own a(k)}
         self._rows = None  # the row ids of the last choose(), whose estimates row_accept holds
@@ -177,8 +178,19 @@ class Goodput:
         if missing:
             raise ConfigError(f"policy goodput: the step-time table has no entries for k in {missing}")
         self.table = {k: sorted((int(b), float(ms)) for b, ms in table[k].items()) for k in self.ks}
-        # ms per token of the cheapest k = 0 step: what a catch-up forward costs per backlog token
+        # ms per token of the cheapest k = 0 step: what a catch-up costs per backlog token when no
+        # catch-up forwards were timed (catch_up_table_)
         self._catch_up_ms_per_token = min(ms / b for b, ms in self.table[0])
+
+    def catch_up_table_(self, forward_ms: dict[int, float]) -> None:
+        """Device ms of one catch-up forward per token bucket {tokens: ms} (the engine's graphed
+        catch-up shapes, timed at start-up): what ``_catch_up_ms`` prices a backlog with. Without it
+        a backlog token costs the cheapest k = 0 step's ms per row, a bound that is far off at small
+        batches: H200 policy envelope at c33d9cd, EAGLE-3, C = 1 (max_batch_size 1, so the table's
+        one bucket is batch 1): 0.57 ms a token, so the next prompt prefilled while off (~200
+        tokens, one ~1 ms forward) was priced at ~110 ms, no switch back on paid for it, and
+        goodput stayed at k = 0 from 2.5 s to the end of the run (69% of the steps; 0.77x of always)."""
+        self._catch_up_fwd = sorted((int(n), float(ms)) for n, ms in forward_ms.items() if n > 0) or None
 
     def _bucket(self, k: int, batch: int) -> tuple[int, float]:
         """(batch, ms) of the table row for batch: the smallest profiled batch >= it, else the largest."""
@@ -379,13 +391,21 @@ class Goodput:
 
     def _catch_up_ms(self, view: BatchView) -> float:
         """Estimated ms of the catch-up a switch on runs first: the rows' draft backlog (tokens
-        committed while off, prompts prefilled while off) through a target forward at the
-        start-up table's cheapest per-token k = 0 step (0: no backlog given, a drafter that does
-        not catch up)."""
+        committed while off, prompts prefilled while off) through target + draft forwards: full
+        forwards of the largest timed bucket and one of the smallest bucket holding the rest
+        (catch_up_table_), else at the start-up table's cheapest per-token k = 0 step (0: no backlog
+        given, a drafter that does not catch up)."""
         if view.backlog is None:
             return 0.0
         n = view.backlog()
-        return n * self._catch_up_ms_per_token if n else 0.0
+        if not n:
+            return 0.0
+        fwd = self._catch_up_fwd
+        if not fwd:
+            return n * self._catch_up_ms_per_token
+        top, top_ms = fwd[-1]
+        full, rest = divmod(n, top)
+        return full * top_ms + (next(ms for b, ms in fwd if b >= rest) if rest else 0.0)
 
     def _switch_pays(self, k: int, B: int, rates: dict, view: BatchView) -> bool:
         """Whether switching on at k saves, over switch_horizon steps, more than its catch-up costs:
@@ -402,6 +422,7 @@ class Goodput:
         a(k) and the live requests' own estimates, the rows behind each prior (counterfactual ones
         also counted apart) and the counterfactual pairs with their labels."""
         return {"profile_context": self.profile_context,
+                "catch_up_forward_ms": dict(self._catch_up_fwd or ()),
                 "step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
                 "served_step_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.observed.items()) if kk == k}
                                    for k in self.ks},
