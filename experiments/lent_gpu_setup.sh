@@ -8,13 +8,19 @@
 S=/root/specdec-stage
 export SPECDEC_CACHE=$S/cache
 mkdir -p /tmp/site "$SPECDEC_CACHE/smollm2-135m-instruct"
-cp .stage/*/gguf.part* "$S/" 2>/dev/null
+cp .stage/*/gguf.part* .stage/*/gguf.size "$S/" 2>/dev/null
 for d in .stage/*/prompts; do [ -d "$d" ] && cp -r "$d" "$SPECDEC_CACHE/"; done
 if [ ! -f /tmp/site/.done ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && touch /tmp/site/.done
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-if [ ! -f "$SPECDEC_CACHE/smollm2-135m-instruct/config.json" ] && [ -f /tmp/site/.done ] && [ -d "$SPECDEC_CACHE/prompts" ]; then
+# Every part staged: their sizes add up to gguf.size (the recipe writes it); without it, four parts.
+staged() {
+  local n; n=$(cat $S/gguf.part?? 2>/dev/null | wc -c)
+  if [ -f $S/gguf.size ]; then [ "$n" = "$(cat $S/gguf.size)" ]; else [ "$(ls $S/gguf.part?? 2>/dev/null | wc -l)" -ge 4 ]; fi
+}
+if [ ! -f "$SPECDEC_CACHE/smollm2-135m-instruct/config.json" ] && [ -f /tmp/site/.done ] && [ -d "$SPECDEC_CACHE/prompts" ] \
+   && staged; then
   cat $S/gguf.part?? > $S/smol.gguf
   python3 -c "from pathlib import Path; from specdec.assets import convert_gguf; convert_gguf(Path('$S/smol.gguf'), Path('$SPECDEC_CACHE/smollm2-135m-instruct'))"
 fi
