@@ -704,3 +704,62 @@ def test_profile_context_auto_reaches_a_served_goodput(tmp_path):
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "metrics.json").read_text())["policy_state"]["profile_context"] == 24
+
+
+def test_goodput_counts_prefilling_requests_when_asked():
+    """count_prefilling: requests still prefilling count as rows that gain a token per iteration at any
+    k, so in a ramp-up (12 decode rows, 244 prompts still prefilling) a tree step 3x the plain step
+    loses where the 12 rows alone would take it; first tries wait while prefilling rows outnumber
+    decode rows. Off (the default): the decode rows alone decide, as before."""
+    table = {0: {16: 5.0}, 48: {16: 15.0}}
+
+    def ramp(prefilling, decode=12):
+        return BatchView(num_decode=decode, num_waiting=0, num_prefilling=prefilling)
+
+    for flag in (False, True):
+        pol = Goodput([48], margin=0.0, explore_every=0, count_prefilling=flag)
+        pol.set_table(table)
+        pol.accept[48], pol.rows_seen[48] = 4.0, 8  # 4 tokens in 15 ms against 1 in 5 per decode row
+        assert pol.choose(ramp(244)) == (0 if flag else 48)  # on: (48 + 244) / 15 < 256 / 5
+        assert pol.choose(ramp(0)) == 48  # the ramp-up over: the decode rows alone
+        assert pol.choose(ramp(4)) == 48  # a few prompts prefilling beside a full batch change nothing
+    # first tries: none while the prefilling requests outnumber the decode rows
+    pol = Goodput([48], margin=0.0, explore_every=0, probe_rows=4, count_prefilling=True)
+    pol.set_table({0: {16: 5.0}, 48: {16: 6.0}})
+    assert pol.choose(ramp(100)) == 0
+    assert pol.choose(ramp(8)) == 48  # 8 <= 12 decode rows: the first try runs
+    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "count_prefilling": True})).count_prefilling
+    with pytest.raises(ConfigError, match="count_prefilling"):
+        build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "count_prefilling": "maybe"}))
+
+
+class _SeesPrefilling:
+    """A k = 0 policy that records what each BatchView says, beside the engine's own counts."""
+
+    name = "sees_prefilling"
+    ks = (0,)
+
+    def __init__(self):
+        self.engine, self.seen = None, []
+
+    def choose(self, view):
+        sched = self.engine.scheduler
+        self.seen.append((view.num_prefilling, view.num_decode, len(sched.admitted)))
+        return 0
+
+    def update(self, stats):
+        pass
+
+
+def test_engine_tells_the_policy_how_many_requests_are_prefilling(tiny):
+    """BatchView.num_prefilling is the admitted requests not yet decoding: with a 16-token prefill
+    budget, prompts of 40 tokens take three iterations each, so some steps see requests mid-prefill."""
+    pol = _SeesPrefilling()
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024, prefill_chunk=16),
+                    policy=pol)
+    pol.engine = engine
+    for p in rand_prompts([40, 40, 40, 5], seed=3):
+        engine.add_request(p, 6)
+    engine.run_until_done()
+    assert all(pre == adm - dec >= 0 for pre, dec, adm in pol.seen)
+    assert max(pre for pre, _, _ in pol.seen) >= 2 and pol.seen[-1][0] == 0

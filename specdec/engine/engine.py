@@ -484,6 +484,7 @@ class Engine:
         if k is None:
             k = 0 if self.policy is None else self.policy.choose(
                 BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting),
+                          num_prefilling=max(0, len(sched.admitted) - self.state.num_rows),
                           rows=tuple(r.id for r in sched.rows) if self._policy_rows else None,
                           backlog=self._backlog if self._catches_up else None))
             if k not in self.ks:

@@ -70,7 +70,8 @@ def build_policy(cfg, sizes=None):
                        explore_budget=float(cfg.get("explore_budget", 0.05)),
                        probe_cost=float("inf") if cfg.get("probe_cost") is None else float(cfg.probe_cost),
                        counterfactual=config_flag("policy.counterfactual", cfg.get("counterfactual", False)),
-                       refresh_every=int(cfg.get("refresh_every", 0) or 0))
+                       refresh_every=int(cfg.get("refresh_every", 0) or 0),
+                       count_prefilling=config_flag("policy.count_prefilling", cfg.get("count_prefilling", False)))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
     raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")

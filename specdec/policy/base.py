@@ -21,6 +21,7 @@ class BatchView:
     # () -> draft backlog tokens of the rows (committed or prefilled while off, caught up before a
     # drafter that catches up drafts again; computed on call); None: no catch-up
     backlog: Callable[[], int] | None = None
+    num_prefilling: int = 0  # admitted requests whose prompt is still being prefilled (not decode rows yet)
 
 
 @dataclass
