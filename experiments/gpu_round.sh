@@ -14,7 +14,7 @@
 #                                             committed one): all 164 HumanEval prompts, and the T = 0
 #                                             eagle3_table (40 prompts of HumanEval and MT-bench), plain beside
 #                                             (HEAD_EXTRA: more overrides for both sweeps, e.g. kernel options)
-#   bash experiments/gpu_round.sh ab8b        # 8B A/Bs: draft rounds streamed (verify on cuBLAS); goodput count_prefilling
+#   bash experiments/gpu_round.sh ab8b        # 8B A/Bs: draft rounds streamed (verify on cuBLAS); goodput defer_first_tries
 #   bash experiments/gpu_round.sh repeats     # envelope points x seeds 0,1,2 (REPEAT_DRAFT / _POLICIES / _C / _SEEDS)
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
 #                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
@@ -90,16 +90,16 @@ eagle3head)  # HEAD_DIR: a head trained on this machine (experiments/train_head_
   pack eagle3head humaneval_full table ;;
 ab8b)  # two 8B-shape A/Bs in one call: the draft rounds' rows streamed with verify left on cuBLAS (small_m x
   # fused_rows: stream_prefetch + fused_rows=8 streams rows <= 8, the rounds of tree16 / tree48), and goodput's
-  # count_prefilling at C = 128 / 256 beside never (replayed trace); AB8B_C: the concurrencies
+  # defer_first_tries at C = 128 / 256 beside never (replayed trace); AB8B_C: the concurrencies
   run ${PROFILE_S:-240} python experiments/profile_step.py --shape llama8b --steps-only --phases --trees tree16,tree48 \
     --ab small_m=auto,stream_prefetch --ab fused_rows=null,8 --out "$R/ab8b_rows"
   tail -n 24 "$R/last.log"
   run ${AB8B_S:-300} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
-    policy=never workload.concurrency=${AB8B_C:-128,256} hydra.sweep.dir="$R/ab8b_count_prefilling/never"
+    policy=never workload.concurrency=${AB8B_C:-128,256} hydra.sweep.dir="$R/ab8b_defer/never"
   run ${AB8B_S:-300} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
-    policy=goodput ++policy.count_prefilling=false,true workload.concurrency=${AB8B_C:-128,256} \
-    hydra.sweep.dir="$R/ab8b_count_prefilling/goodput"
-  pack ab8b ab8b_rows ab8b_count_prefilling ;;
+    policy=goodput ++policy.defer_first_tries=false,true workload.concurrency=${AB8B_C:-128,256} \
+    hydra.sweep.dir="$R/ab8b_defer/goodput"
+  pack ab8b ab8b_rows ab8b_defer ;;
 repeats)  # envelope points repeated (seed=0,1,2; the report averages them): REPEAT_DRAFT (eagle3_smollm2_trees),
   # REPEAT_POLICIES (always,goodput), REPEAT_C (1,2,4), REPEAT_SEEDS (0,1,2), on HumanEval; with per-step records
   d=${REPEAT_DRAFT:-eagle3_smollm2_trees}

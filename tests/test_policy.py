@@ -706,31 +706,27 @@ def test_profile_context_auto_reaches_a_served_goodput(tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["policy_state"]["profile_context"] == 24
 
 
-def test_goodput_counts_prefilling_requests_when_asked():
-    """count_prefilling: requests still prefilling count as rows that gain a token per iteration at any
-    k, so in a ramp-up (12 decode rows, 244 prompts still prefilling) a tree step 3x the plain step
-    loses where the 12 rows alone would take it; first tries wait while prefilling rows outnumber
-    decode rows. Off (the default): the decode rows alone decide, as before."""
-    table = {0: {16: 5.0}, 48: {16: 15.0}}
-
+def test_goodput_defers_first_tries_through_a_ramp_up_when_asked():
+    """defer_first_tries: no first try while the requests still prefilling outnumber the decode rows (a
+    ramp-up: 12 decode rows, 244 prompts queued); once the decode rows are the majority the try runs.
+    Off (the default): the try runs at the first decode step, as before. Known estimates are used either
+    way: a k already tried is chosen on its merits in a ramp-up too."""
     def ramp(prefilling, decode=12):
         return BatchView(num_decode=decode, num_waiting=0, num_prefilling=prefilling)
 
     for flag in (False, True):
-        pol = Goodput([48], margin=0.0, explore_every=0, count_prefilling=flag)
-        pol.set_table(table)
-        pol.accept[48], pol.rows_seen[48] = 4.0, 8  # 4 tokens in 15 ms against 1 in 5 per decode row
-        assert pol.choose(ramp(244)) == (0 if flag else 48)  # on: (48 + 244) / 15 < 256 / 5
-        assert pol.choose(ramp(0)) == 48  # the ramp-up over: the decode rows alone
-        assert pol.choose(ramp(4)) == 48  # a few prompts prefilling beside a full batch change nothing
-    # first tries: none while the prefilling requests outnumber the decode rows
-    pol = Goodput([48], margin=0.0, explore_every=0, probe_rows=4, count_prefilling=True)
+        pol = Goodput([48], margin=0.0, explore_every=0, probe_rows=4, defer_first_tries=flag)
+        pol.set_table({0: {16: 5.0}, 48: {16: 6.0}})
+        assert pol.choose(ramp(244)) == (0 if flag else 48)
+        assert pol.choose(ramp(100)) == (0 if flag else 48)
+        assert pol.choose(ramp(12)) == 48  # as many prefilling as decoding: the first try runs
+    pol = Goodput([48], margin=0.0, explore_every=0, defer_first_tries=True)
     pol.set_table({0: {16: 5.0}, 48: {16: 6.0}})
-    assert pol.choose(ramp(100)) == 0
-    assert pol.choose(ramp(8)) == 48  # 8 <= 12 decode rows: the first try runs
-    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "count_prefilling": True})).count_prefilling
-    with pytest.raises(ConfigError, match="count_prefilling"):
-        build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "count_prefilling": "maybe"}))
+    pol.accept[48], pol.rows_seen[48] = 4.0, 8  # tried already: 4 tokens in 6 ms against 1 in 5
+    assert pol.choose(ramp(244)) == 48
+    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "defer_first_tries": True})).defer_first_tries
+    with pytest.raises(ConfigError, match="defer_first_tries"):
+        build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "defer_first_tries": "maybe"}))
 
 
 class _SeesPrefilling:

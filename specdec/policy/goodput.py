@@ -78,9 +78,8 @@ class Goodput:
     batch, one at a large one). The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
     EMA: one first step does not set it (n-gram's first step at C = 1 accepted nothing, a prior of
     1.0 that the EMA took hundreds of rows to move).
-    ``count_prefilling`` (off by default; not measured yet): requests still prefilling
-    (BatchView.num_prefilling) count as rows that gain a token per iteration at any k, since a longer
-    step delays them too, and first tries wait while they outnumber the decode rows (see choose).
+    ``defer_first_tries`` (off by default; simulated, not measured on the H200 yet): first tries wait
+    while the requests still prefilling (BatchView.num_prefilling) outnumber the decode rows (see choose).
     A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
     near the crossover does not flip every step. Decode rows only: prefills never count.
     H200 (bench_spec --draft eagle3 --trace-dir, results/spec/goodput_trace_2dbe67d.md): with one
@@ -99,7 +98,7 @@ class Goodput:
                  explore_backoff: float = 1.0, explore_max: int = 1024, shadow_evals: int = 0,
                  profile_iters: int = 20, probe_rows: int = 1, switch_horizon: int = 32,
                  explore_budget: float = 0.05, probe_cost: float = float("inf"), counterfactual: bool = False,
-                 refresh_every: int = 0, count_prefilling: bool = False):
+                 refresh_every: int = 0, defer_first_tries: bool = False):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -131,8 +130,8 @@ class Goodput:
         self.probe_cost = float(probe_cost)  # a first try waits for a batch where its step costs <= this many plain steps
         if refresh_every < 0:
             raise ConfigError(f"policy goodput: need refresh_every >= 0 (0: off; got refresh_every={refresh_every})")
-        # Admitted requests still prefilling count as rows the step's time delays (count_prefilling)
-        self.count_prefilling = bool(count_prefilling)
+        # First tries wait while the requests still prefilling outnumber the decode rows (a ramp-up)
+        self.defer_first_tries = bool(defer_first_tries)
         self.refresh_every = int(refresh_every)  # while at a k > 0 below the largest: a step at the largest this often
         self.refresh_gap = float(refresh_every)  # steps below the largest k until the next refresh (backoff)
         self.since_top = 0  # consecutive speculative choices below the largest k
@@ -297,11 +296,10 @@ class Goodput:
             return sum(own.values()) + (batch - len(own)) * prior
         return sum(own.get(r, prior) for r in rows)
 
-    def rate(self, k: int, batch: int, rows=None, pending: int = 0) -> float | None:
-        """Expected committed tokens per row per ms at k (None: a(k) unknown). ``pending``: requests
-        still prefilling, counted as rows that gain a token per iteration at any k (see choose)."""
+    def rate(self, k: int, batch: int, rows=None) -> float | None:
+        """Expected committed tokens per row per ms at k (None: a(k) unknown)."""
         a = self.expected(k, batch, rows)
-        return None if a is None else (a + pending) / (batch + pending) / self.iter_ms(k, batch)
+        return None if a is None else a / batch / self.iter_ms(k, batch)
 
     def choose(self, view: BatchView) -> int:
         if self.table is None:
@@ -321,24 +319,23 @@ class Goodput:
         # A try waits for a batch where its step costs at most probe_cost plain steps (H200,
         # crossover_8b at 8ef8fbb, C = 256: tree48's first try ran at 128 rows, 176 ms against a
         # 7.2 ms plain step; with the other first tries there, 0.87x of never while off 98% of steps).
-        # count_prefilling: a request still prefilling waits for every iteration too, so a step that
-        # takes longer delays its first token as much as a decode row's next one. It counts as a row
-        # that gains one token per iteration whatever k the step runs: k > 0 must commit enough more
-        # for the decode rows to pay for the time every row, prefilling or not, waits. In a ramp-up
-        # (most admitted requests prefilling) that keeps k = 0, and first tries wait until the decode
-        # rows outnumber the prefilling ones. H200 crossover_8b at c33d9cd, C = 256: goodput's 14
-        # speculative steps (first tries at small batches while the prompts of the 256 requests were
-        # being prefilled) left its requests finishing out of step for the rest of the run; it
-        # prefilled in forwards of 1032 tokens against never's 1871 and served 0.94x of never.
-        P = view.num_prefilling if self.count_prefilling else 0
+        # defer_first_tries: no first try while the requests still prefilling outnumber the decode rows
+        # (a ramp-up, e.g. a closed loop's start: every client's first prompt queued at once). A try
+        # there runs at a batch the ramp-up is about to fill, and its speculative steps make requests
+        # finish out of step, so a closed loop stays out of step: H200 crossover_8b at c33d9cd, C = 256,
+        # goodput's first tries in the ramp-up, then k = 0 on 96% of the steps, yet prefill forwards of
+        # 1032 tokens against never's 1871 and 0.94x of never. experiments/sim_serving.py (the same
+        # setting, no host time): goodput 0.979 / 1.000 / 0.992 of the envelope at C = 256 / 128 / 64,
+        # deferred 0.984 / 1.061 / 0.983, no change at C <= 32.
+        ramp = self.defer_first_tries and view.num_prefilling > B
         untried = [k for k in self.ks[1:] if self.rows_seen[k] < self.probe_rows
-                   and self.iter_ms(k, B) <= self.probe_cost * self.iter_ms(0, B)] if P <= B else []
+                   and self.iter_ms(k, B) <= self.probe_cost * self.iter_ms(0, B)] if not ramp else []
         if untried and not self.shadowed:
             # With counterfactual samples, the largest untried k first: its steps also sample every
             # smaller k (which then may need no first try of its own).
             k = untried[-1] if self.counterfactual_pairs else untried[0]
         else:
-            rates = {k: r for k in self.ks if (r := self.rate(k, B, rows, P)) is not None}
+            rates = {k: r for k in self.ks if (r := self.rate(k, B, rows)) is not None}
             k = max(rates, key=rates.get)
             spec = [r for j, r in rates.items() if j > 0]
             # behind: every k > 0 has an estimate and the best trails k = 0 by more than the slack
