@@ -325,8 +325,8 @@ class Goodput:
         # finish out of step, so a closed loop stays out of step: H200 crossover_8b at c33d9cd, C = 256,
         # goodput's first tries in the ramp-up, then k = 0 on 96% of the steps, yet prefill forwards of
         # 1032 tokens against never's 1871 and 0.94x of never. experiments/sim_serving.py (the same
-        # setting, no host time): goodput 0.979 / 1.000 / 0.992 of the envelope at C = 256 / 128 / 64,
-        # deferred 0.984 / 1.061 / 0.983, no change at C <= 32.
+        # setting, no host time; scale/sim_serving_a967863.md): goodput 0.981 / 0.999 / 0.993 of the
+        # envelope at C = 256 / 128 / 64, deferred 0.984 / 1.065 / 0.984, the same at C <= 32.
         ramp = self.defer_first_tries and view.num_prefilling > B
         untried = [k for k in self.ks[1:] if self.rows_seen[k] < self.probe_rows
                    and self.iter_ms(k, B) <= self.probe_cost * self.iter_ms(0, B)] if not ramp else []
