@@ -44,26 +44,14 @@ from specdec.engine.graphs import bucket_for  # noqa: E402
 from specdec.policy import Always, Goodput, Never  # noqa: E402
 from specdec.policy.base import BatchView, StepStats  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_policy import _Rows  # noqa: E402  (the state / drafter shim ReplayAcceptance binds to)
+
 TRACE = ROOT / "experiments/results/acceptance/smollm2_eagle3_humaneval_41d1e6b.json"
 LENGTHS = ROOT / "experiments/results/acceptance/prompt_lengths_smollm2.json"
 TABLE = ROOT / "experiments/results/scale/crossover_8b_c33d9cd/b/26/metrics.json"  # goodput, C = 256
 DEPTHS = {3: 3, 16: 5, 48: 7}  # eagle3_random's chain 3 / tree16 (topk 4, 5 steps) / tree48 (topk 8, 7 steps)
 PREFILL_BUCKETS = (128, 256, 512, 1024, 2048)
-
-
-class _Rows:
-    """What ReplayAcceptance.bind_ asks of an engine's state and drafter."""
-
-    def add_row_buffer(self, name, shape, dtype, follows="rows"):
-        import torch
-
-        return torch.zeros(1, dtype=dtype)
-
-    def num_nodes(self, k: int) -> int:
-        return k + 1
-
-    def max_path_nodes(self, T: int) -> int:
-        return DEPTHS[T - 1] + 1
 
 
 def step_table(path: Path) -> dict[int, dict[int, float]]:
@@ -78,7 +66,7 @@ def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: flo
     trace = simulate.trace
     replay = ReplayAcceptance(trace, seed=seed, per_request=False, missing="nearest")
     ks = sorted(DEPTHS)
-    shim = _Rows()
+    shim = _Rows(DEPTHS)
     replay.bind_(shim, shim, ks)
     replay.counterfactual_({k: tuple(j for j in ks if j < k) for k in ks})
     policy = make_policy()
