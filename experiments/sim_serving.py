@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specdec.acceptance import AcceptanceTrace, ReplayAcceptance  # noqa: E402
+from specdec.acceptance import AcceptanceTrace, ReplayAcceptance, parametric_trace  # noqa: E402
 from specdec.engine.graphs import bucket_for  # noqa: E402
 from specdec.policy import Always, Goodput, Never  # noqa: E402
 from specdec.policy.base import BatchView, StepStats  # noqa: E402
@@ -166,6 +166,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=str(TRACE), help="acceptance trace JSON (specdec.acceptance build-trace)")
     ap.add_argument("--table", default=str(TABLE), help="a goodput run's metrics.json: its step-time table")
+    ap.add_argument("--parametric", type=float, default=None, metavar="MEAN",
+                    help="the parametric trace instead of --trace: geometric per-depth acceptance with this mean "
+                         "accepted length at depth 7 (crossover_8b's acceptance.parametric.mean=6)")
     ap.add_argument("--lengths", default=str(LENGTHS), help="prompt lengths JSON (sets.humaneval)")
     ap.add_argument("--concurrency", default="16,64,128,256")
     ap.add_argument("--seeds", type=int, default=4)
@@ -181,7 +184,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.concurrency, a.seeds, a.seconds, a.warmup = "4,32", 1, 1.5, 0.5
-    simulate.trace = AcceptanceTrace.from_json(json.loads(Path(a.trace).read_text()), a.trace)
+    if a.parametric is not None:
+        simulate.trace = parametric_trace(a.parametric, 7)
+    else:
+        simulate.trace = AcceptanceTrace.from_json(json.loads(Path(a.trace).read_text()), a.trace)
     table = step_table(Path(a.table))
     lengths = [int(e["prompt_len"]) for e in json.loads(Path(a.lengths).read_text())["sets"]["humaneval"]]
     fwd_a, fwd_b = (float(x) for x in a.fwd_ms.split(","))
@@ -194,7 +200,8 @@ def main(argv=None) -> int:
 
     arms = [("never", Never)] + [(f"always{k}", (lambda k=k: Always(k))) for k in ks]
     arms += [("goodput", goodput()), ("goodput defer_first_tries", goodput(True))]
-    lines = [f"# sim_serving: step table {Path(a.table).parent.name} of {Path(a.table).parents[1].name}, "
+    source = f"parametric mean {a.parametric:g} at depth 7" if a.parametric is not None else Path(a.trace).name
+    lines = [f"# sim_serving: {source}, step table {Path(a.table).parent.name} of {Path(a.table).parents[1].name}, "
              f"prefill forward {fwd_a:g} + {fwd_b:g} N ms, chunk {a.chunk}, {a.seconds:g} simulated s x {a.seeds} "
              f"seeds, tok/s from {a.warmup:g} s", "",
              "| C | " + " | ".join(name for name, _ in arms) + " | best always | goodput / envelope | "
