@@ -134,8 +134,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=60.0, help="simulated seconds per run")
     ap.add_argument("--out", default=None, help="folder for sim_policy.md")
-    ap.add_argument("--row-shrink", default="", help="comma-separated row_shrink values: one more goodput arm "
-                    "(replayed counterfactual) each")
     ap.add_argument("--quick", action="store_true", help="a few simulated seconds (smoke run)")
     a = ap.parse_args(argv)
     if a.quick:
@@ -146,15 +144,13 @@ def main(argv=None) -> int:
     step_ms, depths = _pairs(a.step_ms), _pairs(a.depths, int)
     ks = sorted(depths)
 
-    def goodput(row_shrink=0.0):
-        return lambda: Goodput(ks, ema=0.1, prior_ema=0.01, margin=0.03, probe_rows=4, probe_cost=4,
-                               explore_every=32, explore_backoff=2.0, explore_max=1024, switch_horizon=32,
-                               explore_budget=0.05, counterfactual=True, row_shrink=row_shrink)
+    def goodput():
+        return Goodput(ks, ema=0.1, prior_ema=0.01, margin=0.03, probe_rows=4, probe_cost=4, explore_every=32,
+                       explore_backoff=2.0, explore_max=1024, switch_horizon=32, explore_budget=0.05,
+                       counterfactual=True)
 
     arms = [(f"always{k}", (lambda k=k: Always(k)), False) for k in ks]
-    arms += [("goodput, no counterfactual", goodput(), False), ("goodput, replayed counterfactual", goodput(), True)]
-    arms += [(f"goodput, replayed counterfactual, row_shrink {v:g}", goodput(v), True)
-             for v in (float(x) for x in a.row_shrink.split(",") if x.strip())]
+    arms += [("goodput, no counterfactual", goodput, False), ("goodput, replayed counterfactual", goodput, True)]
     lines = [f"# sim_policy: {Path(a.trace).name}, step ms {a.step_ms} (+{a.per_row:g} per row), "
              f"{a.seconds:g} simulated s x {a.seeds} seeds", "",
              "| S | C | " + " | ".join(name for name, _, _ in arms) + " |",

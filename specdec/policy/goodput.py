@@ -98,7 +98,7 @@ class Goodput:
                  explore_backoff: float = 1.0, explore_max: int = 1024, shadow_evals: int = 0,
                  profile_iters: int = 20, probe_rows: int = 1, switch_horizon: int = 32,
                  explore_budget: float = 0.05, probe_cost: float = float("inf"), counterfactual: bool = False,
-                 refresh_every: int = 0, defer_first_tries: bool = False, row_shrink: float = 0.0):
+                 refresh_every: int = 0, defer_first_tries: bool = False):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -132,10 +132,6 @@ class Goodput:
             raise ConfigError(f"policy goodput: need refresh_every >= 0 (0: off; got refresh_every={refresh_every})")
         # First tries wait while the requests still prefilling outnumber the decode rows (a ramp-up)
         self.defer_first_tries = bool(defer_first_tries)
-        if row_shrink < 0:
-            raise ConfigError(f"policy goodput: need row_shrink >= 0 (0: off; got row_shrink={row_shrink})")
-        # A row's own a(k) counts as its samples (at most the EMA's (2 - ema) / ema) against row_shrink of the prior
-        self.row_shrink = float(row_shrink)
         self.refresh_every = int(refresh_every)  # while at a k > 0 below the largest: a step at the largest this often
         self.refresh_gap = float(refresh_every)  # steps below the largest k until the next refresh (backoff)
         self.since_top = 0  # consecutive speculative choices below the largest k
@@ -169,7 +165,6 @@ class Goodput:
         self._catch_up_fwd: list[tuple[int, float]] | None = None  # [(tokens, ms)] of a catch-up forward
         self.accept: dict[int, float | None] = {k: None for k in ks}  # prior: all requests' rows
         self.row_accept: dict[int, dict] = {k: {} for k in ks}  # k -> {request id: its own a(k)}
-        self.row_n: dict[int, dict] = {k: {} for k in ks}  # k -> {request id: samples behind its own a(k)}
         self._rows = None  # the row ids of the last choose(), whose estimates row_accept holds
         self.last = 0  # k of the previous choice
         self.off_steps = 0  # consecutive k = 0 choices
@@ -297,14 +292,6 @@ class Goodput:
         if rows is None:
             return batch * prior
         own = self.row_accept[k]
-        if self.row_shrink > 0:  # each row's own estimate pulled toward the prior by its few samples
-            n_max, n0, counts = (2.0 - self.ema) / self.ema, self.row_shrink, self.row_n[k]
-
-            def shrunk(r):
-                n = min(counts.get(r, 0), n_max)
-                return (n * own[r] + n0 * prior) / (n + n0) if r in own else prior
-
-            return sum(shrunk(r) for r in rows)
         if rows is self._rows:  # choose()'s batch: own holds only its rows (pruned), summed in C
             return sum(own.values()) + (batch - len(own)) * prior
         return sum(own.get(r, prior) for r in rows)
@@ -323,7 +310,7 @@ class Goodput:
         rows = self._rows = view.rows
         if rows is not None:  # forget the requests that left the batch (set ops: no per-row Python loop)
             live = set(rows)
-            for own in (*self.row_accept.values(), *self.row_n.values()):
+            for own in self.row_accept.values():
                 for r in own.keys() - live:
                     del own[r]
         # A k is tried until its prior covers probe_rows rows: one step at a small batch is a
@@ -499,11 +486,10 @@ class Goodput:
         mean = sum(committed) / n
         prior = self.accept[k]
         if rows is not None:
-            own, counts = self.row_accept[k], self.row_n[k]
+            own = self.row_accept[k]
             for r, c in zip(rows, committed):
                 old = own.get(r, mean if prior is None else prior)
                 own[r] = (1.0 - self.ema) * old + self.ema * c
-                counts[r] = counts.get(r, 0) + 1
         # The mean of the rows so far while they are few, then one prior_ema step per row.
         seen = self.rows_seen[k]
         w = max(n / (seen + n), 1.0 - (1.0 - self.prior_ema) ** n)
