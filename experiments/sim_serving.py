@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specdec.acceptance import AcceptanceTrace, ReplayAcceptance, parametric_trace  # noqa: E402
-from specdec.engine.graphs import bucket_for  # noqa: E402
+from specdec.engine.graphs import bucket_for, fit_tokens, forwards_ms  # noqa: E402
 from specdec.policy import Always, Goodput, Never  # noqa: E402
 from specdec.policy.base import BatchView, StepStats  # noqa: E402
 
@@ -75,18 +75,10 @@ def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: flo
         policy.set_table({k: table[k] for k in policy.ks})
     if hasattr(policy, "counterfactual_") and getattr(policy, "wants_counterfactual", False):
         policy.counterfactual_({(j, k): "replayed" for k in ks for j in ks if j < k})
-    fwd = {n: fwd_a + fwd_b * n for n in PREFILL_BUCKETS}
+    # the engine's prefill buckets: those below the chunk, and the chunk itself (its largest forward)
+    fwd = {n: fwd_a + fwd_b * n for n in (*(b for b in PREFILL_BUCKETS if b < chunk), chunk)}
     if hasattr(policy, "catch_up_table_"):
         policy.catch_up_table_(fwd)
-
-    def fit(n: int) -> int:  # PaddedPrefill.fit_tokens over the modelled bucket times
-        if n >= PREFILL_BUCKETS[-1] or n in fwd:
-            return n
-        below = [b for b in PREFILL_BUCKETS if b < n]
-        if not below:
-            return n
-        down, up = below[-1], bucket_for(PREFILL_BUCKETS, n)
-        return down if fwd[down] + fwd[bucket_for(PREFILL_BUCKETS, n - down)] < fwd[up] else n
 
     rid = 0
 
@@ -109,13 +101,13 @@ def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: flo
             plan.append([r, n])
             budget -= n
         if plan:
-            total = fit(sum(n for _, n in plan))
+            total = fit_tokens(fwd, sum(n for _, n in plan))
             left = total
             for p in plan:
                 p[1] = min(p[1], left)
                 left -= p[1]
             plan = [p for p in plan if p[1] > 0]
-            ms += fwd[bucket_for(PREFILL_BUCKETS, total)]
+            ms += forwards_ms(fwd, total)  # one forward: total <= chunk
             forwards += 1
             fwd_tokens += total
             off = last_k == 0  # a prompt prefilled while off: the draft catches it up later
@@ -133,8 +125,7 @@ def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: flo
             k = policy.choose(BatchView(num_decode=B, num_waiting=0, rows=ids, backlog=lambda: backlog,
                                         num_prefilling=len(prefilling)))
             if k > 0 and backlog:  # catch-up forwards over the backlog, chunk tokens each
-                full, rest = divmod(backlog, chunk)
-                ms += full * fwd[PREFILL_BUCKETS[-1]] + (fwd[bucket_for(PREFILL_BUCKETS, rest)] if rest else 0.0)
+                ms += forwards_ms(fwd, backlog)
                 for r in decoding:
                     r["backlog"] = 0
             cf = None

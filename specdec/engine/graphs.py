@@ -101,6 +101,29 @@ def bucket_for(buckets: list[int], n: int) -> int:
     return buckets[i]
 
 
+def fit_tokens(forward_ms: dict[int, float], n: int) -> int:
+    """n, or the token bucket just below n when a forward there plus a later one over the rest (alone,
+    at its own bucket) costs less than padding n up to the bucket above, by ``forward_ms`` {token
+    bucket: ms of one padded forward} (n without timings, or from the largest bucket up)."""
+    if not forward_ms or n in forward_ms:
+        return n
+    buckets = sorted(forward_ms)
+    below = [b for b in buckets if b < n]
+    if n >= buckets[-1] or not below:
+        return n
+    down, up = below[-1], bucket_for(buckets, n)
+    t = forward_ms
+    return down if t[down] + t[bucket_for(buckets, n - down)] < t[up] else n
+
+
+def forwards_ms(forward_ms: dict[int, float], n: int) -> float:
+    """ms of padded forwards over n tokens in all (a catch-up's backlog): full forwards of the largest
+    bucket, then one at the smallest bucket holding the rest, by ``forward_ms`` {token bucket: ms}."""
+    buckets = sorted(forward_ms)
+    full, rest = divmod(n, buckets[-1])
+    return full * forward_ms[buckets[-1]] + (forward_ms[bucket_for(buckets, rest)] if rest else 0.0)
+
+
 class EagerDecode:
     """Runs ``body(B, T, context)`` eagerly: B = n (default), or the bucket of n with ``pad_to``."""
 
@@ -250,21 +273,11 @@ class PaddedPrefill:
         return times
 
     def fit_tokens(self, n: int) -> int:
-        """How many of the n prompt tokens planned for one forward to prefill now: n, or the token
-        bucket just below n when that forward plus a later one over the rest (alone, at its own
-        bucket) costs less than padding n up to the bucket above, by ``forward_ms`` (n otherwise,
-        and always without timings). The rest stays queued: at load it joins the next forward's
-        chunks. A compute-bound forward pays for its padding (8B shapes: a forward of 1035 tokens
-        runs in the 2048-token bucket); a launch- or weight-bound one does not, and keeps n."""
-        t = self.forward_ms
-        if not t or n >= self.buckets[-1] or n in t:
-            return n
-        below = [b for b in self.buckets if b < n]
-        if not below:
-            return n
-        down, up = below[-1], bucket_for(self.buckets, n)
-        rest = bucket_for(self.buckets, n - down)
-        return down if t[down] + t[rest] < t[up] else n
+        """How many of the n prompt tokens planned for one forward to prefill now, by the timed
+        buckets (:func:`fit_tokens`; n without timings). The rest stays queued: at load it joins the
+        next forward's chunks. A compute-bound forward pays for its padding (8B shapes: a forward of
+        1035 tokens runs in the 2048-token bucket); a launch- or weight-bound one does not, and keeps n."""
+        return fit_tokens(self.forward_ms, n)
 
     def _body(self, N: int, R: int):
         from ..models.ops import AttentionMeta

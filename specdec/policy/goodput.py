@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..engine.graphs import forwards_ms
 from ..errors import ConfigError
 from .base import BatchView, StepStats
 
@@ -162,7 +163,7 @@ class Goodput:
         self.observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of served step ms
         self.profile_context = int(profile_context)
         self.table: dict[int, list[tuple[int, float]]] | None = None  # k -> [(batch, ms)], batch ascending
-        self._catch_up_fwd: list[tuple[int, float]] | None = None  # [(tokens, ms)] of a catch-up forward
+        self._catch_up_fwd: dict[int, float] = {}  # {token bucket: ms} of a catch-up forward (catch_up_table_)
         self.accept: dict[int, float | None] = {k: None for k in ks}  # prior: all requests' rows
         self.row_accept: dict[int, dict] = {k: {} for k in ks}  # k -> {request id: its own a(k)}
         self._rows = None  # the row ids of the last choose(), whose estimates row_accept holds
@@ -194,7 +195,7 @@ class Goodput:
         one bucket is batch 1): 0.57 ms a token, so the next prompt prefilled while off (~200
         tokens, one ~1 ms forward) was priced at ~110 ms, no switch back on paid for it, and
         goodput stayed at k = 0 from 2.5 s to the end of the run (69% of the steps; 0.77x of always)."""
-        self._catch_up_fwd = sorted((int(n), float(ms)) for n, ms in forward_ms.items() if n > 0) or None
+        self._catch_up_fwd = {int(n): float(ms) for n, ms in sorted(forward_ms.items()) if n > 0}
 
     def _bucket(self, k: int, batch: int) -> tuple[int, float]:
         """(batch, ms) of the table row for batch: the smallest profiled batch >= it, else the largest."""
@@ -413,12 +414,9 @@ class Goodput:
         n = view.backlog()
         if not n:
             return 0.0
-        fwd = self._catch_up_fwd
-        if not fwd:
+        if not self._catch_up_fwd:
             return n * self._catch_up_ms_per_token
-        top, top_ms = fwd[-1]
-        full, rest = divmod(n, top)
-        return full * top_ms + (next(ms for b, ms in fwd if b >= rest) if rest else 0.0)
+        return forwards_ms(self._catch_up_fwd, n)
 
     def _switch_pays(self, k: int, B: int, rates: dict, view: BatchView) -> bool:
         """Whether switching on at k saves, over switch_horizon steps, more than its catch-up costs:
@@ -435,7 +433,7 @@ class Goodput:
         a(k) and the live requests' own estimates, the rows behind each prior (counterfactual ones
         also counted apart) and the counterfactual pairs with their labels."""
         return {"profile_context": self.profile_context,
-                "catch_up_forward_ms": dict(self._catch_up_fwd or ()),
+                "catch_up_forward_ms": dict(self._catch_up_fwd),
                 "step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
                 "served_step_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.observed.items()) if kk == k}
                                    for k in self.ks},
