@@ -15,6 +15,8 @@
 #                                             eagle3_table (40 prompts of HumanEval and MT-bench), plain beside
 #                                             (HEAD_EXTRA: more overrides for both sweeps, e.g. kernel options)
 #   bash experiments/gpu_round.sh ab8b        # 8B A/Bs: draft rounds streamed (verify on cuBLAS); goodput defer_first_tries
+#   bash experiments/gpu_round.sh ngramdiag   # n-gram speculation-off gap at SmolLM2 shapes, random weights (no staging):
+#                                             never / batch_threshold / goodput at NGD_C, and host ms per engine phase
 #   bash experiments/gpu_round.sh repeats     # envelope points x seeds 0,1,2 (REPEAT_DRAFT / _POLICIES / _C / _SEEDS)
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
 #                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
@@ -88,18 +90,38 @@ eagle3head)  # HEAD_DIR: a head trained on this machine (experiments/train_head_
     "+method=${HEAD_TABLE_METHODS:-plain,eagle3_tree16,eagle3_tree32}" ${HEAD_EXTRA:-} hydra.sweep.dir="$R/table"
   for d in humaneval_full table; do python -m specdec.report "$R/$d" --out "$R/$d/report" > /dev/null 2>&1 && cat "$R/$d/report/report.md"; done
   pack eagle3head humaneval_full table ;;
-ab8b)  # two 8B-shape A/Bs in one call: the draft rounds' rows streamed with verify left on cuBLAS (small_m x
-  # fused_rows: stream_prefetch + fused_rows=8 streams rows <= 8, the rounds of tree16 / tree48), and goodput's
-  # defer_first_tries at C = 128 / 256 beside never (replayed trace); AB8B_C: the concurrencies
-  run ${PROFILE_S:-240} python experiments/profile_step.py --shape llama8b --steps-only --phases --trees tree16,tree48 \
-    --ab small_m=auto,stream_prefetch --ab fused_rows=null,8 --out "$R/ab8b_rows"
-  tail -n 24 "$R/last.log"
-  run ${AB8B_S:-300} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
-    policy=never workload.concurrency=${AB8B_C:-128,256} hydra.sweep.dir="$R/ab8b_defer/never"
-  run ${AB8B_S:-300} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
-    policy=goodput ++policy.defer_first_tries=false,true workload.concurrency=${AB8B_C:-128,256} \
-    hydra.sweep.dir="$R/ab8b_defer/goodput"
-  pack ab8b ab8b_rows ab8b_defer ;;
+ab8b|ab8b_rows|ab8b_defer)  # two 8B-shape A/Bs (ab8b: both; ab8b_rows / ab8b_defer: one each): the draft rounds'
+  # rows streamed with verify left on cuBLAS (small_m x fused_rows: stream_prefetch + fused_rows=8 streams rows <= 8,
+  # the rounds of tree16 / tree48), and goodput's defer_first_tries at C = 128 / 256 beside never (replayed trace);
+  # AB8B_C: the concurrencies
+  if [ "$stage" != ab8b_defer ]; then
+    run ${PROFILE_S:-240} python experiments/profile_step.py --shape llama8b --steps-only --phases --trees tree16,tree48 \
+      --ab small_m=auto,stream_prefetch --ab fused_rows=null,8 --out "$R/ab8b_rows"
+    tail -n 24 "$R/last.log"
+    pack ab8b_rows ab8b_rows
+  fi
+  if [ "$stage" != ab8b_rows ]; then
+    run ${AB8B_S:-300} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
+      policy=never workload.concurrency=${AB8B_C:-128,256} hydra.sweep.dir="$R/ab8b_defer/never"
+    run ${AB8B_S:-300} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
+      policy=goodput ++policy.defer_first_tries=false,true workload.concurrency=${AB8B_C:-128,256} \
+      hydra.sweep.dir="$R/ab8b_defer/goodput"
+    python -m specdec.report "$R/ab8b_defer/never" "$R/ab8b_defer/goodput" --out "$R/ab8b_defer/report" 2>&1 | tail -n 3
+    PACK_STEPS=1 pack ab8b_defer ab8b_defer
+  fi ;;
+ngramdiag)  # the n-gram drafter's k = 0 gap (goodput 0.82x of never at C = 256 while off on 98% of steps, and
+  # batch_threshold 0.86x at 13275cd) at SmolLM2 shapes with random weights and HumanEval's lengths: needs no
+  # staged checkpoint. The sweep (with per-step records), then profile_serving --phases per policy at NGD_PC: host ms
+  # of each engine phase per iteration, split by iterations that prefill and those that do not
+  b=(+experiment=policy_envelope target=smollm2_random workload=humaneval_lengths draft=ngram_chains ${NGD_EXTRA:-})
+  run ${NGD_S:-300} python -m specdec.run --multirun "${b[@]}" policy=${NGD_POLICIES:-never,batch_threshold,goodput} \
+    workload.concurrency=${NGD_C:-128,256} hydra.sweep.dir="$R/ngramdiag/sweep"
+  for p in ${NGD_PHASES:-never batch_threshold goodput}; do
+    run 150 python experiments/profile_serving.py --phases --skip 400 --out "$R/ngramdiag/phases_$p" -- "${b[@]}" \
+      policy=$p workload.concurrency=${NGD_PC:-256}
+  done
+  python -m specdec.report "$R/ngramdiag/sweep" --out "$R/ngramdiag/sweep/report" 2>&1 | sed -n '/^## Policy envelope/,/^## /p' | head -n 30
+  PACK_STEPS=1 pack ngramdiag ngramdiag ;;
 repeats)  # envelope points repeated (seed=0,1,2; the report averages them): REPEAT_DRAFT (eagle3_smollm2_trees),
   # REPEAT_POLICIES (always,goodput), REPEAT_C (1,2,4), REPEAT_SEEDS (0,1,2), on HumanEval; with per-step records
   d=${REPEAT_DRAFT:-eagle3_smollm2_trees}

@@ -51,12 +51,110 @@ def upload_probe() -> dict:
     return out
 
 
+# (class path, method) pairs timed by --phases: inclusive host ms per call (nested ones overlap:
+# _commit_oldest_ holds collect_, the policy's update and commit_tokens_).
+PHASE_METHODS = (
+    ("specdec.engine.engine:Engine", ("_commit_oldest_", "_emit_trace", "_catch_up_")),
+    ("specdec.engine.step:Stepper", ("prefill_", "launch_", "collect_")),
+    ("specdec.engine.graphs:PaddedPrefill", ("run_",)),
+    ("specdec.engine.graphs:GraphedDecode", ("run_",)),
+    ("specdec.engine.scheduler:Scheduler", ("ensure_decode_capacity_", "admit_", "plan_prefill", "prefill_chunks",
+                                            "finish_prefill_", "commit_tokens_", "pop_finished", "add_")),
+    ("specdec.engine.state:DecodeState", ("append_rows_", "keep_rows_", "set_pages_")),
+    ("specdec.policy.goodput:Goodput", ("choose", "update", "iteration_")),
+    ("specdec.policy.batch_threshold:BatchThreshold", ("choose", "update")),
+    ("specdec.policy.never:Never", ("choose", "update")),
+)
+
+
+class PhaseClock:
+    """Host ms per engine phase, per iteration class (prefilling or not), after ``skip`` iterations:
+    each listed method wrapped with perf_counter (class-level, restored by ``remove``), plus each
+    iteration's wall time start to start and the time outside Engine.step (the client's)."""
+
+    def __init__(self, skip: int):
+        import importlib
+        self.skip, self.n = skip, 0
+        self.cur: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.iters = {"prefill": [], "plain": []}  # per iteration: (wall ms, outside-step ms, {phase: ms})
+        self._orig = []
+        for path, names in PHASE_METHODS:
+            mod, cls = path.split(":")
+            klass = getattr(importlib.import_module(mod), cls)
+            for name in names:
+                raw = klass.__dict__.get(name)
+                if raw is None:
+                    continue
+                self._orig.append((klass, name, raw))
+                setattr(klass, name, self._wrap(f"{cls}.{name}", raw))
+        self._t_prev = self._t_end = None
+
+    def _wrap(self, key, raw):
+        static = isinstance(raw, staticmethod)
+        fn = raw.__func__ if static else raw
+        clock = self
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                clock.cur[key] = clock.cur.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
+                clock.calls[key] = clock.calls.get(key, 0) + 1
+
+        return staticmethod(timed) if static else timed
+
+    def wrap_step(self, step):
+        clock = self
+
+        def phased_step(engine, *a, **kw):
+            t0 = time.perf_counter()
+            outside = None if clock._t_end is None else (t0 - clock._t_end) * 1e3
+            wall = None if clock._t_prev is None else (t0 - clock._t_prev) * 1e3
+            clock._t_prev = t0
+            clock.cur = {}
+            out = step(engine, *a, **kw)
+            t1 = clock._t_end = time.perf_counter()
+            clock.cur["Engine.step"] = (t1 - t0) * 1e3
+            clock.n += 1
+            if clock.n > clock.skip and wall is not None:
+                kind = "prefill" if "Scheduler.prefill_chunks" in clock.cur else "plain"
+                clock.iters[kind].append((wall, outside, clock.cur))
+            return out
+
+        return phased_step
+
+    def remove(self):
+        for klass, name, raw in self._orig:
+            setattr(klass, name, raw)
+
+    def report(self) -> dict:
+        out = {}
+        for kind, rows in self.iters.items():
+            if not rows:
+                continue
+            n = len(rows)
+            keys = sorted({k for _, _, cur in rows for k in cur})
+            out[kind] = {"iterations": n,
+                         "wall_ms_start_to_start": round(statistics.mean(w for w, _, _ in rows), 4),
+                         "outside_step_ms": round(statistics.mean(o for _, o, _ in rows if o is not None), 4),
+                         "phase_ms_per_iteration": {k: round(sum(c.get(k, 0.0) for _, _, c in rows) / n, 4)
+                                                    for k in keys}}
+        out["calls"] = dict(sorted(self.calls.items()))
+        return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--skip", type=int, default=150, help="iterations before the profiled window")
     ap.add_argument("--iters", type=int, default=60, help="iterations profiled")
     ap.add_argument("--quick", action="store_true", help="tiny random target on the CPU (smoke run)")
+    ap.add_argument("--phases", action="store_true",
+                    help="no torch profiler: host ms per engine phase (perf_counter around the engine's, "
+                         "scheduler's, stepper's and policy's methods) over the whole steady window, split "
+                         "by iterations that prefill and those that do not")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     if a.quick:
@@ -105,8 +203,22 @@ def main() -> None:
             state["prof"].stop()
         return out
 
-    Engine.step = timed_step
-    metrics = run_mod.run(cfg)
+    phases = PhaseClock(a.skip) if a.phases else None
+    if phases is not None:
+        a.iters = 10**9  # the whole run from --skip on, no torch profiler
+    Engine.step = timed_step if phases is None else phases.wrap_step(step)
+    try:
+        metrics = run_mod.run(cfg)
+    finally:
+        Engine.step = step
+        if phases is not None:
+            phases.remove()
+    if phases is not None:
+        result["phases"] = phases.report()
+        result["metrics"] = {k: metrics.get(k) for k in ("output_tok_per_s", "steady_tok_per_s", "mean_batch_size")}
+        (a.out / "profile_serving.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))
+        return
     prof = state["prof"]
     result["iterations_profiled"] = len(walls)
     if walls:
