@@ -276,6 +276,26 @@ def steady_settings(wl) -> tuple[float | None, float | None]:
     return (None if duration_s is None else float(duration_s)), (None if warmup_s is None else float(warmup_s))
 
 
+def stagger_rows(wl) -> int:
+    """How many first requests a staggered closed loop shortens (workload.stagger: the concurrency C),
+    or 0. Client i's first request (i = 0 .. C-1) stops after ceil((i + 1) / C) of its output tokens,
+    so the clients' requests finish spread over a request's lifetime from the start instead of
+    together: without it every request of a closed loop at fixed output lengths (ignore_eos) starts
+    and ends in the same few iterations, and tok/s over a window of a few such waves depends on
+    where the window cuts them (H200, crossover_8b at 6ac62a3, C = 256, one never run: 15622 /
+    15083 / 12328 tok/s over 1-4 / 1.5-4 / 2-4 s). Needs a timed closed loop (duration_s)."""
+    v = wl.get("stagger", False)
+    if v in (None, False):
+        return 0
+    if not isinstance(v, bool):
+        raise ConfigError(f"workload.stagger={v!r}: must be true or false")
+    if wl.get("mode", "closed") != "closed" or wl.get("concurrency") is None or wl.get("duration_s") is None:
+        raise ConfigError(f"workload.stagger=true needs a timed closed loop (mode closed, a concurrency and "
+                          f"duration_s; got mode={wl.get('mode', 'closed')!r}, concurrency={wl.get('concurrency')!r}, "
+                          f"duration_s={wl.get('duration_s')!r})")
+    return int(wl.get("concurrency"))
+
+
 def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, profile=True) -> list[dict]:
     """Serve every prompt through the engine; records come back in prompt order.
 
@@ -310,8 +330,13 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
     sent: list = []  # prompts in submit order (a timed closed loop sends them again under new ids)
     token_times: list = []  # each finished request's commit times: the steady window's tokens
 
+    staggered = stagger_rows(wl)
+
     def submit(p, arrival_s):
-        req = engine.add_request(p.prompt_ids, p.max_new_tokens or max_new, request_id=p.id, stop=stop,
+        n = p.max_new_tokens or max_new
+        if len(order) < staggered:  # a staggered loop's first round: client i stops after (i + 1) / C
+            n = max(1, -(-n * (len(order) + 1) // staggered))
+        req = engine.add_request(p.prompt_ids, n, request_id=p.id, stop=stop,
                                  ignore_eos=ignore_eos, arrival_s=arrival_s)
         order[id(req)] = len(order)
         sent.append(p)
@@ -349,7 +374,7 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
             trace.meta.update(steady_window_s=span, steady_output_tokens=n,
                               steady_tok_per_s=n / span if span > 0 else None,
                               steady_warmup_s=warmup_s or 0.0, duration_s=duration_s,
-                              prompt_rounds=window.get("rounds", 1))
+                              prompt_rounds=window.get("rounds", 1), staggered_requests=staggered)
         trace.meta.update(serve_wall_s=serve_s, serve_gc_collections=heap.collections,
                           engine_startup_s=engine.startup_s,
                           cuda_graphs=engine.graphed, kv_pages=engine.kv.num_pages,
@@ -365,9 +390,10 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
         # (served steps run as whole CUDA graphs) at the run's mean decode batch and 256 tokens.
         mean_bs = max(1, round(trace.summary().get("mean_batch_size") or 1))
         ctx = min(256, engine.max_seq_len // 2, engine.kv.num_pages * engine.kv.page_size // 4)
-        iters = int(cfg.engine.get("profile_iters", 3))
-        trace.meta["step_phase_ms"] = {f"k={k}": engine.profile_step_phases(mean_bs, ctx, k, iters=iters)
-                                       for k in engine.ks}
+        iters = config_number("engine.profile_iters", cfg.engine.get("profile_iters", 3), int, 0)  # 0: no split
+        if iters > 0:
+            trace.meta["step_phase_ms"] = {f"k={k}": engine.profile_step_phases(mean_bs, ctx, k, iters=iters)
+                                           for k in engine.ks}
         state = describe(engine.policy)  # e.g. goodput: its step-time table and acceptance
         if state is not None:
             trace.meta["policy_state"] = state
@@ -543,6 +569,7 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError("compare_plain=true compares a drafter with plain decoding, but draft=none; "
                           "choose a drafter (draft=ngram, eagle3_smollm2, eagle3) or compare_plain=false")
     duration_s, _ = steady_settings(cfg.workload)  # bad values fail before the model loads
+    stagger_rows(cfg.workload)
     if compare_plain and duration_s is not None:
         raise ConfigError(f"compare_plain=true compares the same prompts request by request, but "
                           f"workload.duration_s={duration_s} serves as many as fit in the time; set one of them")

@@ -220,3 +220,47 @@ def test_timed_loop_settings_are_checked(bad, match):
         steady_settings(wl)
     assert steady_settings({"mode": "closed", "concurrency": 4, "duration_s": 5, "warmup_s": 1}) == (5.0, 1.0)
     assert steady_settings({"mode": "open"}) == (None, None)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"stagger": "yes"}, "stagger='yes': must be true or false"),
+    ({"stagger": True, "duration_s": None}, "needs a timed closed loop"),
+    ({"stagger": True, "mode": "open", "rate": 2.0}, "needs a timed closed loop"),
+])
+def test_stagger_is_checked(bad, match):
+    from specdec.errors import ConfigError
+    from specdec.run import stagger_rows
+
+    wl = {"mode": "closed", "concurrency": 4, "duration_s": 1.0, **bad}
+    with pytest.raises(ConfigError, match=match):
+        stagger_rows(wl)
+    assert stagger_rows({"mode": "closed", "concurrency": 4, "duration_s": 1.0, "stagger": True}) == 4
+    assert stagger_rows({"mode": "closed", "concurrency": 4, "duration_s": 1.0}) == 0
+
+
+def test_staggered_closed_loop_spreads_the_first_round(tmp_path):
+    """workload.stagger: client i's first request (of C) stops after ceil((i + 1) / C) of its output tokens,
+    the later rounds run to the full length (a tiny random target on the CPU, through specdec.run)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from specdec import run as run_mod
+
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, vocab_size=128, max_position_embeddings=512)
+    overrides = ["target=llama31_8b_random", "workload=synthetic", "workload.concurrency=4",
+                 "workload.sources.0.num_prompts=4", "workload.sources.0.prompt_len=6",
+                 "workload.sources.0.output_len=8", "workload.duration_s=0.2", "workload.stagger=true",
+                 "engine.dtype=float32", "engine.kv_cache_tokens=1024", "engine.profile_iters=0", "device=cpu",
+                 "logger=none", *(f"target.config.{k}={v}" for k, v in tiny.items())]
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    with open_dict(cfg):
+        cfg.run_dir = str(tmp_path / "run")
+    metrics = run_mod.run(cfg)
+    recs = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    first = {r["id"]: r["output_tokens"] for r in recs if "@" not in r["id"]}
+    assert sorted(first.values()) == [2, 4, 6, 8]
+    later = [r["output_tokens"] for r in recs if "@" in r["id"]]
+    assert later and all(n == 8 for n in later)
+    assert metrics["staggered_requests"] == 4
