@@ -349,12 +349,37 @@ def test_goodput_shadow_samples_turn_ngram_on_at_low_batch_only():
     # Without the host lookups priced in, 256 rows would speculate (2.1 / 3.5 > 1 / 2.1): the table
     # alone is wrong for a drafter that drafts on the host.
     pol.lookup_ms = None
+    pol.shadow_min_rows = 0.0  # (300 scored drafts back a switch at up to 150 rows by default)
     assert pol.choose(view(256)) == 8
     old = Goodput([2, 4, 8], margin=0.03, explore_every=32)
     old.set_table(NGRAM_TABLE)
     for k in (2, 4, 8):
         run_k(old, k, [1])  # the first try of each accepted nothing
     assert all(old.choose(view(1)) == 0 for _ in range(20))
+
+
+def test_goodput_switch_on_from_shadow_samples_waits_for_enough_of_them():
+    """A switch on that rests on shadow samples needs shadow_min_rows scored drafts per decode row
+    behind a(k): a few lucky drafts (long runs of repeated text) at 128 rows stay off, as many
+    drafts of the same acceptance switch on, and at one row a couple of drafts suffice."""
+    table = {0: {1: 0.5, 128: 1.0}, 8: {1: 0.6, 128: 1.2}}
+
+    def fed(n, commits):
+        pol = Goodput([8], margin=0.03, explore_every=32, shadow_evals=2)
+        pol.set_table(table)
+        pol.shadowed_()
+        for i in range(n):
+            pol.update(StepStats(k=0, num_decode=1, committed=[1], rows=[f"r{i}"], shadow=[(8, f"r{i}", commits)]))
+        return pol
+
+    assert fed(30, 9).choose(view(128)) == 0  # a(8) = 9 from 30 drafts: 30 < 2 x 128
+    assert fed(256, 9).choose(view(128)) == 8  # the same a(8) from 256 drafts
+    assert fed(2, 9).choose(view(1)) == 8
+    loose = fed(30, 9)
+    loose.shadow_min_rows = 0.0
+    assert loose.choose(view(128)) == 8  # the rule off: the 30 drafts decide
+    with pytest.raises(ConfigError, match="shadow_min_rows"):
+        Goodput([8], shadow_min_rows=-1)
 
 
 def test_goodput_prices_host_bound_iterations():
@@ -663,7 +688,9 @@ def test_goodput_refreshes_the_largest_k_while_a_smaller_one_runs():
     shadowed = Goodput([8, 32], margin=0.0, explore_every=0, refresh_every=1, explore_budget=1.0)
     shadowed.set_table({0: {2: 1.0}, 8: {2: 1.1}, 32: {2: 1.1}})  # a refresh would cost nothing extra
     shadowed.shadowed_()
-    shadowed.update(StepStats(k=0, num_decode=2, committed=[1, 1], shadow=[(8, "a", 3.0), (32, "a", 1.0)]))
+    for _ in range(2):  # 4 scored drafts of each k: 2 per decode row (shadow_min_rows)
+        shadowed.update(StepStats(k=0, num_decode=2, committed=[1, 1],
+                                  shadow=[(8, "a", 3.0), (32, "a", 1.0), (8, "b", 3.0), (32, "b", 1.0)]))
     assert [shadowed.choose(view(2)) for _ in range(5)] == [8] * 5 and shadowed.refreshes == 0
 
 

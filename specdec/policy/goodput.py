@@ -99,7 +99,7 @@ class Goodput:
                  explore_backoff: float = 1.0, explore_max: int = 1024, shadow_evals: int = 0,
                  profile_iters: int = 20, probe_rows: int = 1, switch_horizon: int = 32,
                  explore_budget: float = 0.05, probe_cost: float = float("inf"), counterfactual: bool = False,
-                 refresh_every: int = 0, defer_first_tries: bool = False):
+                 refresh_every: int = 0, defer_first_tries: bool = False, shadow_min_rows: float = 2.0):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -141,6 +141,9 @@ class Goodput:
         self.refreshes = 0  # refresh steps run
         self.probe_rows = int(probe_rows)  # rows a k's first tries cover before its prior a(k) is trusted
         self.shadow_evals = int(shadow_evals)  # drafts scored per k = 0 step (the engine's ShadowAcceptance)
+        if shadow_min_rows < 0:
+            raise ConfigError(f"policy goodput: need shadow_min_rows >= 0 (got shadow_min_rows={shadow_min_rows})")
+        self.shadow_min_rows = float(shadow_min_rows)  # scored drafts per decode row behind a switch on
         self.profile_iters = int(profile_iters)  # graphed steps per start-up table entry
         self.shadowed = False  # the engine feeds shadow samples (``shadowed_``): no forced tries, no re-tries
         self.shadow_gap = 1.0  # k = 0 steps between shadow scorings (shadow_due)
@@ -337,12 +340,21 @@ class Goodput:
             k = untried[-1] if self.counterfactual_pairs else untried[0]
         else:
             rates = {k: r for k in self.ks if (r := self.rate(k, B, rows)) is not None}
-            k = max(rates, key=rates.get)
             spec = [r for j, r in rates.items() if j > 0]
             # behind: every k > 0 has an estimate and the best trails k = 0 by more than the slack
             self._spec_behind = len(spec) == len(self.ks) - 1 and max(spec) < (1.0 - SHADOW_SLACK) * rates[0]
             if not self._spec_behind:
                 self.shadow_gap = 1.0
+            if self.shadowed and self.last == 0:
+                # A switch on from shadow estimates waits until a(k) rests on shadow_min_rows scored drafts
+                # per decode row: a prior from a few dozen drafts of an n-gram's heavy-tailed acceptance
+                # is noise, and a wrong switch costs in proportion to the batch (a host lookup per row
+                # and a synchronous step). H200 policy envelope at 2aad171, n-gram on HumanEval, C = 128
+                # (staggered loop): a(8) from ~35 drafts switched goodput to chain 8 at 125 rows, whose
+                # steps took 14 ms against 2.4 ms at k = 0 and accepted 2.0 a row; 24 speculative steps
+                # (340 ms, 8.5% of the window) before a(k) and the clamped step times caught up: 0.88x of never.
+                rates = {j: r for j, r in rates.items() if j == 0 or self.rows_seen[j] >= self.shadow_min_rows * B}
+            k = max(rates, key=rates.get)
             # After a refresh step the k to stay with is the one it interrupted.
             prev = self._before_refresh if self._refreshed else self.last
             if k != prev and prev in rates and rates[k] <= rates[prev] * (1.0 + self.margin):
