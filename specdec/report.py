@@ -671,7 +671,10 @@ def _steady_note(rs: list[Run]) -> str:
         return "output tok/s"
     warm = sorted({r.metrics.get("steady_warmup_s") for r in rs}, key=str)
     dur = sorted({r.metrics.get("duration_s") for r in rs}, key=str)
-    return (f"steady-window output tok/s (timed closed loop of {'/'.join(_show(d) for d in dur)} s; tokens "
+    stagger = "" if not any(r.get("workload.stagger") for r in rs) else (
+        ", first round staggered (workload.stagger)" if all(r.get("workload.stagger") for r in rs) else
+        ", first round staggered in some runs (workload.stagger)")
+    return (f"steady-window output tok/s (timed closed loop of {'/'.join(_show(d) for d in dur)} s{stagger}; tokens "
             f"committed from {'/'.join(_show(w) for w in warm)} s after the first send to the last send, so the "
             "ramp-up and the drain are left out; whole-run tok/s in the Runs table)")
 
