@@ -61,7 +61,7 @@ def step_table(path: Path) -> dict[int, dict[int, float]]:
 
 
 def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: float, seed: int, chunk: int,
-             fwd_a: float, fwd_b: float, max_new: int = 128) -> dict:
+             fwd_a: float, fwd_b: float, max_new: int = 128, stagger: bool = False) -> dict:
     rng = random.Random(seed)
     trace = simulate.trace
     replay = ReplayAcceptance(trace, seed=seed, per_request=False, missing="nearest")
@@ -88,6 +88,9 @@ def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: flo
         return {"id": f"r{rid}", "prompt_left": rng.choice(lengths), "left": max_new, "backlog": 0}
 
     prefilling = [new() for _ in range(C)]
+    if stagger:  # workload.stagger: client i's first request stops after ceil((i + 1) / C) of its tokens
+        for i, r in enumerate(prefilling):
+            r["left"] = max(1, -(-max_new * (i + 1) // C))
     decoding: list[dict] = []
     t, last_k, tokens, forwards, fwd_tokens = 0.0, None, 0, 0, 0
     while t < seconds * 1e3:
@@ -171,6 +174,7 @@ def main(argv=None) -> int:
                     "1871-token forwards at C = 256, c33d9cd; the 3.5 ms intercept, about one read of the 8B "
                     "weights, is assumed)")
     ap.add_argument("--out", default=None, help="folder for sim_serving.md")
+    ap.add_argument("--stagger", action="store_true", help="a staggered closed loop (workload.stagger)")
     ap.add_argument("--quick", action="store_true", help="one seed, short runs (smoke run)")
     a = ap.parse_args(argv)
     if a.quick:
@@ -184,32 +188,33 @@ def main(argv=None) -> int:
     fwd_a, fwd_b = (float(x) for x in a.fwd_ms.split(","))
     ks = sorted(DEPTHS)
 
-    def goodput(defer=False):
+    def goodput(defer=False, plan=False):
         return lambda: Goodput(ks, ema=0.1, prior_ema=0.01, margin=0.03, probe_rows=4, probe_cost=4,
                                explore_every=32, explore_backoff=2.0, explore_max=1024, switch_horizon=32,
-                               explore_budget=0.05, counterfactual=True, defer_first_tries=defer)
+                               explore_budget=0.05, counterfactual=True, defer_first_tries=defer, plan_batch=plan)
 
     arms = [("never", Never)] + [(f"always{k}", (lambda k=k: Always(k))) for k in ks]
-    arms += [("goodput", goodput()), ("goodput defer_first_tries", goodput(True))]
+    arms += [("goodput", goodput()), ("goodput defer_first_tries", goodput(True)), ("goodput plan_batch", goodput(plan=True))]
     source = f"parametric mean {a.parametric:g} at depth 7" if a.parametric is not None else Path(a.trace).name
     lines = [f"# sim_serving: {source}, step table {Path(a.table).parent.name} of {Path(a.table).parents[1].name}, "
              f"prefill forward {fwd_a:g} + {fwd_b:g} N ms, chunk {a.chunk}, {a.seconds:g} simulated s x {a.seeds} "
-             f"seeds, tok/s from {a.warmup:g} s", "",
+             f"seeds, tok/s from {a.warmup:g} s" + (", staggered loop" if a.stagger else ""), "",
              "| C | " + " | ".join(name for name, _ in arms) + " | best always | goodput / envelope | "
-             "deferred / envelope | prompt tokens per forward (never / goodput / deferred) |",
-             "| ---: |" + " ---: |" * (len(arms) + 4)]
+             "deferred / envelope | plan_batch / envelope | prompt tokens per forward (never / goodput / deferred / "
+             "plan_batch) |",
+             "| ---: |" + " ---: |" * (len(arms) + 5)]
     for C in (int(x) for x in a.concurrency.split(",")):
         res = []
         for _, make in arms:
             runs = [simulate(make, table, lengths, C=C, seconds=a.seconds, warmup=a.warmup, seed=s, chunk=a.chunk,
-                             fwd_a=fwd_a, fwd_b=fwd_b) for s in range(a.seeds)]
+                             fwd_a=fwd_a, fwd_b=fwd_b, stagger=a.stagger) for s in range(a.seeds)]
             res.append({key: statistics.mean(r[key] for r in runs) for key in runs[0]})
         tps = [r["tok_s"] for r in res]
         env = max(tps[: 1 + len(ks)])
         best = max(range(1, 1 + len(ks)), key=lambda i: tps[i])
         lines.append(f"| {C} | " + " | ".join(f"{v:.0f}" for v in tps) + f" | {arms[best][0]} | "
-                     f"{tps[-2] / env:.3f} | {tps[-1] / env:.3f} | "
-                     + " / ".join(f"{res[i]['tokens_per_forward']:.0f}" for i in (0, len(arms) - 2, len(arms) - 1))
+                     f"{tps[-3] / env:.3f} | {tps[-2] / env:.3f} | {tps[-1] / env:.3f} | "
+                     + " / ".join(f"{res[i]['tokens_per_forward']:.0f}" for i in (0, len(arms) - 3, len(arms) - 2, len(arms) - 1))
                      + " |")
         print(lines[-1], flush=True)
     lines += ["", "tok/s: committed tokens per simulated second from the warm-up on; the envelope is max(never, "
