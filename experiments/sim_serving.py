@@ -24,6 +24,7 @@ Policies: never, always at each size, goodput as configured by default (counterf
 prefill forwards' mean tokens, per policy and C, averaged over seeds.
 
     python experiments/sim_serving.py --concurrency 64,128,256 --out $OUT
+    python experiments/sim_serving.py --stagger ...    # a staggered closed loop (workload.stagger)
     python experiments/sim_serving.py --quick --out /tmp/sim_serving    # CPU smoke run
 """
 
@@ -188,21 +189,20 @@ def main(argv=None) -> int:
     fwd_a, fwd_b = (float(x) for x in a.fwd_ms.split(","))
     ks = sorted(DEPTHS)
 
-    def goodput(defer=False, plan=False):
+    def goodput(defer=False):
         return lambda: Goodput(ks, ema=0.1, prior_ema=0.01, margin=0.03, probe_rows=4, probe_cost=4,
                                explore_every=32, explore_backoff=2.0, explore_max=1024, switch_horizon=32,
-                               explore_budget=0.05, counterfactual=True, defer_first_tries=defer, plan_batch=plan)
+                               explore_budget=0.05, counterfactual=True, defer_first_tries=defer)
 
     arms = [("never", Never)] + [(f"always{k}", (lambda k=k: Always(k))) for k in ks]
-    arms += [("goodput", goodput()), ("goodput defer_first_tries", goodput(True)), ("goodput plan_batch", goodput(plan=True))]
+    arms += [("goodput", goodput()), ("goodput defer_first_tries", goodput(True))]
     source = f"parametric mean {a.parametric:g} at depth 7" if a.parametric is not None else Path(a.trace).name
     lines = [f"# sim_serving: {source}, step table {Path(a.table).parent.name} of {Path(a.table).parents[1].name}, "
              f"prefill forward {fwd_a:g} + {fwd_b:g} N ms, chunk {a.chunk}, {a.seconds:g} simulated s x {a.seeds} "
              f"seeds, tok/s from {a.warmup:g} s" + (", staggered loop" if a.stagger else ""), "",
              "| C | " + " | ".join(name for name, _ in arms) + " | best always | goodput / envelope | "
-             "deferred / envelope | plan_batch / envelope | prompt tokens per forward (never / goodput / deferred / "
-             "plan_batch) |",
-             "| ---: |" + " ---: |" * (len(arms) + 5)]
+             "deferred / envelope | prompt tokens per forward (never / goodput / deferred) |",
+             "| ---: |" + " ---: |" * (len(arms) + 4)]
     for C in (int(x) for x in a.concurrency.split(",")):
         res = []
         for _, make in arms:
@@ -213,8 +213,8 @@ def main(argv=None) -> int:
         env = max(tps[: 1 + len(ks)])
         best = max(range(1, 1 + len(ks)), key=lambda i: tps[i])
         lines.append(f"| {C} | " + " | ".join(f"{v:.0f}" for v in tps) + f" | {arms[best][0]} | "
-                     f"{tps[-3] / env:.3f} | {tps[-2] / env:.3f} | {tps[-1] / env:.3f} | "
-                     + " / ".join(f"{res[i]['tokens_per_forward']:.0f}" for i in (0, len(arms) - 3, len(arms) - 2, len(arms) - 1))
+                     f"{tps[-2] / env:.3f} | {tps[-1] / env:.3f} | "
+                     + " / ".join(f"{res[i]['tokens_per_forward']:.0f}" for i in (0, len(arms) - 2, len(arms) - 1))
                      + " |")
         print(lines[-1], flush=True)
     lines += ["", "tok/s: committed tokens per simulated second from the warm-up on; the envelope is max(never, "

@@ -99,8 +99,7 @@ class Goodput:
                  explore_backoff: float = 1.0, explore_max: int = 1024, shadow_evals: int = 0,
                  profile_iters: int = 20, probe_rows: int = 1, switch_horizon: int = 32,
                  explore_budget: float = 0.05, probe_cost: float = float("inf"), counterfactual: bool = False,
-                 refresh_every: int = 0, defer_first_tries: bool = False, shadow_min_rows: float = 2.0,
-                 plan_batch: bool = False):
+                 refresh_every: int = 0, defer_first_tries: bool = False, shadow_min_rows: float = 2.0):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -134,8 +133,6 @@ class Goodput:
             raise ConfigError(f"policy goodput: need refresh_every >= 0 (0: off; got refresh_every={refresh_every})")
         # First tries wait while the requests still prefilling outnumber the decode rows (a ramp-up)
         self.defer_first_tries = bool(defer_first_tries)
-        # Price each k at the batch the requests still prefilling are about to join (decode rows + prefilling)
-        self.plan_batch = bool(plan_batch)
         self.refresh_every = int(refresh_every)  # while at a k > 0 below the largest: a step at the largest this often
         self.refresh_gap = float(refresh_every)  # steps below the largest k until the next refresh (backoff)
         self.since_top = 0  # consecutive speculative choices below the largest k
@@ -314,10 +311,6 @@ class Goodput:
         B = view.num_decode
         if B == 0:
             return self.last
-        # plan_batch: the choice (not the first tries) prices each k at the batch about to run, the decode rows
-        # plus the requests still prefilling (at the prior a(k)): in a ramp-up the batch is small for a few
-        # steps only, and a k chosen there also drafts every prompt prefilled meanwhile.
-        Bp = B + max(0, int(view.num_prefilling or 0)) if self.plan_batch else B
         rows = self._rows = view.rows
         if rows is not None:  # forget the requests that left the batch (set ops: no per-row Python loop)
             live = set(rows)
@@ -346,7 +339,7 @@ class Goodput:
             # smaller k (which then may need no first try of its own).
             k = untried[-1] if self.counterfactual_pairs else untried[0]
         else:
-            rates = {k: r for k in self.ks if (r := self.rate(k, Bp, rows)) is not None}
+            rates = {k: r for k in self.ks if (r := self.rate(k, B, rows)) is not None}
             spec = [r for j, r in rates.items() if j > 0]
             # behind: every k > 0 has an estimate and the best trails k = 0 by more than the slack
             self._spec_behind = len(spec) == len(self.ks) - 1 and max(spec) < (1.0 - SHADOW_SLACK) * rates[0]
@@ -366,7 +359,7 @@ class Goodput:
             prev = self._before_refresh if self._refreshed else self.last
             if k != prev and prev in rates and rates[k] <= rates[prev] * (1.0 + self.margin):
                 k = prev  # not enough gain to switch
-            if k > 0 and self.last == 0 and not self._switch_pays(k, Bp, rates, view):
+            if k > 0 and self.last == 0 and not self._switch_pays(k, B, rates, view):
                 k = 0  # the gain does not pay for the catch-up
             # A re-try that did not turn speculation on widens the gap to the next one (backoff):
             # under load every re-try costs a speculative step and the draft's catch-up over the
