@@ -152,3 +152,33 @@ def test_every_experiment_has_a_smoke_mode():
         assert cfg.engine.max_new_tokens == 4
         for key in _sweep(name):  # every swept key pinned to one value
             assert any(o.startswith(f"{key}=") and "," not in o for o in overrides), (name, key)
+
+
+def test_smollm2_random_target_has_the_converted_checkpoint_shapes():
+    """target=smollm2_random: SmolLM2-135M-Instruct's config (the converted checkpoint's fields, FACTS.md),
+    random weights, and a label that says so, for runs where the checkpoint is not staged."""
+    from specdec.bench.targets import llama_config_from_dict
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["target=smollm2_random", "workload=humaneval_lengths"])
+    assert cfg.target.random_weights is True and cfg.target.path is None
+    c = llama_config_from_dict(OmegaConf.to_container(cfg.target.config))
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim, c.vocab_size) == (576, 1536, 30, 9, 3, 64, 49152)
+    assert c.tie_word_embeddings and c.max_position_embeddings == 8192 and "random weights" in cfg.target.name
+
+
+def test_profile_serving_phases_splits_host_time_by_iteration(tmp_path):
+    """profile_serving.py --phases (CPU smoke): host ms per engine phase, per iteration that prefilled or
+    not, from the wrapped engine / scheduler / stepper / policy methods, which are restored afterwards."""
+    out = tmp_path / "ps"
+    proc = subprocess.run([sys.executable, "experiments/profile_serving.py", "--quick", "--phases", "--skip", "1",
+                           "--out", str(out), "--", "draft=ngram_chains", "policy=goodput"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ph = json.loads((out / "profile_serving.json").read_text())["phases"]
+    plain = ph["plain"]
+    assert plain["iterations"] > 0 and plain["wall_ms_start_to_start"] > 0
+    steps = plain["phase_ms_per_iteration"]
+    assert steps["Engine.step"] >= steps["Stepper.launch_"] > 0 and "Goodput.choose" in steps
+    assert ph["calls"]["Engine._commit_oldest_"] > 0

@@ -540,3 +540,24 @@ def test_policy_envelope_uses_the_steady_window_of_timed_runs(tmp_path):
     md, _ = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out2")
     by = {r[0].split()[0]: r for r in table(md, title)[1:]}
     assert by["goodput"][1:3] == ["1.000", "1.000"] and "steady-window" not in md.split(title, 1)[1].split("\n## ", 1)[0]
+
+
+def test_policy_envelope_caption_says_when_the_loop_was_staggered(tmp_path):
+    """workload.stagger reaches the envelope's caption: all runs staggered, or only some of them."""
+    for policy, v in {"never": 100.0, "always": 200.0}.items():
+        for c in (1, 4):
+            make_run(tmp_path / "sweep" / f"{policy}_{c}", tok_s=50.0 * c, draft="ngram", policy=policy,
+                     concurrency=c, k=8, duration_s=5.0, steady_warmup_s=1.0, steady_tok_per_s=v * c)
+    md, _ = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out")
+    assert "staggered" not in md
+
+    def stagger(name):
+        p = tmp_path / "sweep" / name / "config.json"
+        cfg = json.loads(p.read_text())
+        cfg["workload"]["stagger"] = True
+        p.write_text(json.dumps(cfg))
+
+    for name in ("never_1", "never_4", "always_1", "always_4"):
+        stagger(name)
+    md, _ = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out2")
+    assert "timed closed loop of 5 s, first round staggered (workload.stagger)" in md
