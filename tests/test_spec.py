@@ -90,6 +90,7 @@ def test_ngram_greedy_identical_and_accepts(tiny):
     assert got == want
     assert max(engine.accepted) >= 2  # drafts were accepted, so multi-token commits were exercised
     assert engine.drafter.lookup([1, 2, 3, 1, 2], 3) == [3, 1, 2]
+    assert engine.drafter._index  # the engine named its rows: drafts came from the per-request index
 
 
 class OracleTrees:
@@ -520,3 +521,48 @@ def test_padding_rows_never_move_kv(tiny, monkeypatch):
         engine.check()
     assert [r.output_ids for r in reqs] == want
     assert padding_accepts and all(padding_accepts)  # padding rows were there, "accepted", committed nothing
+
+
+def test_ngram_index_drafts_what_the_scan_drafts():
+    """The per-request n-gram index (prepare_ with a RowTokens context, as the engine passes it) uploads
+    the same chains as the right-to-left scan over each history, step after step as rows grow, for
+    several n ranges and small vocabularies (many repeats); a key whose tokens change (a new request
+    under an old id) is re-indexed, and the indices of requests that left are dropped."""
+    import random
+
+    from specdec.engine.state import DecodeState
+    from specdec.spec.base import RowTokens
+    from specdec.spec.ngram import _GramIndex
+
+    rng = random.Random(0)
+    for mn, mx in ((1, 3), (2, 4), (1, 1)):
+        scan = NgramDrafter(max_ngram=mx, min_ngram=mn)
+        for _ in range(200):  # the index alone, grown token by token
+            hist = [rng.randrange(rng.choice([2, 5, 50])) for _ in range(rng.randrange(1, 50))]
+            ix = _GramIndex(mn, mx)
+            for L in range(1, len(hist) + 1):
+                if rng.random() < 0.5 or L == len(hist):
+                    assert ix.continues(hist[:L])
+                    for k in (1, 3, 8):
+                        assert ix.extend_(hist[:L]).lookup(k) == scan.lookup(hist[:L], k)
+        state = DecodeState(6, 8, 4, torch.device("cpu"), max_tree_nodes=9)
+        indexed, plain = NgramDrafter(max_ngram=mx, min_ngram=mn), NgramDrafter(max_ngram=mx, min_ngram=mn)
+        indexed.bind_(state, 32, 4)
+        plain.bind_(state, 32, 4)
+        rows = {f"r{i}": [rng.randrange(4) for _ in range(rng.randrange(1, 12))] for i in range(5)}
+        for step in range(30):
+            for key in rows:
+                rows[key] += [rng.randrange(4) for _ in range(rng.randrange(0, 4))]
+            if step == 10:
+                rows["r0"] = [rng.randrange(4) for _ in range(6)]  # a new request under an old id
+            keys = sorted(rows, key=lambda _: rng.random())
+            T = rng.choice([3, 5, 9])
+            indexed.prepare_(state, len(keys), T, RowTokens([rows[k] for k in keys], keys))
+            plain.prepare_(state, len(keys), T, [rows[k] for k in keys])
+            assert torch.equal(indexed.buf[:len(keys), :T], plain.buf[:len(keys), :T])
+        assert set(indexed._index) == set(rows)
+    big = NgramDrafter()
+    big.bind_(state, 32, 4)
+    for i in range(200):  # one row at a time, each a new request: old indices are pruned
+        big.prepare_(state, 1, 3, RowTokens([[1, 2, 1, i]], [f"q{i}"]))
+    assert len(big._index) <= 2 + 64 + 1

@@ -40,7 +40,7 @@ import torch
 
 from ..errors import ConfigError, config_flag
 from ..policy.base import BatchView, StepStats, choices, shadow_evals, wants_counterfactual, wants_rows, wants_step_ms
-from ..spec.base import capturable, catches_up, extends_at_k0, prefills
+from ..spec.base import RowTokens, capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
 from . import profiling
 from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets, prefill_request_buckets
@@ -520,7 +520,9 @@ class Engine:
         n = self.state.num_rows
         if n:
             self._last_k = k
-        context = [r.tokens for r in sched.rows] if n and needs_context else None
+        # Each row's committed tokens, named by request id (a drafter may keep per-request state: the
+        # n-gram index)
+        context = RowTokens([r.tokens for r in sched.rows], [r.id for r in sched.rows]) if n and needs_context else None
         launched = (lambda: self._timer.stop(no, "decode")) if timed else None
         if n:
             if timed:

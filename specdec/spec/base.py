@@ -3,7 +3,8 @@
 One interface (used by :func:`specdec.engine.step.step_body_`):
 
     capture_layers          target layers whose input residual stream the drafter reads (or ())
-    needs_context           True if prepare_() wants each row's committed tokens (host lists)
+    needs_context           True if prepare_() wants each row's committed tokens (host lists; the
+                            engine passes a RowTokens, which also names each row's request)
     capturable              True if propose() is pure device work (CUDA-graph capturable)
     prepare_(state, n, T, context)
                             host-side work before the step (outside any graph), e.g. uploading
@@ -89,3 +90,13 @@ def catches_up(drafter) -> bool:
 def prefills(drafter) -> bool:
     """True if the prefill forward must run the drafter's prefill_ (and capture target features)."""
     return drafter is not None and bool(getattr(drafter, "prefills", True))
+
+
+class RowTokens(list):
+    """Each decode row's committed tokens (a list of token lists, what ``prepare_`` reads) that also
+    names its rows: ``keys[i]`` identifies row i's request, so a drafter may keep per-request state
+    across steps (the n-gram index); drafters that ignore it read a plain list."""
+
+    def __init__(self, rows, keys):
+        super().__init__(rows)
+        self.keys = list(keys)

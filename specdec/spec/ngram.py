@@ -14,7 +14,10 @@ class NgramDrafter:
 
     The lookup runs on the host (over the committed tokens the scheduler already has) in
     ``prepare_``, which uploads the chains into static device buffers with one copy; ``propose``
-    only reads those buffers, so the verify step stays a CUDA graph.
+    only reads those buffers, so the verify step stays a CUDA graph. Under the engine each request's
+    n-grams are indexed as its tokens are committed (``_GramIndex``: a dict probe per n instead of a
+    scan of the history; CPU, 300-token histories: 2.3 us a row against 74 us for a scan without a
+    match, 70 us to index a request on its first drafting step).
     """
 
     name = "ngram"
@@ -35,6 +38,7 @@ class NgramDrafter:
             if not chains or chains[0] < 1 or chains[-1] > 63:
                 raise ConfigError(f"draft.chains={chains}: list chain lengths in 1..63")
         self.sizes = None if chains is None else tuple(chains)
+        self._index: dict = {}  # request id -> _GramIndex of its committed tokens (prepare_ with RowTokens)
 
     def num_nodes(self, k: int) -> int:
         if self.sizes is not None and k not in self.sizes:
@@ -54,11 +58,26 @@ class NgramDrafter:
         return None
 
     def prepare_(self, state, n: int, T: int, context) -> None:
-        """Look up each row's chain on the host and upload it (one copy, before the graph runs)."""
+        """Look up each row's chain on the host and upload it (one copy, before the graph runs).
+        A context that names its rows (``RowTokens.keys``: request ids, as the engine passes it) is
+        looked up through a per-request n-gram index grown with the committed tokens (the same chain
+        as ``lookup``, in time independent of the history's length); a plain list of histories by
+        ``lookup``'s scan."""
         host = self._host
         host[:n, :T].fill_(-1)
-        for r, hist in enumerate((context or [])[:n]):
-            follow = self.lookup(hist, T - 1)
+        context = context or []
+        keys = getattr(context, "keys", None)
+        if keys is not None and len(self._index) > 2 * max(n, 1) + 64:  # requests that left the batch
+            live = set(keys[:n])
+            self._index = {key: ix for key, ix in self._index.items() if key in live}
+        for r, hist in enumerate(context[:n]):
+            if keys is None:
+                follow = self.lookup(hist, T - 1)
+            else:
+                ix = self._index.get(keys[r])
+                if ix is None or not ix.continues(hist):
+                    ix = self._index[keys[r]] = _GramIndex(self.min_ngram, self.max_ngram)
+                follow = ix.extend_(hist).lookup(T - 1)
             if follow:
                 host[r, 1:len(follow) + 1] = torch.tensor(follow, dtype=torch.int64)
         self.buf[:n, :T].copy_(host[:n, :T], non_blocking=True)
@@ -108,3 +127,47 @@ class NgramDrafter:
         chain = bit(node + 1) - 1  # node i sees nodes 0..i
         mask = torch.where(real, chain[None, :], bit(node)[None, :])  # padding: prefix + itself
         return DraftTree(tokens, parents.contiguous(), depth.contiguous(), mask)
+
+
+class _GramIndex:
+    """The latest occurrence of every n-gram (n = min_ngram .. max_ngram) of one request's committed
+    tokens that has a token after it, grown as tokens are committed: ``lookup`` returns what
+    ``NgramDrafter.lookup``'s right-to-left scan returns, from one dict probe per n."""
+
+    __slots__ = ("ns", "tokens", "last", "indexed")
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.ns = range(max_ngram, min_ngram - 1, -1)
+        self.tokens: list[int] = []
+        self.last = {n: {} for n in self.ns}  # n -> {n-gram: end (exclusive) of its latest occurrence}
+        self.indexed = 0  # n-grams ending (exclusive) at j <= indexed are in ``last``
+
+    def continues(self, history) -> bool:
+        """Whether ``history`` extends the tokens indexed so far (the same request, more tokens)."""
+        n = len(self.tokens)
+        return len(history) >= n and history[:n] == self.tokens
+
+    def extend_(self, history) -> "_GramIndex":
+        """Index ``history`` (which ``continues`` the tokens seen): every n-gram followed by a token."""
+        toks = self.tokens
+        toks.extend(history[len(toks):])
+        L = len(toks)
+        # The n-grams toks[j - n:j] for j = indexed + 1 .. L - 1 (each has a follower), oldest first so a
+        # later occurrence overwrites an earlier one; built by zip over n shifted slices (C loops).
+        for n, last in self.last.items():
+            lo = max(self.indexed + 1, n)
+            if lo < L:
+                last.update(zip(zip(*(toks[lo - n + i:L - n + i] for i in range(n))), range(lo, L)))
+        self.indexed = max(self.indexed, L - 1)
+        return self
+
+    def lookup(self, k: int) -> list[int]:
+        toks = self.tokens
+        L = len(toks)
+        for n in self.ns:
+            if n > L - 1:
+                continue
+            j = self.last[n].get(tuple(toks[L - n:]))
+            if j is not None:
+                return toks[j:j + k]
+        return []
