@@ -438,6 +438,29 @@ def test_goodput_with_shadow_scores_turns_ngram_speculation_on(tiny):
     assert [r.output_ids for r in reqs] == want
 
 
+def test_goodput_prices_ngram_drafting_by_the_drafters_own_host_time(tiny):
+    """Shadow samples carry the drafter's measured host ms per drafted row (n-gram: its indexed
+    lookups), not the time of the scans that score shadow drafts at past positions."""
+    from specdec.policy import Goodput
+
+    class Fixed(NgramDrafter):
+        host_ms_per_row = property(lambda self: 0.123, lambda self, v: None)
+
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2)
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=Fixed(chains=[2, 5]), policy=pol)
+    pol.set_table({0: {1: 1.0, 4: 1.0}, 2: {1: 9.0, 4: 9.0}, 5: {1: 9.0, 4: 9.0}})  # stays off
+    for p in repetitive_prompts(3, seed=4):
+        engine.add_request(p, 16)
+    while engine.has_work():
+        engine.step()
+    assert pol.shadow_samples > 0 and pol.lookup_ms == pytest.approx(0.123)
+    assert NgramDrafter(chains=[2]).host_ms_per_row is None
+    plain = NgramDrafter(chains=[2])
+    plain.bind_(engine.state, 16, 4)
+    assert 0 < plain.host_ms_per_row < 5  # timed at bind_
+
+
 def test_goodput_spaces_shadow_scoring_out_while_speculation_trails(tiny):
     """shadow_due: every k = 0 step while some k > 0 is close to k = 0; while every k > 0 trails by
     more than SHADOW_SLACK the gap between scorings doubles (explore_backoff), and a batch where

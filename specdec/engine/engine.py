@@ -593,7 +593,12 @@ class Engine:
                 sh, rows, n0, s0 = self._shadow, step.rows, self._shadow.lookups, self._shadow.lookup_s
                 shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i])
                 if sh.lookups > n0:
-                    shadow_ms = (sh.lookup_s - s0) * 1e3 / (sh.lookups - n0)
+                    # What a drafting step's host work costs per row: the drafter's own measure where it
+                    # keeps one (n-gram: its indexed drafting, far cheaper than the scans that score
+                    # shadow drafts at past positions), else the shadow scoring's time per draft
+                    shadow_ms = getattr(self.drafter, "host_ms_per_row", None)
+                    if shadow_ms is None:
+                        shadow_ms = (sh.lookup_s - s0) * 1e3 / (sh.lookups - n0)
             cf = None
             if step.cf is not None:  # columns in the order of the plan's smaller ks
                 ks = self._counterfactual[self.stepper.num_nodes(step.k)].ks

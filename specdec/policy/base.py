@@ -33,7 +33,8 @@ class StepStats:
     rows: list | None = None  # request id of each row of committed (None: not given)
     # Shadow acceptance (k = 0 steps of a drafter that scores drafts from committed tokens, for a
     # policy with shadow_evals > 0; specdec.engine.shadow): (k, request id, tokens a k-step would
-    # have committed), and the host ms one such lookup took (what drafting costs per row on the host)
+    # have committed), and what drafting costs per row on the host (ms: the drafter's own measure,
+    # e.g. n-gram's indexed lookups, else the time one shadow lookup took)
     shadow: list | None = None
     shadow_ms: float | None = None
     # Counterfactual acceptance (speculative steps of a drafter that scores its smaller trees on the

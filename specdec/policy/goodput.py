@@ -153,7 +153,7 @@ class Goodput:
         self.wants_counterfactual = bool(counterfactual)  # ask the engine for counterfactual commits
         self.counterfactual_pairs: dict[tuple[int, int], str] = {}  # (k', k) -> label, set by the engine
         self.counterfactual_rows: dict[int, int] = {k: 0 for k in ks}  # counterfactual rows folded into a(k)
-        self.lookup_ms: float | None = None  # EMA of the host ms per row of the drafter's lookups
+        self.lookup_ms: float | None = None  # EMA of the drafter's host ms per drafted row (shadow samples carry it)
         self.shadow_samples = 0
         self.rows_seen: dict[int, int] = {k: 0 for k in ks}  # rows behind the prior a(k)
         self.iter_observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of iteration wall ms
@@ -210,8 +210,8 @@ class Goodput:
 
     def step_ms(self, k: int, batch: int) -> float:
         """t(k, batch): the served steps' average in batch's table bucket, else the start-up entry
-        (for k > 0 plus the drafter's host lookups of batch rows, when shadow lookups measured them:
-        served steps include that time already)."""
+        (for k > 0 plus the drafter's host work for batch rows, when shadow samples carried its cost
+        per row: served steps include that time already)."""
         b, ms = self._bucket(k, batch)
         served = self.observed.get((k, b))
         if served is not None:

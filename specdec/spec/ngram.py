@@ -3,6 +3,9 @@ last n tokens (n = max_ngram .. min_ngram) in its own history and propose what f
 
 from __future__ import annotations
 
+import random
+import time
+
 import torch
 
 from ..errors import ConfigError
@@ -39,6 +42,9 @@ class NgramDrafter:
                 raise ConfigError(f"draft.chains={chains}: list chain lengths in 1..63")
         self.sizes = None if chains is None else tuple(chains)
         self._index: dict = {}  # request id -> _GramIndex of its committed tokens (prepare_ with RowTokens)
+        # Host ms per row of prepare_'s indexed drafting (EMA over drafting steps; bind_ starts it from a
+        # timed synthetic row): what a policy prices a speculative step's host work with (ShadowAcceptance)
+        self.host_ms_per_row: float | None = None
 
     def num_nodes(self, k: int) -> int:
         if self.sizes is not None and k not in self.sizes:
@@ -53,6 +59,19 @@ class NgramDrafter:
         self.buf = torch.full((R, T), -1, dtype=torch.int64, device=state.pending.device)
         self._host = torch.full((R, T), -1, dtype=torch.int64,
                                 pin_memory=state.pending.device.type == "cuda")
+        self.host_ms_per_row = self._time_index_row()
+
+    def _time_index_row(self) -> float:
+        """Host ms of one indexed drafting of a row (a 256-token history, a token committed per step)."""
+        rng = random.Random(0)
+        hist = [rng.randrange(32000) for _ in range(256)]
+        ix = _GramIndex(self.min_ngram, self.max_ngram).extend_(hist)
+        t0 = time.perf_counter()
+        for i in range(64):
+            hist.append(i)
+            if ix.continues(hist):
+                ix.extend_(hist).lookup(8)
+        return (time.perf_counter() - t0) * 1e3 / 64
 
     def prefill_(self, ids, pos, meta, captured, next_ids):
         return None
@@ -63,6 +82,7 @@ class NgramDrafter:
         looked up through a per-request n-gram index grown with the committed tokens (the same chain
         as ``lookup``, in time independent of the history's length); a plain list of histories by
         ``lookup``'s scan."""
+        t0 = time.perf_counter()
         host = self._host
         host[:n, :T].fill_(-1)
         context = context or []
@@ -81,6 +101,10 @@ class NgramDrafter:
             if follow:
                 host[r, 1:len(follow) + 1] = torch.tensor(follow, dtype=torch.int64)
         self.buf[:n, :T].copy_(host[:n, :T], non_blocking=True)
+        if keys is not None and n:
+            ms = (time.perf_counter() - t0) * 1e3 / n
+            old = self.host_ms_per_row
+            self.host_ms_per_row = ms if old is None else 0.9 * old + 0.1 * ms
 
     def stage_rows_(self, roots, chunk_idx, rows) -> None:
         pass
