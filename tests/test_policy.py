@@ -786,3 +786,29 @@ def test_engine_tells_the_policy_how_many_requests_are_prefilling(tiny):
     engine.run_until_done()
     assert all(pre == adm - dec >= 0 for pre, dec, adm in pol.seen)
     assert max(pre for pre, _, _ in pol.seen) >= 2 and pol.seen[-1][0] == 0
+
+
+def test_goodput_prices_serial_drafting_as_host_plus_device():
+    """With serial_drafting (the engine's drafter drafts from the host's tokens, so its speculative
+    steps wait for the step in flight and the host's work), a k > 0 iteration without served
+    iteration times costs its step plus the host ms, not the larger of the two; k = 0 overlaps."""
+    pol = Goodput([8], margin=0.0, explore_every=0)
+    pol.set_table({0: {128: 1.0}, 8: {128: 1.5}})
+    pol.iteration_(0, 128, wall_ms=1.6, host_ms=1.2)  # one unmixed k = 0 iteration: host 1.2 ms
+    assert pol.iter_ms(8, 128) == pytest.approx(1.5) and pol.iter_ms(0, 128) == pytest.approx(1.6)
+    run_k(pol, 8, [1.6] * 128)  # a(8) = 1.6 tokens a row
+    pol.iteration_(0, 128, wall_ms=1.6, host_ms=1.2)
+    assert pol.choose(view(128)) == 8  # 1.6 / 1.5 > 1 / 1.6: overlapped, chain 8 pays
+    pol.serial_drafting = True
+    assert pol.iter_ms(8, 128) == pytest.approx(1.5 + pol.host_ms[128])
+    assert pol.choose(view(128)) == 0  # 1.6 / 2.7 < 1 / 1.6
+
+
+def test_engine_tells_goodput_when_drafting_is_serial(tiny):
+    """The engine sets serial_drafting for a host-context drafter (n-gram) under overlapped decoding only."""
+    for drafter, overlap, want in ((NgramDrafter(chains=[2]), True, True), (NgramDrafter(chains=[2]), False, False),
+                                   (Eagle3Drafter(tiny_head(tiny), tiny, trees=[(1, 2, 2)]), True, False)):
+        pol = Goodput([2], shadow_evals=0)
+        Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=256, overlap=overlap),
+               drafter=drafter, policy=pol)
+        assert pol.serial_drafting is want

@@ -340,6 +340,10 @@ class Engine:
             self._shadow_due = getattr(policy, "shadow_due", None) or (lambda: True)
             if hasattr(policy, "shadowed_"):
                 policy.shadowed_()
+        if policy is not None and hasattr(policy, "serial_drafting"):
+            # A drafter that drafts from the host's committed tokens runs its speculative steps
+            # synchronously under overlapped decoding (see step()): their host work does not overlap.
+            policy.serial_drafting = self.overlap and drafter_needs_context(drafter)
         if policy is not None:
             profiling.calibrate_policy_(self)
             catch_up = self.stepper.catch_up_runner

@@ -141,6 +141,7 @@ class Goodput:
         self.refreshes = 0  # refresh steps run
         self.probe_rows = int(probe_rows)  # rows a k's first tries cover before its prior a(k) is trusted
         self.shadow_evals = int(shadow_evals)  # drafts scored per k = 0 step (the engine's ShadowAcceptance)
+        self.serial_drafting = False  # set by the engine: speculative steps run after the host's work (n-gram)
         if shadow_min_rows < 0:
             raise ConfigError(f"policy goodput: need shadow_min_rows >= 0 (got shadow_min_rows={shadow_min_rows})")
         self.shadow_min_rows = float(shadow_min_rows)  # scored drafts per decode row behind a switch on
@@ -222,14 +223,19 @@ class Goodput:
 
     def iter_ms(self, k: int, batch: int) -> float:
         """Wall ms an iteration at k and batch costs: the served iterations' average in the bucket,
-        else max(t(k, batch), the bucket's host ms per iteration), else t(k, batch)."""
+        else max(t(k, batch), the bucket's host ms per iteration), else t(k, batch). With
+        ``serial_drafting`` (the engine's drafter drafts from the host's tokens, so its speculative
+        steps wait for the step in flight and do the host's work before they launch) a k > 0
+        iteration costs t(k, batch) plus the host ms: nothing overlaps."""
         b, _ = self._bucket(k, batch)
         served = self.iter_observed.get((k, b))
         if served is not None:
             return served
         ms = self.step_ms(k, batch)
         host = self.host_ms.get(b)
-        return ms if host is None else max(ms, host)
+        if host is None:
+            return ms
+        return ms + host if k > 0 and self.serial_drafting else max(ms, host)
 
     def iteration_(self, k: int, batch: int, wall_ms: float, host_ms: float, mixed: bool = False) -> None:
         """One engine iteration ran a decode step at k over ``batch`` rows in ``wall_ms`` of wall
