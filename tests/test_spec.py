@@ -566,3 +566,35 @@ def test_ngram_index_drafts_what_the_scan_drafts():
     for i in range(200):  # one row at a time, each a new request: old indices are pruned
         big.prepare_(state, 1, 3, RowTokens([[1, 2, 1, i]], [f"q{i}"]))
     assert len(big._index) <= 2 + 64 + 1
+
+
+def test_ngram_follow_at_is_the_scan():
+    """follow_at (the suffix found by bytes.rfind over the tokens packed 4 bytes each: what goodput's shadow
+    scoring runs per draft) returns what the right-to-left scan returns over history[:end], for every end,
+    with token ids whose bytes recur across token boundaries (a match off a 4-byte boundary must be
+    skipped, not taken), ids above 2**31, and ids too large to pack (the scan then)."""
+    import random
+
+    rng = random.Random(5)
+    pools = ([0, 1, 2], [0, 256, 65536, 1, 257, 16777216, 16777217], list(range(40)), [2 ** 31 + 5, 5, 2 ** 32 - 1],
+             [2 ** 40, 3, 2 ** 40 + 1])
+    aliased = 0
+    for mn, mx in ((1, 3), (2, 4), (1, 1), (3, 3)):
+        d = NgramDrafter(max_ngram=mx, min_ngram=mn)
+        for _ in range(400):
+            pool = rng.choice(pools)
+            hist = [rng.choice(pool) for _ in range(rng.randrange(1, 50))]
+            for end in range(1, len(hist) + 1):
+                for k in (1, 3, 8):
+                    assert d.follow_at(hist, end, k) == d.lookup(hist[:end], k), (hist, end, k, mn, mx)
+            if pool is pools[1] and len(hist) > 8:
+                packed = bytes(b for t in hist for b in t.to_bytes(4, "little"))
+                for i in range(len(hist) - 1):  # an occurrence of a 2-token gram off the 4-byte grid
+                    sub, p = packed[4 * i:4 * i + 8], packed.find(packed[4 * i:4 * i + 8])
+                    while p >= 0 and not p % 4:
+                        p = packed.find(sub, p + 1)
+                    aliased += p >= 0
+    assert aliased  # some histories had a match across token boundaries
+    d = NgramDrafter()
+    assert d.follow_at([1, 2, 3, 1, 2], 5, 3) == [3, 1, 2]
+    assert d.shadow_commits([1, 2, 3, 1, 2, 3, 1], 5, 2) == 3  # follow [3, 1], both committed, + bonus

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from array import array
 
 import torch
 
@@ -125,6 +126,32 @@ class NgramDrafter:
                         return follow
         return []
 
+    def follow_at(self, history: list[int], end: int, k: int, packed: bytes | None = None) -> list[int]:
+        """``lookup(history[:end], k)`` with the search in C: the tokens packed 4 bytes each and each n's
+        suffix found by ``bytes.rfind`` (a match off a 4-byte boundary is skipped), instead of a
+        slice compare per earlier position in Python. ``packed``: ``array("I", history).tobytes()``
+        when the caller packs once for several lookups. ~10 us against ~75 us for the scan of a
+        300-token history without a match (this CPU): what goodput's shadow scoring pays per draft
+        while speculation is off."""
+        if packed is None:
+            try:
+                packed = array("I", history[:end]).tobytes()
+            except (OverflowError, TypeError):  # not 32-bit token ids: the scan
+                return self.lookup(history[:end], k)
+        hi = 4 * (end - 1)  # an occurrence must end before the suffix's last token (a follower in history[:end])
+        for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
+            sub = packed[4 * (end - n):4 * end]
+            top = hi
+            while True:
+                p = packed.rfind(sub, 0, top)
+                if p < 0:
+                    break
+                if p % 4 == 0:
+                    e = p // 4 + n
+                    return history[e:min(e + k, end)]
+                top = p + len(sub) - 1  # a match across token boundaries: look further left
+        return []
+
     def shadow_commits(self, history: list[int], start: int, k: int) -> int:
         """Tokens a greedy step with a k-token chain would have committed at ``start`` (the row's
         committed tokens were history[:start]), read off the tokens committed since: the chain is
@@ -134,7 +161,7 @@ class NgramDrafter:
         acceptance of every chain length while speculation is off, with no device work."""
         if not 0 < start <= len(history) - k:
             raise ValueError(f"shadow_commits: start={start}, k={k} needs 0 < start <= {len(history) - k}")
-        follow = self.lookup(history[:start], k)
+        follow = self.follow_at(history, start, k)
         m = 0
         while m < len(follow) and follow[m] == history[start + m]:
             m += 1
