@@ -546,21 +546,29 @@ def test_ngram_index_drafts_what_the_scan_drafts():
                     for k in (1, 3, 8):
                         assert ix.extend_(hist[:L]).lookup(k) == scan.lookup(hist[:L], k)
         state = DecodeState(6, 8, 4, torch.device("cpu"), max_tree_nodes=9)
-        indexed, plain = NgramDrafter(max_ngram=mx, min_ngram=mn), NgramDrafter(max_ngram=mx, min_ngram=mn)
-        indexed.bind_(state, 32, 4)
-        plain.bind_(state, 32, 4)
-        rows = {f"r{i}": [rng.randrange(4) for _ in range(rng.randrange(1, 12))] for i in range(5)}
+        indexed, parted, plain = (NgramDrafter(max_ngram=mx, min_ngram=mn) for _ in range(3))
+        for d in (indexed, parted, plain):
+            d.bind_(state, 32, 4)
+        # the engine's rows: (prompt, output) lists per request id, the output growing a few tokens a step
+        reqs = {f"r{i}": ([rng.randrange(4) for _ in range(rng.randrange(1, 12))], []) for i in range(5)}
         for step in range(30):
-            for key in rows:
-                rows[key] += [rng.randrange(4) for _ in range(rng.randrange(0, 4))]
-            if step == 10:
-                rows["r0"] = [rng.randrange(4) for _ in range(6)]  # a new request under an old id
-            keys = sorted(rows, key=lambda _: rng.random())
+            for key in reqs:
+                reqs[key][1].extend(rng.randrange(4) for _ in range(rng.randrange(0, 4)))
+            if step == 10:  # a new request under an old id, sent with the same prompt list
+                reqs["r0"] = (reqs["r0"][0], [rng.randrange(4) for _ in range(len(reqs["r0"][1]) + 3)])
+            if step == 20:  # ... and one with a new prompt
+                reqs["r1"] = ([rng.randrange(4) for _ in range(6)], [])
+            keys = sorted(reqs, key=lambda _: rng.random())
             T = rng.choice([3, 5, 9])
-            indexed.prepare_(state, len(keys), T, RowTokens([rows[k] for k in keys], keys))
-            plain.prepare_(state, len(keys), T, [rows[k] for k in keys])
+            rows = [reqs[k][0] + reqs[k][1] for k in keys]
+            indexed.prepare_(state, len(keys), T, RowTokens(rows, keys))
+            parted.prepare_(state, len(keys), T, RowTokens(keys=keys, parts=[reqs[k] for k in keys]))
+            plain.prepare_(state, len(keys), T, rows)
             assert torch.equal(indexed.buf[:len(keys), :T], plain.buf[:len(keys), :T])
-        assert set(indexed._index) == set(rows)
+            assert torch.equal(parted.buf[:len(keys), :T], plain.buf[:len(keys), :T])
+        assert set(indexed._index) == set(reqs) == set(parted._index)
+        assert RowTokens(keys=["a"], parts=[([1, 2], [3])])[0] == [1, 2, 3]
+        assert RowTokens(keys=["a", "b"], parts=[([1], [2]), ([3], [])])[:2] == [[1, 2], [3]]
     big = NgramDrafter()
     big.bind_(state, 32, 4)
     for i in range(200):  # one row at a time, each a new request: old indices are pruned

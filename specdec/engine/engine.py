@@ -526,7 +526,8 @@ class Engine:
             self._last_k = k
         # Each row's committed tokens, named by request id (a drafter may keep per-request state: the
         # n-gram index)
-        context = RowTokens([r.tokens for r in sched.rows], [r.id for r in sched.rows]) if n and needs_context else None
+        context = (RowTokens(keys=[r.id for r in sched.rows], parts=[(r.prompt_ids, r.output_ids) for r in sched.rows])
+                   if n and needs_context else None)
         launched = (lambda: self._timer.stop(no, "decode")) if timed else None
         if n:
             if timed:

@@ -30,6 +30,8 @@ One interface (used by :func:`specdec.engine.step.step_body_`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from typing import Protocol, runtime_checkable
 
 from .tree import DraftTree
@@ -92,11 +94,28 @@ def prefills(drafter) -> bool:
     return drafter is not None and bool(getattr(drafter, "prefills", True))
 
 
-class RowTokens(list):
-    """Each decode row's committed tokens (a list of token lists, what ``prepare_`` reads) that also
-    names its rows: ``keys[i]`` identifies row i's request, so a drafter may keep per-request state
-    across steps (the n-gram index); drafters that ignore it read a plain list."""
+class RowTokens(Sequence):
+    """Each decode row's committed tokens (a sequence of token lists, what ``prepare_`` reads) that
+    also names its rows: ``keys[i]`` identifies row i's request, so a drafter may keep per-request
+    state across steps (the n-gram index); drafters that ignore it read it as a list of lists.
 
-    def __init__(self, rows, keys):
-        super().__init__(rows)
-        self.keys = list(keys)
+    Built from the token lists (``rows``) or lazily from ``parts``: per row its request's (prompt,
+    output) lists, whose concatenation a row's tokens are, made only for the rows read (the engine
+    passes parts: a drafter that keeps per-request state reads only the output tokens committed
+    since it last looked, and the output list's identity tells a new request under an old id)."""
+
+    def __init__(self, rows=None, keys=(), parts=None):
+        if (rows is None) == (parts is None):
+            raise ValueError("RowTokens: give rows or parts")
+        self._rows, self.parts, self.keys = rows, parts, list(keys)
+
+    def __len__(self) -> int:
+        return len(self._rows if self._rows is not None else self.parts)
+
+    def __getitem__(self, i):
+        if self._rows is not None:
+            return self._rows[i]
+        if isinstance(i, slice):
+            return [p + o for p, o in self.parts[i]]
+        p, o = self.parts[i]
+        return p + o

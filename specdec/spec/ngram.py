@@ -21,9 +21,11 @@ class NgramDrafter:
     only reads those buffers, so the verify step stays a CUDA graph. Under the engine each request's
     n-grams are indexed as its tokens are committed (``_GramIndex``: a dict probe per n instead of a
     scan of the history; CPU, 300-token histories: 2.3 us a row against 74 us for a scan without a
-    match, 70 us to index a request on its first drafting step). A whole ``prepare_`` at 64 rows
-    that grow a token a step: 5 us a row on this CPU (15 us with a tensor per row and the n-gram
-    slices zipped for every new token; the H200's host measured 15-64 us a row at ca37d2e).
+    match, 70 us to index a request on its first drafting step). A whole ``prepare_`` at 64 rows of
+    300-token prompts that grow a token a step, the engine's context included: 3.8 us a row on this
+    CPU (16 us with a tensor per row, the n-gram slices zipped for every new token and each row's
+    prompt + output copied and compared every step; the H200's host measured 15-64 us a row at
+    ca37d2e).
     """
 
     name = "ngram"
@@ -95,14 +97,23 @@ class NgramDrafter:
         # The [n, T] chains as one Python list (-1: no draft), made a tensor once: a tensor per row cost
         # ~10 us a row on the host (H200 at ca37d2e: 15-64 us a row drafted, by host_ms_per_row)
         flat = [-1] * (n * T)
-        for r, hist in enumerate(context[:n]):
-            if keys is None:
-                follow = self.lookup(hist, T - 1)
-            else:
+        parts = getattr(context, "parts", None)
+        for r in range(min(n, len(context))):
+            if parts is not None and keys is not None:  # the engine's rows: only new output tokens are read
+                prompt, output = parts[r]
+                ix = self._index.get(keys[r])
+                if ix is None or ix.output is not output:  # a new request (under a new or an old id)
+                    ix = self._index[keys[r]] = _GramIndex(self.min_ngram, self.max_ngram)
+                    ix.output = output
+                follow = ix.extend_parts_(prompt, output).lookup(T - 1)
+            elif keys is not None:
+                hist = context[r]
                 ix = self._index.get(keys[r])
                 if ix is None or not ix.continues(hist):
                     ix = self._index[keys[r]] = _GramIndex(self.min_ngram, self.max_ngram)
                 follow = ix.extend_(hist).lookup(T - 1)
+            else:
+                follow = self.lookup(context[r], T - 1)
             if follow:
                 flat[r * T + 1:r * T + 1 + len(follow)] = follow
         host[:n, :T].copy_(torch.tensor(flat, dtype=torch.int64).view(n, T))
@@ -190,13 +201,14 @@ class _GramIndex:
     tokens that has a token after it, grown as tokens are committed: ``lookup`` returns what
     ``NgramDrafter.lookup``'s right-to-left scan returns, from one dict probe per n."""
 
-    __slots__ = ("ns", "tokens", "last", "indexed")
+    __slots__ = ("ns", "tokens", "last", "indexed", "output")
 
     def __init__(self, min_ngram: int, max_ngram: int):
         self.ns = range(max_ngram, min_ngram - 1, -1)
         self.tokens: list[int] = []
         self.last = {n: {} for n in self.ns}  # n -> {n-gram: end (exclusive) of its latest occurrence}
         self.indexed = 0  # n-grams ending (exclusive) at j <= indexed are in ``last``
+        self.output = None  # the request's output list (extend_parts_): its identity names the request
 
     def continues(self, history) -> bool:
         """Whether ``history`` extends the tokens indexed so far (the same request, more tokens)."""
@@ -205,8 +217,21 @@ class _GramIndex:
 
     def extend_(self, history) -> "_GramIndex":
         """Index ``history`` (which ``continues`` the tokens seen): every n-gram followed by a token."""
+        self.tokens.extend(history[len(self.tokens):])
+        return self._index_new_()
+
+    def extend_parts_(self, prompt, output) -> "_GramIndex":
+        """``extend_(prompt + output)`` reading only the tokens not seen yet (the same request: its
+        prompt, then its output growing)."""
         toks = self.tokens
-        toks.extend(history[len(toks):])
+        n, P = len(toks), len(prompt)
+        if n < P:
+            toks.extend(prompt[n:])
+        toks.extend(output[max(0, n - P):])
+        return self._index_new_()
+
+    def _index_new_(self) -> "_GramIndex":
+        toks = self.tokens
         L = len(toks)
         # The n-grams toks[j - n:j] for j = indexed + 1 .. L - 1 (each has a follower), oldest first so a
         # later occurrence overwrites an earlier one; built by zip over n shifted slices (C loops).
