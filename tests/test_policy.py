@@ -812,3 +812,47 @@ def test_engine_tells_goodput_when_drafting_is_serial(tiny):
         Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=256, overlap=overlap),
                drafter=drafter, policy=pol)
         assert pol.serial_drafting is want
+
+
+def test_goodput_probe_requests_spreads_the_largest_ks_prior_over_requests():
+    """At C = 1 a k's first tries are one request's rows. When they come out low, a k that is then never
+    chosen keeps that prior for the rest of the run (its estimate moves only when it runs); with
+    probe_requests each later request gets one step at the largest k once it has run PROBE_AGE steps,
+    until the prior rests on that many requests, so the prior follows the workload and the k is chosen
+    on its merits. Probes wait for a batch where the largest k costs at most probe_cost plain steps."""
+    from specdec.policy.goodput import PROBE_AGE
+
+    def serve(probe_requests, requests=40, steps=30):
+        pol = Goodput([32], margin=0.0, explore_every=0, probe_rows=4, probe_requests=probe_requests)
+        pol.set_table({0: {1: 0.6}, 32: {1: 1.3}})
+        chosen = []
+        for i in range(requests):
+            rid = f"r{i}"
+            for _ in range(steps):
+                k = pol.choose(BatchView(num_decode=1, num_waiting=0, rows=(rid,)))
+                chosen.append(k)
+                # the first request accepts nothing at tree 32, every later one 3 tokens a step
+                got = (1 if i == 0 else 4) if k == 32 else 1
+                pol.update(StepStats(k=k, num_decode=1, committed=[got], rows=[rid]))
+        return pol, chosen
+
+    pol, chosen = serve(0)
+    assert chosen[:4] == [32] * 4 and 32 not in chosen[4:]  # a(32) = 1.0 from request r0: never again
+    pol, chosen = serve(16)
+    assert chosen[30 + PROBE_AGE - 1] == 32 and chosen[30 + PROBE_AGE - 2] == 0  # r1's 8th step probes
+    # three probes (r1 .. r3) move the prior to (4 * 1 + 3 * 4) / 7 = 2.3 tokens a step, where tree 32
+    # (1.3 ms) beats k = 0 (0.6 ms a token) and runs on its merits; those requests count too
+    assert pol.request_probes == 3 and len(pol.top_requests) == 16
+    assert pol.accept[32] > 3.0 and chosen[-30:] == [32] * 30  # the prior moved: tree 32 on its merits
+    assert pol._row_age == {}  # done probing: no bookkeeping left
+    # too dear at this batch (tree 32 at 5 plain steps > probe_cost 4): no probes
+    dear = Goodput([32], margin=0.0, explore_every=0, probe_rows=4, probe_requests=16, probe_cost=4)
+    dear.set_table({0: {1: 0.6}, 32: {1: 3.0}})
+    for i in range(20):
+        for _ in range(12):
+            k = dear.choose(BatchView(num_decode=1, num_waiting=0, rows=(f"q{i}",)))
+            dear.update(StepStats(k=k, num_decode=1, committed=[1], rows=[f"q{i}"]))
+    assert dear.request_probes == 0
+    with pytest.raises(ConfigError):
+        Goodput([32], probe_requests=-1)
+    assert build_policy(OmegaConf.create({"name": "goodput", "probe_requests": 8}), [32]).probe_requests == 8
