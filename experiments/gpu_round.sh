@@ -18,6 +18,9 @@
 #   bash experiments/gpu_round.sh ngramdiag   # n-gram speculation-off gap at SmolLM2 shapes, random weights (no staging):
 #                                             never / batch_threshold / goodput at NGD_C, and host ms per engine phase
 #   bash experiments/gpu_round.sh repeats     # envelope points x seeds 0,1,2 (REPEAT_DRAFT / _POLICIES / _C / _SEEDS)
+#   bash experiments/gpu_round.sh recheck     # after ca37d2e (SmolLM2 staged): n-gram shadow scoring / drafting costs
+#                                             (random weights, then HumanEval at C = 1, 16, 64), goodput probe_requests
+#                                             on MT-bench at C = 1, 2, 8, the n-gram C = 1 step split by phase
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
 #                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
 #   bash experiments/gpu_round.sh gputests    # pytest -m gpu, one line per test as it ends ($OUT/gpu_tests.txt):
@@ -122,6 +125,25 @@ ngramdiag)  # the n-gram drafter's k = 0 gap (goodput 0.82x of never at C = 256 
   done
   python -m specdec.report "$R/ngramdiag/sweep" --out "$R/ngramdiag/sweep/report" 2>&1 | sed -n '/^## Policy envelope/,/^## /p' | head -n 30
   PACK_STEPS=1 pack ngramdiag ngramdiag ;;
+recheck)  # what ca37d2e's lease found, re-measured after the fixes (one call, ~6 min; needs the SmolLM2 files):
+  # goodput at k = 0 with random weights (0.90x / 0.96x of never at C = 64 / 256 before follow_at), the n-gram envelope
+  # points it missed (HumanEval C = 1 / 64; C = 16 beside), EAGLE-3 goodput with probe_requests 0 / 16 on MT-bench at
+  # C = 1, 2, 8 (seeds 0 / 1), and host ms per phase of always / goodput n-gram at C = 1 (their 0.88 / 0.99 ms steps)
+  e=(+experiment=policy_envelope workload.stagger=true)
+  run ${RECHECK_S:-110} python -m specdec.run --multirun "${e[@]}" target=smollm2_random workload=humaneval_lengths \
+    draft=ngram_chains policy=never,goodput workload.concurrency=64,256 hydra.sweep.dir="$R/recheck/ngram_random"
+  run ${RECHECK_S:-150} python -m specdec.run --multirun "${e[@]}" draft=ngram_chains workload=humaneval \
+    policy=never,always,goodput workload.concurrency=1,16,64 hydra.sweep.dir="$R/recheck/ngram_humaneval"
+  run ${RECHECK_S:-180} python -m specdec.run --multirun "${e[@]}" draft=eagle3_smollm2_trees workload=mt_bench \
+    policy=goodput ++policy.probe_requests=0,16 workload.concurrency=1,2,8 seed=0,1 hydra.sweep.dir="$R/recheck/probe"
+  for p in always goodput; do
+    run 60 python experiments/profile_serving.py --phases --skip 400 --out "$R/recheck/phases_$p" -- "${e[@]}" \
+      draft=ngram_chains workload=humaneval policy=$p workload.concurrency=1
+  done
+  for d in ngram_random ngram_humaneval probe; do
+    python -m specdec.report "$R/recheck/$d" --out "$R/recheck/$d/report" 2>&1 | sed -n '/^## Policy envelope/,/^## /p' | head -n 12
+  done
+  PACK_STEPS=1 pack recheck recheck ;;
 repeats)  # envelope points repeated (seed=0,1,2; the report averages them): REPEAT_DRAFT (eagle3_smollm2_trees),
   # REPEAT_POLICIES (always,goodput), REPEAT_C (1,2,4), REPEAT_SEEDS (0,1,2), on HumanEval; with per-step records
   d=${REPEAT_DRAFT:-eagle3_smollm2_trees}
