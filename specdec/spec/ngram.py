@@ -99,21 +99,17 @@ class NgramDrafter:
         flat = [-1] * (n * T)
         parts = getattr(context, "parts", None)
         for r in range(min(n, len(context))):
-            if parts is not None and keys is not None:  # the engine's rows: only new output tokens are read
-                prompt, output = parts[r]
+            if keys is None:
+                follow = self.lookup(context[r], T - 1)
+            else:
+                # the engine's rows come as (prompt, output) lists: only new output tokens are read, and the
+                # output list's identity names the request; a row given whole is checked token by token
+                prompt, output = parts[r] if parts is not None else (context[r], None)
                 ix = self._index.get(keys[r])
-                if ix is None or ix.output is not output:  # a new request (under a new or an old id)
+                if ix is None or (ix.output is not output if output is not None else not ix.continues(prompt)):
                     ix = self._index[keys[r]] = _GramIndex(self.min_ngram, self.max_ngram)
                     ix.output = output
-                follow = ix.extend_parts_(prompt, output).lookup(T - 1)
-            elif keys is not None:
-                hist = context[r]
-                ix = self._index.get(keys[r])
-                if ix is None or not ix.continues(hist):
-                    ix = self._index[keys[r]] = _GramIndex(self.min_ngram, self.max_ngram)
-                follow = ix.extend_(hist).lookup(T - 1)
-            else:
-                follow = self.lookup(context[r], T - 1)
+                follow = ix.extend_parts_(prompt, output or ()).lookup(T - 1)
             if follow:
                 flat[r * T + 1:r * T + 1 + len(follow)] = follow
         host[:n, :T].copy_(torch.tensor(flat, dtype=torch.int64).view(n, T))
@@ -142,18 +138,16 @@ class NgramDrafter:
                         return follow
         return []
 
-    def follow_at(self, history: list[int], end: int, k: int, packed: bytes | None = None) -> list[int]:
+    def follow_at(self, history: list[int], end: int, k: int) -> list[int]:
         """``lookup(history[:end], k)`` with the search in C: the tokens packed 4 bytes each and each n's
         suffix found by ``bytes.rfind`` (a match off a 4-byte boundary is skipped), instead of a
-        slice compare per earlier position in Python. ``packed``: ``array("I", history).tobytes()``
-        when the caller packs once for several lookups. ~10 us against ~75 us for the scan of a
-        300-token history without a match (this CPU): what goodput's shadow scoring pays per draft
-        while speculation is off."""
-        if packed is None:
-            try:
-                packed = array("I", history[:end]).tobytes()
-            except (OverflowError, TypeError):  # not 32-bit token ids: the scan
-                return self.lookup(history[:end], k)
+        slice compare per earlier position in Python. ~4 us against ~72 us for the scan of a 300-token
+        history without a match (this CPU): what goodput's shadow scoring pays per draft while
+        speculation is off."""
+        try:
+            packed = array("I", history[:end]).tobytes()
+        except (OverflowError, TypeError):  # not 32-bit token ids: the scan
+            return self.lookup(history[:end], k)
         hi = 4 * (end - 1)  # an occurrence must end before the suffix's last token (a follower in history[:end])
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
             sub = packed[4 * (end - n):4 * end]
