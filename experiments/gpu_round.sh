@@ -129,18 +129,21 @@ recheck)  # what ca37d2e's lease found, re-measured after the fixes (one call, ~
   # goodput at k = 0 with random weights (0.90x / 0.96x of never at C = 64 / 256 before follow_at), the n-gram envelope
   # points it missed (HumanEval C = 1 / 64; C = 16 beside), EAGLE-3 goodput with probe_requests 0 / 16 on MT-bench at
   # C = 1, 2, 8 (seeds 0 / 1), and host ms per phase of always / goodput n-gram at C = 1 (their 0.88 / 0.99 ms steps)
-  e=(+experiment=policy_envelope workload.stagger=true)
-  run ${RECHECK_S:-110} python -m specdec.run --multirun "${e[@]}" target=smollm2_random workload=humaneval_lengths \
+  # RECHECK_PARTS: which of random / humaneval / probe / phases to run (default: all)
+  e=(+experiment=policy_envelope workload.stagger=true) parts=" ${RECHECK_PARTS:-random humaneval probe phases} "
+  [[ $parts == *" random "* ]] && run ${RECHECK_S:-110} python -m specdec.run --multirun "${e[@]}" target=smollm2_random workload=humaneval_lengths \
     draft=ngram_chains policy=never,goodput workload.concurrency=64,256 hydra.sweep.dir="$R/recheck/ngram_random"
-  run ${RECHECK_S:-150} python -m specdec.run --multirun "${e[@]}" draft=ngram_chains workload=humaneval \
+  [[ $parts == *" humaneval "* ]] && run ${RECHECK_S:-150} python -m specdec.run --multirun "${e[@]}" draft=ngram_chains workload=humaneval \
     policy=never,always,goodput workload.concurrency=1,16,64 hydra.sweep.dir="$R/recheck/ngram_humaneval"
-  run ${RECHECK_S:-180} python -m specdec.run --multirun "${e[@]}" draft=eagle3_smollm2_trees workload=mt_bench \
+  [[ $parts == *" probe "* ]] && run ${RECHECK_S:-180} python -m specdec.run --multirun "${e[@]}" draft=eagle3_smollm2_trees workload=mt_bench \
     policy=goodput ++policy.probe_requests=0,16 workload.concurrency=1,2,8 seed=0,1 hydra.sweep.dir="$R/recheck/probe"
   for p in always goodput; do
+    [[ $parts == *" phases "* ]] || continue
     run 60 python experiments/profile_serving.py --phases --skip 400 --out "$R/recheck/phases_$p" -- "${e[@]}" \
       draft=ngram_chains workload=humaneval policy=$p workload.concurrency=1
   done
   for d in ngram_random ngram_humaneval probe; do
+    [ -d "$R/recheck/$d" ] || continue
     python -m specdec.report "$R/recheck/$d" --out "$R/recheck/$d/report" 2>&1 | sed -n '/^## Policy envelope/,/^## /p' | head -n 12
   done
   PACK_STEPS=1 pack recheck recheck ;;
