@@ -438,6 +438,27 @@ def test_goodput_with_shadow_scores_turns_ngram_speculation_on(tiny):
     assert [r.output_ids for r in reqs] == want
 
 
+def test_shadow_scoring_runs_on_speculative_steps_too(tiny):
+    """The engine scores shadow drafts on every step, not only on k = 0 steps: a policy that speculates
+    where a request's text repeats would otherwise score only the stretches it left off (a prior biased
+    low). Every step here is speculative (the table makes speculation nearly free), yet samples arrive."""
+    from specdec.policy import Goodput
+
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2)
+    fed = []
+    update = pol.update
+    pol.update = lambda stats: (fed.append((stats.k, len(stats.shadow or ()))), update(stats))
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=NgramDrafter(chains=[2, 5]), policy=pol)
+    pol.set_table({0: {1: 1.0, 4: 1.0}, 2: {1: 1.01, 4: 1.01}, 5: {1: 1.02, 4: 1.02}})
+    for p in repetitive_prompts(3, seed=4):
+        engine.add_request(p, 24)
+    while engine.has_work():
+        engine.step(5)  # speculative on every step
+    assert fed and all(k == 5 for k, _ in fed)
+    assert sum(n for _, n in fed) > 0 and pol.shadow_samples > 0
+
+
 def test_goodput_prices_ngram_drafting_by_the_drafters_own_host_time(tiny):
     """Shadow samples carry the drafter's measured host ms per drafted row (n-gram: its indexed
     lookups), not the time of the scans that score shadow drafts at past positions."""

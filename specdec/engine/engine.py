@@ -594,7 +594,10 @@ class Engine:
         tokens = step.tokens
         if self.policy is not None and not step.policy_fed:
             shadow = shadow_ms = None
-            if self._shadow is not None and step.k == 0 and step.rows and self._shadow_due():
+            # Scored on every step, speculative ones too: a policy that speculates while a request's text
+            # repeats and stops where it does not would otherwise score only the stretches it left
+            # speculation off in (a biased prior; see specdec.engine.shadow)
+            if self._shadow is not None and step.rows and self._shadow_due():
                 sh, rows, n0, s0 = self._shadow, step.rows, self._shadow.lookups, self._shadow.lookup_s
                 shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i])
                 if sh.lookups > n0:
