@@ -31,7 +31,7 @@ class StepStats:
     committed: list[int]  # tokens committed per row (accepted drafts + 1)
     step_ms: float | None = None  # the step's duration (device ms on a GPU), if the policy asked for it
     rows: list | None = None  # request id of each row of committed (None: not given)
-    # Shadow acceptance (k = 0 steps of a drafter that scores drafts from committed tokens, for a
+    # Shadow acceptance (steps of a drafter that scores drafts from committed tokens, for a
     # policy with shadow_evals > 0; specdec.engine.shadow): (k, request id, tokens a k-step would
     # have committed), and what drafting costs per row on the host (ms: the drafter's own measure,
     # e.g. n-gram's indexed lookups, else the time one shadow lookup took)
@@ -105,5 +105,5 @@ def wants_counterfactual(policy) -> bool:
 
 
 def shadow_evals(policy) -> int:
-    """Drafts per k = 0 step the policy wants scored from the committed tokens (0: none)."""
+    """Drafts per step the policy wants scored from the committed tokens (0: none)."""
     return int(getattr(policy, "shadow_evals", 0) or 0)

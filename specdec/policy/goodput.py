@@ -42,7 +42,7 @@ class Goodput:
                its merits resets it), so that acceptance tracks the
                workload (the draft KV stays in sync meanwhile, so a re-try costs one step's draft).
     Drafts scored while off (``shadow_evals`` > 0 with a drafter that scores its drafts from the
-    committed tokens, n-gram: specdec.engine.shadow): every k = 0 step brings samples of what a
+    committed tokens, n-gram: specdec.engine.shadow): every step brings samples of what a
     step at each k would have committed, from the running requests' own text, so a(k) stays
     current with no re-tries and no first try (a k is chosen once its first sample is in); the
     host time of those lookups measures the drafter's host work per row, added to the start-up
@@ -150,17 +150,17 @@ class Goodput:
         self.top_requests: set = set()  # requests with served rows at the largest k (up to probe_requests)
         self._row_age: dict = {}  # request id -> decode steps seen, while requests are probed
         self.request_probes = 0  # probe steps run
-        self.shadow_evals = int(shadow_evals)  # drafts scored per k = 0 step (the engine's ShadowAcceptance)
+        self.shadow_evals = int(shadow_evals)  # drafts scored per step (the engine's ShadowAcceptance)
         self.serial_drafting = False  # set by the engine: speculative steps run after the host's work (n-gram)
         if shadow_min_rows < 0:
             raise ConfigError(f"policy goodput: need shadow_min_rows >= 0 (got shadow_min_rows={shadow_min_rows})")
         self.shadow_min_rows = float(shadow_min_rows)  # scored drafts per decode row behind a switch on
         self.profile_iters = int(profile_iters)  # graphed steps per start-up table entry
         self.shadowed = False  # the engine feeds shadow samples (``shadowed_``): no forced tries, no re-tries
-        self.shadow_gap = 1.0  # k = 0 steps between shadow scorings (shadow_due)
+        self.shadow_gap = 1.0  # steps between shadow scorings (shadow_due)
         self._since_shadow = 0
         self._spec_behind = False  # the last choice: every k > 0 trailed k = 0 by more than SHADOW_SLACK
-        self.shadow_skipped = 0  # k = 0 steps whose shadow scoring shadow_due skipped
+        self.shadow_skipped = 0  # steps whose shadow scoring shadow_due skipped
         self.wants_counterfactual = bool(counterfactual)  # ask the engine for counterfactual commits
         self.counterfactual_pairs: dict[tuple[int, int], str] = {}  # (k', k) -> label, set by the engine
         self.counterfactual_rows: dict[int, int] = {k: 0 for k in ks}  # counterfactual rows folded into a(k)
@@ -280,11 +280,11 @@ class Goodput:
         self.counterfactual_pairs = {(int(a), int(b)): str(v) for (a, b), v in pairs.items()}
 
     def shadowed_(self) -> None:
-        """The engine will feed shadow samples (StepStats.shadow) from k = 0 steps (see shadow_due)."""
+        """The engine will feed shadow samples (StepStats.shadow) from its steps (see shadow_due)."""
         self.shadowed = True
 
     def shadow_due(self) -> bool:
-        """Whether the engine scores shadow drafts on this k = 0 step. Every step while some k > 0 is
+        """Whether the engine scores shadow drafts on this step. Every step while some k > 0 is
         within SHADOW_SLACK of k = 0 at the current batch; while every one trails by more, the gap
         between scorings grows by ``explore_backoff`` per scoring, up to ``explore_max`` steps (the
         re-tries' backoff), and a choice where speculation is close again resets it. The lookups are
@@ -441,7 +441,7 @@ class Goodput:
         draws: H200 policy envelope at b48c50b, EAGLE-3 on HumanEval, C = 2: goodput held a(32) = 2.77
         where always (tree 32) accepted 3.59, flipped 42 times between trees 8 and 32 and ran 0.93x of
         always. A refresh step at the largest k updates it, and counterfactually every smaller one.
-        Not with shadow samples (n-gram): those score every k on every k = 0 step already."""
+        Not with shadow samples (n-gram): those score every k on every step already."""
         top = self.ks[-1]
         was_refresh, self._refreshed = self._refreshed, False
         if k == top:  # chosen on its merits (after a refresh or not): the gap starts afresh
