@@ -2,17 +2,21 @@
 to the first N prompts of HumanEval / MT-bench, then goodput stepped over them with the H200's C = 1
 step times (k = 0 a 0.61 ms iteration, chains 2 / 4 / 8 0.99 / 0.91 / 0.93 ms: the a93dbd1 envelope's
 served iterations), committing what each chain commits there (``shadow_commits``), with shadow drafts
-scored on k = 0 steps only (``--k0-only``, the engine before this script) or on every step.
-Prints per k the mean of the shadow samples, goodput's final prior a(k), the always-k walk's mean and
-tokens per ms of goodput against never and always chain 8.
+scored on k = 0 steps only (the engine before a93dbd1) or on every step.
+First table: per k the mean of the shadow samples, goodput's final prior a(k), the always-k walk's mean
+and tokens per ms of goodput against never and always chain 8 (per-request estimates with weight 0.1,
+as then). Second table: goodput over the envelope max(never, always chain 2 / 4 / 8) of the same text
+for each ``shadow_ema`` (the weight of a shadow sample in a request's own a(k)), over ``--draws``
+random draws of ``--subset`` of the prompts.
 
-    python experiments/sim_shadow_bias.py --prompts 16 [--k0-only] [--out FILE.md]
+    python experiments/sim_shadow_bias.py --prompts 32 --cache /tmp/answers32.pt [--out FILE.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics as st
 
 import torch
@@ -42,10 +46,10 @@ def answers(n: int, new_tokens: int) -> dict[str, list[tuple[list[int], list[int
     return out
 
 
-def simulate(gens, every_step: bool, repeats: int = 3) -> dict:
+def simulate(gens, every_step: bool, repeats: int = 3, shadow_ema: float = 0.1) -> dict:
     dr = NgramDrafter(3, 1, [2, 4, 8])
     g = Goodput([2, 4, 8], shadow_evals=2, probe_rows=4, probe_cost=4, shadow_min_rows=2, explore_every=32,
-                explore_backoff=2, margin=0.03)
+                explore_backoff=2, margin=0.03, shadow_ema=shadow_ema)
     g.set_table({k: {1: v} for k, v in MS.items()})
     g.shadowed_()
     g.serial_drafting = True
@@ -81,7 +85,8 @@ def simulate(gens, every_step: bool, repeats: int = 3) -> dict:
     return {"shadow_mean": {k: st.mean(v) if v else None for k, v in shadow.items()},
             "prior": dict(g.accept), "walk_mean": walk,
             "k_share": {k: ks.count(k) / len(ks) for k in (0, 2, 4, 8)},
-            "tok_per_ms": toks / t_ms, "never": 1 / MS[0], "always8": walk[8] / MS[8]}
+            "tok_per_ms": toks / t_ms, "never": 1 / MS[0], "always8": walk[8] / MS[8],
+            "envelope": max(1 / MS[0], *(walk[k] / MS[k] for k in (2, 4, 8)))}
 
 
 def main() -> None:
@@ -89,8 +94,20 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cache", default=None, help="answers saved here (torch.save) and read back on later runs")
+    ap.add_argument("--draws", type=int, default=6)
+    ap.add_argument("--subset", type=int, default=16)
+    ap.add_argument("--shadow-emas", default="0.2,0.1,0.05,0.03,0.02,0.01")
     a = ap.parse_args()
-    gens = answers(a.prompts, a.new_tokens)
+    try:
+        gens = torch.load(a.cache) if a.cache else None
+    except FileNotFoundError:
+        gens = None
+    if gens is None or any(len(g) < a.prompts for g in gens.values()):
+        gens = answers(a.prompts, a.new_tokens)
+        if a.cache:
+            torch.save(gens, a.cache)
+    gens = {ws: g[:a.prompts] for ws, g in gens.items()}
     lines = ["| workload | shadow scored on | k | shadow mean | prior a(k) | always-k walk | goodput tok/ms | never | always 8 |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for ws, g in gens.items():
@@ -101,6 +118,18 @@ def main() -> None:
                 lines.append(f"| {ws} | {'every step' if every else 'k = 0 steps'} | {k} | "
                              f"{'-' if sm is None else f'{sm:.2f}'} | {'-' if pr is None else f'{pr:.2f}'} | "
                              f"{r['walk_mean'][k]:.2f} | {r['tok_per_ms']:.3f} | {r['never']:.3f} | {r['always8']:.3f} |")
+    lines += ["", f"goodput / envelope, {a.draws} draws of {a.subset} of {a.prompts} prompts each (min .. max):", "",
+              "| workload | shadow_ema | " + " | ".join(f"draw {i}" for i in range(a.draws)) + " | mean | min |",
+              "| --- | ---: |" + " ---: |" * (a.draws + 2)]
+    for ws, g in gens.items():
+        for e in (float(x) for x in a.shadow_emas.split(",")):
+            rs = []
+            for i in range(a.draws):
+                gg = list(g)
+                random.Random(i).shuffle(gg)
+                r = simulate(gg[:a.subset], True, repeats=1, shadow_ema=e)
+                rs.append(r["tok_per_ms"] / r["envelope"])
+            lines.append(f"| {ws} | {e} | " + " | ".join(f"{x:.3f}" for x in rs) + f" | {st.mean(rs):.3f} | {min(rs):.3f} |")
     text = "\n".join(lines)
     print(text)
     if a.out:

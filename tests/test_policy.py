@@ -358,6 +358,40 @@ def test_goodput_shadow_samples_turn_ngram_on_at_low_batch_only():
     assert all(old.choose(view(1)) == 0 for _ in range(20))
 
 
+def test_goodput_shadow_samples_keep_a_longer_memory_per_request():
+    """With shadow samples a request's own a(k) moves by shadow_ema per sample, not ema: n-gram's
+    acceptance is a heavy tail (most drafts accept nothing, a few all 8), and with ema = 0.1 ten
+    misses in a row turn chain 8 off (own a(8) 2.1 -> 1.4, below the table's 1.59 crossover) just
+    before the text repeats again; with shadow_ema = 0.03 (the default) it stays on. Without
+    shadow samples (served steps) ema still applies."""
+    mean = sum(a * n for a, n in NGRAM_ACCEPTED.items()) / sum(NGRAM_ACCEPTED.values()) + 1
+
+    def after_misses(**kw):
+        pol = Goodput([8], margin=0.03, explore_every=32, shadow_evals=2, **kw)
+        pol.set_table(NGRAM_TABLE)
+        pol.shadowed_()
+        pol.update(StepStats(k=0, num_decode=1, committed=[1], rows=["r"], shadow=[(8, "r", mean)] * 2))
+        assert pol.choose(BatchView(1, 0, rows=("r",))) == 8
+        for _ in range(10):
+            pol.update(StepStats(k=0, num_decode=1, committed=[1], rows=["r"], shadow=[(8, "r", 1)]))
+        return pol
+
+    short = after_misses(shadow_ema=None)  # null: ema (0.1)
+    assert short.row_accept[8]["r"] == pytest.approx(1 + (mean - 1) * 0.9 ** 10)
+    assert short.choose(BatchView(1, 0, rows=("r",))) == 0
+    long = after_misses()
+    assert long.shadow_ema == 0.03
+    assert long.row_accept[8]["r"] == pytest.approx(1 + (mean - 1) * 0.97 ** 10)
+    assert long.choose(BatchView(1, 0, rows=("r",))) == 8
+    served = Goodput([8], margin=0.03, explore_every=32, ema=0.1)
+    served.set_table(NGRAM_TABLE)
+    run_k(served, 8, [3])
+    served.update(StepStats(k=8, num_decode=1, committed=[1], rows=["r"]))
+    assert served.row_accept[8]["r"] == pytest.approx(3 * 0.9 + 0.1)
+    with pytest.raises(ConfigError, match="shadow_ema"):
+        Goodput([8], shadow_ema=0.0)
+
+
 def test_goodput_switch_on_from_shadow_samples_waits_for_enough_of_them():
     """A switch on that rests on shadow samples needs shadow_min_rows scored drafts per decode row
     behind a(k): a few lucky drafts (long runs of repeated text) at 128 rows stay off, as many
