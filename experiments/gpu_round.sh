@@ -10,6 +10,8 @@
 #   bash experiments/gpu_round.sh k0cost      # speculation-off cost, paired: never with each drafter vs the adjacent draft=none runs (K0_R repeats)
 #   bash experiments/gpu_round.sh batch1      # batch-1 HumanEval table, step floor
 #   bash experiments/gpu_round.sh envelope_eagle3 | envelope_ngram   # policy_envelope, one drafter each
+#                                             (ENVELOPE_WORKLOADS, ENVELOPE_EXTRA: more overrides, e.g.
+#                                             workload.stagger=true; ENVELOPE_NAME: the folder / tarball name)
 #   HEAD_DIR=DIR bash experiments/gpu_round.sh eagle3head   # batch-1 tables of the head in DIR (default: the
 #                                             committed one): all 164 HumanEval prompts, and the T = 0
 #                                             eagle3_table (40 prompts of HumanEval and MT-bench), plain beside
@@ -79,8 +81,8 @@ batch1)
 envelope_eagle3|envelope_ngram)
   d=eagle3_smollm2_trees; [ "$stage" = envelope_ngram ] && d=ngram_chains
   run ${ENVELOPE_S:-560} python -m specdec.run --multirun +experiment=policy_envelope draft=$d \
-    workload=${ENVELOPE_WORKLOADS:-humaneval,mt_bench} hydra.sweep.dir="$R/$stage"
-  pack "$stage" "$stage"
+    workload=${ENVELOPE_WORKLOADS:-humaneval,mt_bench} ${ENVELOPE_EXTRA:-} hydra.sweep.dir="$R/${ENVELOPE_NAME:-$stage}"
+  stage=${ENVELOPE_NAME:-$stage}; pack "$stage" "$stage"
   # The adaptive runs' per-step records (k, batch, commits per step) in a second tarball: what a
   # policy's choices rest on, for the diagnosis the metrics' end-of-run state cannot give.
   (cd "$R" && grep -l '"goodput"' "$stage"/*/config.json 2>/dev/null | sed 's|config.json$|steps.jsonl|' \
