@@ -459,6 +459,42 @@ def test_shadow_scoring_runs_on_speculative_steps_too(tiny):
     assert sum(n for _, n in fed) > 0 and pol.shadow_samples > 0
 
 
+def test_ngram_steps_feed_the_smaller_chains_commits_exactly(tiny):
+    """n-gram chains nest (the chain of 2 is the first 2 tokens of the chain of 5), so each step at 5
+    feeds goodput the chain of 2's commits at the same position, min(committed, 3), as counterfactual
+    samples labelled exact; they equal what a chain-2 draft there commits (the drafter's own
+    shadow_commits over the finished text)."""
+    from specdec.policy import Goodput
+
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2, counterfactual=True)
+    fed = []
+    update = pol.update
+    pol.update = lambda stats: (fed.append(stats), update(stats))
+    dr = NgramDrafter(chains=[2, 5])
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024), drafter=dr, policy=pol)
+    assert pol.counterfactual_pairs == {(2, 5): "exact"}
+    pol.set_table({0: {1: 1.0, 4: 1.0}, 2: {1: 1.01, 4: 1.01}, 5: {1: 1.02, 4: 1.02}})
+    for i, p in enumerate(repetitive_prompts(3, seed=4)):
+        engine.add_request(p, 24, request_id=f"q{i}")
+    done = {}
+    while engine.has_work():
+        done.update({r.id: r for r in engine.step(5)})
+    steps = [s for s in fed if s.k == 5]
+    assert steps and all(s.counterfactual == {2: [min(c, 3) for c in s.committed]} for s in steps)
+    assert pol.counterfactual_rows[2] == sum(s.num_decode for s in steps)
+    checked = hits = 0
+    for rid, req in done.items():
+        hist = list(req.prompt_ids) + list(req.output_ids)
+        mine = [(s.committed[s.rows.index(rid)], s.counterfactual[2][s.rows.index(rid)]) for s in steps if rid in s.rows]
+        start = len(req.prompt_ids)  # the first decode step commits the prefill's token first
+        for c, cf2 in mine:
+            if start + 5 <= len(hist):
+                assert cf2 == dr.shadow_commits(hist, start, 2)
+                checked, hits = checked + 1, hits + (cf2 > 1)
+            start += c
+    assert checked > 10 and hits > 0
+
+
 def test_goodput_prices_ngram_drafting_by_the_drafters_own_host_time(tiny):
     """Shadow samples carry the drafter's measured host ms per drafted row (n-gram: its indexed
     lookups), not the time of the scans that score shadow drafts at past positions."""

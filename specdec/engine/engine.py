@@ -256,6 +256,7 @@ class Engine:
         # Counterfactual acceptance: a speculative step at k also scores every smaller k' of the
         # policy's ks on its verified path (EAGLE-3; real acceptance only: a replayed verdict is
         # drawn per k, not a path the smaller trees share). {T: Counterfactual}; empty: off.
+        self._host_cf: tuple[int, ...] = ()  # nested chains: the ks whose commits the host derives
         counterfactual = self._counterfactual = self._plan_counterfactual(policy, drafter, acceptance)
 
         def body(B: int, T: int, context) -> None:
@@ -355,8 +356,9 @@ class Engine:
     def _plan_counterfactual(self, policy, drafter, acceptance) -> dict:
         """{T: Counterfactual} for the policy's speculative ks that have smaller ones (reserving their
         output columns, asking the drafter for candidate ids, telling the policy the pairs), or {}
-        when the policy does not ask, the drafter cannot score (no ``counterfactual_commits_``), or
-        acceptance is replayed (then the replay scores the smaller sizes itself: no device plan)."""
+        when the policy does not ask, the drafter cannot score (no ``counterfactual_commits_``), its
+        chains nest (n-gram: the host derives the smaller chains' commits, ``_host_cf``; no device
+        plan), or acceptance is replayed (then the replay scores the smaller sizes itself)."""
         if policy is None or not wants_counterfactual(policy):
             return {}
         if acceptance is not None:
@@ -366,9 +368,16 @@ class Engine:
                 if hasattr(policy, "counterfactual_"):
                     policy.counterfactual_({(j, k): "replayed" for k in ks for j in ks if j < k})
             return {}
+        ks = sorted(k for k in policy.ks if k > 0)
+        if getattr(drafter, "nested_chains", False):
+            # Chains that nest (n-gram): the host reads a smaller chain's commits off each row's
+            # committed count (min(committed, k' + 1)) when the step is fed to the policy
+            self._host_cf = tuple(ks)
+            if hasattr(policy, "counterfactual_") and len(ks) > 1:
+                policy.counterfactual_({(j, k): "exact" for k in ks for j in ks if j < k})
+            return {}
         if not hasattr(drafter, "counterfactual_commits_"):
             return {}
-        ks = sorted(k for k in policy.ks if k > 0)
         plan, pairs = {}, {}
         dev = self.state.device
         for k in ks:
@@ -613,6 +622,8 @@ class Engine:
                 cf = {j: [row[i] for row in step.cf] for i, j in enumerate(ks)}
             elif step.cf_by_k is not None:
                 cf = step.cf_by_k
+            elif self._host_cf and step.k > 0:
+                cf = {j: [min(len(t), j + 1) for t in tokens] for j in self._host_cf if j < step.k} or None
             self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
                                          rows=[r.id for r, _ in step.rows] if self._policy_rows else None,
                                          step_ms=self.stepper.step_ms(step), shadow=shadow, shadow_ms=shadow_ms,

@@ -34,6 +34,11 @@ class NgramDrafter:
     capturable = True
     extends_at_k0 = False  # no draft state: a k = 0 step is plain decoding's step
     prefills = False  # no draft state over the prompt either: prefill is the target's alone
+    # A chain of k' < k tokens is the first k' tokens of the chain of k (one match, whatever k: the
+    # lookup picks the n-gram's latest occurrence, then slices), so a step at k also tells what k'
+    # would have committed at the same position: min(committed, k' + 1) (the engine's host
+    # counterfactual samples; exact under greedy verification)
+    nested_chains = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, chains=None):
         if not 1 <= min_ngram <= max_ngram:
