@@ -61,7 +61,8 @@ class Goodput:
     836 vs 581 ms over the run: more iterations, more prefill forwards; 0.43 vs 0.24 s outside the
     engine's steps) and always (tree 32) served 1.08x more tokens per second.
     Counterfactual acceptance (``counterfactual``, with a drafter that scores its smaller trees on
-    the verified path of a larger one, EAGLE-3: kernels_triton/counterfactual.py, or with replayed
+    the verified path of a larger one, EAGLE-3: kernels_triton/counterfactual.py, with chains that
+    nest, n-gram: the engine reads min(committed, k' + 1) off each row on the host, or with replayed
     acceptance, which draws the smaller sizes at the same quantile: specdec.acceptance): every step at k
     also brings, per row, what each smaller k' of ks would have committed on the same text, folded
     into a(k') (the row's own and the prior) like a step served at k'; so one k's steps keep the
