@@ -416,6 +416,31 @@ def test_goodput_switch_on_from_shadow_samples_waits_for_enough_of_them():
         Goodput([8], shadow_min_rows=-1)
 
 
+def test_goodput_iter_median_is_robust_to_a_heavy_tail_of_wall_times():
+    """iter_median > 0: a (k, bucket)'s served iteration time is the median of the recent iterations, not
+    the EMA: chain 8 iterations of 1.6 ms with every fourth one stalled (6 ms) keep chain 8 at 1.6 ms and
+    chosen (2.2 tokens a row against k = 0's 1 in 0.76 ms), where the EMA of the same samples rises to
+    ~2.1-2.4 ms and turns speculation off; samples of other buckets or ks do not mix in."""
+    table = {0: {16: 0.76}, 8: {16: 1.6}}
+
+    def fed(**kw):
+        pol = Goodput([8], margin=0.03, explore_every=0, **kw)
+        pol.set_table(table)
+        run_k(pol, 8, [2.2] * 16)
+        for i in range(64):
+            pol.iteration_(8, 16, 6.0 if i % 4 == 3 else 1.6, 0.1)
+            pol.iteration_(0, 16, 0.76, 0.1)
+        return pol
+
+    med, ema = fed(iter_median=31), fed()
+    assert med.iter_ms(8, 16) == pytest.approx(1.6) and med.iter_ms(0, 16) == pytest.approx(0.76)
+    assert ema.iter_ms(8, 16) > 2.0
+    assert med.choose(view(16)) == 8
+    assert ema.choose(view(16)) == 0
+    with pytest.raises(ConfigError, match="iter_median"):
+        Goodput([8], iter_median=-1)
+
+
 def test_goodput_prices_host_bound_iterations():
     """When the host sets the pace (each iteration's host work exceeds the device step), a larger
     tree costs no more wall time per iteration: goodput moves from tree 8 (fastest device step) to
