@@ -700,10 +700,11 @@ def _policy_envelope(rs: list[Run]):
     return tok, names, cs, env, order
 
 
-def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, list]], str]]:
+def envelope_tables(runs: list[Run]) -> list[tuple]:
     """Per study (workload x target x drafter x temperature x other settings, swept over C): each
     policy's tok/s divided by the envelope max(never, always) at every C, plus the k each run held.
-    Returns (table, plot series incl. the envelope, plot title) per study with both never and always."""
+    Returns (table, plot series incl. the envelope, plot title, k-choice table or None, run-to-run spread
+    table or None: with repeated runs) per study with both never and always."""
     swept = [r for r in runs if _concurrency(r) is not None and r.get("draft.name", "none") != "none"]
     if not swept:
         return []
@@ -761,7 +762,25 @@ def envelope_tables(runs: list[Run]) -> list[tuple[Table, list[tuple[str, list, 
                            "load change until it held, CUDA graphs captured after start-up; k shares over all "
                            "decode steps.", f"kchoice{len(out) + 1}",
                            kcols, krows)
-        out.append((table, series, label, ktable))
+        spread = None
+        if hi > 1:  # repeats: how far apart a point's runs are, against the 2% a verdict needs
+            key_tok = "steady_tok_per_s" if _steady(rs) else "output_tok_per_s"
+            vals: dict = {}
+            for r in rs:
+                v = r.metrics.get(key_tok)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    vals.setdefault((policy_label(r), _concurrency(r)), []).append(float(v))
+
+            def _spread(p, c):
+                xs = vals.get((p, c), [])
+                return f"{100 * (max(xs) - min(xs)) / (sum(xs) / len(xs)):.1f}%" if len(xs) > 1 and sum(xs) else "-"
+
+            spread = Table(f"Run-to-run spread: {label}", f"(max - min) / mean of the tok/s of each point's repeated "
+                           f"runs ({label}): a ratio to the envelope whose spread exceeds the gap to 0.98 or 1.05 is "
+                           "not resolved by these runs.", f"spread{len(out) + 1}",
+                           [Column("Policy", None, "l")] + [Column(f"C={c}", str(c), "r") for c in cs],
+                           [[p] + [_spread(p, c) for c in cs] for p in order])
+        out.append((table, series, label, ktable, spread))
     return out
 
 
@@ -1347,8 +1366,10 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
             else:
                 figures.append(("Output tok/s against concurrency C", names[0]))
                 plot_files += names
-        for i, (table, series, label, ktable) in enumerate(envelope_tables(runs), 1):
+        for i, (table, series, label, ktable, spread) in enumerate(envelope_tables(runs), 1):
             tables.append(table)
+            if spread is not None:
+                tables.append(spread)
             if ktable is not None:
                 tables.append(ktable)
             names = plot_envelope(series, out, label, f"policy_envelope_{i:02d}_" + _slug(label))

@@ -371,6 +371,7 @@ def test_policy_envelope_ratios_and_k_choice(tmp_path):
                     json.dumps({"step": i, "decode_bs": b, "k": k, "prefill_reqs": 0}) + "\n"
                     for i, (b, k) in enumerate(zip(bs, ks))))
     md, files = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out")
+    assert "Run-to-run spread" not in md  # one run a point: no spread table
     title = next(line[3:] for line in md.splitlines() if line.startswith("## Policy envelope"))
     rows = table(md, title)
     assert rows[0] == ["Policy", "C=1", "C=2", "C=4", "min", "max"]
@@ -519,6 +520,10 @@ def test_policy_envelope_averages_repeats_over_seed(tmp_path):
     by = {r[0].split()[0]: r for r in table(md, titles[0])[1:]}
     assert by["goodput"][1:3] == ["0.969", "1.050"]  # 155 / 160, 210 / 200
     assert "Each point is the mean of 2 runs." in md
+    # ... and how far apart each point's runs are
+    spread = {r[0].split()[0]: r for r in table(md, "Run-to-run spread: " + titles[0].split(": ", 1)[1])[1:]}
+    assert spread["never"][1:3] == ["9.5%", "0.0%"]  # 10 / 105
+    assert spread["goodput"][1:3] == ["6.5%", "9.5%"]  # 10 / 155, 20 / 210
 
 
 def test_policy_envelope_uses_the_steady_window_of_timed_runs(tmp_path):
