@@ -459,6 +459,26 @@ def test_shadow_scoring_runs_on_speculative_steps_too(tiny):
     assert sum(n for _, n in fed) > 0 and pol.shadow_samples > 0
 
 
+def test_step_trace_carries_the_shadow_samples(tiny):
+    """With a step trace (steps.jsonl) each iteration's record holds the shadow samples scored on it, by
+    k: every sample the policy got, and only those (what a(k) rested on while a policy sat at k = 0)."""
+    from specdec.policy import Goodput
+
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2)
+    trace = []
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=NgramDrafter(chains=[2, 5]), policy=pol, trace=trace.append)
+    pol.set_table({0: {1: 1.0, 4: 1.0}, 2: {1: 9.0, 4: 9.0}, 5: {1: 9.0, 4: 9.0}})  # stays off
+    for p in repetitive_prompts(3, seed=4):
+        engine.add_request(p, 16)
+    while engine.has_work():
+        engine.step()
+    engine.flush_trace()
+    got = [(int(j), c) for rec in trace for j, cs in rec.get("shadow", {}).items() for c in cs]
+    assert got and len(got) == pol.shadow_samples
+    assert {j for j, _ in got} == {2, 5} and all(1 <= c <= j + 1 for j, c in got)
+
+
 def test_ngram_steps_feed_the_smaller_chains_commits_exactly(tiny):
     """n-gram chains nest (the chain of 2 is the first 2 tokens of the chain of 5), so each step at 5
     feeds goodput the chain of 2's commits at the same position, min(committed, 3), as counterfactual

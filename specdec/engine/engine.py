@@ -309,6 +309,7 @@ class Engine:
             self.startup_s += time.perf_counter() - t0
         self._timer = PhaseTimer(model.device)
         self._pending_trace: dict[int, dict] = {}
+        self._trace_shadow: dict[int, list[int]] = {}  # shadow samples {k: commits} of the iteration's commits (trace)
         self._step_no = 0
         # Launched steps not yet committed, oldest first: with overlapped decoding the one in
         # flight; a step stays here until its commit has succeeded (see step()).
@@ -588,6 +589,9 @@ class Engine:
                 accepted_ids=[i for kc, _, ids in committed if kc > 0 for i in ids],
                 running=len(sched.admitted), waiting=len(sched.waiting), free_pages=self.kv.num_free,
                 prefill_ms=0.0, decode_ms=0.0)
+            if self._trace_shadow:  # what each k would have committed, scored in the shadow this iteration
+                self._pending_trace[no]["shadow"] = {str(j): c for j, c in sorted(self._trace_shadow.items())}
+                self._trace_shadow = {}
             self._emit_trace(wait=False)
         return finished
 
@@ -616,6 +620,9 @@ class Engine:
                     shadow_ms = getattr(self.drafter, "host_ms_per_row", None)
                     if shadow_ms is None:
                         shadow_ms = (sh.lookup_s - s0) * 1e3 / (sh.lookups - n0)
+                    if self.trace is not None:
+                        for j, _, c in shadow:
+                            self._trace_shadow.setdefault(j, []).append(c)
             cf = None
             if step.cf is not None:  # columns in the order of the plan's smaller ks
                 ks = self._counterfactual[self.stepper.num_nodes(step.k)].ks
