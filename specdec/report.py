@@ -679,6 +679,11 @@ def _steady_note(rs: list[Run]) -> str:
             "ramp-up and the drain are left out; whole-run tok/s in the Runs table)")
 
 
+def _tok_key(rs: list[Run]) -> str:
+    """The tok/s metric a study compares: the steady window's when every run has one, else the whole run's."""
+    return "steady_tok_per_s" if _steady(rs) else "output_tok_per_s"
+
+
 def _policy_envelope(rs: list[Run]):
     """Mean tok/s per policy label and C over runs of one study, with the envelope max(never, always)
     per C. Returns (tok {policy: {C: tok/s}}, policy names, Cs, envelope {C: tok/s}, policies in table
@@ -686,7 +691,7 @@ def _policy_envelope(rs: list[Run]):
     tok/s is the steady window's when every run of the study has one (``_steady``), else the whole run's."""
     by: dict[str, dict[int, list]] = {}
     names = {}
-    key = "steady_tok_per_s" if _steady(rs) else "output_tok_per_s"
+    key = _tok_key(rs)
     for r in rs:
         by.setdefault(policy_label(r), {}).setdefault(_concurrency(r), []).append(r.metrics.get(key))
         names[policy_label(r)] = r.get("policy.name", "never")
@@ -764,7 +769,7 @@ def envelope_tables(runs: list[Run]) -> list[tuple]:
                            kcols, krows)
         spread = None
         if hi > 1:  # repeats: how far apart a point's runs are, against the 2% a verdict needs
-            key_tok = "steady_tok_per_s" if _steady(rs) else "output_tok_per_s"
+            key_tok = _tok_key(rs)
             vals: dict = {}
             for r in rs:
                 v = r.metrics.get(key_tok)

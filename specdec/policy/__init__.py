@@ -74,7 +74,7 @@ def build_policy(cfg, sizes=None):
                        defer_first_tries=config_flag("policy.defer_first_tries", cfg.get("defer_first_tries", False)),
                        shadow_min_rows=float(cfg.get("shadow_min_rows", 2.0)),
                        probe_requests=int(cfg.get("probe_requests", 0) or 0),
-                       shadow_ema=None if cfg.get("shadow_ema", 0.03) is None else float(cfg.get("shadow_ema", 0.03)),
+                       shadow_ema=cfg.get("shadow_ema", 0.03),
                        iter_median=int(cfg.get("iter_median", 0) or 0))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))

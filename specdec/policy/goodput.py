@@ -122,10 +122,11 @@ class Goodput:
                               f"explore_backoff={explore_backoff}, explore_max={explore_max}, "
                               f"explore_every={explore_every})")
         self.ema, self.margin, self.explore_every = float(ema), float(margin), int(explore_every)
+        shadow_ema = None if shadow_ema is None else float(shadow_ema)
         if shadow_ema is not None and not 0.0 < shadow_ema <= 1.0:
             raise ConfigError(f"policy goodput: need 0 < shadow_ema <= 1 (null: ema; got shadow_ema={shadow_ema})")
         # a request's own a(k) with shadow samples: a longer memory than ema (see _observe_)
-        self.shadow_ema = self.ema if shadow_ema is None else float(shadow_ema)
+        self.shadow_ema = self.ema if shadow_ema is None else shadow_ema
         self.explore_backoff, self.explore_max = float(explore_backoff), int(explore_max)
         if shadow_evals < 0 or profile_iters < 1:
             raise ConfigError(f"policy goodput: need shadow_evals >= 0 and profile_iters >= 1 (got "
@@ -180,7 +181,7 @@ class Goodput:
         self.iter_samples: dict[tuple[int, int], int] = {}  # (k, table batch) -> unmixed iterations seen
         if iter_median < 0:
             raise ConfigError(f"policy goodput: need iter_median >= 0 (0: the EMA; got iter_median={iter_median})")
-        # > 0: t(k, B) of served iterations is the median of the last this many (unmixed, unclamped) instead of the EMA
+        # > 0: t(k, B) of served iterations is the median of the last this many unmixed ones instead of the EMA
         self.iter_median = int(iter_median)
         self._iter_recent: dict[tuple[int, int], deque] = {}
         self.host_ms: dict[int, float] = {}  # table batch -> EMA of host ms per iteration (any k)
