@@ -24,6 +24,14 @@
 #   LONG_STEPS=12000 bash experiments/train_head_gpu.sh train            # first call
 #   RESUME=1 LONG_STEPS=12000 bash experiments/train_head_gpu.sh train   # each later call
 #
+# Warm start: INIT_FROM=DIR (e.g. checkpoints/eagle3-smollm2-135m) trains that head further on the
+# staged data (train.init_from); TRAIN_EXTRA adds overrides (e.g. "train.lr=3e-4 train.warmup_steps=100").
+#
+# The staged data lives on the lent machine only. PACK_DATA=1 with `data` also returns it: the data
+# directory as xz parts of <= 15 MiB in $OUT (data10x.tar.xz.partNN). If the machine is given back
+# before `train`, copy those parts into .stage/data (gitignored), carry it in the train call, and
+# `train` unpacks them into $S/data10x first (the model still needs the four setup calls).
+#
 # Back on the workstation (files of $OUT fetched into DIR):
 #   mkdir -p checkpoints/eagle3-smollm2-135m && cp DIR/eagle3-smollm2-135m/* checkpoints/eagle3-smollm2-135m/
 #   python -c "from specdec.train import rewrite_checkpoint as r; r('checkpoints/eagle3-smollm2-135m')"  # one file
@@ -66,10 +74,18 @@ print(f"staged data {d}: {len(shard_paths(d))} shards, {len(done)} items, {len(s
       f"{tokens} tokens ({answer} answer tokens), sequences per sample {per}")
 EOF
   cp "$DATA/data_stats.json" "$OUT/data_stats.json" 2>/dev/null || true
+  if [ "${PACK_DATA:-0}" = 1 ]; then
+    tar -C "$S" -cf - data10x | xz -T0 -3 | split -b 15M -d - "$OUT/data10x.tar.xz.part"
+    ls -l "$OUT"/data10x.tar.xz.part*
+  fi
   [ "$mode" = all ] || exit 0
 fi
 
 if [ "$mode" = train ] || [ "$mode" = all ]; then
+  if [ ! -f "$DATA/prompts.jsonl" ] && ls .stage/data/data10x.tar.xz.part* >/dev/null 2>&1; then
+    cat .stage/data/data10x.tar.xz.part* | xz -d | tar -C "$S" -xf -  # carried back from a PACK_DATA run
+    echo "unpacked the carried data into $DATA"
+  fi
   if [ ! -f "$DATA/prompts.jsonl" ] || ! ls "$DATA"/answers/shard-*.jsonl >/dev/null 2>&1; then
     echo "error: no staged data in $DATA (this machine did not run 'data', or it was given back since):" \
          "run 'bash experiments/train_head_gpu.sh data' on it first" >&2
@@ -78,6 +94,8 @@ if [ "$mode" = train ] || [ "$mode" = all ]; then
   extra=()
   if [ -n "${LONG_STEPS:-}" ]; then extra+=(train.fit_budget=false train.max_steps="$LONG_STEPS"); fi
   if [ "${RESUME:-0}" = 1 ]; then extra+=(train.resume=true); fi
+  if [ -n "${INIT_FROM:-}" ]; then extra+=(train.init_from="$(realpath "$INIT_FROM")"); fi
+  read -r -a more <<< "${TRAIN_EXTRA:-}"; extra+=("${more[@]}")
   rm -rf "$CKPT"
   python -m specdec.train "$exp" logger=none device=cuda train.data.dir="$DATA" \
     train.time_budget_s="${TRAIN_BUDGET_S:-360}" train.state_path="$S/train10x_state.pt" \

@@ -173,6 +173,24 @@ class Trainer:
         return sums.summary("eval")
 
 
+def load_init_head(path, target_config, device: str):
+    """The head a warm start begins from (``train.init_from``: a checkpoint directory in the official
+    layout, e.g. the committed head), in fp32 on ``device``; None when unset. Its captured layers and
+    draft vocabulary are kept (training continues the same head), so ``train.draft_vocab_size`` and
+    ``train.target_layers`` do not apply to it."""
+    if not path:
+        return None
+    from .models.eagle3 import Eagle3Head
+
+    p = Path(str(path)).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"train.init_from={path}: not a directory (a draft checkpoint: config.json + weights)")
+    head = Eagle3Head.load(p, device=device, dtype=torch.float32, backend="torch", target=target_config)
+    log(f"warm start from {p}: layers {list(head.config.target_layers)}, "
+        f"draft vocabulary {head.config.draft_vocab_size}")
+    return head
+
+
 def init_from_target_(head, model) -> None:
     """Start lm_head as the target's output rows of the draft vocabulary and norm as the target's
     final norm (``train.init_from_target``). Off in the shipped experiment: with a random fc the
@@ -239,6 +257,10 @@ def model_card(m: dict, cfg: DictConfig, final: bool) -> str:
                    + (f", samples 1-{d['samples']} sampled at temperature {d.get('sample_temperature')}"
                       if d.get("samples") else "") + "); held out by prompt (no sample of a held-out "
                    "prompt is trained on), target features " + str(d.get("features", "stored")) + ".")
+    if m.get("init_from"):
+        reused += (f"\n- Warm start: training began from the head in {m['init_from']} (its weights and draft "
+                   "vocabulary); that head's own data and steps come before the ones below, and its training "
+                   "prompts may share items with this held-out split, so the held-out rows can read high.")
     if m["phase_s"].get("resumed_from_step") is not None:
         reused += f"\n- Training resumed from a saved state at step {m['phase_s']['resumed_from_step']}."
     wall = ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_s"].items() if k != "resumed_from_step")
@@ -606,6 +628,9 @@ def run(cfg: DictConfig) -> dict:
         eos.add(int(tokenizer.eos_token_id))
     layers = tuple(int(x) for x in tc.target_layers) if tc.target_layers else None
     head_cfg = Eagle3Config.for_target(model.config, int(tc.draft_vocab_size), target_layers=layers)
+    base = load_init_head(tc.get("init_from"), model.config, device)
+    if base is not None:  # a warm start keeps the head's own layers and draft vocabulary
+        head_cfg = base.config
     max_seq = int(tc.data.max_seq_len)
     state_path = Path(tc.get("state_path") or run_dir / "train_state.pt")  # for train.resume
 
@@ -634,7 +659,10 @@ def run(cfg: DictConfig) -> dict:
 
         resume = stages.load_train_state(state_path) if tc.get("resume") else None
         target_dir = Path(cfg.target.path) if cfg.target.path else smollm2_dir()
-        if resume is None:
+        if resume is None and base is not None:
+            vocab_ids = base.draft_to_target_table().long().cpu()
+            coverage = vocab_coverage(ids_list, plens, vocab_ids, model.config.vocab_size)
+        elif resume is None:
             vocab_ids, coverage = draft_vocab(ids_list, plens, int(tc.draft_vocab_size), model.config.vocab_size,
                                               always=special_ids(target_dir, tokenizer, model))
         else:
@@ -686,10 +714,13 @@ def run(cfg: DictConfig) -> dict:
                           features="online (captured per batch)" if online else "stored")
 
         # 5. Head and training.
-        head = Eagle3Head(head_cfg, backend="torch").init_weights_(seed)
-        head.set_vocab_(vocab_ids)
-        head.to_device(device, torch.float32)
-        if tc.init_from_target and resume is None:
+        if base is not None:
+            head = base  # its weights and vocabulary; a resumed state below replaces the weights
+        else:
+            head = Eagle3Head(head_cfg, backend="torch").init_weights_(seed)
+            head.set_vocab_(vocab_ids)
+            head.to_device(device, torch.float32)
+        if tc.init_from_target and resume is None and base is None:
             init_from_target_(head, model)
         trainer = Trainer(head, model, tc, device)
         if resume is not None:
@@ -698,8 +729,9 @@ def run(cfg: DictConfig) -> dict:
             phase["resumed_from_step"] = int(resume["progress"]["step"])
         card = {"target": cfg.target.name, "commit": git_commit(), "device_name": _device_name(device),
                 "overrides": _overrides(), "target_layers": head_cfg.target_layers,
-                "checkpoint_dtype": str(tc.checkpoint_dtype), "draft_vocab_size": int(tc.draft_vocab_size),
-                "vocab_coverage": coverage, "data": data_stats, "ttt_steps": int(tc.ttt_steps)}
+                "checkpoint_dtype": str(tc.checkpoint_dtype), "draft_vocab_size": int(head_cfg.draft_vocab_size),
+                "vocab_coverage": coverage, "data": data_stats, "ttt_steps": int(tc.ttt_steps),
+                "init_from": str(tc.init_from) if base is not None else None}
         ckpt_dir = run_dir / "checkpoint"
 
         def snapshot(path: Path, train_state: dict, eval_metrics: dict, final: bool) -> None:

@@ -315,12 +315,28 @@ def test_train_entry_smoke_writes_a_loadable_checkpoint(tmp_path, smollm2):
         assert "Held-out acceptance" in card and "HumanEval and MT-bench" in card
     assert not (run_dir / "wandb").exists()
 
+    # Warm start from the exported head: its weights and draft vocabulary carry over (the run's own
+    # draft_vocab_size is not used), so training starts where the first run ended.
+    warm = tmp_path / "warm"
+    proc = run_train("+experiment=train_eagle3_smollm2_smoke", "logger=none", "device=cpu",
+                     f"train.data.reuse={seq_file}", f"train.init_from={tmp_path}/export",
+                     "train.draft_vocab_size=1024", tmp_path=warm)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w = json.loads((warm / "run" / "metrics.json").read_text())
+    assert w["draft_vocab_size"] == 512
+    assert w["train"]["first"]["train/loss_1"] < m["train"]["first"]["train/loss_1"]
+    base = Eagle3Head.load(tmp_path / "export", target=smollm2.config, backend="torch")
+    head = Eagle3Head.load(warm / "run" / "checkpoint", target=smollm2.config, backend="torch")
+    assert torch.equal(head.d2t, base.d2t)
+    assert "Warm start" in (warm / "run" / "checkpoint" / "README.md").read_text()
+
 
 @pytest.mark.parametrize("overrides,needle", [
     (["+experiment=quickstart"], "no `train` section"),
     (["+experiment=train_eagle3_smollm2_smoke", "train.draft_vocab_size=16384", "train.shard_mb=15"],
      "over train.shard_mb=15"),
     (["+experiment=train_eagle3_smollm2_smoke", "train.draft_vocab_size=0"], "must be in 1..49152"),
+    (["+experiment=train_eagle3_smollm2_smoke", "train.init_from=/nonexistent/head"], "train.init_from"),
 ])
 def test_train_entry_rejects_bad_settings_before_generating(tmp_path, overrides, needle):
     proc = run_train(*overrides, "logger=none", "device=cpu", tmp_path=tmp_path, timeout=120)
