@@ -12,7 +12,9 @@ can be aimed at what dominates.
 
 Run (GPU, ~1 min; no model files):
     python experiments/profile_ttt.py [--shapes 16384x256,16384x640,16384x1024,65536x640] [--out FILE.json]
-On a CPU it runs a tiny shape only (--quick), to check the script.
+--variants eager,compile: the same shapes with train.compile's torch.compile of the layer and the
+loss (ttt_functions), beside the eager step in one run. On a CPU it runs a tiny shape only (--quick),
+to check the script.
 """
 
 import argparse
@@ -60,10 +62,10 @@ def batch(cfg: Eagle3Config, B: int, T: int, device: str, dtype):
     return tokens, feats, teacher, argmax, lengths, plens
 
 
-def step(head, embed, vocab_weight, params, opt, b, steps: int, device: str):
+def step(head, embed, vocab_weight, params, opt, b, steps: int, device: str, compile: bool = False):
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
     with ctx:
-        out = ttt_unroll(head, embed, vocab_weight, *b, steps=steps, decay=0.8)
+        out = ttt_unroll(head, embed, vocab_weight, *b, steps=steps, decay=0.8, compile=compile)
     opt.zero_grad(set_to_none=True)
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -81,6 +83,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--variants", default="eager",
+                    help="comma list of eager (the layer and loss as written) and compile (train.compile=true: "
+                         "torch.compile of both, dynamic shapes; its first step's compile time is reported)")
     ap.add_argument("--quick", action="store_true", help="a tiny shape (CPU check of the script)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -93,39 +98,52 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     results = []
-    for spec in shapes.split(","):
-        tokens, T = (int(x) for x in spec.split("x"))
-        B = max(1, tokens // T)
-        b = batch(cfg, B, T, device, dtype)
-        for _ in range(args.warmup):
-            step(head, embed, vocab_weight, params, opt, b, args.ttt_steps, device)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step(head, embed, vocab_weight, params, opt, b, args.ttt_steps, device)
-        sync()
-        ms = (time.perf_counter() - t0) / args.steps * 1e3
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
-        with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(args.profile_steps):
-                step(head, embed, vocab_weight, params, opt, b, args.ttt_steps, device)
+    for variant in args.variants.split(","):
+        if variant not in ("eager", "compile"):
+            raise SystemExit(f"--variants: unknown variant {variant!r} (eager, compile)")
+        comp = variant == "compile"
+        for spec in shapes.split(","):
+            tokens, T = (int(x) for x in spec.split("x"))
+            B = max(1, tokens // T)
+            b = batch(cfg, B, T, device, dtype)
+            t0 = time.perf_counter()
+            step(head, embed, vocab_weight, params, opt, b, args.ttt_steps, device, comp)
             sync()
-        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-        ev = sorted(prof.key_averages(), key=lambda e: getattr(e, key.replace("cuda", "device"), 0)
-                    or getattr(e, key, 0), reverse=True)
-        top = []
-        for e in ev[:args.top]:
-            us = (getattr(e, "self_device_time_total", None) or getattr(e, key, 0)) / args.profile_steps
-            top.append({"name": e.key[:90], "ms_per_step": round(us / 1e3, 3), "calls_per_step": e.count // args.profile_steps})
-        rec = {"tokens": B * T, "B": B, "T": T, "ms_per_step": round(ms, 2),
-               "tokens_per_s": round(B * T / ms * 1e3), "peak_gib": None if peak is None else round(peak, 1), "top": top}
-        results.append(rec)
-        print(f"== {B} x {T} ({B * T} tokens): {ms:.1f} ms/step, {rec['tokens_per_s']} tok/s, peak {rec['peak_gib']} GiB")
-        for t in top:
-            print(f"   {t['ms_per_step']:8.3f} ms  {t['calls_per_step']:5d}x  {t['name']}")
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+            first_s = time.perf_counter() - t0  # with compile: the compile (once per unroll depth, any shape)
+            for _ in range(args.warmup):
+                step(head, embed, vocab_weight, params, opt, b, args.ttt_steps, device, comp)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(head, embed, vocab_weight, params, opt, b, args.ttt_steps, device, comp)
+            sync()
+            ms = (time.perf_counter() - t0) / args.steps * 1e3
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(args.profile_steps):
+                    step(head, embed, vocab_weight, params, opt, b, args.ttt_steps, device, comp)
+                sync()
+            key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+            ev = sorted(prof.key_averages(), key=lambda e: getattr(e, key.replace("cuda", "device"), 0)
+                        or getattr(e, key, 0), reverse=True)
+            top = []
+            for e in ev[:args.top]:
+                us = (getattr(e, "self_device_time_total", None) or getattr(e, key, 0)) / args.profile_steps
+                top.append({"name": e.key[:90], "ms_per_step": round(us / 1e3, 3), "calls_per_step": e.count // args.profile_steps})
+            rec = {"variant": variant, "tokens": B * T, "B": B, "T": T, "ms_per_step": round(ms, 2),
+                   "tokens_per_s": round(B * T / ms * 1e3), "first_step_s": round(first_s, 1),
+                   "peak_gib": None if peak is None else round(peak, 1), "top": top}
+            results.append(rec)
+            print(f"== {variant} {B} x {T} ({B * T} tokens): {ms:.1f} ms/step, {rec['tokens_per_s']} tok/s, "
+                  f"first step {first_s:.1f} s, peak {rec['peak_gib']} GiB")
+            for t in top:
+                print(f"   {t['ms_per_step']:8.3f} ms  {t['calls_per_step']:5d}x  {t['name']}")
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+    print("\nvariant  shape       ms/step  tok/s")
+    for r in results:
+        print(f"{r['variant']:8s} {r['B']:3d}x{r['T']:<5d} {r['ms_per_step']:8.1f}  {r['tokens_per_s']}")
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab}
     if args.out:

@@ -137,6 +137,7 @@ class Trainer:
         self.head, self.tc, self.device = head, tc, device
         self.steps = int(tc.ttt_steps)
         self.decay = float(tc.step_decay)
+        self.compile = bool(tc.get("compile", False))
         self.embed = model.embed.detach()  # [V, H] frozen target embedding
         out_w = (model.embed if model.lm_head is None else model.lm_head).detach()
         draft_ids = head.to_target_ids(torch.arange(head.config.draft_vocab_size, device=head.device))
@@ -148,11 +149,12 @@ class Trainer:
         # bf16 autocast on the GPU (fp32 master weights); plain fp32 on the CPU.
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
 
-    def forward(self, batch):
+    def forward(self, batch, compile: bool | None = None):
         with self.autocast():
             return ttt_unroll(self.head, self.embed, self.vocab_weight, batch.tokens, batch.features,
                               batch.teacher_hidden, batch.argmax, batch.lengths, batch.prompt_lens,
-                              steps=self.steps, decay=self.decay)
+                              steps=self.steps, decay=self.decay,
+                              compile=self.compile if compile is None else compile)
 
     def train_step(self, batch, lr: float):
         """One AdamW step at ``lr``; returns (TTTOut, gradient norm before clipping)."""
@@ -169,7 +171,7 @@ class Trainer:
     def evaluate(self, store: FeatureStore, batches) -> dict:
         sums = StepSums(self.steps, self.device)
         for b in batches:
-            sums.add_(self.forward(gather_batch(store, b, self.device)))
+            sums.add_(self.forward(gather_batch(store, b, self.device), compile=False))  # no second compile
         return sums.summary("eval")
 
 

@@ -206,6 +206,35 @@ def test_toy_training_loss_falls_and_checkpoint_drafts(tiny, tmp_path):
     assert sum(accepted) / len(accepted) > 0.5  # the trained head's drafts are accepted
 
 
+@pytest.mark.slow
+def test_compiled_training_step_equals_eager(tiny):
+    """train.compile=true: the compiled layer and loss give the eager step's loss, metrics and weights
+    (two padded shapes: the dynamic-shape compile serves both), and evaluation stays eager."""
+    prompts = rand_prompts([5, 9, 14, 7, 11, 6], seed=4)
+    outs = generate(tiny, prompts, 12, engine_config=EngineConfig(max_batch_size=8, page_size=4), eos_ids=())
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    plens = [len(p) for p in prompts]
+    vocab, _ = draft_vocab(seqs, plens, 64, VOCAB)
+    store = capture(tiny, seqs, plens, LAYERS, chunk_tokens=64, page_size=4)
+    batches = [[0, 1, 2], [3, 4, 5, 0]]
+    runs = []
+    for compile in (False, True):
+        head = new_head(tiny, vocab)
+        trainer = Trainer(head, tiny, toy_config(compile=compile), "cpu")
+        outs = [trainer.train_step(gather_batch(store, b, "cpu"), 3e-3) for b in batches * 2]
+        runs.append((head, outs, trainer.evaluate(store, batches)))
+    (h0, o0, e0), (h1, o1, e1) = runs
+    from specdec.training import ttt
+    assert set(ttt._COMPILED) == {"layer", "ce"}  # the second run went through torch.compile
+    for (a, ga), (b, gb) in zip(o0, o1):
+        torch.testing.assert_close(a.loss, b.loss, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a.rows, b.rows) and torch.equal(a.correct, b.correct)
+        assert ga == pytest.approx(gb, rel=1e-4)
+    for k in h0.weights:
+        torch.testing.assert_close(h0.weights[k], h1.weights[k], atol=1e-5, rtol=1e-4)
+    assert e0 == pytest.approx(e1, rel=1e-4)
+
+
 def test_step_sums_summary_names_positions_from_one():
     s = StepSums(2, "cpu")
 

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels_triton.norm import rms_norm_ref
 from kernels_triton.rope import rope_ref
 
 
@@ -60,7 +59,9 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
     """Attention of step len(ks) - 1 under :func:`ttt_mask`, differentiable.
 
     q: [B, T, HQ, D]; ks, vs: one [B, T, HKV, D] per step 0 .. i (RoPE applied to q and ks).
-    Returns [B, T, HQ, D]. Scores and softmax in fp32.
+    Returns [B, T, HQ, D]. Scores and softmax in fp32; the row's own keys of steps 1 .. i are
+    stacked and scored in one batched product (one [G, D] x [D, i] per row and KV head), so a step
+    costs the same number of kernels at every depth.
     """
     B, T, HQ, D = q.shape
     HKV = ks[0].shape[2]
@@ -72,14 +73,15 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
     s0 = (qh @ k0.transpose(-1, -2)).float() * scale  # [B, HKV, G, T, T]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     s0 = s0.masked_fill(~causal, float("-inf"))
-    # Row j's own keys of steps 1..i: one score per (row, step).
-    kd = [k.permute(0, 2, 1, 3)[:, :, None] for k in ks[1:]]  # each [B, HKV, 1, T, D]
-    vd = [v.permute(0, 2, 1, 3)[:, :, None] for v in vs[1:]]
-    sd = [(qh.float() * k.float()).sum(-1, keepdim=True) * scale for k in kd]  # each [B, HKV, G, T, 1]
-    p = (torch.cat([s0] + sd, dim=-1) if sd else s0).softmax(-1).to(v0.dtype)  # [B, HKV, G, T, T + i]
+    if len(ks) == 1:
+        return (s0.softmax(-1).to(v0.dtype) @ v0).permute(0, 3, 1, 2, 4).reshape(B, T, HQ, D)
+    # Row j's own keys of steps 1..i: [B, T, HKV, i, D], one score per (row, head, step).
+    kd = torch.stack(ks[1:], dim=3)
+    vd = torch.stack(vs[1:], dim=3)
+    sd = torch.einsum("bhgtd,bthsd->bhgts", qh, kd).float() * scale  # [B, HKV, G, T, i]
+    p = torch.cat([s0, sd], dim=-1).softmax(-1).to(v0.dtype)  # [B, HKV, G, T, T + i]
     o = p[..., :T] @ v0  # [B, HKV, G, T, T] @ [B, HKV, 1, T, D] -> [B, HKV, G, T, D]
-    for s, v in enumerate(vd):
-        o = o + p[..., T + s:T + s + 1] * v  # [B, HKV, G, T, 1] * [B, HKV, 1, T, D]
+    o = o + torch.einsum("bhgts,bthsd->bhgtd", p[..., T:], vd)
     return o.permute(0, 3, 1, 2, 4).reshape(B, T, HQ, D)
 
 
@@ -98,6 +100,13 @@ def ttt_attention_ref(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Te
 # The draft layer (training form of Eagle3Head.forward, same weights)
 # ----------------------------------------------------------------------------------------------
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm for training: fp32 statistics and one rounding to x's dtype at the end (the kernels'
+    convention rounds the normalised row first; the difference is below bf16's resolution)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
 def draft_layer(head, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
     """One TTT step of the draft layer; appends this step's keys/values to ``ks``/``vs``.
@@ -109,8 +118,8 @@ def draft_layer(head, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.
     B, T, _ = hidden.shape
     HQ, HKV, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
     w = head.w
-    e = rms_norm_ref(emb, w("midlayer.input_layernorm.weight"), eps)
-    h = rms_norm_ref(hidden, w("midlayer.hidden_norm.weight"), eps)
+    e = _norm(emb, w("midlayer.input_layernorm.weight"), eps)
+    h = _norm(hidden, w("midlayer.hidden_norm.weight"), eps)
     x = torch.cat([e, h], dim=-1)  # [B, T, 2H]
     q = (x @ w("midlayer.self_attn.q_proj.weight").t()).reshape(B * T, HQ, D)
     k = (x @ w("midlayer.self_attn.k_proj.weight").t()).reshape(B * T, HKV, D)
@@ -120,7 +129,8 @@ def draft_layer(head, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.
     vs.append(v)
     o = ttt_attention(q.view(B, T, HQ, D), ks, vs)  # [B, T, HQ, D]
     a = o.reshape(B, T, HQ * D) @ w("midlayer.self_attn.o_proj.weight").t()
-    x, residual = rms_norm_ref(a, w("midlayer.post_attention_layernorm.weight"), eps, hidden)
+    residual = a + hidden
+    x = _norm(residual, w("midlayer.post_attention_layernorm.weight"), eps)
     gate = x @ w("midlayer.mlp.gate_proj.weight").t()
     up = x @ w("midlayer.mlp.up_proj.weight").t()
     return residual + (F.silu(gate) * up) @ w("midlayer.mlp.down_proj.weight").t()
@@ -129,7 +139,35 @@ def draft_layer(head, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.
 def draft_logits(head, hidden: torch.Tensor) -> torch.Tensor:
     """[N, H] pre-norm draft hidden -> [N, draft_vocab] logits."""
     c = head.config
-    return rms_norm_ref(hidden, head.w("norm.weight"), c.rms_norm_eps) @ head.w("lm_head.weight").t()
+    return _norm(hidden, head.w("norm.weight"), c.rms_norm_eps) @ head.w("lm_head.weight").t()
+
+
+def soft_ce(head, hidden: torch.Tensor, teacher_hidden: torch.Tensor,
+            vocab_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' soft cross-entropy against the target and the draft's top-1.
+
+    hidden: [N, H] pre-norm draft hidden (differentiable); teacher_hidden: [N, H] the target's
+    final-normed hidden at the predicted position; vocab_weight: [Vd, H]. Returns (loss [N] =
+    -sum p log softmax(z), with p the target's distribution restricted to the draft vocabulary and
+    renormalised; draft argmax [N] in draft ids)."""
+    z = draft_logits(head, hidden).float()  # [N, Vd]
+    p = (teacher_hidden @ vocab_weight.t()).float().softmax(-1).detach()  # [N, Vd]
+    return z.logsumexp(-1) - (p * z).sum(-1), z.argmax(-1)
+
+
+_COMPILED: dict = {}
+
+
+def ttt_functions(compile: bool = False):
+    """(draft_layer, soft_ce), or their ``torch.compile`` forms (``train.compile``: the elementwise
+    work of a step (norms, RoPE, dtype casts, the loss) fused into few kernels; shapes dynamic, so one
+    compile per unroll depth serves every padded batch). Compiled once per process."""
+    if not compile:
+        return draft_layer, soft_ce
+    if not _COMPILED:
+        _COMPILED["layer"] = torch.compile(draft_layer, dynamic=True)
+        _COMPILED["ce"] = torch.compile(soft_ce, dynamic=True)
+    return _COMPILED["layer"], _COMPILED["ce"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +192,7 @@ def row_mask(lengths: torch.Tensor, prompt_lens: torch.Tensor, T: int, step: int
 def ttt_unroll(head, embed: torch.Tensor, vocab_weight: torch.Tensor, tokens: torch.Tensor,
                features: torch.Tensor, teacher_hidden: torch.Tensor, target_argmax: torch.Tensor,
                lengths: torch.Tensor, prompt_lens: torch.Tensor, *, steps: int,
-               decay: float = 0.8) -> TTTOut:
+               decay: float = 0.8, compile: bool = False) -> TTTOut:
     """The unrolled TTT forward and loss over a padded batch.
 
     Args:
@@ -166,7 +204,9 @@ def ttt_unroll(head, embed: torch.Tensor, vocab_weight: torch.Tensor, tokens: to
         teacher_hidden: [B, T, H] the target's final-normed hidden state at each position;
         target_argmax: [B, T] the target's greedy next token at each position;
         lengths, prompt_lens: [B] int64.
+        compile: run the layer and the loss through :func:`ttt_functions`' compiled forms.
     """
+    layer, ce = ttt_functions(compile)
     B, T = tokens.shape
     dev = tokens.device
     toks = F.pad(tokens, (0, steps + 1))  # [B, T + steps + 1]: step i reads t_{j+1+i}
@@ -184,24 +224,23 @@ def ttt_unroll(head, embed: torch.Tensor, vocab_weight: torch.Tensor, tokens: to
     for i in range(steps):
         emb = embed[toks[:, 1 + i:1 + i + T]]  # [B, T, H]
         pos = torch.arange(T, device=dev) + i
-        hidden = draft_layer(head, emb.to(hidden.dtype), hidden, pos, ks, vs)  # [B, T, H]
+        hidden = layer(head, emb.to(hidden.dtype), hidden, pos, ks, vs)  # [B, T, H]
         mask = row_mask(lengths, prompt_lens, T, i).reshape(-1)  # [B * T]
         idx = mask.nonzero().squeeze(1)  # [N]
         if idx.numel() == 0:
             chain &= False
             continue
-        z = draft_logits(head, hidden.reshape(B * T, -1)[idx]).float()  # [N, Vd]
+        t_pos = idx + 1 + i  # the target position j + 1 + i in the flat [B * T] layout
+        row_loss, top = ce(head, hidden.reshape(B * T, -1)[idx], th[t_pos], vocab_weight)  # [N], [N]
         with torch.no_grad():
-            t_pos = idx + 1 + i  # the target position j + 1 + i in the flat [B * T] layout
-            p = (th[t_pos] @ vocab_weight.t()).float().softmax(-1)  # [N, Vd]
-            hit = head.to_target_ids(z.argmax(-1)) == am[t_pos]  # [N]
+            hit = head.to_target_ids(top) == am[t_pos]  # [N]
             ok = torch.zeros(B * T, dtype=torch.bool, device=dev)
             ok[idx] = hit
             chain &= ok
             rows[i] = idx.numel()
             correct[i] = hit.sum()
             chain_correct[i] = chain[idx].sum()
-        li = (z.logsumexp(-1) - (p * z).sum(-1)).mean()  # soft CE: -sum p log softmax(z)
+        li = row_loss.mean()
         loss = loss + decay ** i * li
         step_loss[i] = li.detach()
     return TTTOut(loss, step_loss, rows, correct, chain_correct)
