@@ -10,6 +10,9 @@ export SPECDEC_CACHE=$S/cache
 mkdir -p /tmp/site "$SPECDEC_CACHE/smollm2-135m-instruct"
 cp .stage/*/gguf.part* .stage/*/gguf.size "$S/" 2>/dev/null
 for d in .stage/*/prompts; do [ -d "$d" ] && cp -r "$d" "$SPECDEC_CACHE/"; done
+# A draft head trained on an earlier machine travels the same way: its files split over the parts'
+# head/ subfolders (.stage/q1/head, .stage/q2/head; docs/gpu_machines.md), gathered in $S/head.
+for d in .stage/*/head; do [ -d "$d" ] && mkdir -p "$S/head" && cp "$d"/* "$S/head/"; done
 if [ ! -f /tmp/site/.done ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && touch /tmp/site/.done
 fi
