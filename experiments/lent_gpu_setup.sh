@@ -5,7 +5,7 @@
 # /root/specdec-stage (outside the repository, so it survives while the machine stays warm); the
 # call that brings the last part (and .stage/*/prompts/, .whl/) joins and converts. Idempotent: a
 # later call of the same lease finds the converted model and the installed wheels.
-S=/root/specdec-stage
+S=${SPECDEC_STAGE:-/root/specdec-stage}  # outside the repository (SPECDEC_STAGE: elsewhere)
 export SPECDEC_CACHE=$S/cache
 mkdir -p /tmp/site "$SPECDEC_CACHE/smollm2-135m-instruct"
 cp .stage/*/gguf.part* .stage/*/gguf.size "$S/" 2>/dev/null

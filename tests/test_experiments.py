@@ -182,3 +182,31 @@ def test_profile_serving_phases_splits_host_time_by_iteration(tmp_path):
     steps = plain["phase_ms_per_iteration"]
     assert steps["Engine.step"] >= steps["Stepper.launch_"] > 0 and "Goodput.choose" in steps
     assert ph["calls"]["Engine._commit_oldest_"] > 0
+
+
+def test_lent_gpu_setup_gathers_a_carried_head_and_the_parts(tmp_path):
+    """experiments/lent_gpu_setup.sh in a copy of the tree whose .stage holds two GGUF parts and a head
+    split over the parts' head/ subfolders: the parts and the head land in the stage folder, and with
+    no wheels (and not every part) nothing is converted."""
+    import shutil
+    import subprocess
+
+    tree = tmp_path / "tree"
+    (tree / "experiments").mkdir(parents=True)
+    shutil.copy(ROOT / "experiments" / "lent_gpu_setup.sh", tree / "experiments")
+    for q, files in (("q1", {"config.json": "{}", "model-00001-of-00002.safetensors": "a"}),
+                     ("q2", {"model-00002-of-00002.safetensors": "b"})):
+        (tree / ".stage" / q / "head").mkdir(parents=True)
+        (tree / ".stage" / q / f"gguf.part0{q[1]}").write_text(q)
+        for name, text in files.items():
+            (tree / ".stage" / q / "head" / name).write_text(text)
+    (tree / ".stage" / "q1" / "gguf.size").write_text("99\n")
+    stage = tmp_path / "stage"
+    out = subprocess.run(["bash", "-c", "source experiments/lent_gpu_setup.sh >/dev/null 2>&1; echo $SPECDEC_CACHE"],
+                         cwd=tree, env={**os.environ, "SPECDEC_STAGE": str(stage)}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(stage / "cache")
+    assert sorted(p.name for p in (stage / "head").iterdir()) == [
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert (stage / "gguf.part02").read_text() == "q2" and (stage / "gguf.size").is_file()
+    assert not (stage / "smol.gguf").exists()  # 2 of 99 bytes staged: no join, no conversion
