@@ -478,7 +478,7 @@ def _stream_prologue_kernel(x_ptr, r_ptr, nw_ptr, s_ptr, x2_ptr, nw2_ptr, y_ptr,
         tlc.gdc_launch_dependents()
 
 
-@triton.jit(do_not_specialize=["M", "n_blocks", "xi_w", "xi_group", "xi_stride"])
+@triton.jit(do_not_specialize=["M", "n_blocks", "xi_w", "xi_group", "xi_stride", "n_ss", "stride_ss"])
 def _fused_linear_kernel(
     x_ptr,  # [M, K] input rows
     r_ptr,  # [M, K] residual (HAS_RESIDUAL)
@@ -520,6 +520,9 @@ def _fused_linear_kernel(
     xi_stride,  # index row stride
     part_ptr,  # [row blocks * n_blocks, SPLIT, 2, BLOCK_N, BLOCK_M] fp32 split-K partials (SPLIT > 1)
     cnt_ptr,  # [row blocks * n_blocks] int32 arrival counters, zero between launches (SPLIT > 1)
+    ss_ptr,  # [n_ss, M] fp32 row sums of squares per column block: written (RES_STATS), read (PRE_SS)
+    n_ss,  # PRE_SS: partial rows of ss to sum
+    stride_ss,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     HALF: tl.constexpr,  # D / 2 (rope)
@@ -542,6 +545,8 @@ def _fused_linear_kernel(
     PREFETCH: tl.constexpr = 0,  # STREAM with PDL: weight columns of the first block prefetched before the wait
     LINE: tl.constexpr = 64,  # elements per 128-byte line (PREFETCH)
     SPLIT: tl.constexpr = 1,  # STREAM: K split over SPLIT programs per column block (_split_reduce)
+    RES_STATS: tl.constexpr = False,  # epilogue none: out = dt(dt(x @ w^T) + r), its squares summed per block
+    PRE_SS: tl.constexpr = 0,  # NORM from ss partials (a power of two >= n_ss; 0: the rows' own norm pass)
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
@@ -569,7 +574,12 @@ def _fused_linear_kernel(
 
     # Pass 1 (norms): each row's 1 / rms; pass 2: the normalised chunks streamed against the weight.
     b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM and not GEMV:  # (GEMV: per block, inside _accumulate_gemv)
+    if PRE_SS > 0:  # the producer's epilogue summed the squares of x's rows per column block: add them up
+        o_j = tl.arange(0, PRE_SS)
+        b_pss = tl.load(ss_ptr + o_j[:, None] * stride_ss + o_m[None, :], mask=(o_j < n_ss)[:, None] & m_m[None, :],
+                        other=0.0)  # [PRE_SS, BLOCK_M]
+        b_rstd = tl.math.rsqrt(tl.sum(b_pss, axis=0) / K + eps)
+    elif NORM and not GEMV:  # (GEMV: per block, inside _accumulate_gemv)
         b_rstd = tl.math.rsqrt(_sum_squares(x_ptr, r_ptr, o_xm, m_m, K, stride_x, stride_r, HAS_RESIDUAL,
                                             BLOCK_M, BLOCK_SS) / K + eps)
     b_rstd2 = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -649,6 +659,11 @@ def _fused_linear_kernel(
             if HAS_ADD:  # out = dt(x @ w^T + add), one rounding (torch.addmm's)
                 b_add = tl.load(add_ptr + o_m[:, None] * stride_o + o_wa[None, :], mask=m_o, other=0.0)
                 b_a = (acc_a + b_add.to(tl.float32)).to(dt)
+            if RES_STATS:  # s = dt(dt(x @ w^T) + r) (norm.py's residual add), and sum(s^2) over these columns
+                b_r = tl.load(r_ptr + o_m[:, None] * stride_r + o_wa[None, :], mask=m_o, other=0.0)
+                b_a = (b_a.to(tl.float32) + b_r.to(tl.float32)).to(dt)
+                b_sf = tl.where(m_o, b_a.to(tl.float32), 0.0)
+                tl.store(ss_ptr + i_n * stride_ss + o_m, tl.sum(b_sf * b_sf, axis=1), mask=m_e)
             tl.store(o_ptr + o_m[:, None] * stride_o + o_wa[None, :], b_a, mask=m_o)
         elif EPI == _EPI_SWIGLU:
             b_g = b_a.to(tl.float32)
@@ -875,9 +890,13 @@ def _check(name, x, w, residual=None, norm_weight=None, rows=None):
 
 
 def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=0.0, epi=EPI_NONE, nout=0,
-            rope_args=None, add=None, x2=None, norm_weight2=None, config=None, rows=None):
+            rope_args=None, add=None, x2=None, norm_weight2=None, config=None, rows=None, stats_residual=None,
+            sumsq=None):
     """One launch of the fused kernel (the streaming body: its prologue first where a norm runs);
-    returns s (x + residual, or x) when a norm runs, else None. ``config`` overrides BLOCK_K /
+    returns s (x + residual, or x) when a norm runs, the [grid_n, M] sums of squares with
+    ``stats_residual`` (out = x @ w^T + stats_residual, see linear_residual), else None. ``sumsq``:
+    x's rows' sums of squares in partials (a linear_residual's), so the streaming body normalises in
+    its K loop without a prologue launch (other bodies compute the norm as usual). ``config`` overrides BLOCK_K /
     num_warps / num_stages / programs (benchmark sweeps; the public launchers also take ``block_n``,
     and ``parts`` for the qkv kernel), "gemv" (one row), "small_m" (the multi-row body, else the
     kernel option), and for the streaming body "split_k" and "prefetch" (weight columns requested
@@ -918,15 +937,25 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         parts = triton.cdiv(half, block_n)
         kc_s, vc_s = kc.stride()[:3], vc.stride()[:3]
     if M == 0:
+        if stats_residual is not None:
+            return torch.zeros((grid_n, 0), dtype=torch.float32, device=x.device)
         return s if norm else None
-    r = residual if residual is not None else x
+    r = residual if residual is not None else stats_residual if stats_residual is not None else x
     nw = norm_weight.contiguous() if norm else x
     if x2 is not None:
         x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
         nw2, K2 = norm_weight2.contiguous(), x2.shape[1]
     else:
         x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
-    if stream and body != "stream_inline" and (norm or residual is not None or K2):
+    pre_ss = 0
+    if sumsq is not None and stream and norm:
+        if residual is not None or K2 or rows is not None:
+            raise ValueError("sumsq: the rows' squares are summed already; no residual, second input or gather")
+        if sumsq.dtype != torch.float32 or sumsq.dim() != 2 or sumsq.shape[1] != M or sumsq.stride(1) != 1:
+            raise ValueError(f"sumsq must be fp32 [parts, M={M}] with contiguous rows, got {sumsq.dtype} "
+                             f"{tuple(sumsq.shape)}")
+        pre_ss = triton.next_power_of_2(sumsq.shape[0])
+    if stream and body != "stream_inline" and (norm or residual is not None or K2) and not pre_ss:
         # First launch: the ready rows y = [RMSNorm(x + residual) | RMSNorm2(x2)] (and s); the GEMM then
         # streams y like a plain linear's x (no residual, norm, second input or gather left).
         y = torch.empty((M, K + K2), dtype=x.dtype, device=x.device)
@@ -969,19 +998,26 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         xi_w, xi_stride = xi.shape[1], xi.stride(0)
     else:
         xi, xi_w, xi_group, xi_stride = x, 1, 0, 0  # placeholders (GATHER=False)
+    ss, n_ss = (sumsq, sumsq.shape[0]) if pre_ss else (part, 0)
+    if stats_residual is not None:
+        if epi != EPI_NONE or add is not None or norm or rows is not None:
+            raise ValueError("stats_residual: a plain linear's epilogue only")
+        ss, n_ss = torch.empty((grid_n, M), dtype=torch.float32, device=x.device), grid_n
     _fused_linear_kernel[(programs, triton.cdiv(M, block_m))](
         x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
         M, K, K2, nout, grid_n, float(eps), n_pos,
         x.stride(0), r.stride(0), x2.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
-        xi, xi_w, int(xi_group), xi_stride, part, counters,
+        xi, xi_w, int(xi_group), xi_stride, part, counters, ss, n_ss, ss.stride(0) if ss.dim() == 2 else 0,
         HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm_main, HAS_RESIDUAL=residual is not None,
         TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
         BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
         USE_PDL=pdl, GATHER=rows is not None, STREAM=stream, PREFETCH=prefetch, LINE=line, SPLIT=split,
-        **({"launch_pdl": True} if pdl else {}), **cfg,
+        RES_STATS=stats_residual is not None, PRE_SS=pre_ss, **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
+    if stats_residual is not None:
+        return ss
     return s if norm else None
 
 
@@ -1004,24 +1040,62 @@ def linear(x, w, add=None, config=None, rows=None):
     return out
 
 
-def norm_linear(x, residual, norm_weight, eps, w, config=None):
-    """(RMSNorm(x + residual) @ w^T, x + residual) in one launch; residual None: (..., x)."""
+def linear_residual(x, w, residual, config=None):
+    """The projection that closes a residual block: (s, sumsq) in one launch, for M <= MAX_M rows.
+
+    s = dt(dt(x @ w^T) + residual) [M, NOUT] (the projection rounded, then the residual add rounded as
+    norm.py does: the stream entering the next RMSNorm); sumsq fp32 [parts, M], the sums of s^2 of
+    each row over the parts' column blocks (sumsq.sum(0) = sum of s^2 per row). Handing sumsq to the
+    next norm_* launcher (``sumsq=``, with residual None) lets the streaming body normalise s in its
+    K loop: no prologue launch. Reference: linear_residual_ref."""
+    _check("linear_residual", x, w)
+    M, NOUT = x.shape[0], w.shape[0]
+    if residual is None or residual.shape != (M, NOUT) or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"linear_residual: residual must be [M, NOUT] = [{M}, {NOUT}] {x.dtype} on {x.device}, got "
+                         + ("None" if residual is None else
+                            f"{tuple(residual.shape)} {residual.dtype} on {residual.device}"))
+    residual = residual.contiguous()
+    out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
+    config = _gemv_default(config, NOUT)
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), n_cols=NOUT)
+    ss = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, config=config,
+                 stats_residual=residual)
+    return out, ss
+
+
+def linear_residual_ref(x, w, residual):
+    """(s = dt(dt(x @ w^T) + residual), [1, M] fp32 sums of s^2 per row)."""
+    s = x @ w.t() + residual
+    return s, s.float().pow(2).sum(-1)[None]
+
+
+def _check_sumsq(name, residual, sumsq):
+    if sumsq is not None and residual is not None:
+        raise ValueError(f"{name}: sumsq describes x's rows as they are; pass residual=None with it")
+
+
+def norm_linear(x, residual, norm_weight, eps, w, config=None, sumsq=None):
+    """(RMSNorm(x + residual) @ w^T, x + residual) in one launch; residual None: (..., x). ``sumsq``:
+    x's rows' sums of squares from linear_residual (residual None)."""
     _check("norm_linear", x, w, residual, norm_weight)
+    _check_sumsq("norm_linear", residual, sumsq)
     M, NOUT = x.shape[0], w.shape[0]
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
     config = _gemv_default(config, NOUT)
     bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), n_cols=NOUT)
     s = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, residual=residual,
-                norm_weight=norm_weight, eps=eps, nout=NOUT, config=config)
+                norm_weight=norm_weight, eps=eps, nout=NOUT, config=config, sumsq=sumsq)
     return out, (x if s is None else s)
 
 
-def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
+def norm_swiglu(x, residual, norm_weight, eps, w13, config=None, sumsq=None):
     """(silu(gate) * up of RMSNorm(x + residual) @ [gate | up]^T, x + residual) in one launch.
 
     w13: [2F, K] (gate rows first). Returns a new [M, F] activation and s (x itself without residual).
+    ``sumsq``: x's rows' sums of squares from linear_residual (residual None).
     """
     _check("norm_swiglu", x, w13, residual, norm_weight)
+    _check_sumsq("norm_swiglu", residual, sumsq)
     if w13.shape[0] % 2:
         raise ValueError(f"norm_swiglu: w13 must have an even number of rows [2F, K], got {tuple(w13.shape)}")
     M, F = x.shape[0], w13.shape[0] // 2
@@ -1030,12 +1104,13 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None):
     bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_SWIGLU, _block_n(F, x.device, hi=64),
                                                          n_cols=F, hi=64)
     s = _launch(x, w13, out, grid_n=triton.cdiv(F, bn), block_n=bn, residual=residual, norm_weight=norm_weight,
-                eps=eps, epi=EPI_SWIGLU, nout=F, config=config)
+                eps=eps, epi=EPI_SWIGLU, nout=F, config=config, sumsq=sumsq)
     return out, s
 
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
-                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, config=None, rows=None):
+                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, config=None, rows=None,
+                            sumsq=None):
     """RMSNorm(x + residual) @ wqkv^T, RoPE on q and k, k and v into the paged caches: one launch.
 
     wqkv: [(HQ + 2 HKV) D, K] (q rows, then k, then v); positions [M] int32/int64 rows of the fp32
@@ -1046,9 +1121,11 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     [RMSNorm(x) | RMSNorm2(x2)] and wqkv is [.., K + K2]: EAGLE-3's draft layer, whose attention reads
     the normed token embedding beside the normed hidden state, without a concatenated copy.
     ``rows`` = (index [G, W], group): x's M = G * W rows gathered in the kernel (e.g. x = an embedding
-    table, index = token ids); then s is None.
+    table, index = token ids); then s is None. ``sumsq``: x's rows' sums of squares from
+    linear_residual (residual None, no x2 or rows).
     """
     name = "norm_qkv_rope_write_kv_"
+    _check_sumsq(name, residual, sumsq)
     M = _num_rows(x, rows)
     if x2 is not None:
         if norm_weight is None or norm_weight2 is None or residual is not None:
@@ -1106,7 +1183,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     parts = triton.cdiv(D // 2, block_n)
     s = _launch(x, wqkv, q.view(M, HQ * D), grid_n=(HQ + 2 * HKV) * parts, block_n=block_n,
                 residual=residual, norm_weight=norm_weight, eps=eps, epi=EPI_ROPE, rope_args=rope_args, x2=x2,
-                norm_weight2=norm_weight2, config=config, rows=rows)
+                norm_weight2=norm_weight2, config=config, rows=rows, sumsq=sumsq)
     if rows is not None:
         return q, None
     return q, (x if s is None else s)

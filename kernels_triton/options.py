@@ -76,6 +76,11 @@ class KernelOptions:
         overrides it) of weights up to ops.FUSED_MAX_WEIGHT_BYTES (SmolLM2's layers: a 16-node tree's
         verify, draft rounds), norm + cuBLAS + epilogues above (Llama-3.1-8B projections at more than
         one row): the measured winner (docs/kernel_notes.md, "Fused small-M layers").
+    norm_stats: where the streaming body runs several rows (tree verify, draft rounds, small
+        batches), the projections that close a residual block (wo, w2) add the residual in their
+        epilogue and write each column block's sums of squares of the new stream; the next RMSNorm
+        is then applied in the consumer's K loop from those sums (linear.linear_residual, sumsq=):
+        no prologue launch, two fewer launches per layer. False: the prologue launch (an A/B switch).
     """
 
     pdl: str = "late"
@@ -88,13 +93,14 @@ class KernelOptions:
     gather_rows: bool = True
     wide_topk: bool = True
     small_m: str = "auto"
+    norm_stats: bool = True
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_BOOL = ("fused_linear", "attn_prewait", "gather_rows", "wide_topk")
+_BOOL = ("fused_linear", "attn_prewait", "gather_rows", "wide_topk", "norm_stats")
 _TRISTATE = ("step_kernels", "fused_merge", "pdl_qkv_early")
 _ROWS = ("fused_rows",)
 MAX_FUSED_ROWS = 64  # kernels_triton/linear.py MAX_M (not imported: options is imported by linear)
@@ -199,13 +205,13 @@ def parse_value(name: str, text: str):
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
     ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``,
-    ``--wide-topk``, ``--small-m``); unset flags keep the defaults."""
+    ``--wide-topk``, ``--small-m``, ``--norm-stats``); unset flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
            "fused_rows": "null | 1..64", "gather_rows": "true | false",
            "wide_topk": "true | false",
-           "small_m": "dot | stream | stream_prefetch | stream_inline"}
+           "small_m": "dot | stream | stream_prefetch | stream_inline", "norm_stats": "true | false"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

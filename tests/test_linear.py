@@ -329,7 +329,7 @@ def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch, kern
 
     monkeypatch.setattr(ops, "FUSED_MAX_WEIGHT_BYTES", 0)
     calls = []
-    for name in ("linear", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
+    for name in ("linear", "linear_residual", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
         real = getattr(lin, name)
         monkeypatch.setattr(lin, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
@@ -366,7 +366,7 @@ def test_fused_rows_option_routes_tree_verify_rows(monkeypatch, kernel_options):
     from specdec.models.loading import LlamaConfig
 
     calls = []
-    for name in ("linear", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
+    for name in ("linear", "linear_residual", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
         real = getattr(lin, name)
         monkeypatch.setattr(lin, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
@@ -671,7 +671,7 @@ def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, ker
     monkeypatch.setattr(ops, "FUSED_MAX_WEIGHT_BYTES", 0)
     monkeypatch.setattr(lin, "GEMV_MAX_COLUMNS", 64)  # qkv: 64 outputs, F = 48; the 100-token LM head: more
     calls = []
-    for name in ("linear", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
+    for name in ("linear", "linear_residual", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
         real = getattr(lin, name)
         monkeypatch.setattr(lin, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
@@ -699,3 +699,118 @@ def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, ker
                 assert len(calls) == want, (opts, calls)
                 assert set(_bodies(launches)) <= {"prologue", "stream"}, (opts, _bodies(launches))
         torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
+
+
+# Norm statistics in the producer's epilogue: linear_residual (wo, w2) writes s = x @ w^T + residual and
+# each column block's sums of s^2 per row; the next norm_* launcher takes them (sumsq=) and the streaming
+# body normalises s in its K loop: no prologue launch. Same values as the prologue path (up to the order
+# the squares are summed in), on every body and tile path.
+@pytest.mark.parametrize("path", ["stream", "stream-split", "stream-split-persistent", "inline-split-persistent",
+                                  "dot", "gemv"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_stats_from_the_producer_epilogue(path, dtype, poison, launches):
+    cfg = {"dot": {"small_m": "dot"}, "gemv": {}, **STREAM_PATHS}[path]
+    M = 1 if path == "gemv" else 17
+    gen = torch.Generator().manual_seed(7 + M)
+    K, H, F = 72, 80, 36  # x [M, K] @ wo [H, K]^T + residual [M, H] -> s; norm(s) @ w13 [2F, H]^T
+    x, res = _randn(M, K, dtype=dtype, gen=gen), _randn(M, H, dtype=dtype, scale=2.0, gen=gen)
+    wo = _randn(H, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    nw = _randn(H, dtype=dtype, gen=gen)
+    s, ss = lin.linear_residual(x, wo, res, config=dict(cfg))
+    s_ref, ss_ref = lin.linear_residual_ref(x, wo, res)
+    _close(s, s_ref, dtype)
+    assert ss.dtype == torch.float32 and ss.shape[1] == M and ss.shape[0] >= 1
+    # the partials sum to the row sums of s^2 as stored (bit-exact s: compare against s itself)
+    torch.testing.assert_close(ss.sum(0), s.float().pow(2).sum(-1), atol=1e-3, rtol=1e-4)
+    launches.clear()
+    w13 = _randn(2 * F, H, dtype=dtype, scale=H ** -0.5, gen=gen)
+    act, s_out = lin.norm_swiglu(s, None, nw, 1e-5, w13, config=dict(cfg), sumsq=ss)
+    assert s_out is s
+    _close(act, lin.norm_swiglu_ref(s, None, nw, 1e-5, w13)[0], dtype)
+    wqkv = _randn(5 * 16, H, dtype=dtype, scale=H ** -0.5, gen=gen)
+    out, _ = lin.norm_linear(s, None, nw, 1e-5, wqkv, config=dict(cfg), sumsq=ss)
+    _close(out, lin.norm_linear_ref(s, None, nw, 1e-5, wqkv)[0], dtype)
+    HQ, HKV, D, PS, NP = 3, 1, 16, 4, 12
+    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+    pos = torch.randint(0, 64, (M,), generator=gen).to(DEVICE)
+    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
+    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q, _ = lin.norm_qkv_rope_write_kv_(s, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
+                                       config=dict(cfg), sumsq=ss)
+    q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(s, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref, slots)
+    _close(q, q_ref, dtype)
+    torch.testing.assert_close(kc, kc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    streaming = path.startswith(("stream", "inline"))
+    # the streaming bodies skip their prologue and read the partials; dot / GEMV compute the norm themselves
+    assert "prologue" not in _bodies(launches)
+    assert [kw["PRE_SS"] > 0 for _, kw in launches] == [streaming] * 3
+    if "split_k" in cfg:
+        from kernels_triton.attention import arrival_counters
+        assert not arrival_counters(x.device, 1, owner="fused_linear").any()
+
+
+def test_norm_stats_are_read_not_recomputed(poison):
+    # Mutation check: scaled partials change the normalised rows by exactly that scale's rsqrt (the
+    # kernel reads the sums it is given instead of recomputing them).
+    gen = torch.Generator().manual_seed(3)
+    dtype, cfg = torch.float32, {"small_m": "stream"}
+    s, nw = _randn(5, 64, dtype=dtype, gen=gen), torch.ones(64, device=DEVICE)
+    w = _randn(32, 64, dtype=dtype, scale=0.125, gen=gen)
+    ss = s.pow(2).sum(-1)[None].contiguous()
+    base, _ = lin.norm_linear(s, None, nw, 1e-12, w, config=dict(cfg), sumsq=ss)
+    _close(base, lin.norm_linear_ref(s, None, nw, 1e-12, w)[0], dtype)
+    scaled, _ = lin.norm_linear(s, None, nw, 1e-12, w, config=dict(cfg), sumsq=ss * 4)
+    _close(scaled, base / 2, dtype)
+
+
+def test_norm_stats_reject_bad_input():
+    x, w = torch.randn(3, 32, device=DEVICE), torch.randn(16, 32, device=DEVICE)
+    nw = torch.ones(32, device=DEVICE)
+    with pytest.raises(ValueError, match="residual must be"):
+        lin.linear_residual(x, w, None)
+    with pytest.raises(ValueError, match="residual must be"):
+        lin.linear_residual(x, w, torch.randn(3, 15, device=DEVICE))
+    with pytest.raises(ValueError, match="pass residual=None"):
+        lin.norm_linear(x, x, nw, 1e-5, w, sumsq=torch.ones(1, 3, device=DEVICE))
+    with pytest.raises(ValueError, match=r"sumsq must be fp32 \[parts, M=3\]"):
+        lin.norm_linear(x, None, nw, 1e-5, w, config={"small_m": "stream"}, sumsq=torch.ones(1, 4, device=DEVICE))
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
+@pytest.mark.parametrize("n", [1, 17])
+def test_model_norm_stats_drop_the_prologues(n, kernel_options, launches):
+    # A 2-layer model over 17 streamed rows: with norm_stats (the default) wo and w2 add the residual and
+    # sum its squares, so only layer 0's qkv (the embeddings' norm) keeps a prologue launch; without, every
+    # norm op has one (4). Hidden states match the torch-reference model either way; one row (GEMV) is
+    # untouched by the option.
+    from specdec.models import ops
+    from specdec.models.llama import LlamaModel
+    from specdec.models.loading import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=40, head_dim=16, max_position_embeddings=64)
+    models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=5, backend=be)
+              for be in ("triton", "torch")}
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    meta = ops.AttentionMeta(torch.tensor([0, n], **i32), torch.tensor([n], **i32), torch.arange(5, **i32)[None],
+                             torch.arange(n, device=DEVICE), n)
+    ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    pos = torch.arange(n, **i32)
+    want = {}
+    for on in (True, False):
+        kernel_options.set_(norm_stats=on, small_m="stream")
+        out = {}
+        launches.clear()
+        for be, model in models.items():  # (the torch model launches nothing)
+            k, v = model.new_kv_cache(5, 4)
+            out[be] = model(ids, pos, meta, k, v).hidden
+        torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
+        bodies = _bodies(launches)
+        pre_ss = [kw["PRE_SS"] > 0 for name, kw in launches if name == "_fused_linear_kernel"]
+        want[on] = (bodies.count("prologue"), sum(pre_ss))
+    if n == 1:
+        assert want[True] == want[False] == (0, 0)
+    else:
+        assert want[True] == (1, 3) and want[False] == (4, 0), want

@@ -398,10 +398,12 @@ class Eagle3Head(nn.Module):
             self.rope_cos, self.rope_sin, k_cache[0], v_cache[0], meta.slot_mapping,
             hidden, self.w("midlayer.hidden_norm.weight"), backend=be, rows=rows)  # [N, HQ, D]
         o = ops.paged_attention(q, k_cache[0], v_cache[0], meta, backend=be)  # [N, HQ, D]
-        attn = ops.linear(o.reshape(N, HQ * D), self.w("midlayer.self_attn.o_proj.weight"), backend=be)
-        # RMSNorm(attn + hidden) -> gate|up -> SwiGLU, then residual + act @ down (rounded once).
-        act, residual = ops.norm_swiglu(attn, hidden, self.w("midlayer.post_attention_layernorm.weight"),
-                                        c.rms_norm_eps, w13, backend=be)  # [N, F]
+        # RMSNorm(attn + hidden) -> gate|up -> SwiGLU, then residual + act @ down (rounded once). (Where the
+        # o-projection adds the residual itself, attn is the sum and sumsq its rows' squares.)
+        attn, residual, sumsq = ops.linear_residual(o.reshape(N, HQ * D), self.w("midlayer.self_attn.o_proj.weight"),
+                                                    hidden, backend=be)
+        act, residual = ops.norm_swiglu(attn, residual, self.w("midlayer.post_attention_layernorm.weight"),
+                                        c.rms_norm_eps, w13, backend=be, sumsq=sumsq)  # [N, F]
         out = ops.linear(act, self.w("midlayer.mlp.down_proj.weight"), residual, backend=be)  # [N, H]
         return out, (self.logits(out) if with_logits else None)
 

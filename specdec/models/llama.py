@@ -154,22 +154,26 @@ class LlamaModel(nn.Module):
         N = input_ids.shape[0]
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         h = self.embed_tokens(input_ids)  # [N, H]
-        residual = None
+        residual = sumsq = None
         captured = []
         for i in range(c.num_hidden_layers):
             # RMSNorm(h + residual) -> qkv -> RoPE -> K/V into this layer's cache slots; s = h + residual
-            # is the residual stream entering layer i.
+            # is the residual stream entering layer i. (Where the projection before added the residual
+            # itself, h is s, residual None and sumsq its rows' squares: ops.linear_residual.)
             q, residual = ops.norm_qkv_rope_write_kv_(
                 h, residual, self.attn_norm[i], c.rms_norm_eps, self.wqkv[i], HQ, HKV, positions,
-                self.rope_cos, self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping, backend=be)  # [N, HQ, D]
+                self.rope_cos, self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping, backend=be,
+                sumsq=sumsq)  # [N, HQ, D]
             if i in capture_layers:
                 captured.append(residual)
             o = ops.paged_attention(q, k_cache[i], v_cache[i], meta, backend=be)  # [N, HQ, D]
-            h = ops.linear(o.reshape(N, HQ * D), self.wo[i], backend=be)  # [N, H]
+            h, residual, sumsq = ops.linear_residual(o.reshape(N, HQ * D), self.wo[i], residual, backend=be)  # [N, H]
             x, residual = ops.norm_swiglu(h, residual, self.mlp_norm[i], c.rms_norm_eps, self.w13[i],
-                                          backend=be)  # [N, F]
-            h = ops.linear(x, self.w2[i], backend=be)  # [N, F] @ [F, H]
-        out, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual, backend=be)
+                                          backend=be, sumsq=sumsq)  # [N, F]
+            h, residual, sumsq = ops.linear_residual(x, self.w2[i], residual, backend=be)  # [N, F] @ [F, H]
+        out = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual, backend=be)
+        if residual is not None:
+            out = out[0]  # (normed, h + residual)
         cap = None
         if capture_layers:
             order = sorted(capture_layers)

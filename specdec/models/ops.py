@@ -187,6 +187,24 @@ def linear(x, w, add=None, *, backend="auto", rows=None):
     return x @ w.t() if add is None else torch.addmm(add, x, w.t())
 
 
+def linear_residual(x, w, residual, *, backend="auto"):
+    """The projection that closes a residual block (o-projection, down projection), as the next norm op's
+    input: (x', residual', sumsq). Where the streaming body runs several rows and the kernel option
+    norm_stats is on, one launch adds the residual in its epilogue: (s = x @ w^T + residual, None, the
+    per-column-block sums of s^2, kernels_triton.linear.linear_residual), and the next norm_* op
+    normalises s from those sums in its K loop, without a prologue launch. Elsewhere (one row: the GEMV
+    computes its own norm; cuBLAS; CPU) (x @ w^T, residual, None): the add stays in the next norm's
+    kernel, as before. Either way the norm op that follows gets ``(x', residual', sumsq=sumsq)``."""
+    from kernels_triton import linear as lin
+    from kernels_triton import options
+
+    if (residual is not None and x.shape[0] > 1 and options.get().norm_stats and lin._peek_body(None) != "dot"
+            and _fused(backend, x, w, one_row_any_size=True)):
+        s, ss = lin.linear_residual(x, w, residual)
+        return s, None, ss
+    return linear(x, w, backend=backend), residual, None
+
+
 def _norm(x, residual, norm_weight, eps, backend):
     """(RMSNorm(x + residual), x + residual); residual None: (RMSNorm(x), x); norm_weight None: (x, x)."""
     if norm_weight is None:
@@ -206,25 +224,28 @@ def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto"):
     return y @ w.t(), s
 
 
-def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto"):
-    """(silu(gate) * up of RMSNorm(x + residual) @ w13^T [N, F], x + residual); residual None: x."""
+def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto", sumsq=None):
+    """(silu(gate) * up of RMSNorm(x + residual) @ w13^T [N, F], x + residual); residual None: x.
+    ``sumsq``: x's rows' sums of squares from :func:`linear_residual` (used by the fused kernel)."""
     from kernels_triton import linear as lin
 
     if _fused(backend, x, w13, one_row_any_size=True, swiglu=True):
-        return lin.norm_swiglu(x, residual, norm_weight, eps, w13)
+        return lin.norm_swiglu(x, residual, norm_weight, eps, w13, sumsq=sumsq)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
     return silu_mul(y @ w13.t(), backend=backend), s
 
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
-                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, *, backend="auto", rows=None):
+                            k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, *, backend="auto", rows=None,
+                            sumsq=None):
     """The attention block's input side: RMSNorm(x + residual) @ wqkv^T, RoPE, K/V written to the cache
     slots (in place). Returns (rotated q [N, HQ, D], s = x + residual, or x without a residual).
     norm_weight None projects x as is. With ``x2`` (and ``norm_weight2``) the projected rows are
     [RMSNorm(x) | RMSNorm2(x2)] (EAGLE-3's draft layer: token embedding beside hidden state).
     ``rows`` = (index [G, W], group): x's rows gathered as in :func:`linear` (no residual; s is then
-    the gathered rows, or None when the kernel gathered them)."""
+    the gathered rows, or None when the kernel gathered them). ``sumsq``: x's rows' sums of squares
+    from :func:`linear_residual` (used by the fused kernel)."""
     from kernels_triton import linear as lin
 
     if rows is not None:
@@ -236,7 +257,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     N, D = x.shape[0], k_cache.shape[-1]
     if _fused(backend, x, wqkv, one_row_any_size=True):
         return lin.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
-                                           cos, sin, k_cache, v_cache, slot_mapping, x2, norm_weight2)
+                                           cos, sin, k_cache, v_cache, slot_mapping, x2, norm_weight2, sumsq=sumsq)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     if x2 is not None:
         y = torch.cat([y, rms_norm(x2, norm_weight2, eps, backend=backend)], dim=-1)  # [N, K + K2]
