@@ -89,6 +89,17 @@ group 0, x = the embedding table) and for the fc over the accepted path's captur
 draft extend (index = accepted node ids [B, Te], group = T, x = the [B * T, 3H] features). Math:
 ``gather_rows_ref`` then the layer's reference; no residual with gathered rows (s is not returned).
 
+Norm statistics from the producer (``linear_residual``, kernel option norm_stats): the projection that
+closes a residual block (wo, w2) adds the residual in its epilogue, s = dt(dt(x @ w^T) + residual) (the
+rounding the next norm's residual add makes), and each column block (after its split-K reduction)
+writes the sums of s^2 of its rows over its columns, fp32 [blocks, M]. The next norm_* launch takes
+them (``sumsq=``, residual None): the streaming body sums the partials (fixed order) into 1 / rms per
+row and normalises s in its K loop as stream_inline does, with neither a prologue launch nor a pass
+over the rows; the other bodies ignore them and normalise as usual. Math: the norm prologue's, the
+squares summed in another order. So a layer of several streamed rows is six launches (qkv,
+attention, merge, wo, gate|up, w2) instead of eight; only the first layer's qkv, whose input is the
+embedding, keeps a prologue.
+
 Routing (``specdec.models.ops``): with small_m = "dot", up to FUSED_MAX_ROWS rows and
 FUSED_MAX_WEIGHT_BYTES of weight here (one row: any projection, GEMV); with a streaming body
 ("stream", "stream_prefetch", "stream_inline"), up to STREAM_MAX_ROWS = 64 rows (tree verify,
