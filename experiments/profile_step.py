@@ -148,7 +148,8 @@ def graphed_step(engine, T: int, iters: int = 20) -> dict:
         engine.kv.release_(owner)
 
 
-TREES = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree32": (8, 6, 32), "tree48": (8, 7, 48)}
+TREES = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree20_deep": (4, 7, 20), "tree32": (8, 6, 32),
+         "tree48": (8, 7, 48)}
 PHASE_CONTEXT = 256  # tokens of context of the profiled row (as graphed_step's)
 
 
