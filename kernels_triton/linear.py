@@ -96,9 +96,10 @@ writes the sums of s^2 of its rows over its columns, fp32 [blocks, M]. The next 
 them (``sumsq=``, residual None): the streaming body sums the partials (fixed order) into 1 / rms per
 row and normalises s in its K loop as stream_inline does, with neither a prologue launch nor a pass
 over the rows; the other bodies ignore them and normalise as usual. Math: the norm prologue's, the
-squares summed in another order. So a layer of several streamed rows is six launches (qkv,
-attention, merge, wo, gate|up, w2) instead of eight; only the first layer's qkv, whose input is the
-embedding, keeps a prologue.
+squares summed in another order. So a layer of several streamed rows is two launches shorter; only
+the first layer's qkv, whose input is the embedding, keeps a prologue. Off by default: the prologue
+is hidden behind the GEMM's weight prefetch, and the normalisation in the K loop slows the GEMM more
+than the launch saved (H200, graphed tree16 step 1.096 vs 1.040 ms; docs/kernel_notes.md).
 
 Routing (``specdec.models.ops``): with small_m = "dot", up to FUSED_MAX_ROWS rows and
 FUSED_MAX_WEIGHT_BYTES of weight here (one row: any projection, GEMV); with a streaming body

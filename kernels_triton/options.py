@@ -80,7 +80,10 @@ class KernelOptions:
         batches), the projections that close a residual block (wo, w2) add the residual in their
         epilogue and write each column block's sums of squares of the new stream; the next RMSNorm
         is then applied in the consumer's K loop from those sums (linear.linear_residual, sumsq=):
-        no prologue launch, two fewer launches per layer. False: the prologue launch (an A/B switch).
+        no prologue launch, two fewer launches per layer. False (the default): the prologue launch,
+        which the streaming GEMM hides behind its weight prefetch; H200 graphed tree16 step 1.040 ms
+        vs 1.096 with norm_stats (the K loop's normalisation costs the GEMMs more than the launch
+        saved; docs/kernel_notes.md "Norm statistics from the producer").
     """
 
     pdl: str = "late"
@@ -93,7 +96,7 @@ class KernelOptions:
     gather_rows: bool = True
     wide_topk: bool = True
     small_m: str = "auto"
-    norm_stats: bool = True
+    norm_stats: bool = False
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

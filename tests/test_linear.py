@@ -781,7 +781,7 @@ def test_norm_stats_reject_bad_input():
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
 @pytest.mark.parametrize("n", [1, 17])
 def test_model_norm_stats_drop_the_prologues(n, kernel_options, launches):
-    # A 2-layer model over 17 streamed rows: with norm_stats (the default) wo and w2 add the residual and
+    # A 2-layer model over 17 streamed rows: with the kernel option norm_stats wo and w2 add the residual and
     # sum its squares, so only layer 0's qkv (the embeddings' norm) keeps a prologue launch; without, every
     # norm op has one (4). Hidden states match the torch-reference model either way; one row (GEMV) is
     # untouched by the option.
