@@ -558,7 +558,8 @@ def _fused_linear_kernel(
     LINE: tl.constexpr = 64,  # elements per 128-byte line (PREFETCH)
     SPLIT: tl.constexpr = 1,  # STREAM: K split over SPLIT programs per column block (_split_reduce)
     RES_STATS: tl.constexpr = False,  # epilogue none: out = dt(dt(x @ w^T) + r), its squares summed per block
-    PRE_SS: tl.constexpr = 0,  # NORM from ss partials (a power of two >= n_ss; 0: the rows' own norm pass)
+    PRE_SS: tl.constexpr = 0,  # rows' 1 / rms from ss partials: 0 no, 1 for NORM in the K loop, 2 as a row scale
+    SS_ROWS: tl.constexpr = 1,  # a power of two >= n_ss (PRE_SS)
 ):
     i_p, i_m = tl.program_id(0), tl.program_id(1)
     if USE_PDL == 2:  # early: let the next kernel launch at once
@@ -586,10 +587,12 @@ def _fused_linear_kernel(
 
     # Pass 1 (norms): each row's 1 / rms; pass 2: the normalised chunks streamed against the weight.
     b_rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_pss = tl.zeros([SS_ROWS, BLOCK_M], dtype=tl.float32)
     if PRE_SS > 0:  # the producer's epilogue summed the squares of x's rows per column block: add them up
-        o_j = tl.arange(0, PRE_SS)
+        o_j = tl.arange(0, SS_ROWS)
         b_pss = tl.load(ss_ptr + o_j[:, None] * stride_ss + o_m[None, :], mask=(o_j < n_ss)[:, None] & m_m[None, :],
-                        other=0.0)  # [PRE_SS, BLOCK_M]
+                        other=0.0)  # [SS_ROWS, BLOCK_M]
+    if PRE_SS == 1:  # needed in the K loop
         b_rstd = tl.math.rsqrt(tl.sum(b_pss, axis=0) / K + eps)
     elif NORM and not GEMV:  # (GEMV: per block, inside _accumulate_gemv)
         b_rstd = tl.math.rsqrt(_sum_squares(x_ptr, r_ptr, o_xm, m_m, K, stride_x, stride_r, HAS_RESIDUAL,
@@ -660,6 +663,10 @@ def _fused_linear_kernel(
             acc_a, acc_b, is_last = _split_reduce(acc_a, acc_b, part_ptr, cnt_ptr, i_m * n_blocks + i_n, i_s, SPLIT,
                                                   EPI != _EPI_NONE, BLOCK_N, BLOCK_M)
             m_e = m_m & is_last
+        if PRE_SS == 2:  # the norm weight is in w's columns: 1 / rms of each row scales its products
+            b_rs = tl.math.rsqrt(tl.sum(b_pss, axis=0) / K + eps)  # [BLOCK_M]
+            acc_a = acc_a * b_rs[None, :]
+            acc_b = acc_b * b_rs[None, :]
         if STREAM:  # [BLOCK_N, BLOCK_M] -> the epilogue's [BLOCK_M, BLOCK_N]
             acc_a = tl.trans(acc_a)
             acc_b = tl.trans(acc_b)
@@ -959,14 +966,16 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         nw2, K2 = norm_weight2.contiguous(), x2.shape[1]
     else:
         x2, nw2, K2 = x, x, 0  # placeholders (TWO_INPUTS=False)
-    pre_ss = 0
-    if sumsq is not None and stream and norm:
+    pre_ss = 0  # 1: normalise in the K loop (norm weight given), 2: scale rows in the epilogue (folded weight)
+    if sumsq is not None and (stream or not norm):
         if residual is not None or K2 or rows is not None:
             raise ValueError("sumsq: the rows' squares are summed already; no residual, second input or gather")
         if sumsq.dtype != torch.float32 or sumsq.dim() != 2 or sumsq.shape[1] != M or sumsq.stride(1) != 1:
             raise ValueError(f"sumsq must be fp32 [parts, M={M}] with contiguous rows, got {sumsq.dtype} "
                              f"{tuple(sumsq.shape)}")
-        pre_ss = triton.next_power_of_2(sumsq.shape[0])
+        if not stream:
+            raise ValueError("sumsq with a folded norm weight (norm_weight None) needs the streaming body")
+        pre_ss = 1 if norm else 2
     if stream and body != "stream_inline" and (norm or residual is not None or K2) and not pre_ss:
         # First launch: the ready rows y = [RMSNorm(x + residual) | RMSNorm2(x2)] (and s); the GEMM then
         # streams y like a plain linear's x (no residual, norm, second input or gather left).
@@ -1026,7 +1035,8 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=_dot_prec(x.dtype), GEMV=gemv,
         BLOCK_SS=min(8192, triton.next_power_of_2(max(K, K2))) if gemv else cfg["BLOCK_K"],
         USE_PDL=pdl, GATHER=rows is not None, STREAM=stream, PREFETCH=prefetch, LINE=line, SPLIT=split,
-        RES_STATS=stats_residual is not None, PRE_SS=pre_ss, **({"launch_pdl": True} if pdl else {}), **cfg,
+        RES_STATS=stats_residual is not None, PRE_SS=pre_ss,
+        SS_ROWS=triton.next_power_of_2(sumsq.shape[0]) if pre_ss else 1, **({"launch_pdl": True} if pdl else {}), **cfg,
     )  # fmt: skip
     if stats_residual is not None:
         return ss
@@ -1117,7 +1127,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None, sumsq=None):
                                                          n_cols=F, hi=64)
     s = _launch(x, w13, out, grid_n=triton.cdiv(F, bn), block_n=bn, residual=residual, norm_weight=norm_weight,
                 eps=eps, epi=EPI_SWIGLU, nout=F, config=config, sumsq=sumsq)
-    return out, s
+    return out, (x if s is None else s)
 
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 PDL_MODES = ("late", "early", "off")
 SMALL_M_BODIES = ("auto", "dot", "stream", "stream_prefetch", "stream_inline")  # kernel option small_m
+NORM_STATS_MODES = ("off", "loop", "fold")  # kernel option norm_stats
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,15 @@ class KernelOptions:
         one row): the measured winner (docs/kernel_notes.md, "Fused small-M layers").
     norm_stats: where the streaming body runs several rows (tree verify, draft rounds, small
         batches), the projections that close a residual block (wo, w2) add the residual in their
-        epilogue and write each column block's sums of squares of the new stream; the next RMSNorm
-        is then applied in the consumer's K loop from those sums (linear.linear_residual, sumsq=):
-        no prologue launch, two fewer launches per layer. False (the default): the prologue launch,
-        which the streaming GEMM hides behind its weight prefetch; H200 graphed tree16 step 1.040 ms
-        vs 1.096 with norm_stats (the K loop's normalisation costs the GEMMs more than the launch
-        saved; docs/kernel_notes.md "Norm statistics from the producer").
+        epilogue and write each column block's sums of squares of the new stream, so the next RMSNorm
+        needs no prologue launch (linear.linear_residual, sumsq=). "loop": the consumer normalises
+        each row chunk in its K loop (the prologue's roundings); H200 graphed tree16 step 1.096 vs
+        1.040 ms off: the normalisation between load and dot costs the GEMM more than the launch,
+        which the GEMM's weight prefetch hid. "fold": the norm weight folded into the consumer's
+        weight columns (a bf16 copy of wqkv and w13 per layer, made once) and 1 / rms applied to the
+        accumulator in the epilogue, so the K loop is the plain streaming one (the normalised rows
+        are not rounded on their own). "off" (the default): the prologue launch.
+        (docs/kernel_notes.md "Norm statistics from the producer".)
     """
 
     pdl: str = "late"
@@ -96,14 +100,14 @@ class KernelOptions:
     gather_rows: bool = True
     wide_topk: bool = True
     small_m: str = "auto"
-    norm_stats: bool = False
+    norm_stats: str = "off"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_BOOL = ("fused_linear", "attn_prewait", "gather_rows", "wide_topk", "norm_stats")
+_BOOL = ("fused_linear", "attn_prewait", "gather_rows", "wide_topk")
 _TRISTATE = ("step_kernels", "fused_merge", "pdl_qkv_early")
 _ROWS = ("fused_rows",)
 MAX_FUSED_ROWS = 64  # kernels_triton/linear.py MAX_M (not imported: options is imported by linear)
@@ -120,6 +124,12 @@ def _validated(name: str, value):
         if value not in PDL_MODES:
             raise ValueError(f"kernel option pdl={value!r}; valid: {', '.join(PDL_MODES)} (or true = late, "
                              "false = off)")
+        return value
+    if name == "norm_stats":
+        if value is False:
+            return "off"
+        if value not in NORM_STATS_MODES:
+            raise ValueError(f"kernel option norm_stats={value!r}; valid: {', '.join(NORM_STATS_MODES)}")
         return value
     if name == "small_m":
         if value not in SMALL_M_BODIES:
@@ -189,7 +199,7 @@ def parse_value(name: str, text: str):
     word = text.strip().lower()
     if name == "pdl" and word in PDL_MODES:
         return word
-    if name == "small_m":
+    if name in ("small_m", "norm_stats"):
         return _validated(name, word)
     if name in _ROWS:
         if word in ("null", "auto", "none"):
@@ -214,7 +224,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
            "fused_rows": "null | 1..64", "gather_rows": "true | false",
            "wide_topk": "true | false",
-           "small_m": "dot | stream | stream_prefetch | stream_inline", "norm_stats": "true | false"}
+           "small_m": "dot | stream | stream_prefetch | stream_inline", "norm_stats": "off | loop | fold"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

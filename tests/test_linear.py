@@ -745,23 +745,44 @@ def test_norm_stats_from_the_producer_epilogue(path, dtype, poison, launches):
     streaming = path.startswith(("stream", "inline"))
     # the streaming bodies skip their prologue and read the partials; dot / GEMV compute the norm themselves
     assert "prologue" not in _bodies(launches)
-    assert [kw["PRE_SS"] > 0 for _, kw in launches] == [streaming] * 3
+    assert [kw["PRE_SS"] for _, kw in launches] == [1 if streaming else 0] * 3
+    if not streaming:
+        with pytest.raises(ValueError, match="folded norm weight.*needs the streaming body"):
+            lin.norm_swiglu(s, None, None, 1e-5, w13, config=dict(cfg), sumsq=ss)
+        return
+    # norm_stats "fold": the norm weight folded into the weight's columns, 1 / rms scaling the rows'
+    # products in the epilogue (no norm in the K loop): the same values up to the normalised rows'
+    # rounding, which this path skips, and the folded weight's
+    from specdec.models.ops import fold_norm
+    launches.clear()
+    act_f, s_out = lin.norm_swiglu(s, None, None, 1e-5, fold_norm(w13, nw), config=dict(cfg), sumsq=ss)
+    assert s_out is s
+    _close(act_f, lin.norm_swiglu_ref(s, None, nw, 1e-5, w13)[0], dtype)
+    kc2, vc2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+    q_f, _ = lin.norm_qkv_rope_write_kv_(s, None, None, 1e-5, fold_norm(wqkv, nw), HQ, HKV, pos, cos, sin, kc2, vc2,
+                                         slots, config=dict(cfg), sumsq=ss)
+    _close(q_f, q_ref, dtype)
+    torch.testing.assert_close(kc2, kc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    torch.testing.assert_close(vc2, vc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    assert [kw["PRE_SS"] for _, kw in launches] == [2, 2] and "prologue" not in _bodies(launches)
     if "split_k" in cfg:
         from kernels_triton.attention import arrival_counters
         assert not arrival_counters(x.device, 1, owner="fused_linear").any()
 
 
-def test_norm_stats_are_read_not_recomputed(poison):
+@pytest.mark.parametrize("folded", [False, True])
+def test_norm_stats_are_read_not_recomputed(folded, poison):
     # Mutation check: scaled partials change the normalised rows by exactly that scale's rsqrt (the
-    # kernel reads the sums it is given instead of recomputing them).
+    # kernel reads the sums it is given instead of recomputing them), in the K loop or the epilogue.
     gen = torch.Generator().manual_seed(3)
-    dtype, cfg = torch.float32, {"small_m": "stream"}
-    s, nw = _randn(5, 64, dtype=dtype, gen=gen), torch.ones(64, device=DEVICE)
+    dtype, cfg = torch.float32, {"small_m": "stream", "split_k": 2}
+    s, nw = _randn(5, 64, dtype=dtype, gen=gen), _randn(64, dtype=dtype, gen=gen)
     w = _randn(32, 64, dtype=dtype, scale=0.125, gen=gen)
     ss = s.pow(2).sum(-1)[None].contiguous()
-    base, _ = lin.norm_linear(s, None, nw, 1e-12, w, config=dict(cfg), sumsq=ss)
+    args = (None, (w * nw[None, :]).contiguous()) if folded else (nw, w)
+    base, _ = lin.norm_linear(s, None, args[0], 1e-12, args[1], config=dict(cfg), sumsq=ss)
     _close(base, lin.norm_linear_ref(s, None, nw, 1e-12, w)[0], dtype)
-    scaled, _ = lin.norm_linear(s, None, nw, 1e-12, w, config=dict(cfg), sumsq=ss * 4)
+    scaled, _ = lin.norm_linear(s, None, args[0], 1e-12, args[1], config=dict(cfg), sumsq=ss * 4)
     _close(scaled, base / 2, dtype)
 
 
@@ -782,9 +803,10 @@ def test_norm_stats_reject_bad_input():
 @pytest.mark.parametrize("n", [1, 17])
 def test_model_norm_stats_drop_the_prologues(n, kernel_options, launches):
     # A 2-layer model over 17 streamed rows: with the kernel option norm_stats wo and w2 add the residual and
-    # sum its squares, so only layer 0's qkv (the embeddings' norm) keeps a prologue launch; without, every
-    # norm op has one (4). Hidden states match the torch-reference model either way; one row (GEMV) is
-    # untouched by the option.
+    # sum its squares, so only layer 0's qkv (the embeddings' norm) keeps a prologue launch ("loop": the
+    # others normalise in the K loop, "fold": scale rows in the epilogue, with folded weights); "off":
+    # every norm op has one (4). Hidden states match the torch-reference model each way; one row (GEMV)
+    # is untouched by the option.
     from specdec.models import ops
     from specdec.models.llama import LlamaModel
     from specdec.models.loading import LlamaConfig
@@ -799,7 +821,7 @@ def test_model_norm_stats_drop_the_prologues(n, kernel_options, launches):
     ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     pos = torch.arange(n, **i32)
     want = {}
-    for on in (True, False):
+    for on in ("loop", "fold", "off"):
         kernel_options.set_(norm_stats=on, small_m="stream")
         out = {}
         launches.clear()
@@ -808,9 +830,9 @@ def test_model_norm_stats_drop_the_prologues(n, kernel_options, launches):
             out[be] = model(ids, pos, meta, k, v).hidden
         torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
         bodies = _bodies(launches)
-        pre_ss = [kw["PRE_SS"] > 0 for name, kw in launches if name == "_fused_linear_kernel"]
-        want[on] = (bodies.count("prologue"), sum(pre_ss))
+        pre_ss = [kw["PRE_SS"] for name, kw in launches if name == "_fused_linear_kernel"]
+        want[on] = (bodies.count("prologue"), pre_ss.count(1), pre_ss.count(2))
     if n == 1:
-        assert want[True] == want[False] == (0, 0)
+        assert want["loop"] == want["fold"] == want["off"] == (0, 0, 0)
     else:
-        assert want[True] == (1, 3) and want[False] == (4, 0), want
+        assert want == {"loop": (1, 3, 0), "fold": (1, 0, 3), "off": (4, 0, 0)}, want

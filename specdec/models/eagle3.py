@@ -402,8 +402,10 @@ class Eagle3Head(nn.Module):
         # o-projection adds the residual itself, attn is the sum and sumsq its rows' squares.)
         attn, residual, sumsq = ops.linear_residual(o.reshape(N, HQ * D), self.w("midlayer.self_attn.o_proj.weight"),
                                                     hidden, backend=be)
-        act, residual = ops.norm_swiglu(attn, residual, self.w("midlayer.post_attention_layernorm.weight"),
-                                        c.rms_norm_eps, w13, backend=be, sumsq=sumsq)  # [N, F]
+        post_norm = self.w("midlayer.post_attention_layernorm.weight")
+        folded = self.folded_w13(w13, post_norm) if sumsq is not None and ops.norm_folding() else None
+        act, residual = ops.norm_swiglu(attn, residual, post_norm, c.rms_norm_eps, w13, backend=be, sumsq=sumsq,
+                                        folded=folded)  # [N, F]
         out = ops.linear(act, self.w("midlayer.mlp.down_proj.weight"), residual, backend=be)  # [N, H]
         return out, (self.logits(out) if with_logits else None)
 
@@ -424,6 +426,16 @@ class Eagle3Head(nn.Module):
                 self._fused = (torch.cat(ws[:3]).contiguous(), torch.cat(ws[3:]).contiguous())
             self._fused_sig = sig
         return self._fused
+
+    def folded_w13(self, w13: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+        """gate|up with the post-attention norm weight folded in (ops.fold_norm; kernel option norm_stats
+        "fold"), rebuilt when either changes."""
+        sig = tuple((t.data_ptr(), t._version, t.dtype) for t in (w13, norm_weight))
+        if getattr(self, "_folded_sig", None) != sig:
+            with torch.no_grad():
+                self._folded_w13 = ops.fold_norm(w13, norm_weight)
+            self._folded_sig = sig
+        return self._folded_w13
 
     def draft_to_target_table(self) -> torch.Tensor:
         """[draft_vocab] target id of each draft id (d2t holds offsets); rebuilt when d2t changes."""

@@ -138,6 +138,19 @@ class LlamaModel(nn.Module):
         return (torch.zeros(shape, device=self.device, dtype=self.dtype),
                 torch.zeros(shape, device=self.device, dtype=self.dtype))
 
+    def norm_folded_weights(self) -> tuple[list, list]:
+        """(wqkv, w13) of every layer with its norm weight folded into the input columns
+        (ops.fold_norm), for the kernel option norm_stats "fold"; made on first use (an eager run before
+        any graph capture) and again when a source weight changes (tensor versions are compared)."""
+        src = [*self.wqkv, *self.attn_norm, *self.w13, *self.mlp_norm]
+        sig = tuple((t.data_ptr(), t._version, t.dtype) for t in src)
+        if getattr(self, "_folded_sig", None) != sig:
+            with torch.no_grad():
+                self._folded = ([ops.fold_norm(w, n) for w, n in zip(self.wqkv, self.attn_norm)],
+                                [ops.fold_norm(w, n) for w, n in zip(self.w13, self.mlp_norm)])
+            self._folded_sig = sig
+        return self._folded
+
     # -- forward --------------------------------------------------------------------------------
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed[input_ids]  # [N, H]
@@ -155,6 +168,9 @@ class LlamaModel(nn.Module):
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         h = self.embed_tokens(input_ids)  # [N, H]
         residual = sumsq = None
+        fq = f13 = [None] * c.num_hidden_layers
+        if ops.norm_folding():  # kernel option norm_stats "fold": the norm weights folded into wqkv / w13
+            fq, f13 = self.norm_folded_weights()
         captured = []
         for i in range(c.num_hidden_layers):
             # RMSNorm(h + residual) -> qkv -> RoPE -> K/V into this layer's cache slots; s = h + residual
@@ -163,13 +179,13 @@ class LlamaModel(nn.Module):
             q, residual = ops.norm_qkv_rope_write_kv_(
                 h, residual, self.attn_norm[i], c.rms_norm_eps, self.wqkv[i], HQ, HKV, positions,
                 self.rope_cos, self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping, backend=be,
-                sumsq=sumsq)  # [N, HQ, D]
+                sumsq=sumsq, folded=fq[i])  # [N, HQ, D]
             if i in capture_layers:
                 captured.append(residual)
             o = ops.paged_attention(q, k_cache[i], v_cache[i], meta, backend=be)  # [N, HQ, D]
             h, residual, sumsq = ops.linear_residual(o.reshape(N, HQ * D), self.wo[i], residual, backend=be)  # [N, H]
             x, residual = ops.norm_swiglu(h, residual, self.mlp_norm[i], c.rms_norm_eps, self.w13[i],
-                                          backend=be, sumsq=sumsq)  # [N, F]
+                                          backend=be, sumsq=sumsq, folded=f13[i])  # [N, F]
             h, residual, sumsq = ops.linear_residual(x, self.w2[i], residual, backend=be)  # [N, F] @ [F, H]
         out = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual, backend=be)
         if residual is not None:

@@ -192,17 +192,42 @@ def linear_residual(x, w, residual, *, backend="auto"):
     input: (x', residual', sumsq). Where the streaming body runs several rows and the kernel option
     norm_stats is on, one launch adds the residual in its epilogue: (s = x @ w^T + residual, None, the
     per-column-block sums of s^2, kernels_triton.linear.linear_residual), and the next norm_* op
-    normalises s from those sums in its K loop, without a prologue launch. Elsewhere (one row: the GEMV
+    normalises s from those sums (kernel option norm_stats: "loop", in its K loop; "fold", weights with
+    the norm weight folded in, see :func:`fold_norm`, and 1 / rms in the epilogue), without a prologue
+    launch. Elsewhere (one row: the GEMV
     computes its own norm; cuBLAS; CPU) (x @ w^T, residual, None): the add stays in the next norm's
     kernel, as before. Either way the norm op that follows gets ``(x', residual', sumsq=sumsq)``."""
     from kernels_triton import linear as lin
     from kernels_triton import options
 
-    if (residual is not None and x.shape[0] > 1 and options.get().norm_stats and lin._peek_body(None) != "dot"
-            and _fused(backend, x, w, one_row_any_size=True)):
+    if (residual is not None and x.shape[0] > 1 and options.get().norm_stats != "off"
+            and lin._peek_body(None) != "dot" and _fused(backend, x, w, one_row_any_size=True)):
         s, ss = lin.linear_residual(x, w, residual)
         return s, None, ss
     return linear(x, w, backend=backend), residual, None
+
+
+def norm_folding() -> bool:
+    """Whether the kernel option norm_stats is "fold": models then hand the norm ops their weights with
+    the norm weight folded in (``folded=``, :func:`fold_norm`)."""
+    from kernels_triton import options
+
+    return options.get().norm_stats == "fold"
+
+
+def fold_norm(w, norm_weight):
+    """w [NOUT, K] with its input columns scaled by the RMSNorm weight [K], in w's dtype:
+    RMSNorm(s) @ w^T = rstd(s) * (s @ fold_norm(w, nw)^T) (the norm weight applied before the GEMM's
+    rounding instead of to the normalised rows)."""
+    return (w.float() * norm_weight.float()[None, :]).to(w.dtype).contiguous()
+
+
+def _norm_args(norm_weight, w, sumsq, folded):
+    """(norm weight, weight) for a fused norm op: with row sums and a folded weight (norm_stats "fold")
+    the folded weight and no norm weight (1 / rms scales the rows in the epilogue)."""
+    if sumsq is not None and folded is not None and norm_folding():
+        return None, folded
+    return norm_weight, w
 
 
 def _norm(x, residual, norm_weight, eps, backend):
@@ -224,13 +249,15 @@ def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto"):
     return y @ w.t(), s
 
 
-def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto", sumsq=None):
+def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto", sumsq=None, folded=None):
     """(silu(gate) * up of RMSNorm(x + residual) @ w13^T [N, F], x + residual); residual None: x.
-    ``sumsq``: x's rows' sums of squares from :func:`linear_residual` (used by the fused kernel)."""
+    ``sumsq``: x's rows' sums of squares from :func:`linear_residual` (used by the fused kernel);
+    ``folded``: fold_norm(w13, norm_weight), used with them under norm_stats "fold"."""
     from kernels_triton import linear as lin
 
     if _fused(backend, x, w13, one_row_any_size=True, swiglu=True):
-        return lin.norm_swiglu(x, residual, norm_weight, eps, w13, sumsq=sumsq)
+        nw, w = _norm_args(norm_weight, w13, sumsq, folded)
+        return lin.norm_swiglu(x, residual, nw, eps, w, sumsq=sumsq)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
     return silu_mul(y @ w13.t(), backend=backend), s
@@ -238,14 +265,15 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto", sumsq=Non
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
                             k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, *, backend="auto", rows=None,
-                            sumsq=None):
+                            sumsq=None, folded=None):
     """The attention block's input side: RMSNorm(x + residual) @ wqkv^T, RoPE, K/V written to the cache
     slots (in place). Returns (rotated q [N, HQ, D], s = x + residual, or x without a residual).
     norm_weight None projects x as is. With ``x2`` (and ``norm_weight2``) the projected rows are
     [RMSNorm(x) | RMSNorm2(x2)] (EAGLE-3's draft layer: token embedding beside hidden state).
     ``rows`` = (index [G, W], group): x's rows gathered as in :func:`linear` (no residual; s is then
     the gathered rows, or None when the kernel gathered them). ``sumsq``: x's rows' sums of squares
-    from :func:`linear_residual` (used by the fused kernel)."""
+    from :func:`linear_residual` (used by the fused kernel); ``folded``: fold_norm(wqkv, norm_weight), used
+    with them under norm_stats "fold"."""
     from kernels_triton import linear as lin
 
     if rows is not None:
@@ -256,7 +284,8 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
 
     N, D = x.shape[0], k_cache.shape[-1]
     if _fused(backend, x, wqkv, one_row_any_size=True):
-        return lin.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
+        nw, w = _norm_args(norm_weight, wqkv, sumsq, folded)
+        return lin.norm_qkv_rope_write_kv_(x, residual, nw, eps, w, n_q_heads, n_kv_heads, positions,
                                            cos, sin, k_cache, v_cache, slot_mapping, x2, norm_weight2, sumsq=sumsq)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     if x2 is not None:
