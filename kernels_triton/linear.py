@@ -93,13 +93,18 @@ Norm statistics from the producer (``linear_residual``, kernel option norm_stats
 closes a residual block (wo, w2) adds the residual in its epilogue, s = dt(dt(x @ w^T) + residual) (the
 rounding the next norm's residual add makes), and each column block (after its split-K reduction)
 writes the sums of s^2 of its rows over its columns, fp32 [blocks, M]. The next norm_* launch takes
-them (``sumsq=``, residual None): the streaming body sums the partials (fixed order) into 1 / rms per
-row and normalises s in its K loop as stream_inline does, with neither a prologue launch nor a pass
-over the rows; the other bodies ignore them and normalise as usual. Math: the norm prologue's, the
-squares summed in another order. So a layer of several streamed rows is two launches shorter; only
-the first layer's qkv, whose input is the embedding, keeps a prologue. Off by default: the prologue
-is hidden behind the GEMM's weight prefetch, and the normalisation in the K loop slows the GEMM more
-than the launch saved (H200, graphed tree16 step 1.096 vs 1.040 ms; docs/kernel_notes.md).
+them (``sumsq=``, residual None) and the streaming body sums the partials (fixed order) into 1 / rms
+per row, with neither a prologue launch nor a pass over the rows, in one of two ways:
+- with the norm weight (kernel option norm_stats="loop"): each row chunk normalised in the K loop as
+  stream_inline does; math: the norm prologue's, the squares summed in another order;
+- with norm_weight None and the weight's input columns already scaled by it (``fold_norm`` in
+  specdec.models.ops; norm_stats="fold", the default): the plain streaming K loop, then the products of
+  each row scaled by its 1 / rms before the epilogue; math: rstd(s) * (s @ (w * nw)^T), so the
+  normalised rows are never rounded on their own and the folded weight is rounded once.
+A layer of several streamed rows is then two launches shorter; only the first layer's qkv, whose input
+is the embedding, keeps a prologue. H200 graphed tree16 step: 0.973 ms fold, 1.096 loop, 1.043 with
+the prologue (the loop's normalisation between load and dot costs more than the launch it saves;
+docs/kernel_notes.md "Norm statistics from the producer").
 
 Routing (``specdec.models.ops``): with small_m = "dot", up to FUSED_MAX_ROWS rows and
 FUSED_MAX_WEIGHT_BYTES of weight here (one row: any projection, GEMV); with a streaming body
@@ -1191,6 +1196,9 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     half = triton.next_power_of_2(D // 2)
     config = dict(config or {})
     parts = config.pop("parts", None)
+    block_n = config.pop("block_n", None)  # a column block: the dims of a half head per program
+    if parts is None and block_n:
+        parts = max(1, triton.cdiv(triton.next_power_of_2(D // 2), int(block_n)))
     gemv = _gemv_requested(x, config, rows)
     if parts is None and gemv:
         parts = max(1, half // _gemv_tiles(x.shape[1], EPI_ROPE, x.device)["block_n"])

@@ -80,13 +80,13 @@ class KernelOptions:
     norm_stats: where the streaming body runs several rows (tree verify, draft rounds, small
         batches), the projections that close a residual block (wo, w2) add the residual in their
         epilogue and write each column block's sums of squares of the new stream, so the next RMSNorm
-        needs no prologue launch (linear.linear_residual, sumsq=). "loop": the consumer normalises
-        each row chunk in its K loop (the prologue's roundings); H200 graphed tree16 step 1.096 vs
-        1.040 ms off: the normalisation between load and dot costs the GEMM more than the launch,
-        which the GEMM's weight prefetch hid. "fold": the norm weight folded into the consumer's
-        weight columns (a bf16 copy of wqkv and w13 per layer, made once) and 1 / rms applied to the
-        accumulator in the epilogue, so the K loop is the plain streaming one (the normalised rows
-        are not rounded on their own). "off" (the default): the prologue launch.
+        needs no prologue launch (linear.linear_residual, sumsq=). "fold" (the default): the norm
+        weight folded into the consumer's weight columns (a copy of wqkv and w13 per layer, made
+        once) and 1 / rms applied to the accumulator in the epilogue, so the K loop is the plain
+        streaming one (the normalised rows are not rounded on their own); H200 graphed tree16 step
+        0.973 vs 1.043 ms off. "loop": the consumer normalises each row chunk in its K loop (the
+        prologue's roundings), 1.096 ms: the normalisation between load and dot costs the GEMM more
+        than the launch, which the GEMM's weight prefetch hid. "off": the prologue launch.
         (docs/kernel_notes.md "Norm statistics from the producer".)
     """
 
@@ -100,7 +100,7 @@ class KernelOptions:
     gather_rows: bool = True
     wide_topk: bool = True
     small_m: str = "auto"
-    norm_stats: str = "off"
+    norm_stats: str = "fold"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -17,7 +17,7 @@ def test_defaults_and_validation(kernel_options):
     o = kernel_options.get()
     assert o.as_dict() == dict(pdl="late", fused_linear=True, step_kernels=None, fused_merge=None,
                                attn_prewait=True, pdl_qkv_early=None, fused_rows=None,
-                               gather_rows=True, wide_topk=True, small_m="auto", norm_stats="off")
+                               gather_rows=True, wide_topk=True, small_m="auto", norm_stats="fold")
     for name, bad, needle in (("fused_linear", "yes", "true, false"), ("attn_prewait", None, "true, false"),
                               ("fused_rows", 65, "1..64"), ("fused_rows", 0, "1..64"), ("fused_rows", True, "1..64"),
                               ("fused_rows", "17", "1..64"),

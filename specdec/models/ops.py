@@ -200,19 +200,31 @@ def linear_residual(x, w, residual, *, backend="auto"):
     from kernels_triton import linear as lin
     from kernels_triton import options
 
-    if (residual is not None and x.shape[0] > 1 and options.get().norm_stats != "off"
-            and lin._peek_body(None) != "dot" and _fused(backend, x, w, one_row_any_size=True)):
+    if residual is not None and sums_squares(backend, x, w):
         s, ss = lin.linear_residual(x, w, residual)
         return s, None, ss
     return linear(x, w, backend=backend), residual, None
 
 
-def norm_folding() -> bool:
-    """Whether the kernel option norm_stats is "fold": models then hand the norm ops their weights with
-    the norm weight folded in (``folded=``, :func:`fold_norm`)."""
+def sums_squares(backend: str, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`linear_residual` over rows x with weight w hands the next norm op its rows' sums of
+    squares: the kernel option norm_stats on, several rows, a streaming small-M body and the fused path."""
+    from kernels_triton import linear as lin
     from kernels_triton import options
 
-    return options.get().norm_stats == "fold"
+    return (x.shape[0] > 1 and options.get().norm_stats != "off" and lin._peek_body(None) != "dot"
+            and _fused(backend, x, w, one_row_any_size=True))
+
+
+def norm_folding(backend: str | None = None, x: torch.Tensor | None = None, w: torch.Tensor | None = None) -> bool:
+    """Whether the kernel option norm_stats is "fold" (and, given backend, rows x and the weight w of the
+    projection before a norm, whether that projection hands over sums: :func:`sums_squares`): models then
+    pass the norm ops their weights with the norm weight folded in (``folded=``, :func:`fold_norm`)."""
+    from kernels_triton import options
+
+    if options.get().norm_stats != "fold":
+        return False
+    return x is None or sums_squares(backend, x, w)
 
 
 def fold_norm(w, norm_weight):
