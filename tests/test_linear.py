@@ -357,29 +357,34 @@ def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch, kern
 
 
 
-@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
-def test_fused_rows_option_routes_tree_verify_rows(monkeypatch, kernel_options):
-    # 17 rows (the verify of a 16-node tree): the unfused path by default (ops.FUSED_MAX_ROWS = 16), the
-    # fused kernels with the kernel option fused_rows >= 17; both give the torch-reference model's hidden.
+def _tiny_models(n, *, layers, vocab, seed, pages, max_pos, ids_seed):
+    """A random tiny Llama on the triton and torch backends (same weights), and the inputs of one forward
+    over n tokens of one request: (models, meta, ids, positions)."""
     from specdec.models import ops
     from specdec.models.llama import LlamaModel
     from specdec.models.loading import LlamaConfig
 
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=vocab, head_dim=16, max_position_embeddings=max_pos)
+    models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=seed, backend=be)
+              for be in ("triton", "torch")}
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    meta = ops.AttentionMeta(torch.tensor([0, n], **i32), torch.tensor([n], **i32),
+                             torch.arange(pages, **i32)[None], torch.arange(n, device=DEVICE), n)
+    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(ids_seed)).to(DEVICE)
+    return models, meta, ids, torch.arange(n, **i32)
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
+def test_fused_rows_option_routes_tree_verify_rows(monkeypatch, kernel_options):
+    # 17 rows (the verify of a 16-node tree): the unfused path by default (ops.FUSED_MAX_ROWS = 16), the
+    # fused kernels with the kernel option fused_rows >= 17; both give the torch-reference model's hidden.
     calls = []
     for name in ("linear", "linear_residual", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
         real = getattr(lin, name)
         monkeypatch.setattr(lin, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=40, head_dim=16, max_position_embeddings=64)
-    models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=2, backend=be)
-              for be in ("triton", "torch")}
-    n = 17
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-    meta = ops.AttentionMeta(torch.tensor([0, n], **i32), torch.tensor([n], **i32), torch.arange(5, **i32)[None],
-                             torch.arange(n, device=DEVICE), n)
-    ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    pos = torch.arange(n, **i32)
+    models, meta, ids, pos = _tiny_models(17, layers=1, vocab=40, seed=2, pages=5, max_pos=64, ids_seed=0)
     hidden = {}
     # small_m "dot": 16 rows by default (17 on cuBLAS); "auto" (the default): up to 24 rows streamed
     for body, rows, fused in (("dot", None, False), ("dot", 16, False), ("dot", 17, True), ("dot", 64, True),
@@ -807,19 +812,7 @@ def test_model_norm_stats_drop_the_prologues(n, kernel_options, launches):
     # others normalise in the K loop, "fold": scale rows in the epilogue, with folded weights); "off":
     # every norm op has one (4). Hidden states match the torch-reference model each way; one row (GEMV)
     # is untouched by the option.
-    from specdec.models import ops
-    from specdec.models.llama import LlamaModel
-    from specdec.models.loading import LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, vocab_size=40, head_dim=16, max_position_embeddings=64)
-    models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=5, backend=be)
-              for be in ("triton", "torch")}
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-    meta = ops.AttentionMeta(torch.tensor([0, n], **i32), torch.tensor([n], **i32), torch.arange(5, **i32)[None],
-                             torch.arange(n, device=DEVICE), n)
-    ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    pos = torch.arange(n, **i32)
+    models, meta, ids, pos = _tiny_models(n, layers=2, vocab=40, seed=5, pages=5, max_pos=64, ids_seed=4)
     want = {}
     for on in ("loop", "fold", "off"):
         kernel_options.set_(norm_stats=on, small_m="stream")
