@@ -43,6 +43,17 @@ def _close(got, want, dtype):
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
 
+def _rope_case(M, HKV, D, PS, NP, max_pos, dtype, gen):
+    """RoPE tables, M random positions, M distinct cache slots and NaN-filled K/V pools (and copies for
+    the reference): (cos, sin, pos, slots, kc, vc, kc_ref, vc_ref)."""
+    cos, sin = rope_tables(D, max_pos, 10000.0, device=DEVICE)
+    pos = torch.randint(0, max_pos, (M,), generator=gen).to(DEVICE)
+    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
+    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+    vc = torch.full_like(kc, float("nan"))
+    return cos, sin, pos, slots, kc, vc, kc.clone(), vc.clone()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 5, 17, 40])
 @pytest.mark.parametrize("K,NOUT", [(80, 100), (200, 36)])
@@ -210,12 +221,7 @@ def test_two_input_qkv_matches_concatenated_norms(M, dtype, poison):
     x2 = _randn(M, K, dtype=dtype, scale=0.2, gen=gen)
     nw, nw2 = _randn(K, dtype=dtype, gen=gen), _randn(K, dtype=dtype, gen=gen)
     wqkv = _randn((HQ + 2 * HKV) * D, 2 * K, dtype=dtype, scale=(2 * K) ** -0.5, gen=gen)
-    cos, sin = rope_tables(D, 128, 10000.0, device=DEVICE)
-    pos = torch.randint(0, 128, (M,), generator=gen).to(DEVICE)
-    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
-    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
-    vc = torch.full_like(kc, float("nan"))
-    kc_ref, vc_ref = kc.clone(), vc.clone()
+    cos, sin, pos, slots, kc, vc, kc_ref, vc_ref = _rope_case(M, HKV, D, PS, NP, 128, dtype, gen)
     q, _ = lin.norm_qkv_rope_write_kv_(x, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
                                        x2=x2, norm_weight2=nw2)
     q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(x, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref,
@@ -736,12 +742,7 @@ def test_norm_stats_from_the_producer_epilogue(path, dtype, poison, launches):
     out, _ = lin.norm_linear(s, None, nw, 1e-5, wqkv, config=dict(cfg), sumsq=ss)
     _close(out, lin.norm_linear_ref(s, None, nw, 1e-5, wqkv)[0], dtype)
     HQ, HKV, D, PS, NP = 3, 1, 16, 4, 12
-    cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
-    pos = torch.randint(0, 64, (M,), generator=gen).to(DEVICE)
-    slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
-    kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
-    vc = torch.full_like(kc, float("nan"))
-    kc_ref, vc_ref = kc.clone(), vc.clone()
+    cos, sin, pos, slots, kc, vc, kc_ref, vc_ref = _rope_case(M, HKV, D, PS, NP, 64, dtype, gen)
     q, _ = lin.norm_qkv_rope_write_kv_(s, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
                                        config=dict(cfg), sumsq=ss)
     q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(s, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref, slots)
