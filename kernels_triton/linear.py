@@ -919,8 +919,10 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
     """One launch of the fused kernel (the streaming body: its prologue first where a norm runs);
     returns s (x + residual, or x) when a norm runs, the [grid_n, M] sums of squares with
     ``stats_residual`` (out = x @ w^T + stats_residual, see linear_residual), else None. ``sumsq``:
-    x's rows' sums of squares in partials (a linear_residual's), so the streaming body normalises in
-    its K loop without a prologue launch (other bodies compute the norm as usual). ``config`` overrides BLOCK_K /
+    x's rows' sums of squares in partials (a linear_residual's): the streaming body, without a prologue
+    launch, normalises in its K loop (with norm_weight; other bodies then compute the norm as usual) or,
+    with norm_weight None and w's columns scaled by the norm weight, scales each row's products by its
+    1 / rms before the epilogue. ``config`` overrides BLOCK_K /
     num_warps / num_stages / programs (benchmark sweeps; the public launchers also take ``block_n``,
     and ``parts`` for the qkv kernel), "gemv" (one row), "small_m" (the multi-row body, else the
     kernel option), and for the streaming body "split_k" and "prefetch" (weight columns requested
@@ -1073,8 +1075,8 @@ def linear_residual(x, w, residual, config=None):
     s = dt(dt(x @ w^T) + residual) [M, NOUT] (the projection rounded, then the residual add rounded as
     norm.py does: the stream entering the next RMSNorm); sumsq fp32 [parts, M], the sums of s^2 of
     each row over the parts' column blocks (sumsq.sum(0) = sum of s^2 per row). Handing sumsq to the
-    next norm_* launcher (``sumsq=``, with residual None) lets the streaming body normalise s in its
-    K loop: no prologue launch. Reference: linear_residual_ref."""
+    next norm_* launcher (``sumsq=``, with residual None) spares the streaming body its prologue launch
+    (module docstring, "Norm statistics from the producer"). Reference: linear_residual_ref."""
     _check("linear_residual", x, w)
     M, NOUT = x.shape[0], w.shape[0]
     if residual is None or residual.shape != (M, NOUT) or residual.dtype != x.dtype or residual.device != x.device:
@@ -1103,7 +1105,8 @@ def _check_sumsq(name, residual, sumsq):
 
 def norm_linear(x, residual, norm_weight, eps, w, config=None, sumsq=None):
     """(RMSNorm(x + residual) @ w^T, x + residual) in one launch; residual None: (..., x). ``sumsq``:
-    x's rows' sums of squares from linear_residual (residual None)."""
+    x's rows' sums of squares from linear_residual (residual None); with it, norm_weight None means w's
+    columns carry the norm weight (ops.fold_norm) and 1 / rms scales the products."""
     _check("norm_linear", x, w, residual, norm_weight)
     _check_sumsq("norm_linear", residual, sumsq)
     M, NOUT = x.shape[0], w.shape[0]
@@ -1119,7 +1122,8 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None, sumsq=None):
     """(silu(gate) * up of RMSNorm(x + residual) @ [gate | up]^T, x + residual) in one launch.
 
     w13: [2F, K] (gate rows first). Returns a new [M, F] activation and s (x itself without residual).
-    ``sumsq``: x's rows' sums of squares from linear_residual (residual None).
+    ``sumsq``: x's rows' sums of squares from linear_residual (residual None; norm_weight None: folded
+    into w13, as in norm_linear).
     """
     _check("norm_swiglu", x, w13, residual, norm_weight)
     _check_sumsq("norm_swiglu", residual, sumsq)
@@ -1149,7 +1153,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     the normed token embedding beside the normed hidden state, without a concatenated copy.
     ``rows`` = (index [G, W], group): x's M = G * W rows gathered in the kernel (e.g. x = an embedding
     table, index = token ids); then s is None. ``sumsq``: x's rows' sums of squares from
-    linear_residual (residual None, no x2 or rows).
+    linear_residual (residual None, no x2 or rows; norm_weight None: folded into wqkv, as in norm_linear).
     """
     name = "norm_qkv_rope_write_kv_"
     _check_sumsq(name, residual, sumsq)

@@ -194,11 +194,10 @@ def linear_residual(x, w, residual, *, backend="auto"):
     per-column-block sums of s^2, kernels_triton.linear.linear_residual), and the next norm_* op
     normalises s from those sums (kernel option norm_stats: "loop", in its K loop; "fold", weights with
     the norm weight folded in, see :func:`fold_norm`, and 1 / rms in the epilogue), without a prologue
-    launch. Elsewhere (one row: the GEMV
-    computes its own norm; cuBLAS; CPU) (x @ w^T, residual, None): the add stays in the next norm's
-    kernel, as before. Either way the norm op that follows gets ``(x', residual', sumsq=sumsq)``."""
+    launch. Elsewhere (one row: the GEMV computes its own norm; cuBLAS; CPU) (x @ w^T, residual, None):
+    the add stays in the next norm's kernel, as before. Either way the norm op that follows gets
+    ``(x', residual', sumsq=sumsq)``."""
     from kernels_triton import linear as lin
-    from kernels_triton import options
 
     if residual is not None and sums_squares(backend, x, w):
         s, ss = lin.linear_residual(x, w, residual)
