@@ -25,6 +25,8 @@
 #                                             on MT-bench at C = 1, 2, 8, the n-gram C = 1 step split by phase
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
 #                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
+#   bash experiments/gpu_round.sh tiles17     # SmolLM2 projections at 17 / 21 rows (tree16 / tree20_deep verify): cuBLAS
+#                                             vs the small-M bodies and the streaming tile sweep (no model files)
 #   bash experiments/gpu_round.sh gputests    # pytest -m gpu, one line per test as it ends ($OUT/gpu_tests.txt):
 #                                             a time limit (GPU_TESTS_S, 560) keeps the names of what ran;
 #                                             SmolLM2 tests skip until the q3 call has converted it
@@ -162,6 +164,9 @@ sweep)
   run ${SWEEP_S:-300} python -m specdec.run --multirun ${SWEEP_ARGS:?SWEEP_ARGS} hydra.sweep.dir="$R/$n"
   python -m specdec.report "$R/$n" --out "$R/$n/report" > /dev/null 2>&1
   pack "$n" "$n" ;;
+tiles17)  # where the 17-row verify GEMMs lose to the one-row GEMV (docs/kernel_notes.md, "Norm statistics from the producer")
+  run ${TILES_S:-400} python experiments/kernels/bench_linear.py --small-m --small-m-sweep --shapes smollm2 --rows 17 21 --out "$OUT"
+  ls -l "$OUT" ;;
 gputests)  # GPU_TESTS_FILES: test files to run (default: all of tests/), e.g. "tests/test_engine.py tests/test_spec.py"
   # shellcheck disable=SC2086  # GPU_TESTS_FILES: paths, split on spaces
   SPECDEC_TESTS_OFFLINE=1 timeout ${GPU_TESTS_S:-560} python -m pytest -m gpu -v -rfEs -p no:cacheprovider ${GPU_TESTS_FILES:-} \
