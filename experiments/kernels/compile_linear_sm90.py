@@ -21,7 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from kernels_triton import linear as lin  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-DO_NOT_SPECIALIZE = ("M", "n_blocks", "xi_w", "xi_group", "xi_stride", "n_positions", "eps")
+DO_NOT_SPECIALIZE = ("M", "n_blocks", "xi_w", "xi_group", "xi_stride", "n_positions", "eps", "n_ss", "stride_ss")
 
 
 def compile_kernel(kernel, ptr_args, int_args, float_args, i64_args, consts, options):
@@ -45,17 +45,18 @@ def compile_kernel(kernel, ptr_args, int_args, float_args, i64_args, consts, opt
 
 
 def main_kernel(epi, stream, block_m, block_n, block_k, stages, warps, prefetch=0, pdl=1, gather=False,
-                has_add=False, dt="*bf16", split=1, inline=False):
+                has_add=False, dt="*bf16", split=1, inline=False, res_stats=False, pre_ss=0):
     k = lin._fused_linear_kernel
     ptrs = {n: dt for n in ("x_ptr", "r_ptr", "nw_ptr", "s_ptr", "x2_ptr", "nw2_ptr", "w_ptr", "o_ptr", "add_ptr",
                              "kc_ptr", "vc_ptr")}
     ptrs.update(pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", xi_ptr="*i32", part_ptr="*fp32",
-                cnt_ptr="*i32")
-    consts = dict(HQ=32, HKV=8, HALF=64, PARTS=2, PS=16, NORM=inline or not stream, HAS_RESIDUAL=inline or not stream,
+                cnt_ptr="*i32", ss_ptr="*fp32")
+    norm = (inline or not stream or pre_ss == 1) and pre_ss != 2
+    consts = dict(HQ=32, HKV=8, HALF=64, PARTS=2, PS=16, NORM=norm, HAS_RESIDUAL=(inline or not stream) and not pre_ss,
                   TWO_INPUTS=False,
                   HAS_ADD=has_add, EPI=epi, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC="tf32",
                   GEMV=False, BLOCK_SS=block_k, USE_PDL=pdl, GATHER=gather, STREAM=stream, PREFETCH=prefetch, LINE=64,
-                  SPLIT=split)
+                  SPLIT=split, RES_STATS=res_stats, PRE_SS=pre_ss, SS_ROWS=32 if pre_ss else 1)
     return compile_kernel(k, ptrs, (), ("eps",), (), consts, dict(num_warps=warps, num_stages=stages))
 
 
@@ -87,8 +88,15 @@ if __name__ == "__main__":
                    has_add=True),
               dict(epi=0, stream=True, block_m=64, block_n=128, block_k=64, stages=3, warps=8),
               dict(epi=2, stream=True, block_m=32, block_n=16, block_k=256, stages=4, warps=4, prefetch=1024)]
+    # norm statistics (kernel option norm_stats): the producer's epilogue (split-K), the folded consumers
+    # (row scale before the epilogue) and the K-loop one
+    cases += [dict(epi=0, stream=True, block_m=32, block_n=32, block_k=64, stages=4, warps=4, split=3, res_stats=True),
+              dict(epi=1, stream=True, block_m=32, block_n=32, block_k=128, stages=4, warps=4, prefetch=1024, pre_ss=2),
+              dict(epi=2, stream=True, block_m=32, block_n=16, block_k=64, stages=4, warps=4, split=2, prefetch=1024,
+                   pre_ss=2),
+              dict(epi=1, stream=True, block_m=32, block_n=32, block_k=128, stages=4, warps=4, pre_ss=1)]
     if args.quick:
-        cases = [cases[0], cases[-1]]
+        cases = [cases[0], cases[-3]]
     for c in cases:
         t = time.time()
         ck = main_kernel(**c)
