@@ -142,6 +142,12 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # SmolLM2 (1.1 MB of qkv weights per layer) 0.5736 vs 0.5779 ms, Llama-3.1-8B shapes (50 MB) 4.396
 # vs 4.306 ms.
 QKV_EARLY_MAX_BYTES = 8 << 20
+# The streaming body splits K (split-K) only for loops of at least this many BLOCK_K chunks (kernel
+# option split_min_chunks overrides it). H200, SmolLM2 projections at 17 rows (bench_linear.py
+# --small-m-sweep, de55f7a; results/kernels/bench_linear_small_m_sweep_smollm2_17_21_de55f7a.csv):
+# over K = 576 (5 chunks of 128) two splits cost more than they spread (qkv 6.47 -> 5.39 us whole,
+# mlp_in 6.17 -> 5.21), over K = 1536 (12 chunks) six splits win (w2 3.68 us, 5.29 whole).
+SPLIT_MIN_CHUNKS = 8
 EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
 # The same values as constexpr globals: the only globals a compiled @triton.jit body may read.
 _EPI_NONE, _EPI_SWIGLU, _EPI_ROPE = tl.constexpr(EPI_NONE), tl.constexpr(EPI_SWIGLU), tl.constexpr(EPI_ROPE)
@@ -821,12 +827,15 @@ def _stream_block_n(grid_of, M, n_acc, hi, device):
 
 
 def _stream_split(grid_n, K, block_k, device):
-    """Default split-K of the streaming body: with fewer column blocks than SMs, enough splits to give
-    every SM a program, keeping at least two BLOCK_K chunks per split."""
+    """Default split-K of the streaming body: with fewer column blocks than SMs and a K loop of at least
+    SPLIT_MIN_CHUNKS BLOCK_K chunks (kernel option split_min_chunks), enough splits to give every SM a
+    program, keeping at least two chunks per split. Shorter loops run whole: the partials' store, count
+    and reduction cost more than the loop they split."""
     sms = sm_count(device)
-    if grid_n >= sms:
+    chunks = triton.cdiv(K, block_k)
+    if grid_n >= sms or chunks < (options.get().split_min_chunks or SPLIT_MIN_CHUNKS):
         return 1
-    return max(1, min(triton.cdiv(sms, grid_n), triton.cdiv(K, block_k) // 2))
+    return max(1, min(triton.cdiv(sms, grid_n), chunks // 2))
 
 
 def _use_gemv(x, config, rows=None):

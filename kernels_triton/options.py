@@ -101,6 +101,7 @@ class KernelOptions:
     wide_topk: bool = True
     small_m: str = "auto"
     norm_stats: str = "fold"
+    split_min_chunks: int | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,6 +111,7 @@ FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 _BOOL = ("fused_linear", "attn_prewait", "gather_rows", "wide_topk")
 _TRISTATE = ("step_kernels", "fused_merge", "pdl_qkv_early")
 _ROWS = ("fused_rows",)
+_CHUNKS = ("split_min_chunks",)
 MAX_FUSED_ROWS = 64  # kernels_triton/linear.py MAX_M (not imported: options is imported by linear)
 
 _current = KernelOptions()
@@ -140,6 +142,10 @@ def _validated(name: str, value):
                                   or not 1 <= value <= MAX_FUSED_ROWS):
             raise ValueError(f"kernel option {name}={value!r}; valid: null (the measured default) or an "
                              f"integer 1..{MAX_FUSED_ROWS}")
+        return value
+    if name in _CHUNKS:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 64):
+            raise ValueError(f"kernel option {name}={value!r}; valid: null (the measured default) or an integer 2..64")
         return value
     if name in _BOOL:
         if not isinstance(value, bool):
@@ -201,7 +207,7 @@ def parse_value(name: str, text: str):
         return word
     if name in ("small_m", "norm_stats"):
         return _validated(name, word)
-    if name in _ROWS:
+    if name in _ROWS + _CHUNKS:
         if word in ("null", "auto", "none"):
             return None
         try:
@@ -218,13 +224,14 @@ def parse_value(name: str, text: str):
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
     ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``,
-    ``--wide-topk``, ``--small-m``, ``--norm-stats``); unset flags keep the defaults."""
+    ``--wide-topk``, ``--small-m``, ``--norm-stats``, ``--split-min-chunks``); unset flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
            "fused_rows": "null | 1..64", "gather_rows": "true | false",
            "wide_topk": "true | false",
-           "small_m": "dot | stream | stream_prefetch | stream_inline", "norm_stats": "off | loop | fold"}
+           "small_m": "dot | stream | stream_prefetch | stream_inline", "norm_stats": "off | loop | fold",
+           "split_min_chunks": "null | 2..64"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

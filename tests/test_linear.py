@@ -609,6 +609,28 @@ def test_stream_tiles_match_ref(path, M, poison, launches):
         assert not arrival_counters(x.device, 1, owner="fused_linear").any()
 
 
+@pytest.mark.parametrize("K,min_chunks,want_split", [(160, None, 1), (384, None, 6), (160, 4, 2), (384, 16, 1)])
+def test_split_k_only_for_long_k_loops(K, min_chunks, want_split, monkeypatch, kernel_options, poison, launches):
+    # The default split-K (132 SMs, 5 column blocks): K loops shorter than SPLIT_MIN_CHUNKS (8) BLOCK_K
+    # chunks run whole (K = 160: 5 chunks of 32), longer ones split into halves of the chunks at most
+    # (K = 384: 12 chunks -> 6); the kernel option split_min_chunks moves the bar (4: the rule before it).
+    # Split or not, the output is the reference's.
+    monkeypatch.setattr(lin, "sm_count", lambda device: 132)
+    kernel_options.set_(small_m="stream", split_min_chunks=min_chunks)
+    gen = torch.Generator().manual_seed(K)
+    dtype, M, NOUT = torch.float32, 5, 80
+    x, w = _randn(M, K, dtype=dtype, gen=gen), _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    r = _randn(M, NOUT, dtype=dtype, gen=gen)
+    cfg = {"BLOCK_K": 32, "block_n": 16}
+    _close(lin.linear(x, w, config=dict(cfg)), lin.linear_ref(x, w), dtype)
+    s, ss = lin.linear_residual(x, w, r, config=dict(cfg))
+    s_ref, ss_ref = lin.linear_residual_ref(x, w, r)
+    _close(s, s_ref, dtype)
+    _close(ss.sum(0, keepdim=True), ss_ref, dtype)
+    splits = [kw["SPLIT"] for n, kw in launches if n == "_fused_linear_kernel"]
+    assert splits == [want_split, want_split]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("body", ["stream", "stream_inline"])
 @pytest.mark.parametrize("shape,group", [((1, 2), 0), ((2, 9), 11), ((1, 33), 0)])
@@ -830,3 +852,38 @@ def test_model_norm_stats_drop_the_prologues(n, kernel_options, launches):
         assert want["loop"] == want["fold"] == want["off"] == (0, 0, 0)
     else:
         assert want == {"loop": (1, 3, 0), "fold": (1, 0, 3), "off": (4, 0, 0)}, want
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
+@pytest.mark.parametrize("n", [1, 5])
+def test_draft_layer_logits_take_the_sums(n, kernel_options, launches):
+    # The EAGLE-3 draft layer over n streamed rows (a tree round): with the kernel option norm_stats its down
+    # projection adds the residual in the epilogue and hands the final norm + lm_head the rows' sums, so only
+    # the two-input qkv keeps a prologue launch (loop: the gate|up and lm_head normalise in the K loop, fold:
+    # folded weights, rows scaled in the epilogue); off: three prologues. Hidden and logits match the
+    # torch-reference head each way; one row (GEMV) is untouched.
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+
+    models, meta, ids, pos = _tiny_models(n, layers=2, vocab=40, seed=7, pages=5, max_pos=64, ids_seed=2)
+    cfg = Eagle3Config.for_target(models["torch"].config, 24, target_layers=(0, 1, 1))
+    heads = {be: Eagle3Head(cfg, backend=be).init_weights_(3).to_device(DEVICE, torch.float32, max_positions=64)
+             for be in models}
+    gen = torch.Generator().manual_seed(n)
+    emb = _randn(n, cfg.hidden_size, dtype=torch.float32, gen=gen)
+    hid = _randn(n, cfg.hidden_size, dtype=torch.float32, gen=gen)
+    want = {}
+    for on in ("loop", "fold", "off"):
+        kernel_options.set_(norm_stats=on, small_m="stream")
+        out = {}
+        launches.clear()
+        for be, head in heads.items():
+            k, v = head.new_kv_cache(5, 4)
+            out[be] = head(emb, hid, pos, meta, k, v)
+        for got, ref in zip(out["triton"], out["torch"]):
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        pre_ss = [kw["PRE_SS"] for name, kw in launches if name == "_fused_linear_kernel"]
+        want[on] = (_bodies(launches).count("prologue"), pre_ss.count(1), pre_ss.count(2))
+    if n == 1:
+        assert want["loop"] == want["fold"] == want["off"] == (0, 0, 0)
+    else:
+        assert want == {"loop": (1, 2, 0), "fold": (1, 0, 2), "off": (3, 0, 0)}, want

@@ -444,7 +444,7 @@ def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
     from kernels_triton import options
 
     calls = {"rope": 0, "add": 0, "gathered_qkv": 0, "gathered_fc": 0}
-    real_qkv, real_linear = lin.norm_qkv_rope_write_kv_, lin.linear
+    real_qkv, real_linear, real_linear_residual = lin.norm_qkv_rope_write_kv_, lin.linear, lin.linear_residual
 
     def qkv(*a, rows=None, **kw):
         calls["rope"] += 1
@@ -456,8 +456,13 @@ def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
         calls["gathered_fc"] += rows is not None
         return real_linear(x, w, add, config, rows=rows)
 
+    def linear_residual(x, w, residual, config=None):  # the residual added in the epilogue (kernel option norm_stats)
+        calls["add"] += 1
+        return real_linear_residual(x, w, residual, config)
+
     monkeypatch.setattr(lin, "norm_qkv_rope_write_kv_", qkv)
     monkeypatch.setattr(lin, "linear", linear)
+    monkeypatch.setattr(lin, "linear_residual", linear_residual)
     model = tiny_model(layers=2, backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
     prompts = rand_prompts([7, 12], seed=5)
     want = [reference(model, p, 10) for p in prompts]

@@ -383,6 +383,16 @@ class Eagle3Head(nn.Module):
         ``logits(hidden[rows])``). ``hidden`` is ``fuse(features)`` or a previous draft hidden state.
         ``token_rows`` = (table [vocab, H], token ids [G, W] with G * W = N) instead of token_embeds: the
         embedding rows read by the qkv kernel itself (ids < 0 read row 0)."""
+        out, sumsq = self.layer(token_embeds, hidden, positions, meta, k_cache, v_cache, token_rows)
+        return out, (self.logits(out, sumsq) if with_logits else None)
+
+    def layer(self, token_embeds, hidden, positions, meta: ops.AttentionMeta, k_cache, v_cache, token_rows=None):
+        """The draft layer of :meth:`forward`: (draft hidden [N, H] pre-norm, its rows' sums of squares or
+        None). Where the down projection runs on the streaming body with the kernel option norm_stats
+        (several rows: tree rounds, extends), it adds the residual in its epilogue (two roundings, as
+        the training step computes) and hands :meth:`logits` the sums (``sumsq``), sparing the final
+        norm's prologue launch; elsewhere the residual add is the projection's (one rounding) and the
+        sums None."""
         c, be = self.config, self.backend
         N = hidden.shape[0]
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -398,44 +408,41 @@ class Eagle3Head(nn.Module):
             self.rope_cos, self.rope_sin, k_cache[0], v_cache[0], meta.slot_mapping,
             hidden, self.w("midlayer.hidden_norm.weight"), backend=be, rows=rows)  # [N, HQ, D]
         o = ops.paged_attention(q, k_cache[0], v_cache[0], meta, backend=be)  # [N, HQ, D]
-        # RMSNorm(attn + hidden) -> gate|up -> SwiGLU, then residual + act @ down (rounded once). (Where the
+        # RMSNorm(attn + hidden) -> gate|up -> SwiGLU, then residual + act @ down. (Where the
         # o-projection adds the residual itself, attn is the sum and sumsq its rows' squares.)
         attn, residual, sumsq = ops.linear_residual(o.reshape(N, HQ * D), self.w("midlayer.self_attn.o_proj.weight"),
                                                     hidden, backend=be)
         post_norm = self.w("midlayer.post_attention_layernorm.weight")
-        folded = self.folded_w13(w13, post_norm) if sumsq is not None and ops.norm_folding() else None
+        folded = self.folded_weight("w13", w13, post_norm) if sumsq is not None and ops.norm_folding() else None
         act, residual = ops.norm_swiglu(attn, residual, post_norm, c.rms_norm_eps, w13, backend=be, sumsq=sumsq,
                                         folded=folded)  # [N, F]
-        out = ops.linear(act, self.w("midlayer.mlp.down_proj.weight"), residual, backend=be)  # [N, H]
-        return out, (self.logits(out) if with_logits else None)
+        w_down = self.w("midlayer.mlp.down_proj.weight")
+        if ops.sums_squares(be, act, w_down):
+            out, _, sumsq = ops.linear_residual(act, w_down, residual, backend=be)
+            return out, sumsq
+        return ops.linear(act, w_down, residual, backend=be), None  # [N, H]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] pre-norm draft hidden -> [N, draft_vocab] logits (final norm + lm_head)."""
-        return ops.norm_linear(hidden, None, self.w("norm.weight"), self.config.rms_norm_eps,
-                               self.w("lm_head.weight"), backend=self.backend)[0]
+    def logits(self, hidden: torch.Tensor, sumsq: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] pre-norm draft hidden -> [N, draft_vocab] logits (final norm + lm_head). ``sumsq``: the
+        rows' sums of squares from :meth:`layer` (the norm then needs no prologue launch)."""
+        nw, w = self.w("norm.weight"), self.w("lm_head.weight")
+        folded = self.folded_weight("lm_head", w, nw) if sumsq is not None and ops.norm_folding() else None
+        return ops.norm_linear(hidden, None, nw, self.config.rms_norm_eps, w, backend=self.backend, sumsq=sumsq,
+                               folded=folded)[0]
 
     def fused_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q|k|v [(HQ + 2 HKV) D, 2H], gate|up [2F, H]) for inference: one GEMM each. Rebuilt when a
-        source weight changes (moved, cast, loaded or updated in place: tensor versions are compared)."""
+        source weight changes (ops.derived)."""
         keys = ("midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
                 "midlayer.self_attn.v_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight")
         ws = [self.w(k) for k in keys]
-        sig = tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
-        if getattr(self, "_fused_sig", None) != sig:
-            with torch.no_grad():
-                self._fused = (torch.cat(ws[:3]).contiguous(), torch.cat(ws[3:]).contiguous())
-            self._fused_sig = sig
-        return self._fused
+        return ops.derived(self, "fused", ws, lambda: (torch.cat(ws[:3]).contiguous(), torch.cat(ws[3:]).contiguous()))
 
-    def folded_w13(self, w13: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-        """gate|up with the post-attention norm weight folded in (ops.fold_norm; kernel option norm_stats
-        "fold"), rebuilt when either changes."""
-        sig = tuple((t.data_ptr(), t._version, t.dtype) for t in (w13, norm_weight))
-        if getattr(self, "_folded_sig", None) != sig:
-            with torch.no_grad():
-                self._folded_w13 = ops.fold_norm(w13, norm_weight)
-            self._folded_sig = sig
-        return self._folded_w13
+    def folded_weight(self, name: str, w: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+        """w with the norm weight before it folded in (ops.fold_norm; kernel option norm_stats "fold"):
+        gate|up with the post-attention norm, lm_head with the final norm; rebuilt when either changes."""
+        return ops.derived(self, "folded_" + name, (w, norm_weight),
+                           lambda: ops.fold_norm(w, norm_weight))
 
     def draft_to_target_table(self) -> torch.Tensor:
         """[draft_vocab] target id of each draft id (d2t holds offsets); rebuilt when d2t changes."""

@@ -142,14 +142,9 @@ class LlamaModel(nn.Module):
         """(wqkv, w13) of every layer with its norm weight folded into the input columns
         (ops.fold_norm), for the kernel option norm_stats "fold"; made on first use (an eager run before
         any graph capture) and again when a source weight changes (tensor versions are compared)."""
-        src = [*self.wqkv, *self.attn_norm, *self.w13, *self.mlp_norm]
-        sig = tuple((t.data_ptr(), t._version, t.dtype) for t in src)
-        if getattr(self, "_folded_sig", None) != sig:
-            with torch.no_grad():
-                self._folded = ([ops.fold_norm(w, n) for w, n in zip(self.wqkv, self.attn_norm)],
-                                [ops.fold_norm(w, n) for w, n in zip(self.w13, self.mlp_norm)])
-            self._folded_sig = sig
-        return self._folded
+        return ops.derived(self, "norm_folded", [*self.wqkv, *self.attn_norm, *self.w13, *self.mlp_norm],
+                           lambda: ([ops.fold_norm(w, n) for w, n in zip(self.wqkv, self.attn_norm)],
+                                    [ops.fold_norm(w, n) for w, n in zip(self.w13, self.mlp_norm)]))
 
     # -- forward --------------------------------------------------------------------------------
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -226,6 +226,18 @@ def norm_folding(backend: str | None = None, x: torch.Tensor | None = None, w: t
     return x is None or sums_squares(backend, x, w)
 
 
+def derived(owner, name: str, sources, build):
+    """A weight derived from ``sources`` (tensors) by ``build()``, kept on ``owner`` under ``name`` and
+    rebuilt when a source changes (moved, cast, loaded or updated in place: data pointers, tensor
+    versions and dtypes are compared). Made on first use: an eager run before any graph capture."""
+    sig = tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
+    cache = owner.__dict__.setdefault("_derived_weights", {})
+    if name not in cache or cache[name][0] != sig:
+        with torch.no_grad():
+            cache[name] = (sig, build())
+    return cache[name][1]
+
+
 def fold_norm(w, norm_weight):
     """w [NOUT, K] with its input columns scaled by the RMSNorm weight [K], in w's dtype:
     RMSNorm(s) @ w^T = rstd(s) * (s @ fold_norm(w, nw)^T) (the norm weight applied before the GEMM's
@@ -250,12 +262,15 @@ def _norm(x, residual, norm_weight, eps, backend):
     return rms_norm(x, norm_weight, eps, residual, backend=backend)
 
 
-def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto"):
-    """(RMSNorm(x + residual) @ w^T, x + residual); residual None: s = x."""
+def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto", sumsq=None, folded=None):
+    """(RMSNorm(x + residual) @ w^T, x + residual); residual None: s = x. ``sumsq``: x's rows' sums of
+    squares from :func:`linear_residual` (used by the fused kernel); ``folded``: fold_norm(w, norm_weight),
+    used with them under norm_stats "fold"."""
     from kernels_triton import linear as lin
 
     if _fused(backend, x, w, one_row_any_size=True):
-        return lin.norm_linear(x, residual, norm_weight, eps, w)
+        nw, wf = _norm_args(norm_weight, w, sumsq, folded)
+        return lin.norm_linear(x, residual, nw, eps, wf, sumsq=sumsq)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     return y @ w.t(), s
 

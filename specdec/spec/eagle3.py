@@ -168,26 +168,27 @@ class Eagle3Drafter:
 
     def _run(self, token_ids, hidden, positions, meta):
         """Draft layer over rows: token_ids [N] or [G, W] (target ids; < 0 reads id 0), hidden [N, H] ->
-        hidden [N, H]. The embedding rows are read by the layer's qkv kernel where it can (kernel option
-        gather_rows), not gathered by a launch of their own."""
+        (hidden [N, H], its rows' sums of squares or None: Eagle3Head.layer). The embedding rows are read
+        by the layer's qkv kernel where it can (kernel option gather_rows), not gathered by a launch of
+        their own."""
         table = self.head.embedding_table(self.target)
         if self.head.gathers_rows(table, token_ids.numel()):
             ids = token_ids if token_ids.dim() == 2 else token_ids[None]  # [G, W]
-            return self.head(None, hidden, positions, meta, self.k_cache, self.v_cache, with_logits=False,
-                             token_rows=(table, ids))[0]
+            return self.head.layer(None, hidden, positions, meta, self.k_cache, self.v_cache, token_rows=(table, ids))
         emb = self.head.embed(token_ids.reshape(-1), self.target).to(self.head.dtype)
-        return self.head(emb, hidden, positions, meta, self.k_cache, self.v_cache, with_logits=False)[0]
+        return self.head.layer(emb, hidden, positions, meta, self.k_cache, self.v_cache)
 
-    def _children(self, h, k: int):
-        """Best k children of draft hidden rows h [..., H]: (log-probs fp32, draft ids) [..., k]."""
+    def _children(self, h, k: int, sumsq=None):
+        """Best k children of draft hidden rows h [..., H] (``sumsq``: their sums of squares from _run):
+        (log-probs fp32, draft ids) [..., k]."""
         lead = h.shape[:-1]
-        v, i = ops.topk_logprobs(self.head.logits(h.reshape(-1, h.shape[-1])), k, backend=self.head.backend)
+        v, i = ops.topk_logprobs(self.head.logits(h.reshape(-1, h.shape[-1]), sumsq), k, backend=self.head.backend)
         return v.view(*lead, k), i.view(*lead, k)
 
     def prefill_(self, ids, pos, meta: AttentionMeta, captured, next_ids):
         """Draft rows over prefill chunks (same slots/positions as the target's); returns the last
         row of each chunk, hidden [C, H] (its children are computed when a step drafts)."""
-        h = self._run(next_ids, self.head.fuse(captured.to(self.head.dtype)), pos, meta)
+        h = self._run(next_ids, self.head.fuse(captured.to(self.head.dtype)), pos, meta)[0]
         return h[(meta.cu_q_lens[1:] - 1).long()]
 
     def stage_rows_(self, roots, chunk_idx: list[int], rows: list[int]) -> None:
@@ -235,8 +236,9 @@ class Eagle3Drafter:
             n = r * K
             tok, pos, mask, hid = rows
             meta, _ = state.block_meta(B, seq, K, valid, mask.reshape(-1), offset=n, tree_window=n + K)
-            h = self._run(tok.reshape(-1), hid.reshape(B * K, H), pos.reshape(-1), meta).view(B, K, H)
-            lp, ids = self._children(h, K)  # [B, K, K] each
+            h, sumsq = self._run(tok.reshape(-1), hid.reshape(B * K, H), pos.reshape(-1), meta)
+            h = h.view(B, K, H)
+            lp, ids = self._children(h, K, sumsq)  # [B, K, K] each
             more = r < steps - 2
             score, fcid, rows = ops.tree_expand(cand, K + r * K * K, r + 2, lp, ids, d2t, score, fcid,
                                                 (mask, n + K) if more else None, h, valid, seq, backend=be)
@@ -274,9 +276,10 @@ class Eagle3Drafter:
             meta, _ = state.block_meta(B, seq, topk, valid, mask.reshape(-1), offset=n, tree_window=n + topk)
             ids = torch.where(valid[:, None], tokens, 0).reshape(-1)
             pos = (seq.long() + r)[:, None].expand(B, topk).reshape(-1)  # depth r+1 node -> position s + r
-            h = self._run(ids, hid.reshape(B * topk, -1), pos, meta).view(B, topk, -1)
+            h, sumsq = self._run(ids, hid.reshape(B * topk, -1), pos, meta)
+            h = h.view(B, topk, -1)
             outs[r] = (h, mask)
-            return self._children(h, topk)  # [B, topk, topk] each
+            return self._children(h, topk, sumsq)  # [B, topk, topk] each
 
         return grow_tree(state.pending[:B], (self.root_top[:B], self.root_ids[:B]), expand, topk=topk,
                          steps=steps, num_draft_tokens=kept, to_target=self.head.to_target_ids,
@@ -300,7 +303,7 @@ class Eagle3Drafter:
             meta, pos = verify
             # After the commit, pending = the committed token of every live row (padding rows keep an
             # earlier, valid id: they run on garbage that nothing reads, like every padding row).
-            h = self._run(state.pending[:B], self.head.fuse(captured.to(self.head.dtype)), pos, meta)
+            h = self._run(state.pending[:B], self.head.fuse(captured.to(self.head.dtype)), pos, meta)[0]
             self.root_hidden[:B].copy_(h)
             return
         # Only an accepted path's rows can be committed: a 49-node tree extends over 8 rows, not 49.
@@ -310,14 +313,15 @@ class Eagle3Drafter:
         # are gathered (and clamped) inside the fc and qkv kernels on the Triton backend.
         meta, slot_l = state.block_meta(B, seq_old, Te, valid)  # causal rows seq_old .. seq_old + Te - 1
         if self.head.gathers_rows(self.head.embedding_table(self.target), B * Te, captured):
-            h = self._run(out_tokens[:, :Te], self.head.fuse_rows(captured, nodes[:, :Te], T), slot_l.reshape(-1), meta)
+            h = self._run(out_tokens[:, :Te], self.head.fuse_rows(captured, nodes[:, :Te], T), slot_l.reshape(-1),
+                          meta)[0]
         else:  # the same rows by torch ops: 4 launches more (kernel option gather_rows false, many rows, CPU)
             H3 = captured.shape[-1]
             path = nodes[:, :Te].clamp(min=0).long()  # [B, Te]
             feat = captured.view(B, T, H3).gather(1, path[:, :, None].expand(-1, -1, H3))  # [B, Te, H3]
             tok = out_tokens[:, :Te].clamp(min=0)  # [B, Te]; -1 (past the path) -> 0, a scratch row
             h = self._run(tok.reshape(-1), self.head.fuse(feat.reshape(B * Te, H3).to(self.head.dtype)),
-                          slot_l.reshape(-1), meta)
+                          slot_l.reshape(-1), meta)[0]
         last = accept_len.long()[:, None, None].expand(-1, 1, h.shape[-1])  # [B, 1, H]
         # Padding rows (>= num_active) take garbage here too: their root state is never read, and a
         # row becomes live only through stage_rows_ (which writes it) or keep_rows_ (a live row's).
