@@ -30,11 +30,13 @@ do not fill the GPU), "stream_prefetch" (its L2 weight prefetch before the PDL w
 relative-error check of the fastest streaming variant's output against the unfused one, into
 bench_linear_small_m.csv; ``--small-m-sweep`` adds the streaming body's variants (stream_variants:
 BLOCK_N x split-K, BLOCK_K / stages / warps, persistent grid) into bench_linear_small_m_sweep.csv
-(rows 17 and 49 unless --rows).
+(rows 17 and 49 unless --rows); ``--small-m-grid`` times the cross product of BLOCK_N and the K-loop
+settings instead (stream_grid), into the same file.
 
 Run:  python experiments/kernels/bench_linear.py --out experiments/results/kernels [--sweep]
       python experiments/kernels/bench_linear.py --small-m --out $OUT
       python experiments/kernels/bench_linear.py --small-m-sweep --shapes llama8b --out $OUT   (one shape a run)
+      python experiments/kernels/bench_linear.py --small-m-grid --shapes smollm2 --rows 17 --out $OUT
       python experiments/kernels/bench_linear.py --quick --out /tmp/bench   (CPU smoke run)
 """
 
@@ -201,6 +203,30 @@ def stream_variants(op, s, quick):
                   dict(small_m="stream_inline", split_k=1)]
 
 
+def stream_grid(op, s):
+    """--small-m-grid: the streaming body's tiles crossed with its K-loop settings: BLOCK_N (qkv: programs
+    per head ``parts``) x (BLOCK_K, stages, warps) at the default split-K (the rule of _stream_split; for w2
+    also 3 splits), each cell a variant (None: the launcher's default)."""
+    half = s["D"] // 2
+    if op == "qkv":
+        tiles = [dict(parts=p) for p in (1, 2, 4) if half // p >= 16]
+    else:
+        tiles = [dict(block_n=bn) for bn in ((16, 32, 64) if op == "mlp_in" else (16, 32, 64, 128))]
+    splits = (None, 3) if op == "w2" else (None,)
+    loops = ((None, None, None), (64, 4, 4), (128, 3, 4), (256, 2, 4), (128, 4, 2))
+    out = []
+    for t in tiles:
+        for sp in splits:
+            for bk, st, wp in loops:
+                v = dict(t)
+                if sp is not None:
+                    v["split_k"] = sp
+                if bk is not None:
+                    v.update(BLOCK_K=bk, num_stages=st, num_warps=wp)
+                out.append(v)
+    return out
+
+
 def rel_err(got, ref_fn) -> float:
     """max |got - ref| / max |ref| of an op's first output against the unfused path's (a correctness
     check of the kernels on this device: bf16 roundings differ, so ~1e-2 is expected)."""
@@ -213,7 +239,8 @@ def rel_err(got, ref_fn) -> float:
 def small_m_main(args, shapes, dtype, copy_gbps, meta):
     """--small-m: unfused vs the tl.dot body vs the streaming bodies per op and row count (module docstring)."""
     bodies = args.bodies
-    rows_m = [2, 5] if args.quick else (args.rows or ([17, 49] if args.small_m_sweep else [8, 17, 33, 49]))
+    rows_m = [2, 5] if args.quick else (args.rows or ([17, 49] if args.small_m_sweep or args.small_m_grid
+                                                      else [8, 17, 33, 49]))
     op_names = args.ops or ["qkv", "wo", "mlp_in", "w2"]
     rows, sweep = [], []
     gen = torch.Generator().manual_seed(0)
@@ -237,8 +264,8 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
                                rel_err=rel_err(call_cfg({"small_m": best, "gemv": False}), call))
                 rows.append(row)
                 stream_us = us.get("stream", float("nan"))
-                if args.small_m_sweep:
-                    for v in stream_variants(op, s, args.quick):
+                if args.small_m_sweep or args.small_m_grid:
+                    for v in (stream_grid(op, s) if args.small_m_grid else stream_variants(op, s, args.quick)):
                         cfg = dict({"small_m": "stream", "gemv": False}, **v)
                         try:
                             us = timed(lambda: call_cfg(dict(cfg)), True)
@@ -293,6 +320,8 @@ def main():
     ap.add_argument("--small-m", action="store_true",
                     help="unfused vs tl.dot body vs streaming body at M in {8, 17, 33, 49} (or --rows)")
     ap.add_argument("--small-m-sweep", action="store_true", help="with --small-m: the streaming body's tile variants")
+    ap.add_argument("--small-m-grid", action="store_true",
+                    help="with --small-m: the streaming body's tiles x K-loop settings (stream_grid) instead")
     ap.add_argument("--bodies", nargs="+", choices=options.SMALL_M_BODIES, default=[b for b in options.SMALL_M_BODIES if b != "auto"],
                     help="--small-m: the multi-row bodies to time (kernel option small_m values)")
     args = ap.parse_args()
@@ -300,7 +329,7 @@ def main():
     shapes = {"tiny": TINY} if args.quick else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
     copy_gbps = copy_bandwidth_gbps() if CUDA else float("nan")
     meta = dict(commit=git_commit(), device=device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"))
-    if args.small_m or args.small_m_sweep:
+    if args.small_m or args.small_m_sweep or args.small_m_grid:
         return small_m_main(args, shapes, dtype, copy_gbps, meta)
     rows_m = [1, 5] if args.quick else (args.rows or [1, 17, 64])
     rows, sweep = [], []
