@@ -792,12 +792,15 @@ def _check_rows(name, x, rows):
         raise ValueError(f"{name}: at most {MAX_M} gathered rows, got {index.numel()}")
 
 
-def _default_block_n(x, config, epi, dot_block_n, rows=None, n_cols=None, hi=128):
+def _default_block_n(x, config, epi, dot_block_n, rows=None, n_cols=None, hi=128, plain=False):
     """Column block when the caller gave none: the GEMV tile's, the streaming body's (n_cols output
-    columns per accumulator, at most hi) or the tl.dot one."""
+    columns per accumulator, at most hi; ``plain`` projections, linear and linear_residual: the kernel
+    option stream_block_n where set) or the tl.dot one."""
     if _gemv_requested(x, config, rows):
         return _gemv_tiles(x.shape[1], epi, x.device)["block_n"]
     if _peek_body(config) != "dot":
+        if plain and options.get().stream_block_n:
+            return options.get().stream_block_n
         return _stream_block_n(lambda bn: triton.cdiv(n_cols, bn), _num_rows(x, rows), 1 if epi == EPI_NONE else 2,
                                hi, x.device)
     return dot_block_n
@@ -1044,7 +1047,7 @@ def _launch(x, w, out, *, grid_n, block_n, residual=None, norm_weight=None, eps=
         x, r, nw, s, x2, nw2, w, out, add if add is not None else out, pos, cos, sin, slots, kc, vc,
         M, K, K2, nout, grid_n, float(eps), n_pos,
         x.stride(0), r.stride(0), x2.stride(0), w.stride(0), out.stride(0), cs_stride, *kc_s, *vc_s,
-        xi, xi_w, int(xi_group), xi_stride, part, counters, ss, n_ss, ss.stride(0) if ss.dim() == 2 else 0,
+        xi, xi_w, int(xi_group), xi_stride, part, counters, ss, n_ss, ss.stride(0) if n_ss else 0,
         HQ=hq, HKV=hkv, HALF=half, PARTS=parts, PS=ps, NORM=norm_main, HAS_RESIDUAL=residual is not None,
         TWO_INPUTS=K2 > 0,
         HAS_ADD=add is not None, EPI=epi,
@@ -1073,7 +1076,7 @@ def linear(x, w, add=None, config=None, rows=None):
         add = add.contiguous()
     config = _gemv_default(config, NOUT)
     bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), rows,
-                                                         n_cols=NOUT)
+                                                         n_cols=NOUT, plain=True)
     _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config, rows=rows)
     return out
 
@@ -1095,7 +1098,8 @@ def linear_residual(x, w, residual, config=None):
     residual = residual.contiguous()
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
     config = _gemv_default(config, NOUT)
-    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), n_cols=NOUT)
+    bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), n_cols=NOUT,
+                                                         plain=True)
     ss = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, config=config,
                  stats_residual=residual)
     return out, ss

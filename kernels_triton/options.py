@@ -88,6 +88,14 @@ class KernelOptions:
         prologue's roundings), 1.096 ms: the normalisation between load and dot costs the GEMM more
         than the launch, which the GEMM's weight prefetch hid. "off": the prologue launch.
         (docs/kernel_notes.md "Norm statistics from the producer".)
+    split_min_chunks: the streaming body splits its K loop over several programs (split-K, when its
+        column blocks leave SMs idle) only when the loop has at least this many BLOCK_K chunks (each
+        split keeps two or more). None: linear.SPLIT_MIN_CHUNKS = 8 (H200 graphed tree16 step 0.927
+        vs 0.967 ms at 4, the rule before it: SmolLM2's K = 576 loops run whole); an integer 2..64.
+    stream_block_n: the streaming body's column block (output columns per program) for plain
+        projections (linear.linear / linear_residual: wo, w2, the draft's fc and down projection).
+        None: the rule of linear._stream_block_n (the widest block that still gives every SM a program,
+        no narrower than the row block); 16, 32, 64 or 128: that block (an A/B switch).
     """
 
     pdl: str = "late"
@@ -102,6 +110,7 @@ class KernelOptions:
     small_m: str = "auto"
     norm_stats: str = "fold"
     split_min_chunks: int | None = None
+    stream_block_n: int | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -112,6 +121,7 @@ _BOOL = ("fused_linear", "attn_prewait", "gather_rows", "wide_topk")
 _TRISTATE = ("step_kernels", "fused_merge", "pdl_qkv_early")
 _ROWS = ("fused_rows",)
 _CHUNKS = ("split_min_chunks",)
+_BLOCK_N = ("stream_block_n",)
 MAX_FUSED_ROWS = 64  # kernels_triton/linear.py MAX_M (not imported: options is imported by linear)
 
 _current = KernelOptions()
@@ -146,6 +156,10 @@ def _validated(name: str, value):
     if name in _CHUNKS:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 64):
             raise ValueError(f"kernel option {name}={value!r}; valid: null (the measured default) or an integer 2..64")
+        return value
+    if name in _BLOCK_N:
+        if value is not None and (isinstance(value, bool) or value not in (16, 32, 64, 128)):
+            raise ValueError(f"kernel option {name}={value!r}; valid: null (the rule), 16, 32, 64, 128")
         return value
     if name in _BOOL:
         if not isinstance(value, bool):
@@ -207,7 +221,7 @@ def parse_value(name: str, text: str):
         return word
     if name in ("small_m", "norm_stats"):
         return _validated(name, word)
-    if name in _ROWS + _CHUNKS:
+    if name in _ROWS + _CHUNKS + _BLOCK_N:
         if word in ("null", "auto", "none"):
             return None
         try:
@@ -224,14 +238,15 @@ def parse_value(name: str, text: str):
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
     ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``,
-    ``--wide-topk``, ``--small-m``, ``--norm-stats``, ``--split-min-chunks``); unset flags keep the defaults."""
+    ``--wide-topk``, ``--small-m``, ``--norm-stats``, ``--split-min-chunks``, ``--stream-block-n``); unset
+    flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
            "fused_merge": "null | true | false", "attn_prewait": "true | false", "pdl_qkv_early": "null | true | false",
            "fused_rows": "null | 1..64", "gather_rows": "true | false",
            "wide_topk": "true | false",
            "small_m": "dot | stream | stream_prefetch | stream_inline", "norm_stats": "off | loop | fold",
-           "split_min_chunks": "null | 2..64"}
+           "split_min_chunks": "null | 2..64", "stream_block_n": "null | 16 | 32 | 64 | 128"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

@@ -18,7 +18,7 @@ def test_defaults_and_validation(kernel_options):
     assert o.as_dict() == dict(pdl="late", fused_linear=True, step_kernels=None, fused_merge=None,
                                attn_prewait=True, pdl_qkv_early=None, fused_rows=None,
                                gather_rows=True, wide_topk=True, small_m="auto", norm_stats="fold",
-                               split_min_chunks=None)
+                               split_min_chunks=None, stream_block_n=None)
     for name, bad, needle in (("fused_linear", "yes", "true, false"), ("attn_prewait", None, "true, false"),
                               ("fused_rows", 65, "1..64"), ("fused_rows", 0, "1..64"), ("fused_rows", True, "1..64"),
                               ("fused_rows", "17", "1..64"),
@@ -26,7 +26,8 @@ def test_defaults_and_validation(kernel_options):
                               ("fused_merge", 1, "null"), ("pdl", "sometimes", "late, early, off"),
                               ("small_m", "gemv", "dot, stream"), ("small_m", None, "dot, stream"),
                               ("split_min_chunks", 1, "2..64"), ("split_min_chunks", 65, "2..64"),
-                              ("split_min_chunks", True, "2..64")):
+                              ("split_min_chunks", True, "2..64"),
+                              ("stream_block_n", 48, "16, 32, 64, 128"), ("stream_block_n", True, "16, 32")):
         with pytest.raises(ValueError, match=name) as e:
             kernel_options.set_(**{name: bad})
         assert needle in str(e.value)

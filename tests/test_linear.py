@@ -609,6 +609,29 @@ def test_stream_tiles_match_ref(path, M, poison, launches):
         assert not arrival_counters(x.device, 1, owner="fused_linear").any()
 
 
+@pytest.mark.parametrize("block_n", [None, 16, 64])
+def test_stream_block_n_option_sets_plain_projection_tiles(block_n, monkeypatch, kernel_options, poison, launches):
+    # The kernel option stream_block_n sets the streaming body's column block of linear / linear_residual
+    # (None: the rule, 32 here: 80 columns, 132 SMs, 17 rows); norm_linear keeps the rule. Same outputs.
+    monkeypatch.setattr(lin, "sm_count", lambda device: 132)
+    kernel_options.set_(small_m="stream", stream_block_n=block_n)
+    gen = torch.Generator().manual_seed(3)
+    dtype, M, K, NOUT = torch.float32, 17, 96, 80
+    x, w = _randn(M, K, dtype=dtype, gen=gen), _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    r, nw = _randn(M, NOUT, dtype=dtype, gen=gen), _randn(K, dtype=dtype, gen=gen)
+    _close(lin.linear(x, w), lin.linear_ref(x, w), dtype)
+    s, ss = lin.linear_residual(x, w, r)
+    _close(s, lin.linear_residual_ref(x, w, r)[0], dtype)
+    _close(lin.norm_linear(x, None, nw, 1e-5, w)[0], lin.norm_linear_ref(x, None, nw, 1e-5, w)[0], dtype)
+    blocks = [kw["BLOCK_N"] for n, kw in launches if n == "_fused_linear_kernel"]
+    assert blocks == [block_n or 32] * 2 + [32], blocks
+    assert ss.shape == (triton_cdiv(NOUT, block_n or 32), M)
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
 @pytest.mark.parametrize("K,min_chunks,want_split", [(160, None, 1), (384, None, 6), (160, 4, 2), (384, 16, 1)])
 def test_split_k_only_for_long_k_loops(K, min_chunks, want_split, monkeypatch, kernel_options, poison, launches):
     # The default split-K (132 SMs, 5 column blocks): K loops shorter than SPLIT_MIN_CHUNKS (8) BLOCK_K

@@ -248,7 +248,7 @@ def fold_norm(w, norm_weight):
 def _norm_args(norm_weight, w, sumsq, folded):
     """(norm weight, weight) for a fused norm op: with row sums and a folded weight (norm_stats "fold")
     the folded weight and no norm weight (1 / rms scales the rows in the epilogue)."""
-    if sumsq is not None and folded is not None and norm_folding():
+    if sumsq is not None and folded is not None:
         return None, folded
     return norm_weight, w
 
