@@ -148,6 +148,12 @@ QKV_EARLY_MAX_BYTES = 8 << 20
 # over K = 576 (5 chunks of 128) two splits cost more than they spread (qkv 6.47 -> 5.39 us whole,
 # mlp_in 6.17 -> 5.21), over K = 1536 (12 chunks) six splits win (w2 3.68 us, 5.29 whole).
 SPLIT_MIN_CHUNKS = 8
+# The streaming body's column block for plain projections (linear, linear_residual: wo, w2, the draft's fc
+# and down projection; kernel option stream_block_n overrides it). H200, graphed batch-1 steps, effdfcc
+# (results/profile/ab_stream_block_n_effdfcc.json): tree16 0.906 ms at 64 against 0.927 with the rule of
+# _stream_block_n (16 / 32 columns for SmolLM2's 576: 36 / 18 programs), 0.929 at 16, 1.083 at 128; wo at
+# 17 rows 2.87 vs 3.46 us alone (kernels/bench_linear_small_m_grid_smollm2_17_effdfcc.csv).
+STREAM_PLAIN_BLOCK_N = 64
 EPI_NONE, EPI_SWIGLU, EPI_ROPE = 0, 1, 2  # epilogues (launcher side)
 # The same values as constexpr globals: the only globals a compiled @triton.jit body may read.
 _EPI_NONE, _EPI_SWIGLU, _EPI_ROPE = tl.constexpr(EPI_NONE), tl.constexpr(EPI_SWIGLU), tl.constexpr(EPI_ROPE)
@@ -794,13 +800,13 @@ def _check_rows(name, x, rows):
 
 def _default_block_n(x, config, epi, dot_block_n, rows=None, n_cols=None, hi=128, plain=False):
     """Column block when the caller gave none: the GEMV tile's, the streaming body's (n_cols output
-    columns per accumulator, at most hi; ``plain`` projections, linear and linear_residual: the kernel
-    option stream_block_n where set) or the tl.dot one."""
+    columns per accumulator, at most hi; ``plain`` projections, linear and linear_residual:
+    STREAM_PLAIN_BLOCK_N or the kernel option stream_block_n, no wider than the output) or the tl.dot one."""
     if _gemv_requested(x, config, rows):
         return _gemv_tiles(x.shape[1], epi, x.device)["block_n"]
     if _peek_body(config) != "dot":
-        if plain and options.get().stream_block_n:
-            return options.get().stream_block_n
+        if plain:
+            return min(options.get().stream_block_n or STREAM_PLAIN_BLOCK_N, max(16, triton.next_power_of_2(n_cols)))
         return _stream_block_n(lambda bn: triton.cdiv(n_cols, bn), _num_rows(x, rows), 1 if epi == EPI_NONE else 2,
                                hi, x.device)
     return dot_block_n

@@ -609,10 +609,11 @@ def test_stream_tiles_match_ref(path, M, poison, launches):
         assert not arrival_counters(x.device, 1, owner="fused_linear").any()
 
 
-@pytest.mark.parametrize("block_n", [None, 16, 64])
+@pytest.mark.parametrize("block_n", [None, 16, 32, 128])
 def test_stream_block_n_option_sets_plain_projection_tiles(block_n, monkeypatch, kernel_options, poison, launches):
     # The kernel option stream_block_n sets the streaming body's column block of linear / linear_residual
-    # (None: the rule, 32 here: 80 columns, 132 SMs, 17 rows); norm_linear keeps the rule. Same outputs.
+    # (None: STREAM_PLAIN_BLOCK_N = 64); norm_linear keeps the rule of the others (32 here: 80 columns,
+    # 132 SMs, 17 rows). Same outputs.
     monkeypatch.setattr(lin, "sm_count", lambda device: 132)
     kernel_options.set_(small_m="stream", stream_block_n=block_n)
     gen = torch.Generator().manual_seed(3)
@@ -624,8 +625,8 @@ def test_stream_block_n_option_sets_plain_projection_tiles(block_n, monkeypatch,
     _close(s, lin.linear_residual_ref(x, w, r)[0], dtype)
     _close(lin.norm_linear(x, None, nw, 1e-5, w)[0], lin.norm_linear_ref(x, None, nw, 1e-5, w)[0], dtype)
     blocks = [kw["BLOCK_N"] for n, kw in launches if n == "_fused_linear_kernel"]
-    assert blocks == [block_n or 32] * 2 + [32], blocks
-    assert ss.shape == (triton_cdiv(NOUT, block_n or 32), M)
+    assert blocks == [block_n or 64] * 2 + [32], blocks
+    assert ss.shape == (triton_cdiv(NOUT, block_n or 64), M)
 
 
 def triton_cdiv(a, b):
