@@ -160,7 +160,7 @@ def _validated(name: str, value):
         return value
     if name in _BLOCK_N:
         if value is not None and (isinstance(value, bool) or value not in (16, 32, 64, 128)):
-            raise ValueError(f"kernel option {name}={value!r}; valid: null (the rule), 16, 32, 64, 128")
+            raise ValueError(f"kernel option {name}={value!r}; valid: null (the measured default), 16, 32, 64, 128")
         return value
     if name in _BOOL:
         if not isinstance(value, bool):
