@@ -24,6 +24,13 @@
 #   LONG_STEPS=12000 bash experiments/train_head_gpu.sh train            # first call
 #   RESUME=1 LONG_STEPS=12000 bash experiments/train_head_gpu.sh train   # each later call
 #
+# Several data directories: DATA_NAME=NAME (default data10x) names the one under $S that `data` writes
+# (with EXP=EXPERIMENT, default train_eagle3_smollm2_large) and `train` reads; EXTRA_DIRS=A,B adds
+# more staged directories under $S to the training data (train.data.extra_dirs). The chat data beside
+# the coding-heavy default set:
+#   EXP=train_eagle3_smollm2_chat DATA_NAME=chat10x PACK_DATA=1 bash experiments/train_head_gpu.sh data
+#   DATA_NAME=data10x EXTRA_DIRS=chat10x INIT_FROM=checkpoints/eagle3-smollm2-135m bash experiments/train_head_gpu.sh train
+#
 # Warm start: INIT_FROM=DIR (e.g. checkpoints/eagle3-smollm2-135m) trains that head further on the
 # staged data (train.init_from); TRAIN_EXTRA adds overrides (e.g. "train.lr=3e-4 train.warmup_steps=100").
 #
@@ -45,7 +52,8 @@ if [ "$mode" = all ]; then : "${DATA_BUDGET_S:=170}" "${TRAIN_BUDGET_S:=340}"; f
 source experiments/lent_gpu_setup.sh >/dev/null 2>&1  # idempotent; sets SPECDEC_CACHE and PYTHONPATH
 set -e
 S=${SPECDEC_STAGE:-/root/specdec-stage}
-DATA=$S/data10x
+DATA_NAME=${DATA_NAME:-data10x}  # the staged data directory under $S ('data' writes it, 'train' reads it)
+DATA=$S/$DATA_NAME
 CKPT=$S/ckpt10x
 export WANDB_MODE=disabled HYDRA_FULL_ERROR=0
 if [ ! -f "${SPECDEC_CACHE:-}/smollm2-135m-instruct/config.json" ]; then
@@ -54,7 +62,7 @@ if [ ! -f "${SPECDEC_CACHE:-}/smollm2-135m-instruct/config.json" ]; then
 fi
 mkdir -p "$S/runs" "$OUT"
 stamp=$(date +%Y%m%d-%H%M%S)
-exp=+experiment=train_eagle3_smollm2_large
+exp=+experiment=${EXP:-train_eagle3_smollm2_large}
 
 if [ "$mode" = data ] || [ "$mode" = all ]; then
   budget=${DATA_BUDGET_S:-430}
@@ -75,23 +83,30 @@ print(f"staged data {d}: {len(shard_paths(d))} shards, {len(done)} items, {len(s
 EOF
   cp "$DATA/data_stats.json" "$OUT/data_stats.json" 2>/dev/null || true
   if [ "${PACK_DATA:-0}" = 1 ]; then
-    tar -C "$S" -cf - data10x | xz -T0 -3 | split -b 15M -d - "$OUT/data10x.tar.xz.part"
-    ls -l "$OUT"/data10x.tar.xz.part*
+    tar -C "$S" -cf - "$DATA_NAME" | xz -T0 -3 | split -b 15M -d - "$OUT/$DATA_NAME.tar.xz.part"
+    ls -l "$OUT/$DATA_NAME".tar.xz.part*
   fi
   [ "$mode" = all ] || exit 0
 fi
 
 if [ "$mode" = train ] || [ "$mode" = all ]; then
-  if [ ! -f "$DATA/prompts.jsonl" ] && ls .stage/data/data10x.tar.xz.part* >/dev/null 2>&1; then
-    cat .stage/data/data10x.tar.xz.part* | xz -d | tar -C "$S" -xf -  # carried back from a PACK_DATA run
-    echo "unpacked the carried data into $DATA"
-  fi
-  if [ ! -f "$DATA/prompts.jsonl" ] || ! ls "$DATA"/answers/shard-*.jsonl >/dev/null 2>&1; then
-    echo "error: no staged data in $DATA (this machine did not run 'data', or it was given back since):" \
-         "run 'bash experiments/train_head_gpu.sh data' on it first" >&2
-    exit 2
-  fi
+  IFS=, read -r -a extra_names <<< "${EXTRA_DIRS:-}"
+  extra_dirs=()
+  for name in "$DATA_NAME" "${extra_names[@]}"; do
+    d=$S/$name
+    if [ ! -f "$d/prompts.jsonl" ] && ls ".stage/data/$name".tar.xz.part* >/dev/null 2>&1; then
+      cat ".stage/data/$name".tar.xz.part* | xz -d | tar -C "$S" -xf -  # carried back from a PACK_DATA run
+      echo "unpacked the carried data into $d"
+    fi
+    if [ ! -f "$d/prompts.jsonl" ] || ! ls "$d"/answers/shard-*.jsonl >/dev/null 2>&1; then
+      echo "error: no staged data in $d (this machine did not run 'data' for it, or it was given back since):" \
+           "run 'DATA_NAME=$name bash experiments/train_head_gpu.sh data' on it first, or carry its parts in .stage/data" >&2
+      exit 2
+    fi
+    [ "$name" = "$DATA_NAME" ] || extra_dirs+=("$d")
+  done
   extra=()
+  if [ ${#extra_dirs[@]} -gt 0 ]; then extra+=("train.data.extra_dirs=[$(IFS=,; echo "${extra_dirs[*]}")]"); fi
   if [ -n "${LONG_STEPS:-}" ]; then extra+=(train.fit_budget=false train.max_steps="$LONG_STEPS"); fi
   if [ "${RESUME:-0}" = 1 ]; then extra+=(train.resume=true); fi
   if [ -n "${INIT_FROM:-}" ]; then extra+=(train.init_from="$(realpath "$INIT_FROM")"); fi

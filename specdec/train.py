@@ -20,6 +20,7 @@ bottom:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -39,8 +40,8 @@ from .loggers import make_logger
 from .run import apply_kernel_options, build_target, resolve_device
 from .training.data import (FeatureStore, Sequence, capture, draft_vocab, gather_batch, generate,
                             length_batches, load_sequences, save_sequences)
-from .training.prompts import (SEED_TASKS, EvalIndex, TrainingDataError, TrainPrompt, assert_no_overlap,
-                               decontaminate, load_eval_texts, self_instruct, stdlib_prompts)
+from .training.prompts import (EvalIndex, TrainingDataError, TrainPrompt, assert_no_overlap,
+                               decontaminate, load_eval_texts, seed_set, self_instruct, stdlib_prompts)
 from .training.ttt import ttt_unroll
 
 
@@ -58,16 +59,19 @@ def build_prompts(dc, index: EvalIndex, write_tasks, seed: int) -> tuple[list[Tr
     ``write_tasks(messages) -> replies`` runs the target (self-instruct)."""
     stdlib = stdlib_prompts(int(dc.stdlib_per_item), seed=seed,
                             max_prompts=None if dc.stdlib_max_prompts is None else int(dc.stdlib_max_prompts))
-    seeds = [TrainPrompt(f"seed/{i}", t, "seed") for i, t in enumerate(SEED_TASKS)] if dc.seed_tasks else []
+    seed_tasks = seed_set(dc.get("seed_set", "default"))
+    seeds = [TrainPrompt(f"seed/{i}", t, "seed") for i, t in enumerate(seed_tasks)] if dc.seed_tasks else []
     tasks = []
     if int(dc.self_instruct_requests) > 0:
         tasks = self_instruct(write_tasks, num_requests=int(dc.self_instruct_requests),
                               rounds=int(dc.self_instruct_rounds),
-                              examples_per_request=int(dc.self_instruct_examples), seed=seed)
+                              examples_per_request=int(dc.self_instruct_examples), seed=seed, seeds=seed_tasks)
     written = [TrainPrompt(f"self_instruct/{i}", t, "self_instruct") for i, t in enumerate(tasks)]
-    kept, dropped = decontaminate(stdlib + seeds + written, index)
+    prefix = str(dc.get("id_prefix") or "")  # keeps ids unique when several directories train together
+    everything = [dataclasses.replace(p, id=prefix + p.id) for p in stdlib + seeds + written]
+    kept, dropped = decontaminate(everything, index)
     assert_no_overlap(kept, index)  # the guarantee the eval numbers rest on: checked, not assumed
-    stats = dict(stdlib_prompts=len(stdlib), seed_prompts=len(seeds),
+    stats = dict(stdlib_prompts=len(stdlib), seed_prompts=len(seeds), seed_set=str(dc.get("seed_set", "default")),
                  self_instruct_requests=int(dc.self_instruct_requests), self_instruct_tasks=len(written),
                  dropped_overlap=len(dropped), prompts=len(kept))
     if dropped:
@@ -259,6 +263,13 @@ def model_card(m: dict, cfg: DictConfig, final: bool) -> str:
                    + (f", samples 1-{d['samples']} sampled at temperature {d.get('sample_temperature')}"
                       if d.get("samples") else "") + "); held out by prompt (no sample of a held-out "
                    "prompt is trained on), target features " + str(d.get("features", "stored")) + ".")
+    for x in d.get("extra_dirs") or []:
+        reused += (f"\n- Trained together with the staged data directory {x['staged_dir']} (train.data.extra_dirs): "
+                   f"{x['sequences']} sequences, {x['tokens']} tokens, from {x.get('stdlib_prompts', '?')} "
+                   f"standard-library prompts, {x.get('seed_prompts', '?')} seed tasks (seed set "
+                   f"{x.get('seed_set') or 'default'}) and {x.get('self_instruct_tasks', '?')} self-instruct tasks "
+                   f"({x.get('self_instruct_requests', '?')} requests); sequences per sample "
+                   f"{x.get('sequences_per_sample')}. The counts in the line above are the main directory's.")
     if m.get("init_from"):
         reused += (f"\n- Warm start: training began from the head in {m['init_from']} (its weights and draft "
                    "vocabulary); that head's own data and steps come before the ones below, and its training "
@@ -411,6 +422,7 @@ def staged_sequences(cfg, model, tokenizer, eos: set[int], phase: dict) -> tuple
         gen_stats = data_dir / "data_stats.json"  # written by the generating run
         if gen_stats.is_file():
             stats = {**json.loads(gen_stats.read_text()), **stats}
+        seqs, stats = _with_extra_dirs(dc, seqs, stats, index)
         phase["load_data"] = time.perf_counter() - t0
         log(f"{len(seqs)} staged sequences from {data_dir} ({stats['shards']} shards)")
         return seqs, stats
@@ -439,7 +451,41 @@ def staged_sequences(cfg, model, tokenizer, eos: set[int], phase: dict) -> tuple
     stats.update(answer_temperature=float(dc.answer_temperature), max_new_tokens=int(dc.max_new_tokens),
                  samples=samples, sample_temperature=float(dc.get("sample_temperature", 1.0)), last_answer_run=astats)
     (data_dir / "data_stats.json").write_text(json.dumps(stats, indent=2))
+    if not dc.get("only"):
+        seqs, stats = _with_extra_dirs(dc, seqs, stats, index)
     return seqs, stats
+
+
+def _with_extra_dirs(dc, seqs: list[Sequence], stats: dict, index: EvalIndex) -> tuple[list[Sequence], dict]:
+    """``seqs`` plus every answered sequence of the staged directories in ``train.data.extra_dirs``
+    (read, never generated into; each checked against the eval sets like the main one). Sequence ids
+    must stay unique across directories (the held-out split groups them by prompt id): a clash is an
+    error naming both directories (build one of them with ``train.data.id_prefix``)."""
+    from .training import stages
+
+    extra = [Path(d) for d in (dc.get("extra_dirs") or [])]
+    if not extra:
+        return seqs, stats
+    owner = {s.id: str(dc.dir) for s in seqs}
+    out, info = list(seqs), []
+    for d in extra:
+        more, st = stages.load_staged(d)
+        stages.load_prompts(d, index)
+        for q in more:
+            if q.id in owner:
+                raise TrainingDataError(f"train.data.extra_dirs: sequence id {q.id!r} is in both {owner[q.id]} and {d}; "
+                                        "build one of them with a train.data.id_prefix")
+            owner[q.id] = str(d)
+        gen_stats = d / "data_stats.json"
+        if gen_stats.is_file():
+            st = {**json.loads(gen_stats.read_text()), **st}
+        info.append({k: st.get(k) for k in ("staged_dir", "shards", "stdlib_prompts", "seed_prompts", "seed_set",
+                                            "self_instruct_requests", "self_instruct_tasks", "dropped_overlap",
+                                            "sequences_per_sample", "samples", "sample_temperature")}
+                    | {"sequences": len(more), "tokens": sum(len(q.ids) for q in more)})
+        log(f"{len(more)} staged sequences from {d} (train.data.extra_dirs)")
+        out.extend(more)
+    return out, {**stats, "extra_dirs": info}
 
 
 def fit(trainer: Trainer, train_store, held_store: FeatureStore, tc, logger, seed: int,

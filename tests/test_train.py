@@ -524,3 +524,96 @@ def test_heldout_greedy_only_keeps_sample_zero():
     assert {ids[i] for i in kept if "#" in ids[i]} >= {f"{p}#0" for p in prompts}
     assert not {ids[i].rpartition("#")[0] for i in train} & prompts  # held-out prompts never trained on
     assert greedy_only(["a#1", "a#2"], [0, 1]) == [] and greedy_only(["a", "b#0"], [0, 1]) == [0, 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversational data (seed_set=chat) and several staged directories (extra_dirs)
+# ----------------------------------------------------------------------------------------------
+
+def test_chat_seeds_are_clean_and_select_by_name(eval_index):
+    from specdec.training.prompts import CHAT_SEED_TASKS, seed_set
+
+    assert seed_set("chat") == CHAT_SEED_TASKS and seed_set("default") == SEED_TASKS
+    with pytest.raises(TrainingDataError, match="seed_set='prose'.*valid: default, chat"):
+        seed_set("prose")
+    seeds = [TrainPrompt(f"seed/{i}", t, "seed") for i, t in enumerate(CHAT_SEED_TASKS)]
+    kept, dropped = decontaminate(seeds, eval_index)
+    assert not dropped and len({normalize_text(t) for t in CHAT_SEED_TASKS}) == len(CHAT_SEED_TASKS)
+    code_words = ("python", "function", "sql", "javascript", "bash", "regular expression", "code")
+    assert not [t for t in CHAT_SEED_TASKS if any(w in t.lower() for w in code_words)]
+
+
+def normalize_text(t):
+    from specdec.training.prompts import normalize
+    return normalize(t)
+
+
+def test_build_prompts_uses_the_seed_set_and_prefixes_ids(eval_index):
+    from specdec.train import build_prompts
+    from specdec.training.prompts import CHAT_SEED_TASKS
+
+    shown = []
+
+    def write_tasks(messages):
+        shown.extend(messages)
+        return [f"Describe a quiet harbour town number {len(shown) - len(messages) + i} at dawn." for i in range(len(messages))]
+
+    dc = OmegaConf.create(dict(stdlib_per_item=0, stdlib_max_prompts=None, seed_tasks=True, seed_set="chat",
+                               id_prefix="chat/", self_instruct_requests=6, self_instruct_rounds=2,
+                               self_instruct_examples=3))
+    prompts, stats = build_prompts(dc, eval_index, write_tasks, seed=0)
+    assert stats["stdlib_prompts"] == 0 and stats["seed_prompts"] == len(CHAT_SEED_TASKS)
+    assert stats["seed_set"] == "chat" and stats["self_instruct_tasks"] == 6
+    assert all(p.id.startswith("chat/") for p in prompts) and len({p.id for p in prompts}) == len(prompts)
+    assert {p.text for p in prompts if p.source == "seed"} == set(CHAT_SEED_TASKS)
+    # Round 1 shows chat seeds only (never a default seed); later rounds may show its own tasks too.
+    first_round = shown[:3]
+    for msg in first_round:
+        examples = [ln.split(". ", 1)[1] for ln in msg.splitlines() if ln[:1].isdigit()]
+        assert examples and all(e in CHAT_SEED_TASKS for e in examples)
+    dc.seed_set = "nope"
+    with pytest.raises(TrainingDataError, match="seed_set"):
+        build_prompts(dc, eval_index, write_tasks, seed=0)
+
+
+def _staged_dir(path, prompts, answers):
+    """A staged data directory: prompts.jsonl and one answer shard (sample 0 of each prompt)."""
+    from specdec.training import stages
+
+    stages.save_prompts(path, prompts, {"stdlib_prompts": 0, "seed_prompts": len(prompts)})
+    w = stages.ShardWriter(path, per_shard=100)
+    for p, out in zip(prompts, answers):
+        w.add(stages._record(p, 0, 0.0, [1, 2, 3], out))
+    w.flush()
+
+
+def test_extra_dirs_train_beside_the_main_directory(tmp_path, eval_index, prompts_path):
+    from specdec.train import _with_extra_dirs
+    from specdec.training import stages
+
+    main, chat, clash, dirty = (tmp_path / n for n in ("main", "chat", "clash", "dirty"))
+    _staged_dir(main, [TrainPrompt(f"seed/{i}", f"Tell me about river number {i}.", "seed") for i in range(3)],
+                [[5, 6], [7], [8, 9, 10]])
+    _staged_dir(chat, [TrainPrompt(f"chat/seed/{i}", f"Write a toast for friend number {i}.", "seed") for i in range(2)],
+                [[11, 12, 13], [14]])
+    _staged_dir(clash, [TrainPrompt("seed/1", "Name a mountain lake.", "seed")], [[15]])
+    seqs, stats = stages.load_staged(main)
+    dc = OmegaConf.create(dict(dir=str(main), extra_dirs=[str(chat)]))
+    both, st = _with_extra_dirs(dc, seqs, stats, eval_index)
+    assert [s.id for s in both] == ["seed/0#0", "seed/1#0", "seed/2#0", "chat/seed/0#0", "chat/seed/1#0"]
+    assert both[3].output_ids == [11, 12, 13] and st["shards"] == stats["shards"]
+    (x,) = st["extra_dirs"]
+    assert x["staged_dir"] == str(chat) and x["sequences"] == 2 and x["tokens"] == 3 + 3 + 3 + 1
+    # No extra directories: the main one's sequences and stats as they were.
+    assert _with_extra_dirs(OmegaConf.create(dict(dir=str(main), extra_dirs=[])), seqs, stats, eval_index) == (seqs, stats)
+    # A sequence id in two directories would join two prompts in the held-out split: an error naming both.
+    with pytest.raises(TrainingDataError, match=r"'seed/1#0' is in both .*main and .*clash.*id_prefix"):
+        _with_extra_dirs(OmegaConf.create(dict(dir=str(main), extra_dirs=[str(clash)])), seqs, stats, eval_index)
+    # An extra directory is held to the same eval-overlap guarantee as the main one.
+    mt = json.loads((prompts_path / "mt_bench.jsonl").read_text().splitlines()[0])["turns"][0]
+    _staged_dir(dirty, [TrainPrompt("x/0", mt, "seed")], [[16]])
+    with pytest.raises(TrainingDataError, match="overlaps an eval prompt"):
+        _with_extra_dirs(OmegaConf.create(dict(dir=str(main), extra_dirs=[str(dirty)])), seqs, stats, eval_index)
+    with pytest.raises(TrainingDataError, match="no prompts.jsonl"):
+        _with_extra_dirs(OmegaConf.create(dict(dir=str(main), extra_dirs=[str(tmp_path / "none")])), seqs, stats,
+                         eval_index)

@@ -114,6 +114,71 @@ SEED_TASKS = (
     "Explain what photosynthesis produces and why it matters.",
 )
 
+# Seed tasks for conversational self-instruct (``train.data.seed_set=chat``): general assistant
+# requests only, no code, spread over the kinds of request a chat benchmark asks (writing, role-play,
+# reasoning, maths, extraction, science, humanities, advice), written for this project. A data
+# directory built from these holds chat answers to train beside the coding-heavy default set.
+CHAT_SEED_TASKS = (
+    "Write a short speech a retiring school librarian might give at her farewell party.",
+    "Write a four-line poem about a bus stop in the rain, with a rhyme at the end of each pair of lines.",
+    "Write a letter to a future version of yourself describing what your town looks like today.",
+    "Write a cheerful announcement for a community garden's first harvest festival.",
+    "Write a short fable about a tortoise who opens a repair shop, ending with a moral.",
+    "Write a review of an imaginary board game about running a lighthouse, with one criticism.",
+    "Rewrite the following note so that it sounds warm instead of strict: 'Meeting at 8. Do not be late.'",
+    "Write a thank-you note to a volunteer firefighter who rescued a neighbour's dog.",
+    "You are a ship's cook in the 1800s. Describe what the crew eats during a long voyage.",
+    "Act as a museum guide and introduce a room full of old clocks to a group of visitors.",
+    "Pretend you are a weather forecaster on a planet with two suns and give tomorrow's forecast.",
+    "You are a patient driving instructor. Explain to a nervous student how to merge onto a motorway.",
+    "Play the role of a medieval baker and describe a normal working day.",
+    "You are a travel agent. Convince a hesitant customer to spend a weekend in a small mountain village.",
+    "Three friends share a pizza cut into 12 slices. Anna eats twice as many as Ben, and Ben eats as many as Carl. How many slices does each eat if none are left?",
+    "If all glorps are fleems and some fleems are blue, must some glorps be blue? Explain your reasoning.",
+    "A clock shows 3:15. What is the angle between the hour hand and the minute hand?",
+    "Tom is older than Sara, and Sara is older than Mia. Who is the youngest? Explain step by step.",
+    "A box holds red and green marbles in the ratio 3 to 5. If there are 24 green marbles, how many marbles are in the box?",
+    "Which weighs more, a kilogram of feathers or a kilogram of iron? Explain the trick in the question.",
+    "Solve for x: 5x - 7 = 3x + 9. Show each step.",
+    "A rectangle has a perimeter of 30 cm and its length is twice its width. Find its area.",
+    "What is the sum of the first 20 odd numbers? Explain a quick way to find it.",
+    "A bag has 4 blue and 6 yellow beads. Two beads are drawn without replacement. What is the probability both are blue?",
+    "Convert 72 kilometres per hour into metres per second and explain the conversion.",
+    "A recipe for 4 people uses 300 grams of rice. How much rice is needed for 10 people?",
+    "From the sentence 'Dr. Lena Ortiz moved from Lyon to Oslo in 2019 to lead a glacier lab', list the person, the cities, the year and the job.",
+    "Extract every date from this text and list them in order: 'The shop opened on 3 May 2001, closed on 12 June 2009 and reopened on 1 April 2015.'",
+    "Turn this list into a table with two columns, fruit and colour: banana yellow, plum purple, lime green, cherry red.",
+    "Read this review and say whether it is positive, negative or mixed: 'The hotel was spotless, but the staff ignored us for an hour.'",
+    "Summarise the following in one sentence: 'The council voted to close the old bridge to cars. Cyclists and walkers may still use it. A new road bridge will open next spring.'",
+    "List the ingredients mentioned in this sentence: 'Stir the lentils with garlic, cumin and a squeeze of lemon, then top with parsley.'",
+    "Explain why ice floats on water.",
+    "Describe how vaccines train the immune system.",
+    "What causes the seasons on Earth? Correct the common mistake people make about it.",
+    "Explain what an electric current is, using the picture of water in a pipe.",
+    "Why do some metals rust while others do not?",
+    "Describe the life cycle of a star like the Sun.",
+    "What were the main effects of the printing press on European society?",
+    "Explain the idea of supply and demand with an example from a farmers' market.",
+    "Compare the roles of a president and a prime minister.",
+    "Why did ancient cities often grow up beside rivers?",
+    "Give a short introduction to the philosophy of Stoicism and one practical lesson from it.",
+    "Explain what a metaphor is and give three examples from everyday speech.",
+    "How can I politely decline an invitation to a wedding I cannot attend?",
+    "Suggest a plan for learning to swim as an adult who is afraid of deep water.",
+    "What are good ways to save money on groceries without eating worse?",
+    "Give advice to someone starting their first job in a busy restaurant kitchen.",
+)
+
+SEED_SETS = {"default": SEED_TASKS, "chat": CHAT_SEED_TASKS}
+
+
+def seed_set(name: str) -> tuple[str, ...]:
+    """The seed tasks called ``name`` (``train.data.seed_set``)."""
+    try:
+        return SEED_SETS[str(name)]
+    except KeyError:
+        raise TrainingDataError(f"unknown train.data.seed_set={name!r}; valid: {', '.join(SEED_SETS)}") from None
+
 
 # ----------------------------------------------------------------------------------------------
 # Standard-library prompts
