@@ -116,6 +116,8 @@ x, residual, weights share one float dtype; fp32 inputs run ieee dots (exact-pat
 precision ones tensor-core dots with fp32 accumulation.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -812,6 +814,36 @@ def _default_block_n(x, config, epi, dot_block_n, rows=None, n_cols=None, hi=128
     return dot_block_n
 
 
+def _tuned(config, w, x, rows=None, qkv=False):
+    """config over the kernel option stream_tiles' entry (options.load_tiles) for w's shape at this many
+    rows on x's device; config's own keys win. Only where the streaming body runs (several rows, not the
+    tl.dot body, not a forced GEMV); elsewhere, or without a table or a matching entry, config as given.
+    "parts" (programs per head) is the qkv launcher's alone: other launchers skip it."""
+    path = options.get().stream_tiles
+    M = _num_rows(x, rows)
+    if path is None or M < 2 or (config or {}).get("gemv") or _peek_body(config) == "dot":
+        return config
+    table = options.tiles(path)
+    if table["device"] != _device_name(x.device):
+        return config
+    n, k = w.shape
+    for e in table["entries"]:
+        if e["n"] == n and e["k"] == k and e["rows"][0] <= M <= e["rows"][1]:
+            return {**{k: v for k, v in e["config"].items() if qkv or k != "parts"}, **(config or {})}
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name_of(kind, index):
+    return torch.cuda.get_device_name(index) if kind == "cuda" else kind
+
+
+def _device_name(device):
+    """The name a tile table's "device" is matched against: torch.cuda.get_device_name, or "cpu"."""
+    return _device_name_of(device.type, device.index if device.index is not None else
+                           (torch.cuda.current_device() if device.type == "cuda" else None))
+
+
 def _peek_body(config):
     """The multi-row body config / the kernel option selects (without popping config's key)."""
     return _resolve_body((config or {}).get("small_m") or options.get().small_m)
@@ -1080,7 +1112,7 @@ def linear(x, w, add=None, config=None, rows=None):
             raise ValueError(f"linear: add must be [M, NOUT] = [{M}, {NOUT}] {x.dtype} on {x.device}, got "
                              f"{tuple(add.shape)} {add.dtype} on {add.device}")
         add = add.contiguous()
-    config = _gemv_default(config, NOUT)
+    config = _gemv_default(_tuned(config, w, x, rows), NOUT)
     bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), rows,
                                                          n_cols=NOUT, plain=True)
     _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, add=add, config=config, rows=rows)
@@ -1103,7 +1135,7 @@ def linear_residual(x, w, residual, config=None):
                             f"{tuple(residual.shape)} {residual.dtype} on {residual.device}"))
     residual = residual.contiguous()
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
-    config = _gemv_default(config, NOUT)
+    config = _gemv_default(_tuned(config, w, x), NOUT)
     bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), n_cols=NOUT,
                                                          plain=True)
     ss = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, nout=NOUT, config=config,
@@ -1130,7 +1162,7 @@ def norm_linear(x, residual, norm_weight, eps, w, config=None, sumsq=None):
     _check_sumsq("norm_linear", residual, sumsq)
     M, NOUT = x.shape[0], w.shape[0]
     out = torch.empty((M, NOUT), dtype=x.dtype, device=x.device)
-    config = _gemv_default(config, NOUT)
+    config = _gemv_default(_tuned(config, w, x), NOUT)
     bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_NONE, _block_n(NOUT, x.device), n_cols=NOUT)
     s = _launch(x, w, out, grid_n=triton.cdiv(NOUT, bn), block_n=bn, residual=residual,
                 norm_weight=norm_weight, eps=eps, nout=NOUT, config=config, sumsq=sumsq)
@@ -1150,7 +1182,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, config=None, sumsq=None):
         raise ValueError(f"norm_swiglu: w13 must have an even number of rows [2F, K], got {tuple(w13.shape)}")
     M, F = x.shape[0], w13.shape[0] // 2
     out = torch.empty((M, F), dtype=x.dtype, device=x.device)
-    config = dict(config or {})
+    config = dict(_tuned(config, w13, x) or {})
     bn = config.pop("block_n", None) or _default_block_n(x, config, EPI_SWIGLU, _block_n(F, x.device, hi=64),
                                                          n_cols=F, hi=64)
     s = _launch(x, w13, out, grid_n=triton.cdiv(F, bn), block_n=bn, residual=residual, norm_weight=norm_weight,
@@ -1217,7 +1249,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     # x parts still fit the SMs: SmolLM2 (15 heads, D/2 = 32) -> 2 parts, 30 programs streaming 36 KB
     # of weight each instead of 15 streaming 73 KB (the batch-1 qkv is bound by that per-program stream).
     half = triton.next_power_of_2(D // 2)
-    config = dict(config or {})
+    config = dict(_tuned(config, wqkv, x, rows, qkv=True) or {})
     parts = config.pop("parts", None)
     block_n = config.pop("block_n", None)  # a column block: the dims of a half head per program
     if parts is None and block_n:

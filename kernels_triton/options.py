@@ -97,6 +97,11 @@ class KernelOptions:
         None: linear.STREAM_PLAIN_BLOCK_N = 64 (H200 graphed tree16 step 0.906 ms vs 0.927 with the
         column rule of the other projections, linear._stream_block_n, which gave SmolLM2's wo 16 or 32);
         16, 32, 64 or 128: that block (an A/B switch).
+    stream_tiles: a tile table (a JSON file: ``load_tiles``) whose entries give the streaming body's
+        launch settings (column block, split-K, BLOCK_K, stages, warps, qkv programs per head) for a
+        weight shape at a range of rows on one device, over the launchers' rules; settings a caller
+        passes still win. Written by ``experiments/kernels/bench_linear.py --write-tiles`` from its
+        --small-m-grid measurements. None: the rules alone.
     """
 
     pdl: str = "late"
@@ -112,6 +117,7 @@ class KernelOptions:
     norm_stats: str = "fold"
     split_min_chunks: int | None = None
     stream_block_n: int | None = None
+    stream_tiles: str | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -123,6 +129,9 @@ _TRISTATE = ("step_kernels", "fused_merge", "pdl_qkv_early")
 _ROWS = ("fused_rows",)
 _CHUNKS = ("split_min_chunks",)
 _BLOCK_N = ("stream_block_n",)
+_PATHS = ("stream_tiles",)
+# Launch settings a tile-table entry may give (the public launchers' config keys of the streaming body).
+TILE_KEYS = ("block_n", "split_k", "BLOCK_K", "num_stages", "num_warps", "parts", "programs")
 MAX_FUSED_ROWS = 64  # kernels_triton/linear.py MAX_M (not imported: options is imported by linear)
 
 _current = KernelOptions()
@@ -162,6 +171,12 @@ def _validated(name: str, value):
         if value is not None and (isinstance(value, bool) or value not in (16, 32, 64, 128)):
             raise ValueError(f"kernel option {name}={value!r}; valid: null (the measured default), 16, 32, 64, 128")
         return value
+    if name in _PATHS:
+        if value is not None:
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"kernel option {name}={value!r}; valid: null or the path of a tile table (JSON)")
+            load_tiles(value)  # a missing or malformed table fails here, naming the file
+        return value
     if name in _BOOL:
         if not isinstance(value, bool):
             raise ValueError(f"kernel option {name}={value!r}; valid: true, false")
@@ -169,6 +184,67 @@ def _validated(name: str, value):
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"kernel option {name}={value!r}; valid: null (the measured default), true, false")
     return value
+
+
+_tile_cache: dict = {}
+
+
+def load_tiles(path: str) -> dict:
+    """The tile table at ``path``, checked (cached while the file is unchanged)::
+
+        {"device": "NVIDIA H200",            # torch.cuda.get_device_name(); "cpu" for CPU tensors
+         "source": "...",                    # free text: how the entries were measured
+         "entries": [{"n": 576, "k": 1536,   # the weight's shape [n, k] (w.shape)
+                      "rows": [16, 24],      # the entry holds for this many rows (inclusive)
+                      "config": {"block_n": 16, "split_k": 3, "BLOCK_K": 128, "num_stages": 3}}]}
+
+    ``config`` keys: TILE_KEYS. The first entry that matches a launch's weight shape and rows is used.
+    Raises ValueError naming the file and what is wrong with it."""
+    import json
+    import os
+
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except OSError as e:
+        raise ValueError(f"kernel option stream_tiles: cannot read the tile table {path!r} ({e.strerror})") from None
+    hit = _tile_cache.get(path)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+
+    def bad(why):
+        return ValueError(f"kernel option stream_tiles: {path} is not a tile table: {why}")
+
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise bad(e) from None
+    if not isinstance(table, dict) or not isinstance(table.get("device"), str) \
+            or not isinstance(table.get("entries"), list):
+        raise bad('expected an object with "device" (a string) and "entries" (a list)')
+    entries = []
+    for i, e in enumerate(table["entries"]):
+        ok = isinstance(e, dict) and all(isinstance(e.get(k), int) and e[k] > 0 for k in ("n", "k")) \
+            and isinstance(e.get("rows"), list) and len(e["rows"]) == 2 \
+            and all(isinstance(r, int) and r >= 1 for r in e["rows"]) and e["rows"][0] <= e["rows"][1] \
+            and isinstance(e.get("config"), dict) and e["config"]
+        if not ok:
+            raise bad(f'entry {i} needs "n", "k" (positive integers), "rows" ([lo, hi], 1 <= lo <= hi) and a '
+                      f'non-empty "config"; got {e!r}')
+        unknown = sorted(set(e["config"]) - set(TILE_KEYS))
+        if unknown or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in e["config"].values()):
+            raise bad(f"entry {i}: config keys must be among {', '.join(TILE_KEYS)} with positive integer values; "
+                      f"got {e['config']!r}")
+        entries.append({"n": e["n"], "k": e["k"], "rows": tuple(e["rows"]), "config": dict(e["config"])})
+    out = {"device": table["device"], "entries": entries, "source": table.get("source", "")}
+    _tile_cache[path] = (stamp, out)
+    return out
+
+
+def tiles(path: str) -> dict:
+    """load_tiles(path) as read when the option was set (no file check per launch)."""
+    hit = _tile_cache.get(path)
+    return hit[1] if hit is not None else load_tiles(path)
 
 
 def validate(**fields) -> KernelOptions:
@@ -222,6 +298,8 @@ def parse_value(name: str, text: str):
         return word
     if name in ("small_m", "norm_stats"):
         return _validated(name, word)
+    if name in _PATHS:
+        return None if word in ("null", "none", "") else _validated(name, text.strip())
     if name in _ROWS + _CHUNKS + _BLOCK_N:
         if word in ("null", "auto", "none"):
             return None
@@ -239,7 +317,8 @@ def parse_value(name: str, text: str):
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-merge``,
     ``--attn-prewait``, ``--pdl-qkv-early``, ``--fused-rows``, ``--gather-rows``,
-    ``--wide-topk``, ``--small-m``, ``--norm-stats``, ``--split-min-chunks``, ``--stream-block-n``); unset
+    ``--wide-topk``, ``--small-m``, ``--norm-stats``, ``--split-min-chunks``, ``--stream-block-n``,
+    ``--stream-tiles``); unset
     flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     doc = {"pdl": "late | early | off", "fused_linear": "true | false", "step_kernels": "null | true | false",
@@ -247,7 +326,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
            "fused_rows": "null | 1..64", "gather_rows": "true | false",
            "wide_topk": "true | false",
            "small_m": "dot | stream | stream_prefetch | stream_inline", "norm_stats": "off | loop | fold",
-           "split_min_chunks": "null | 2..64", "stream_block_n": "null | 16 | 32 | 64 | 128"}
+           "split_min_chunks": "null | 2..64", "stream_block_n": "null | 16 | 32 | 64 | 128",
+           "stream_tiles": "null | PATH of a tile table (JSON)"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

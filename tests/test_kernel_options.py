@@ -18,7 +18,7 @@ def test_defaults_and_validation(kernel_options):
     assert o.as_dict() == dict(pdl="late", fused_linear=True, step_kernels=None, fused_merge=None,
                                attn_prewait=True, pdl_qkv_early=None, fused_rows=None,
                                gather_rows=True, wide_topk=True, small_m="auto", norm_stats="fold",
-                               split_min_chunks=None, stream_block_n=None)
+                               split_min_chunks=None, stream_block_n=None, stream_tiles=None)
     for name, bad, needle in (("fused_linear", "yes", "true, false"), ("attn_prewait", None, "true, false"),
                               ("fused_rows", 65, "1..64"), ("fused_rows", 0, "1..64"), ("fused_rows", True, "1..64"),
                               ("fused_rows", "17", "1..64"),
@@ -171,3 +171,35 @@ def test_run_applies_the_kernels_group(kernel_options):
     assert kernel_options.get().as_dict() == got
     with pytest.raises(ConfigError, match="kernels: kernel option attn_prewait='no'"):
         apply_kernel_options(OmegaConf.create({"kernels": {"attn_prewait": "no"}}))
+
+
+def test_stream_tiles_names_a_checked_table(tmp_path, kernel_options):
+    # The option holds a path; a missing or malformed table fails when the option is set, naming the
+    # file and the fault; "null" on a command line clears it.
+    import json
+
+    good = tmp_path / "tiles.json"
+    entry = {"n": 576, "k": 1536, "rows": [16, 24], "config": {"block_n": 16, "split_k": 3}}
+    good.write_text(json.dumps({"device": "NVIDIA H200", "source": "grid", "entries": [entry]}))
+    assert kernel_options.set_(stream_tiles=str(good)) is not None
+    assert kernel_options.tiles(str(good))["entries"] == [{**entry, "rows": (16, 24)}]
+    cases = {"missing": (None, "cannot read the tile table"),
+             "notjson": ("{", "is not a tile table"),
+             "nodevice": (json.dumps({"entries": []}), '"device"'),
+             "badrows": (json.dumps({"device": "x", "entries": [{**entry, "rows": [24, 16]}]}), "entry 0 needs"),
+             "badkey": (json.dumps({"device": "x", "entries": [{**entry, "config": {"BLOCK_M": 16}}]}),
+                        "config keys must be among block_n"),
+             "badvalue": (json.dumps({"device": "x", "entries": [{**entry, "config": {"split_k": 0}}]}),
+                          "positive integer")}
+    for name, (text, needle) in cases.items():
+        path = tmp_path / f"{name}.json"
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(ValueError, match="stream_tiles") as e:
+            kernel_options.set_(stream_tiles=str(path))
+        assert needle in str(e.value) and str(path) in str(e.value), (name, str(e.value))
+        assert kernel_options.get().stream_tiles == str(good)  # nothing applied
+    with pytest.raises(ValueError, match="path of a tile table"):
+        kernel_options.set_(stream_tiles=3)
+    assert kernel_options.parse_value("stream_tiles", "null") is None
+    assert kernel_options.parse_value("stream_tiles", f" {good} ") == str(good)

@@ -6,6 +6,7 @@ KV pools NaN-poisoned with pages out of order and padding rows (slot -1) so a wr
 slot, or any write for a padding row, fails.
 """
 
+import json
 import math
 
 import pytest
@@ -911,3 +912,70 @@ def test_draft_layer_logits_take_the_sums(n, kernel_options, launches):
         assert want["loop"] == want["fold"] == want["off"] == (0, 0, 0)
     else:
         assert want == {"loop": (1, 2, 0), "fold": (1, 0, 2), "off": (3, 0, 0)}, want
+
+
+def _tile_table(path, device_name, entries):
+    path.write_text(json.dumps({"device": device_name, "source": "test", "entries": entries}))
+    return str(path)
+
+
+def test_stream_tiles_table_sets_launch_settings_per_shape_and_rows(tmp_path, kernel_options, poison, launches):
+    # A tile table's entry gives the launch settings of the weights of its shape at its rows (the
+    # plain, residual, norm, swiglu and qkv launchers); other shapes and row counts keep the rules, a
+    # caller's own config wins, a table for another device is ignored. Outputs are the reference's.
+    from kernels_triton.linear import _device_name
+
+    gen = torch.Generator().manual_seed(11)
+    dtype, K, NOUT, F = torch.float32, 200, 100, 70
+    HQ, HKV, D, PS, NP = 3, 1, 64, 4, 32
+    w = _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    w13 = _randn(2 * F, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    wqkv = _randn((HQ + 2 * HKV) * D, K, dtype=dtype, scale=K ** -0.5, gen=gen)
+    plain = {"block_n": 16, "split_k": 3, "BLOCK_K": 32, "num_stages": 2, "num_warps": 2}
+    table = [{"n": NOUT, "k": K, "rows": [6, 9], "config": plain},
+             {"n": 2 * F, "k": K, "rows": [6, 9], "config": {"block_n": 16, "BLOCK_K": 64, "parts": 4}},
+             {"n": (HQ + 2 * HKV) * D, "k": K, "rows": [1, 64], "config": {"parts": 2, "BLOCK_K": 32}}]
+    here = _tile_table(tmp_path / "here.json", _device_name(torch.device(DEVICE)), table)
+    other = _tile_table(tmp_path / "other.json", "a GPU this is not", table)
+
+    def run(M, config=None):
+        launches.clear()
+        x, r = _randn(M, K, dtype=dtype, gen=gen), _randn(M, NOUT, dtype=dtype, gen=gen)
+        xr, nw = _randn(M, K, dtype=dtype, gen=gen), _randn(K, dtype=dtype, gen=gen)
+        _close(lin.linear(x, w, config=dict(config or {})), lin.linear_ref(x, w), dtype)
+        s, ss = lin.linear_residual(x, w, r, config=dict(config or {}))
+        s_ref, ss_ref = lin.linear_residual_ref(x, w, r)
+        _close(s, s_ref, dtype)
+        _close(ss.sum(0, keepdim=True), ss_ref, dtype)
+        _close(lin.norm_linear(x, xr, nw, 1e-5, w)[0], lin.norm_linear_ref(x, xr, nw, 1e-5, w)[0], dtype)
+        _close(lin.norm_swiglu(x, xr, nw, 1e-5, w13)[0], lin.norm_swiglu_ref(x, xr, nw, 1e-5, w13)[0], dtype)
+        cos, sin = rope_tables(D, 64, 10000.0, device=DEVICE)
+        pos = torch.randint(0, 64, (M,), generator=gen).to(DEVICE)
+        slots = torch.randperm(NP * PS, generator=gen)[:M].to(DEVICE)
+        kc = torch.full((NP, PS, HKV, D), float("nan"), dtype=dtype, device=DEVICE)
+        vc, kc_ref, vc_ref = torch.full_like(kc, float("nan")), kc.clone(), kc.clone()
+        q, _ = lin.norm_qkv_rope_write_kv_(x, xr, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots)
+        q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(x, xr, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref, slots)
+        _close(q, q_ref, dtype)
+        return [{k: kw[k] for k in ("BLOCK_N", "SPLIT", "BLOCK_K", "num_stages", "num_warps")}
+                for n, kw in launches if n == "_fused_linear_kernel"]
+
+    kernel_options.set_(small_m="stream")
+    rules = run(8)
+    kernel_options.set_(stream_tiles=here)
+    tuned = run(8)
+    assert not any("parts" in kw for _, kw in launches)  # no launcher hands the kernel a key it lacks
+    want = {"BLOCK_N": 16, "SPLIT": 3, "BLOCK_K": 32, "num_stages": 2, "num_warps": 2}
+    assert tuned[0] == tuned[1] == tuned[2] == want, tuned  # linear, linear_residual, norm_linear
+    assert tuned[3]["BLOCK_N"] == 16 and tuned[3]["BLOCK_K"] == 64  # swiglu: "parts" is qkv's alone
+    assert tuned[4]["BLOCK_N"] == 16 and tuned[4]["BLOCK_K"] == 32  # qkv: 2 programs per half head of 32
+    assert rules[0]["BLOCK_N"] == 64 and rules[0]["SPLIT"] == 1
+    outside = run(12)  # rows outside [6, 9]: the rules (the qkv entry holds for 1..64 rows)
+    assert outside[0] == rules[0] and outside[3]["BLOCK_N"] == rules[3]["BLOCK_N"] and outside[4] == tuned[4]
+    mine = run(8, {"block_n": 32})  # the caller's keys win, the entry fills the rest
+    assert mine[0] == {**want, "BLOCK_N": 32}
+    kernel_options.set_(stream_tiles=other)  # a table for another device: the rules
+    assert run(8) == rules
+    kernel_options.set_(stream_tiles=here, small_m="dot")  # not the streaming body: the table does not apply
+    dot = run(8)  # (split_k 3 would be refused by the tl.dot body)
+    assert all(d["SPLIT"] == 1 for d in dot) and not any(kw["STREAM"] for n, kw in launches)

@@ -33,6 +33,11 @@ BLOCK_N x split-K, BLOCK_K / stages / warps, persistent grid) into bench_linear_
 (rows 17 and 49 unless --rows); ``--small-m-grid`` times the cross product of BLOCK_N and the K-loop
 settings instead (stream_grid), into the same file.
 
+``--write-tiles PATH`` (with a sweep or grid) writes a tile table (kernels_triton/options.load_tiles; the
+kernel option stream_tiles reads it): per shape, op and M, the fastest variant where it beats the default
+by more than --tiles-min-gain (2%), for --tile-rows LO HI rows (default: the M measured).
+``--tiles-from CSV --write-tiles PATH`` does the same from a sweep CSV written before (no GPU needed).
+
 Run:  python experiments/kernels/bench_linear.py --out experiments/results/kernels [--sweep]
       python experiments/kernels/bench_linear.py --small-m --out $OUT
       python experiments/kernels/bench_linear.py --small-m-sweep --shapes llama8b --out $OUT   (one shape a run)
@@ -44,6 +49,7 @@ import argparse
 import csv
 import itertools
 import datetime
+import json
 import os
 import sys
 from pathlib import Path
@@ -227,6 +233,52 @@ def stream_grid(op, s):
     return out
 
 
+TILE_FIELDS = ("block_n", "split_k", "BLOCK_K", "num_stages", "num_warps", "parts", "programs")
+
+
+def weight_shape(op, s):
+    """[n, k] of op's weight (what a tile-table entry is keyed by)."""
+    H, F, HQ, HKV, D = (s[k] for k in ("H", "F", "HQ", "HKV", "D"))
+    return {"qkv": ((HQ + 2 * HKV) * D, H), "wo": (H, HQ * D), "mlp_in": (2 * F, H), "w2": (H, F)}[op]
+
+
+def tile_table(sweep, rows_range=None, min_gain=0.02, source=""):
+    """A tile table (kernels_triton/options.load_tiles) from --small-m-sweep / --small-m-grid rows: per
+    (shape, M, op) the fastest variant, where it beats the default by more than ``min_gain``."""
+    devices = {str(r["device"]) for r in sweep}
+    if len(devices) != 1:
+        raise SystemExit(f"error: a tile table is for one device; the sweep holds {sorted(devices)}")
+    entries = []
+    for (shape, M, op), r in sorted(fastest(sweep, ("shape", "M", "op")).items()):
+        us, default = float(r["us"]), float(r["default_us"])
+        config = {k: int(r[k]) for k in TILE_FIELDS if str(r.get(k, "")) not in ("", "None")}
+        if not config or not us < default * (1 - min_gain) or op not in ("qkv", "wo", "mlp_in", "w2"):
+            continue
+        n, k = weight_shape(op, SHAPES[shape])
+        lo, hi = rows_range or (int(M), int(M))
+        entries.append({"n": n, "k": k, "rows": [lo, hi], "config": config,
+                        "measured": {"shape": shape, "op": op, "M": int(M), "us": round(us, 3),
+                                     "default_us": round(default, 3), "commit": r.get("commit", "")}})
+    return {"device": devices.pop(), "source": source, "entries": entries}
+
+
+def write_tiles(path: Path, sweep, args, source) -> None:
+    rows_range = tuple(args.tile_rows) if args.tile_rows else None
+    table = tile_table(sweep, rows_range, args.tiles_min_gain, source)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    options.load_tiles(str(path))  # what the kernel option will read: checked here
+    print(f"tile table: {len(table['entries'])} entries for {table['device']} in {path}")
+
+
+def read_sweep_csv(path: Path) -> list:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["us"], r["default_us"] = float(r["us"]), float(r["default_us"])
+    return rows
+
+
 def rel_err(got, ref_fn) -> float:
     """max |got - ref| / max |ref| of an op's first output against the unfused path's (a correctness
     check of the kernels on this device: bf16 roundings differ, so ~1e-2 is expected)."""
@@ -280,6 +332,9 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
                                           pct_copy=100 * wbytes / (us * 1e-6) / 1e9 / copy_gbps))
             print(f"done {sname} M={M}", flush=True)
     write_csvs(args.out, {"bench_linear_small_m.csv": rows, "bench_linear_small_m_sweep.csv": sweep})
+    if args.write_tiles and sweep:
+        write_tiles(args.write_tiles, sweep, args, f"bench_linear.py --small-m-{'grid' if args.small_m_grid else 'sweep'}"
+                    f" at {meta['commit']} ({meta['date']})")
     if sweep:
         best = fastest(sweep, ("shape", "M", "op"))
         print_table("best streaming-body variant per op (default tiles: stream us of the table below)",
@@ -324,7 +379,19 @@ def main():
                     help="with --small-m: the streaming body's tiles x K-loop settings (stream_grid) instead")
     ap.add_argument("--bodies", nargs="+", choices=options.SMALL_M_BODIES, default=[b for b in options.SMALL_M_BODIES if b != "auto"],
                     help="--small-m: the multi-row bodies to time (kernel option small_m values)")
+    ap.add_argument("--write-tiles", type=Path, default=None,
+                    help="with --small-m-sweep / --small-m-grid / --tiles-from: write a tile table (JSON) here")
+    ap.add_argument("--tiles-from", type=Path, default=None,
+                    help="a bench_linear_small_m_sweep CSV to make the --write-tiles table from (nothing is timed)")
+    ap.add_argument("--tile-rows", nargs=2, type=int, metavar=("LO", "HI"), default=None,
+                    help="the rows the table's entries hold for (default: the M each was measured at)")
+    ap.add_argument("--tiles-min-gain", type=float, default=0.02,
+                    help="an entry only where the fastest variant beats the default by more than this fraction")
     args = ap.parse_args()
+    if args.tiles_from:
+        if not args.write_tiles:
+            raise SystemExit("error: --tiles-from needs --write-tiles PATH")
+        return write_tiles(args.write_tiles, read_sweep_csv(args.tiles_from), args, f"{args.tiles_from.name}")
     dtype = torch.bfloat16 if CUDA else torch.float32
     shapes = {"tiny": TINY} if args.quick else {k: v for k, v in SHAPES.items() if not args.shapes or k in args.shapes}
     copy_gbps = copy_bandwidth_gbps() if CUDA else float("nan")
