@@ -488,6 +488,17 @@ def _with_extra_dirs(dc, seqs: list[Sequence], stats: dict, index: EvalIndex) ->
     return out, {**stats, "extra_dirs": info}
 
 
+def fitted_steps(step: int, elapsed: float, per_step: float, budget: float, planned: int, refined: bool) -> int:
+    """The steps of a run fitted into ``budget`` seconds (10% left for evaluations) after ``step`` steps
+    in ``elapsed`` seconds at ``per_step`` seconds a step from here. The first estimate (``refined``
+    False, step 20) keeps at least the 100 steps the refinement needs while time is left: its steps
+    carry the start-up (a torch.compile of the draft layer and loss: ~150 s on an H200), which would
+    otherwise fit the whole schedule into a few dozen steps."""
+    fits = step + int((budget * 0.9 - elapsed) / per_step)
+    floor = step if refined or elapsed >= budget * 0.9 else 100
+    return min(planned, max(step, floor, fits))
+
+
 def fit(trainer: Trainer, train_store, held_store: FeatureStore, tc, logger, seed: int,
         snapshot, resume: dict | None = None, save_state=None) -> dict:
     """The optimisation loop (step 5): AdamW steps over shuffled length-bucketed batches, warmup +
@@ -564,9 +575,9 @@ def fit(trainer: Trainer, train_store, held_store: FeatureStore, tc, logger, see
                     elapsed = time.perf_counter() - t0
                     per_step = elapsed / step if step != 100 else (elapsed - t_probe) / 80
                     t_probe = elapsed
-                    fits = step + int((budget * 0.9 - elapsed) / per_step)  # 10% left for evaluations
-                    if min(planned, max(step, fits)) != total:
-                        total = min(planned, max(step, fits))
+                    fitted = fitted_steps(step, elapsed, per_step, budget, planned, refined=step == 100)
+                    if fitted != total:
+                        total = fitted
                         log(f"{per_step * 1e3:.0f} ms/step: {total} of {planned} planned steps fit "
                             f"train.time_budget_s={budget:.0f}")
                         bar.update(task, total=total)

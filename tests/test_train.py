@@ -617,3 +617,18 @@ def test_extra_dirs_train_beside_the_main_directory(tmp_path, eval_index, prompt
     with pytest.raises(TrainingDataError, match="no prompts.jsonl"):
         _with_extra_dirs(OmegaConf.create(dict(dir=str(main), extra_dirs=[str(tmp_path / "none")])), seqs, stats,
                          eval_index)
+
+
+def test_budget_fit_survives_a_slow_start():
+    # Step 20's estimate carries the start-up (a torch.compile: 163 s for the first 20 steps, 8.1 s a
+    # step) and must not cut the schedule to the 46 steps that rate allows: it keeps 100 for the
+    # refinement, which (0.1 s a step since) fits the rest of the budget.
+    from specdec.train import fitted_steps
+
+    first = fitted_steps(20, 163.0, 163.0 / 20, 420.0, 16840, refined=False)
+    assert first == 100
+    assert fitted_steps(100, 171.0, 0.1, 420.0, 16840, refined=True) == 100 + int((378 - 171) / 0.1)
+    assert fitted_steps(100, 171.0, 0.1, 420.0, 500, refined=True) == 500  # never past the plan
+    assert fitted_steps(20, 2.0, 0.1, 420.0, 50, refined=False) == 50
+    assert fitted_steps(20, 400.0, 20.0, 420.0, 16840, refined=False) == 20  # no time left: stop here
+    assert fitted_steps(20, 10.0, 0.5, 420.0, 16840, refined=False) == 20 + int((378 - 10) / 0.5)
