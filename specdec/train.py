@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -240,6 +241,14 @@ def rewrite_checkpoint(path: str | Path, *, shard_mb: float | None = None) -> li
         cfg.pop("target_hidden_size", None)
     names = write_safetensors(path, sd, SHARD_BYTES if not shard_mb else int(float(shard_mb) * 2**20))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    card = path / "README.md"
+    if names == ["model.safetensors"] and card.is_file():  # the model card says how the weights are stored
+        text = card.read_text()
+        new = re.sub(r"in `model\.safetensors` or shards of at most ([0-9.]+) MiB",
+                     r"in one `model.safetensors` (shards of at most \1 MiB joined by `specdec.train.rewrite_checkpoint`)",
+                     text)
+        if new != text:
+            card.write_text(new)
     return names
 
 

@@ -282,7 +282,8 @@ def test_rewrite_checkpoint_joins_shards_and_drops_nulls(target, tmp_path):
     from specdec.train import rewrite_checkpoint, save_checkpoint
 
     head = make_head(target, seed=2)
-    save_checkpoint(head, tmp_path, "# card\n", dtype="bfloat16", shard_mb=0.03)
+    save_checkpoint(head, tmp_path, "# card\nweights in bfloat16 in `model.safetensors` or shards of at most 0.03 MiB.\n",
+                    dtype="bfloat16", shard_mb=0.03)
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "target_hidden_size": None, "rope_scaling": None}))
@@ -295,6 +296,8 @@ def test_rewrite_checkpoint_joins_shards_and_drops_nulls(target, tmp_path):
     new_cfg = json.loads((tmp_path / "config.json").read_text())
     assert "target_hidden_size" not in new_cfg and "rope_scaling" not in new_cfg
     official_rules_load(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "in one `model.safetensors` (shards of at most 0.03 MiB joined by" in card and "or shards" not in card
 
 
 def test_full_vocabulary_without_d2t_is_the_identity(target, tmp_path):
