@@ -210,6 +210,38 @@ def init_from_target_(head, model) -> None:
         head.w("norm.weight").copy_(model.norm.to(head.device, torch.float32))
 
 
+def revocab_(head, vocab_ids: torch.Tensor, model) -> dict:
+    """Give a warm-started head a new draft vocabulary (``train.revocab``): the target ids
+    ``vocab_ids`` (as many as the head has). lm_head rows of ids in both vocabularies carry over; an id
+    new to it starts as the target's output row, scaled so the rows' mean norm over the shared ids
+    matches the head's (the head's final norm scales its hidden state differently from the
+    target's). The other weights stay. Returns {"kept", "new"} counts."""
+    n = head.config.draft_vocab_size
+    new_ids = torch.as_tensor(vocab_ids, dtype=torch.long).cpu().sort().values
+    if new_ids.numel() != n or new_ids.unique().numel() != n:
+        raise ValueError(f"revocab: {new_ids.numel()} ids given; {n} distinct target ids needed (the head's draft vocabulary)")
+    old_ids = head.draft_to_target_table().long().cpu()
+    where = torch.full((int(max(old_ids.max(), new_ids.max())) + 1,), -1, dtype=torch.long)
+    where[old_ids] = torch.arange(n)
+    old_pos = where[new_ids]  # the old draft id of each new id, -1 where it is new
+    kept = old_pos >= 0
+    out_w = model.embed if model.lm_head is None else model.lm_head
+    with torch.no_grad():
+        w = head.w("lm_head.weight")
+        tgt = out_w[new_ids.to(out_w.device)].to(w.device, torch.float32)
+        rows = torch.empty_like(w)
+        k = kept.to(w.device)
+        rows[k] = w[old_pos[kept].to(w.device)]
+        if bool(kept.any()):
+            scale = w[old_pos[kept].to(w.device)].norm(dim=1).mean() / tgt[k].norm(dim=1).mean().clamp(min=1e-12)
+        else:
+            scale = torch.tensor(1.0, device=w.device)
+        rows[~k] = tgt[~k] * scale
+        w.copy_(rows)
+    head.set_vocab_(new_ids)
+    return {"kept": int(kept.sum()), "new": int((~kept).sum())}
+
+
 # ----------------------------------------------------------------------------------------------
 # 6. Checkpoint
 # ----------------------------------------------------------------------------------------------
@@ -279,9 +311,14 @@ def model_card(m: dict, cfg: DictConfig, final: bool) -> str:
                    f"{x.get('seed_set') or 'default'}) and {x.get('self_instruct_tasks', '?')} self-instruct tasks "
                    f"({x.get('self_instruct_requests', '?')} requests); sequences per sample "
                    f"{x.get('sequences_per_sample')}. The counts in the line above are the main directory's.")
+    rv = m.get("revocab")
     if m.get("init_from"):
-        reused += (f"\n- Warm start: training began from the head in {m['init_from']} (its weights and draft "
-                   "vocabulary); that head's own data and steps come before the ones below, and its training "
+        what = ("its weights and draft vocabulary" if not rv else
+                "its weights; the draft vocabulary re-chosen from this data (train.revocab): "
+                f"{rv['kept']} ids kept, {rv['new']} new with lm_head rows started from the target's, "
+                f"answer-token coverage {100 * rv['coverage_before']:.1f}% before")
+        reused += (f"\n- Warm start: training began from the head in {m['init_from']} ({what}"
+                   + "); that head's own data and steps come before the ones below, and its training "
                    "prompts may share items with this held-out split, so the held-out rows can read high.")
     if m["phase_s"].get("resumed_from_step") is not None:
         reused += f"\n- Training resumed from a saved state at step {m['phase_s']['resumed_from_step']}."
@@ -339,6 +376,9 @@ def check_config(tc, target_config) -> None:
         raise ConfigError(f"train.draft_vocab_size={vd}: must be in 1..{V} (the target's vocabulary)")
     if int(tc.ttt_steps) < 1:
         raise ConfigError(f"train.ttt_steps={tc.ttt_steps}: must be >= 1")
+    if tc.get("revocab") and not tc.get("init_from"):
+        raise ConfigError("train.revocab=true re-chooses a warm-started head's draft vocabulary: it needs "
+                          "train.init_from=DIR (a head trained from scratch picks its vocabulary anyway)")
     if tc.checkpoint_dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"train.checkpoint_dtype={tc.checkpoint_dtype!r}; valid: float32, bfloat16, float16")
     width = 4 if tc.checkpoint_dtype == "float32" else 2
@@ -727,7 +767,15 @@ def run(cfg: DictConfig) -> dict:
 
         resume = stages.load_train_state(state_path) if tc.get("resume") else None
         target_dir = Path(cfg.target.path) if cfg.target.path else smollm2_dir()
-        if resume is None and base is not None:
+        revocab = None
+        if resume is None and base is not None and tc.get("revocab"):  # the warm-started head's vocabulary re-chosen
+            vocab_ids, coverage = draft_vocab(ids_list, plens, int(base.config.draft_vocab_size), model.config.vocab_size,
+                                              always=special_ids(target_dir, tokenizer, model))
+            before = vocab_coverage(ids_list, plens, base.draft_to_target_table().long().cpu(), model.config.vocab_size)
+            revocab = {**revocab_(base, vocab_ids, model), "coverage_before": before}
+            log(f"draft vocabulary re-chosen: {revocab['kept']} ids kept, {revocab['new']} new; coverage "
+                f"{100 * before:.1f}% -> {100 * coverage:.1f}%")
+        elif resume is None and base is not None:
             vocab_ids = base.draft_to_target_table().long().cpu()
             coverage = vocab_coverage(ids_list, plens, vocab_ids, model.config.vocab_size)
         elif resume is None:
@@ -799,7 +847,7 @@ def run(cfg: DictConfig) -> dict:
                 "overrides": _overrides(), "target_layers": head_cfg.target_layers,
                 "checkpoint_dtype": str(tc.checkpoint_dtype), "draft_vocab_size": int(head_cfg.draft_vocab_size),
                 "vocab_coverage": coverage, "data": data_stats, "ttt_steps": int(tc.ttt_steps),
-                "init_from": str(tc.init_from) if base is not None else None}
+                "init_from": str(tc.init_from) if base is not None else None, "revocab": revocab}
         ckpt_dir = run_dir / "checkpoint"
 
         def snapshot(path: Path, train_state: dict, eval_metrics: dict, final: bool) -> None:

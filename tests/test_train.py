@@ -632,3 +632,31 @@ def test_budget_fit_survives_a_slow_start():
     assert fitted_steps(20, 2.0, 0.1, 420.0, 50, refined=False) == 50
     assert fitted_steps(20, 400.0, 20.0, 420.0, 16840, refined=False) == 20  # no time left: stop here
     assert fitted_steps(20, 10.0, 0.5, 420.0, 16840, refined=False) == 20 + int((378 - 10) / 0.5)
+
+
+def test_revocab_keeps_shared_rows_and_starts_new_ones_from_the_target(tiny):
+    # A warm-started head's draft vocabulary re-chosen: rows of ids in both vocabularies carry over
+    # (so their logits for any hidden state are unchanged), new ids start as the target's output rows
+    # scaled to the head's row norms, d2t / t2d describe the new ids; the other weights stay.
+    from specdec.train import revocab_
+
+    old_ids = list(range(0, 48, 2))  # 24 even ids
+    head = new_head(tiny, old_ids, seed=5)
+    before = {k: head.w(k).detach().clone() for k in head.shapes}
+    new_ids = torch.tensor(sorted(set(range(0, 24, 2)) | set(range(101, 113))))  # 12 kept, 12 new
+    counts = revocab_(head, new_ids, tiny)
+    assert counts == {"kept": 12, "new": 12}
+    assert torch.equal(head.draft_to_target_table().cpu(), new_ids)
+    assert head.t2d.sum() == 24 and bool(head.t2d[new_ids].all())
+    w = head.w("lm_head.weight")
+    for j, t in enumerate(new_ids.tolist()):
+        if t in old_ids:
+            assert torch.equal(w[j], before["lm_head.weight"][old_ids.index(t)])
+    out_w = tiny.embed if tiny.lm_head is None else tiny.lm_head
+    new_rows = w[12:]
+    tgt = out_w[new_ids[12:]].float()
+    scale = before["lm_head.weight"][:12].norm(dim=1).mean() / out_w[new_ids[:12]].float().norm(dim=1).mean()
+    torch.testing.assert_close(new_rows, tgt * scale)
+    assert all(torch.equal(head.w(k), v) for k, v in before.items() if k != "lm_head.weight")
+    with pytest.raises(ValueError, match="10 ids given; 24 distinct target ids needed"):
+        revocab_(head, new_ids[:10], tiny)
