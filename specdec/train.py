@@ -62,7 +62,7 @@ def build_prompts(dc, index: EvalIndex, write_tasks, seed: int) -> tuple[list[Tr
                             max_prompts=None if dc.stdlib_max_prompts is None else int(dc.stdlib_max_prompts))
     seed_tasks = seed_set(dc.get("seed_set", "default"))
     seeds = [TrainPrompt(f"seed/{i}", t, "seed") for i, t in enumerate(seed_tasks)] if dc.seed_tasks else []
-    tasks = []
+    tasks, t0 = [], time.perf_counter()
     if int(dc.self_instruct_requests) > 0:
         tasks = self_instruct(write_tasks, num_requests=int(dc.self_instruct_requests),
                               rounds=int(dc.self_instruct_rounds),
@@ -74,6 +74,7 @@ def build_prompts(dc, index: EvalIndex, write_tasks, seed: int) -> tuple[list[Tr
     assert_no_overlap(kept, index)  # the guarantee the eval numbers rest on: checked, not assumed
     stats = dict(stdlib_prompts=len(stdlib), seed_prompts=len(seeds), seed_set=str(dc.get("seed_set", "default")),
                  self_instruct_requests=int(dc.self_instruct_requests), self_instruct_tasks=len(written),
+                 self_instruct_s=round(time.perf_counter() - t0, 1),
                  dropped_overlap=len(dropped), prompts=len(kept))
     if dropped:
         log(f"dropped {len(dropped)} prompts overlapping the eval sets, e.g. {dropped[:3]}")
@@ -401,12 +402,23 @@ def _engine_config(cfg, temperature: float):
 def _task_writer(cfg, model, tokenizer, eos: set[int]):
     """Self-instruct: the target writes new tasks from the messages build_prompts gives it."""
     dc = cfg.train.data
+    budget = _budget(dc.self_instruct_budget_s)  # for all rounds together: a deadline set by the first
+    deadline: list[float] = []
 
     def write_tasks(messages: list[str]) -> list[str]:
+        left = None
+        if budget is not None:
+            if not deadline:
+                deadline.append(time.perf_counter() + budget)
+            left = deadline[0] - time.perf_counter()
+            if left <= 0:
+                log(f"self-instruct: train.data.self_instruct_budget_s={budget:.0f} spent; "
+                    f"{len(messages)} requests of this round not sent")
+                return [""] * len(messages)
         ids = [tokenizer.encode_chat([{"role": "user", "content": m}]) for m in messages]
         outs = generate(model, ids, int(dc.self_instruct_max_new_tokens),
                         engine_config=_engine_config(cfg, float(dc.self_instruct_temperature)), eos_ids=eos,
-                        time_budget_s=_budget(dc.self_instruct_budget_s), title="self-instruct")
+                        time_budget_s=left, title="self-instruct")
         return [tokenizer.decode(o) for o in outs]
 
     return write_tasks

@@ -660,3 +660,34 @@ def test_revocab_keeps_shared_rows_and_starts_new_ones_from_the_target(tiny):
     assert all(torch.equal(head.w(k), v) for k, v in before.items() if k != "lm_head.weight")
     with pytest.raises(ValueError, match="10 ids given; 24 distinct target ids needed"):
         revocab_(head, new_ids[:10], tiny)
+
+
+def test_self_instruct_budget_covers_all_rounds(monkeypatch):
+    # train.data.self_instruct_budget_s is one deadline for every round: each round's generate gets
+    # what is left, and a round that starts after it sends nothing.
+    import specdec.train as tr
+
+    clock = [100.0]
+    monkeypatch.setattr(tr.time, "perf_counter", lambda: clock[0])
+    budgets = []
+
+    def fake_generate(model, ids, max_new, *, engine_config, eos_ids, time_budget_s, title):
+        budgets.append(time_budget_s)
+        clock[0] += 40.0  # each round takes 40 s
+        return [[7] for _ in ids]
+
+    class Tok:
+        def encode_chat(self, messages):
+            return [1, 2]
+
+        def decode(self, ids):
+            return "Describe a quiet lake at dawn in three sentences."
+
+    monkeypatch.setattr(tr, "generate", fake_generate)
+    monkeypatch.setattr(tr, "_engine_config", lambda cfg, t: None)
+    cfg = OmegaConf.create({"train": {"data": {"self_instruct_budget_s": 90, "self_instruct_max_new_tokens": 8,
+                                               "self_instruct_temperature": 1.0}}})
+    write = tr._task_writer(cfg, None, Tok(), set())
+    replies = [write(["a", "b"]) for _ in range(4)]
+    assert budgets == [90.0, 50.0, 10.0]  # the fourth round starts at 120 s: past the deadline
+    assert replies[3] == ["", ""] and replies[0][0].startswith("Describe")
