@@ -826,10 +826,10 @@ def _tuned(config, w, x, rows=None, qkv=False):
     table = options.tiles(path)
     if table["device"] != _device_name(x.device):
         return config
-    n, k = w.shape
+    w_rows, w_cols = w.shape
     for e in table["entries"]:
-        if e["n"] == n and e["k"] == k and e["rows"][0] <= M <= e["rows"][1]:
-            return {**{k: v for k, v in e["config"].items() if qkv or k != "parts"}, **(config or {})}
+        if e["n"] == w_rows and e["k"] == w_cols and e["rows"][0] <= M <= e["rows"][1]:
+            return {**{key: v for key, v in e["config"].items() if qkv or key != "parts"}, **(config or {})}
     return config
 
 
