@@ -24,6 +24,9 @@
 #   LONG_STEPS=12000 bash experiments/train_head_gpu.sh train            # first call
 #   RESUME=1 LONG_STEPS=12000 bash experiments/train_head_gpu.sh train   # each later call
 #
+# A `data` call on a fresh machine first unpacks .stage/data/$DATA_NAME.tar.xz.part* when carried, so it
+# continues that data (e.g. the sampled answers a stage budget left out).
+#
 # Several data directories: DATA_NAME=NAME (default data10x) names the one under $S that `data` writes
 # (with EXP=EXPERIMENT, default train_eagle3_smollm2_large) and `train` reads; EXTRA_DIRS=A,B adds
 # more staged directories under $S to the training data (train.data.extra_dirs). The chat data beside
@@ -64,7 +67,15 @@ mkdir -p "$S/runs" "$OUT"
 stamp=$(date +%Y%m%d-%H%M%S)
 exp=+experiment=${EXP:-train_eagle3_smollm2_large}
 
+unpack() {  # $S/NAME from the xz parts a PACK_DATA run returned, carried in .stage/data (when not there yet)
+  if [ ! -f "$S/$1/prompts.jsonl" ] && ls ".stage/data/$1".tar.xz.part* >/dev/null 2>&1; then
+    cat ".stage/data/$1".tar.xz.part* | xz -d | tar -C "$S" -xf -
+    echo "unpacked the carried data into $S/$1"
+  fi
+}
+
 if [ "$mode" = data ] || [ "$mode" = all ]; then
+  unpack "$DATA_NAME"  # a data run on a fresh machine resumes what the carried parts hold
   budget=${DATA_BUDGET_S:-430}
   # timeout: a last guard; shards are written whole, so whatever finished before it is kept.
   timeout -s INT $((budget + 100)) python -m specdec.train "$exp" logger=none device=cuda \
@@ -94,10 +105,7 @@ if [ "$mode" = train ] || [ "$mode" = all ]; then
   extra_dirs=()
   for name in "$DATA_NAME" "${extra_names[@]}"; do
     d=$S/$name
-    if [ ! -f "$d/prompts.jsonl" ] && ls ".stage/data/$name".tar.xz.part* >/dev/null 2>&1; then
-      cat ".stage/data/$name".tar.xz.part* | xz -d | tar -C "$S" -xf -  # carried back from a PACK_DATA run
-      echo "unpacked the carried data into $d"
-    fi
+    unpack "$name"
     if [ ! -f "$d/prompts.jsonl" ] || ! ls "$d"/answers/shard-*.jsonl >/dev/null 2>&1; then
       echo "error: no staged data in $d (this machine did not run 'data' for it, or it was given back since):" \
            "run 'DATA_NAME=$name bash experiments/train_head_gpu.sh data' on it first, or carry its parts in .stage/data" >&2
