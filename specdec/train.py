@@ -377,6 +377,14 @@ def check_config(tc, target_config) -> None:
         raise ConfigError(f"train.draft_vocab_size={vd}: must be in 1..{V} (the target's vocabulary)")
     if int(tc.ttt_steps) < 1:
         raise ConfigError(f"train.ttt_steps={tc.ttt_steps}: must be >= 1")
+    dc = tc.get("data") or {}
+    if dc.get("extra_dirs") and not dc.get("dir"):
+        raise ConfigError("train.data.extra_dirs reads staged data directories beside train.data.dir: set "
+                          "train.data.dir=DIR too")
+    try:
+        seed_set(dc.get("seed_set", "default"))
+    except TrainingDataError as e:
+        raise ConfigError(str(e)) from None
     if tc.get("revocab") and not tc.get("init_from"):
         raise ConfigError("train.revocab=true re-chooses a warm-started head's draft vocabulary: it needs "
                           "train.init_from=DIR (a head trained from scratch picks its vocabulary anyway)")

@@ -366,6 +366,9 @@ def test_train_entry_smoke_writes_a_loadable_checkpoint(tmp_path, smollm2):
      "over train.shard_mb=15"),
     (["+experiment=train_eagle3_smollm2_smoke", "train.draft_vocab_size=0"], "must be in 1..49152"),
     (["+experiment=train_eagle3_smollm2_smoke", "train.init_from=/nonexistent/head"], "train.init_from"),
+    (["+experiment=train_eagle3_smollm2_smoke", "train.revocab=true"], "train.revocab=true re-chooses"),
+    (["+experiment=train_eagle3_smollm2_smoke", "train.data.seed_set=prose"], "seed_set='prose'"),
+    (["+experiment=train_eagle3_smollm2_smoke", "train.data.extra_dirs=[/tmp/x]"], "set train.data.dir=DIR too"),
 ])
 def test_train_entry_rejects_bad_settings_before_generating(tmp_path, overrides, needle):
     proc = run_train(*overrides, "logger=none", "device=cpu", tmp_path=tmp_path, timeout=120)
