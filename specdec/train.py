@@ -220,7 +220,8 @@ def revocab_(head, vocab_ids: torch.Tensor, model) -> dict:
     n = head.config.draft_vocab_size
     new_ids = torch.as_tensor(vocab_ids, dtype=torch.long).cpu().sort().values
     if new_ids.numel() != n or new_ids.unique().numel() != n:
-        raise ValueError(f"revocab: {new_ids.numel()} ids given; {n} distinct target ids needed (the head's draft vocabulary)")
+        raise ValueError(f"revocab: {new_ids.numel()} ids given; {n} distinct target ids needed "
+                         "(the head's draft vocabulary)")
     old_ids = head.draft_to_target_table().long().cpu()
     where = torch.full((int(max(old_ids.max(), new_ids.max())) + 1,), -1, dtype=torch.long)
     where[old_ids] = torch.arange(n)

@@ -142,6 +142,7 @@ def test_generate_all_through_engine(smollm2, smollm2_tokenizer, tmp_path):
     from specdec.run import generate_all, summarize
 
     cfg = compose(["workload=synthetic", "workload.concurrency=2", "workload.sources.0.num_prompts=3",
+                   "workload.warmup_requests=2",
                    "workload.sources.0.prompt_len=6", "workload.sources.0.output_len=3",
                    "engine.kv_cache_tokens=512", f"run_dir={tmp_path}"])
     prompts = load_prompts(cfg.workload, smollm2_tokenizer)
@@ -264,3 +265,30 @@ def test_staggered_closed_loop_spreads_the_first_round(tmp_path):
     later = [r["output_tokens"] for r in recs if "@" in r["id"]]
     assert later and all(n == 8 for n in later)
     assert metrics["staggered_requests"] == 4
+
+
+def test_warmup_requests_run_before_and_leave_no_trace(tiny):
+    """workload.warmup_requests: that many requests (the first prompts, cycled, at most
+    warmup_new_tokens each) run to the end before the measured run; the trace records none of their
+    steps, the KV pool is whole again, and the measured requests decode as they would have."""
+    from specdec.bench.workloads import Prompt
+    from specdec.errors import ConfigError
+    from specdec.run import serve_warmup
+
+    prompts = [Prompt(f"p{i}", f"text {i}", None, p, None) for i, p in enumerate(rand_prompts([4, 9], seed=7))]
+    trace = StepTrace()
+    engine = Engine(tiny, EngineConfig(kv_cache_tokens=1024, max_batch_size=8), trace=trace)
+    free = engine.kv.num_free
+    seen = []
+    real_add = engine.add_request
+    engine.add_request = lambda ids, n, **kw: seen.append((kw["request_id"], n)) or real_add(ids, n, **kw)
+    assert serve_warmup(engine, prompts, {"warmup_requests": 3, "warmup_new_tokens": 2}, 5, trace) == 3
+    assert seen == [("p0@warmup0", 2), ("p1@warmup1", 2), ("p0@warmup2", 2)]
+    assert trace.records == [] and not engine.has_work() and engine.kv.num_free == free
+    r = real_add(prompts[1].prompt_ids, 5, request_id="p1")
+    engine.run_until_done()
+    assert list(r.output_ids) == reference(tiny, prompts[1].prompt_ids, 5) and len(trace.records) > 0
+    assert serve_warmup(engine, prompts, {}, 5, trace) == 0  # off by default
+    for bad in ({"warmup_requests": -1}, {"warmup_requests": True}, {"warmup_requests": 1, "warmup_new_tokens": 0}):
+        with pytest.raises(ConfigError, match="workload.warmup_"):
+            serve_warmup(engine, prompts, bad, 5, trace)

@@ -13,6 +13,7 @@ step-time breakdown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -100,7 +101,20 @@ class StepTrace:
     # step on a GPU) and on close: a killed run keeps all but its last second of steps.
     FLUSH_S = 1.0
 
+    _paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Steps inside the block are not recorded, written or passed on (a warm-up's)."""
+        was, self._paused = self._paused, True
+        try:
+            yield self
+        finally:
+            self._paused = was
+
     def __call__(self, rec: dict) -> None:
+        if self._paused:
+            return
         self.records.append(rec)
         if self._file is not None:
             self._file.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v
