@@ -300,8 +300,8 @@ def stagger_rows(wl) -> int:
 def serve_warmup(engine, prompts, wl, max_new: int, trace=None, *, stop=(), ignore_eos=False) -> int:
     """Serve ``workload.warmup_requests`` requests (the workload's first prompts, cycled, at most
     ``workload.warmup_new_tokens`` new tokens each, all at once) to the end before the measured run,
-    untimed and unrecorded: whatever a process pays once (first-use loads, a first draft prefill:
-    ~50-70 ms for EAGLE-3 on an H200, 3-4% of a 40-prompt batch-1 run) lands here instead of in the
+    untimed and unrecorded: whatever a process pays once (first-use loads, the first EAGLE-3 step;
+    experiments/results/eagle3/tiles_order_7fbff8e/first_steps.md) lands here instead of in the
     first measured configuration of a sweep. The trace does not see these steps and the engine's
     catch-up counters are put back; a policy keeps what it learned. Returns the requests served."""
     n = wl.get("warmup_requests", 0) or 0
