@@ -10,6 +10,7 @@ tokens at k / tokens per iteration so far), the forwards scaling with the reques
 loop). Reported: tok/s of never / always / goodput / goodput+prefill and each goodput over the envelope.
 
     python experiments/sim_prefill_price.py          # env: CS=4,16,64,128,256 SEEDS=3 STAGGER=1 TRACE=replay|param
+    python experiments/sim_prefill_price.py --quick  # CPU smoke run
 """
 import json
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.argv = ["x"]
+QUICK = "--quick" in sys.argv  # CPU smoke run: two concurrencies, one seed, short runs
 import sim_serving as S  # noqa: E402
 from specdec.acceptance import AcceptanceTrace, parametric_trace  # noqa: E402
 from specdec.policy import Goodput  # noqa: E402
@@ -88,6 +89,8 @@ stagger = os.environ.get("STAGGER", "1") == "1"
 seconds, warmup = (8, 2.5) if stagger else (5, 1.0)
 Cs = [int(x) for x in os.environ.get("CS", "4,16,64,128,256").split(",")]
 seeds = int(os.environ.get("SEEDS", "3"))
+if QUICK:
+    Cs, seeds, seconds, warmup = [4, 32], 1, 1.5, 0.5
 print(f"trace {trace_kind} stagger {stagger} {seconds}s")
 for C in Cs:
     res = {}

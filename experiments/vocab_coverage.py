@@ -3,6 +3,7 @@ vocabulary of the same size chosen from all the sets together (what ``train.revo
 special tokens aside). CPU, seconds:
 
     python experiments/vocab_coverage.py checkpoints/eagle3-smollm2-135m DIR [DIR ...] [--out FILE.md]
+    python experiments/vocab_coverage.py --quick    # CPU smoke run: the committed head over a made-up set
 
 DIR: staged data directories (``train.data.dir``; e.g. the unpacked ``.stage/data`` parts).
 """
@@ -26,10 +27,27 @@ from specdec.training.stages import read_shards  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("head", type=Path)
-    ap.add_argument("dirs", type=Path, nargs="+")
+    ap.add_argument("head", type=Path, nargs="?", default=REPO / "checkpoints" / "eagle3-smollm2-135m")
+    ap.add_argument("dirs", type=Path, nargs="*")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="a made-up staged set of two sequences (smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        import tempfile
+
+        from specdec.training.prompts import TrainPrompt
+        from specdec.training.stages import ShardWriter, _record, save_prompts
+
+        d = Path(tempfile.mkdtemp()) / "made_up"
+        ps = [TrainPrompt(f"seed/{i}", f"task {i}", "seed") for i in range(2)]
+        save_prompts(d, ps, {})
+        w = ShardWriter(d, 8)
+        for i, p in enumerate(ps):
+            w.add(_record(p, 0, 0.0, [1, 2, 3], [10 + i, 200 + i, 30000 + i]))
+        w.flush()
+        args.dirs = [d]
+    if not args.dirs:
+        ap.error("give at least one staged data directory (or --quick)")
     sd = load_safetensors(args.head)
     t2d = sd["t2d"].bool()
     V, n = t2d.numel(), int(t2d.sum())
