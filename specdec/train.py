@@ -174,11 +174,11 @@ class Trainer:
         return out, float(grad_norm)
 
     @torch.no_grad()
-    def evaluate(self, store: FeatureStore, batches) -> dict:
+    def evaluate(self, store: FeatureStore, batches, prefix: str = "eval") -> dict:
         sums = StepSums(self.steps, self.device)
         for b in batches:
             sums.add_(self.forward(gather_batch(store, b, self.device), compile=False))  # no second compile
-        return sums.summary("eval")
+        return sums.summary(prefix)
 
 
 def load_init_head(path, target_config, device: str):
@@ -325,6 +325,11 @@ def model_card(m: dict, cfg: DictConfig, final: bool) -> str:
     if m["phase_s"].get("resumed_from_step") is not None:
         reused += f"\n- Training resumed from a saved state at step {m['phase_s']['resumed_from_step']}."
     wall = ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_s"].items() if k != "resumed_from_step")
+    groups = sorted({k.split("/")[0][len("eval_"):] for k in ev if k.startswith("eval_")})
+    by_dir = "".join(f"\n- held-out sequences of {g}: first position {ev.get(f'eval_{g}/acc_1', float('nan')):.3f}, "
+                     f"chain estimate {ev.get(f'eval_{g}/chain_accept_len_est', float('nan')):.2f}" for g in groups)
+    if by_dir:
+        by_dir = "\n\nBy data directory:" + by_dir
     files = ("one `model.safetensors` (what the official EAGLE loader and other engines read)"
              if not tc.get("shard_mb") else f"`model.safetensors` or shards of at most {tc.shard_mb} MiB")
     return f"""# EAGLE-3 draft head for {m['target']}
@@ -362,7 +367,7 @@ tokens per batch. {m['train']['steps']} steps ({m['train']['epochs']:.2f} epochs
 
 Estimated tokens per step of a {S}-token chain (accepted + bonus, from the row above):
 {ev.get('eval/chain_accept_len_est', float('nan')):.2f}. An estimate from teacher-forced held-out data; the engine
-measures the real accepted length.
+measures the real accepted length.{by_dir}
 """
 
 
@@ -558,6 +563,23 @@ def _with_extra_dirs(dc, seqs: list[Sequence], stats: dict, index: EvalIndex) ->
     return out, {**stats, "extra_dirs": info}
 
 
+def held_groups_by_dir(data_stats: dict, n_seqs: int, held: list[int], main_dir) -> dict[str, list[int]]:
+    """{data directory name: positions in the held-out list} when several staged directories train
+    together (train.data.extra_dirs: their sequences follow the main directory's, in order), else {}."""
+    extra = data_stats.get("extra_dirs") or []
+    if not extra:
+        return {}
+    end = n_seqs - sum(int(x["sequences"]) for x in extra)  # the main directory's sequences come first
+    bounds = [(Path(str(main_dir)).name, end)]
+    for x in extra:
+        end += int(x["sequences"])
+        bounds.append((Path(str(x["staged_dir"])).name, end))
+    groups: dict[str, list[int]] = {name: [] for name, _ in bounds}
+    for pos, i in enumerate(held):
+        groups[next(name for name, e in bounds if i < e)].append(pos)
+    return groups
+
+
 def fitted_steps(step: int, elapsed: float, per_step: float, budget: float, planned: int, refined: bool) -> int:
     """The steps of a run fitted into ``budget`` seconds (10% left for evaluations) after ``step`` steps
     in ``elapsed`` seconds at ``per_step`` seconds a step from here. The first estimate (``refined``
@@ -570,7 +592,7 @@ def fitted_steps(step: int, elapsed: float, per_step: float, budget: float, plan
 
 
 def fit(trainer: Trainer, train_store, held_store: FeatureStore, tc, logger, seed: int,
-        snapshot, resume: dict | None = None, save_state=None) -> dict:
+        snapshot, resume: dict | None = None, save_state=None, held_groups: dict | None = None) -> dict:
     """The optimisation loop (step 5): AdamW steps over shuffled length-bucketed batches, warmup +
     cosine decay fitted to ``train.time_budget_s`` (unless ``train.fit_budget`` is false or the run
     resumes: then the schedule runs over the planned steps and the budget only ends this call), train
@@ -579,7 +601,9 @@ def fit(trainer: Trainer, train_store, held_store: FeatureStore, tc, logger, see
     OnlineFeatures (its ``batch`` captures the features per step). ``resume``: the ``progress`` of a
     saved training state (the weights and optimizer are restored by the caller): the loop continues at
     its step, epoch and batch with its schedule. ``save_state(progress)`` is called every
-    ``save_every`` steps, when the budget ends the call, and at the end."""
+    ``save_every`` steps, when the budget ends the call, and at the end. ``held_groups``: {name: positions
+    in held_store}: each evaluation also scores each group alone (metrics ``eval_NAME/...``; e.g. the
+    held-out sequences of each data directory)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     device, S = trainer.device, trainer.steps
@@ -587,6 +611,11 @@ def fit(trainer: Trainer, train_store, held_store: FeatureStore, tc, logger, see
     train_lengths = train_store.lengths.tolist()
     online = getattr(train_store, "batch", None)
     held_batches = length_batches(held_store.lengths.tolist(), batch_tokens, random.Random(seed))
+    group_batches = {}
+    for name, pos in (held_groups or {}).items():
+        if pos:
+            lens = [int(held_store.lengths[j]) for j in pos]
+            group_batches[name] = [[pos[i] for i in b] for b in length_batches(lens, batch_tokens, random.Random(seed))]
     per_epoch = len(length_batches(train_lengths, batch_tokens, random.Random(seed)))
     planned = max(1, math.ceil(float(tc.epochs) * per_epoch))
     if tc.get("max_steps"):
@@ -616,6 +645,8 @@ def fit(trainer: Trainer, train_store, held_store: FeatureStore, tc, logger, see
         nonlocal eval_s
         t = time.perf_counter()
         res = trainer.evaluate(held_store, held_batches)
+        for name, pos in group_batches.items():
+            res.update(trainer.evaluate(held_store, pos, prefix=f"eval_{name}"))
         eval_s += time.perf_counter() - t
         logger.log_metrics(res, step=step)
         return res
@@ -879,7 +910,8 @@ def run(cfg: DictConfig) -> dict:
         res = fit(trainer, train_store, held_store, tc, logger, seed,
                   lambda state, ev: snapshot(ckpt_dir, state, ev, final=False),
                   resume=None if resume is None else resume["progress"],
-                  save_state=lambda prog: stages.save_train_state(state_path, head, trainer.opt, prog, vocab_ids))
+                  save_state=lambda prog: stages.save_train_state(state_path, head, trainer.opt, prog, vocab_ids),
+                  held_groups=held_groups_by_dir(data_stats, len(seqs), held, tc.data.get("dir")))
         phase["train"], phase["eval"] = res["train_s"], res["eval_s"]
 
         # 6. Outputs.

@@ -694,3 +694,31 @@ def test_self_instruct_budget_covers_all_rounds(monkeypatch):
     replies = [write(["a", "b"]) for _ in range(4)]
     assert budgets == [90.0, 50.0, 10.0]  # the fourth round starts at 120 s: past the deadline
     assert replies[3] == ["", ""] and replies[0][0].startswith("Describe")
+
+
+def test_heldout_scored_per_data_directory(tiny):
+    # With several staged directories, each evaluation also scores each directory's held-out
+    # sequences alone; the groups partition the held-out list (main directory's sequences first).
+    from specdec.train import fit, held_groups_by_dir
+    from specdec.training.stages import OnlineFeatures
+
+    stats = {"extra_dirs": [{"staged_dir": "/x/chat10x", "sequences": 2}]}
+    assert held_groups_by_dir(stats, 6, [0, 3, 4, 5], "/x/data10x") == {"data10x": [0, 1], "chat10x": [2, 3]}
+    assert held_groups_by_dir({}, 6, [0, 3], "/x/data10x") == {}
+    prompts = rand_prompts([5, 9, 14, 7, 11, 6], seed=8)
+    seqs = [p + rand_prompts([10], seed=40 + i)[0] for i, p in enumerate(prompts)]
+    plens = [len(p) for p in prompts]
+    vocab, _ = draft_vocab(seqs, plens, 64, VOCAB)
+    held = capture(tiny, seqs[:4], plens[:4], LAYERS, page_size=4)
+    train = OnlineFeatures(tiny, seqs[4:], plens[4:], LAYERS, page_size=4)
+    head = new_head(tiny, vocab, seed=1)
+    trainer = Trainer(head, tiny, _fit_config(), "cpu")
+    res = fit(trainer, train, held, _fit_config(fit_budget=False), _NoLog(), 0, lambda *a: None,
+              held_groups={"a": [0, 1], "b": [2, 3]})
+    ev = res["eval"]
+    for g, idx in (("a", [[0, 1]]), ("b", [[2, 3]])):
+        alone = trainer.evaluate(held, idx, prefix=f"eval_{g}")
+        assert alone.keys() <= ev.keys()
+        for k, v in alone.items():
+            assert ev[k] == pytest.approx(v, rel=1e-5), k
+    assert ev["eval_a/acc_1"] != ev["eval_b/acc_1"] or ev["eval_a/loss_1"] != ev["eval_b/loss_1"]
