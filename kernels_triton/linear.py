@@ -820,8 +820,10 @@ def _tuned(config, w, x, rows=None, qkv=False):
     tl.dot body, not a forced GEMV); elsewhere, or without a table or a matching entry, config as given.
     "parts" (programs per head) is the qkv launcher's alone: other launchers skip it."""
     path = options.get().stream_tiles
+    if path is None:
+        return config
     M = _num_rows(x, rows)
-    if path is None or M < 2 or (config or {}).get("gemv") or _peek_body(config) == "dot":
+    if M < 2 or (config or {}).get("gemv") or _peek_body(config) == "dot":
         return config
     table = options.tiles(path)
     if table["device"] != _device_name(x.device):

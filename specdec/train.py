@@ -492,11 +492,7 @@ def staged_sequences(cfg, model, tokenizer, eos: set[int], phase: dict) -> tuple
     index = EvalIndex(load_eval_texts(prompts_dir()))
     t0 = time.perf_counter()
     if not gen:
-        seqs, stats = stages.load_staged(data_dir)
-        stages.load_prompts(data_dir, index)  # the eval-overlap guarantee re-asserted on this machine
-        gen_stats = data_dir / "data_stats.json"  # written by the generating run
-        if gen_stats.is_file():
-            stats = {**json.loads(gen_stats.read_text()), **stats}
+        seqs, stats = _read_staged(data_dir, index)
         seqs, stats = _with_extra_dirs(dc, seqs, stats, index)
         phase["load_data"] = time.perf_counter() - t0
         log(f"{len(seqs)} staged sequences from {data_dir} ({stats['shards']} shards)")
@@ -531,6 +527,19 @@ def staged_sequences(cfg, model, tokenizer, eos: set[int], phase: dict) -> tuple
     return seqs, stats
 
 
+def _read_staged(data_dir: Path, index: EvalIndex) -> tuple[list[Sequence], dict]:
+    """A staged directory's answered sequences and stats (with those of the run that generated it), its
+    prompts checked against the eval sets again: the guarantee re-asserted on this machine."""
+    from .training import stages
+
+    seqs, stats = stages.load_staged(data_dir)
+    stages.load_prompts(data_dir, index)
+    gen_stats = Path(data_dir) / "data_stats.json"  # written by the generating run
+    if gen_stats.is_file():
+        stats = {**json.loads(gen_stats.read_text()), **stats}
+    return seqs, stats
+
+
 def _with_extra_dirs(dc, seqs: list[Sequence], stats: dict, index: EvalIndex) -> tuple[list[Sequence], dict]:
     """``seqs`` plus every answered sequence of the staged directories in ``train.data.extra_dirs``
     (read, never generated into; each checked against the eval sets like the main one). Sequence ids
@@ -544,16 +553,12 @@ def _with_extra_dirs(dc, seqs: list[Sequence], stats: dict, index: EvalIndex) ->
     owner = {s.id: str(dc.dir) for s in seqs}
     out, info = list(seqs), []
     for d in extra:
-        more, st = stages.load_staged(d)
-        stages.load_prompts(d, index)
+        more, st = _read_staged(d, index)
         for q in more:
             if q.id in owner:
                 raise TrainingDataError(f"train.data.extra_dirs: sequence id {q.id!r} is in both {owner[q.id]} and {d}; "
                                         "build one of them with a train.data.id_prefix")
             owner[q.id] = str(d)
-        gen_stats = d / "data_stats.json"
-        if gen_stats.is_file():
-            st = {**json.loads(gen_stats.read_text()), **st}
         info.append({k: st.get(k) for k in ("staged_dir", "shards", "stdlib_prompts", "seed_prompts", "seed_set",
                                             "self_instruct_requests", "self_instruct_tasks", "dropped_overlap",
                                             "sequences_per_sample", "samples", "sample_temperature")}

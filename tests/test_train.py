@@ -409,19 +409,27 @@ def test_online_features_equal_stored_ones(tiny):
         torch.testing.assert_close(a.teacher_hidden, b.teacher_hidden, atol=1e-5, rtol=1e-5)
 
 
-def test_fit_stopped_by_its_budget_resumes_to_the_same_weights(tiny, tmp_path):
-    # One straight run of the planned steps vs a run whose budget ends it after its first step
-    # (fit_budget false: the schedule is kept), its state saved, then resumed in a fresh head and
-    # optimizer: the same batches in the same order, so the same final weights.
-    from specdec.train import fit
-    from specdec.training.stages import OnlineFeatures, load_train_state, save_train_state
+def _fit_data(tiny, n_held):
+    """(draft vocabulary, stored held-out features, online training features) of six random sequences,
+    the first n_held held out."""
+    from specdec.training.stages import OnlineFeatures
 
     prompts = rand_prompts([5, 9, 14, 7, 11, 6], seed=8)
     seqs = [p + rand_prompts([10], seed=40 + i)[0] for i, p in enumerate(prompts)]
     plens = [len(p) for p in prompts]
     vocab, _ = draft_vocab(seqs, plens, 64, VOCAB)
-    held = capture(tiny, seqs[:2], plens[:2], LAYERS, page_size=4)
-    train = OnlineFeatures(tiny, seqs[2:], plens[2:], LAYERS, page_size=4)
+    held = capture(tiny, seqs[:n_held], plens[:n_held], LAYERS, page_size=4)
+    return vocab, held, OnlineFeatures(tiny, seqs[n_held:], plens[n_held:], LAYERS, page_size=4)
+
+
+def test_fit_stopped_by_its_budget_resumes_to_the_same_weights(tiny, tmp_path):
+    # One straight run of the planned steps vs a run whose budget ends it after its first step
+    # (fit_budget false: the schedule is kept), its state saved, then resumed in a fresh head and
+    # optimizer: the same batches in the same order, so the same final weights.
+    from specdec.train import fit
+    from specdec.training.stages import load_train_state, save_train_state
+
+    vocab, held, train = _fit_data(tiny, n_held=2)
 
     def fresh():
         head = new_head(tiny, vocab, seed=1)
@@ -700,17 +708,11 @@ def test_heldout_scored_per_data_directory(tiny):
     # With several staged directories, each evaluation also scores each directory's held-out
     # sequences alone; the groups partition the held-out list (main directory's sequences first).
     from specdec.train import fit, held_groups_by_dir
-    from specdec.training.stages import OnlineFeatures
 
     stats = {"extra_dirs": [{"staged_dir": "/x/chat10x", "sequences": 2}]}
     assert held_groups_by_dir(stats, 6, [0, 3, 4, 5], "/x/data10x") == {"data10x": [0, 1], "chat10x": [2, 3]}
     assert held_groups_by_dir({}, 6, [0, 3], "/x/data10x") == {}
-    prompts = rand_prompts([5, 9, 14, 7, 11, 6], seed=8)
-    seqs = [p + rand_prompts([10], seed=40 + i)[0] for i, p in enumerate(prompts)]
-    plens = [len(p) for p in prompts]
-    vocab, _ = draft_vocab(seqs, plens, 64, VOCAB)
-    held = capture(tiny, seqs[:4], plens[:4], LAYERS, page_size=4)
-    train = OnlineFeatures(tiny, seqs[4:], plens[4:], LAYERS, page_size=4)
+    vocab, held, train = _fit_data(tiny, n_held=4)
     head = new_head(tiny, vocab, seed=1)
     trainer = Trainer(head, tiny, _fit_config(), "cpu")
     res = fit(trainer, train, held, _fit_config(fit_budget=False), _NoLog(), 0, lambda *a: None,
