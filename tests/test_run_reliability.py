@@ -39,7 +39,10 @@ def cli(*overrides, tmp_path, popen=False):
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "specdec.run", *overrides, f"hydra.run.dir={tmp_path}/run"]
     if popen:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # SIGINT at its default in the child: a shell's background job (`cmd &`) starts with it ignored,
+        # and Python then keeps ignoring it, so the signal tests would test the caller's shell
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
