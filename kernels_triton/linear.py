@@ -815,21 +815,21 @@ def _default_block_n(x, config, epi, dot_block_n, rows=None, n_cols=None, hi=128
 
 
 def _tuned(config, w, x, rows=None, qkv=False):
-    """config over the kernel option stream_tiles' entry (options.load_tiles) for w's shape at this many
-    rows on x's device; config's own keys win. Only where the streaming body runs (several rows, not the
+    """config over the kernel option stream_tiles' entry (options.load_tiles; "builtin": the packaged
+    tables) for w's shape at this many rows on x's device; config's own keys win. Only where the streaming body runs (several rows, not the
     tl.dot body, not a forced GEMV); elsewhere, or without a table or a matching entry, config as given.
     "parts" (programs per head) is the qkv launcher's alone: other launchers skip it."""
-    path = options.get().stream_tiles
-    if path is None:
+    value = options.get().stream_tiles
+    if value is None:
+        return config
+    entries = options.tile_entries(value, _device_name(x.device))
+    if not entries:
         return config
     M = _num_rows(x, rows)
     if M < 2 or (config or {}).get("gemv") or _peek_body(config) == "dot":
         return config
-    table = options.tiles(path)
-    if table["device"] != _device_name(x.device):
-        return config
     w_rows, w_cols = w.shape
-    for e in table["entries"]:
+    for e in entries:
         if e["n"] == w_rows and e["k"] == w_cols and e["rows"][0] <= M <= e["rows"][1]:
             return {**{key: v for key, v in e["config"].items() if qkv or key != "parts"}, **(config or {})}
     return config

@@ -101,7 +101,9 @@ class KernelOptions:
         launch settings (column block, split-K, BLOCK_K, stages, warps, qkv programs per head) for a
         weight shape at a range of rows on one device, over the launchers' rules; settings a caller
         passes still win. Written by ``experiments/kernels/bench_linear.py --write-tiles`` from its
-        --small-m-grid measurements. None: the rules alone.
+        --small-m-grid measurements. "builtin" (the default): the tables packaged in kernels_triton/tiles/,
+        each applied on its own device only (h200_smollm2.json: SmolLM2's gate|up at 16-24 rows, H200 graphed
+        tree16 step 0.893 / 0.892 / 0.901 against 0.903 / 0.898 / 0.903 ms without it); None: the rules alone.
     """
 
     pdl: str = "late"
@@ -117,7 +119,7 @@ class KernelOptions:
     norm_stats: str = "fold"
     split_min_chunks: int | None = None
     stream_block_n: int | None = None
-    stream_tiles: str | None = None
+    stream_tiles: str | None = "builtin"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -132,6 +134,7 @@ _BLOCK_N = ("stream_block_n",)
 _PATHS = ("stream_tiles",)
 # Launch settings a tile-table entry may give (the public launchers' config keys of the streaming body).
 TILE_KEYS = ("block_n", "split_k", "BLOCK_K", "num_stages", "num_warps", "parts", "programs")
+BUILTIN_TILES = "builtin"  # kernel option stream_tiles: the packaged tables (builtin_tile_paths)
 MAX_FUSED_ROWS = 64  # kernels_triton/linear.py MAX_M (not imported: options is imported by linear)
 
 _current = KernelOptions()
@@ -174,8 +177,10 @@ def _validated(name: str, value):
     if name in _PATHS:
         if value is not None:
             if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"kernel option {name}={value!r}; valid: null or the path of a tile table (JSON)")
-            load_tiles(value)  # a missing or malformed table fails here, naming the file
+                raise ValueError(f"kernel option {name}={value!r}; valid: null, {BUILTIN_TILES!r} or the path of "
+                                 "a tile table (JSON)")
+            for path in _tile_paths(value):
+                load_tiles(path)  # a missing or malformed table fails here, naming the file
         return value
     if name in _BOOL:
         if not isinstance(value, bool):
@@ -187,6 +192,30 @@ def _validated(name: str, value):
 
 
 _tile_cache: dict = {}
+_entries_cache: dict = {}
+
+
+def builtin_tile_paths() -> list[str]:
+    """The tile tables packaged with the kernels (kernels_triton/tiles/*.json), in name order."""
+    import pathlib
+
+    return [str(p) for p in sorted((pathlib.Path(__file__).parent / "tiles").glob("*.json"))]
+
+
+def _tile_paths(value: str) -> list[str]:
+    return builtin_tile_paths() if value == BUILTIN_TILES else [value]
+
+
+def tile_entries(value: str, device_name: str) -> tuple:
+    """The entries that hold on ``device_name`` of the table(s) the option value names (a path, or
+    BUILTIN_TILES: every packaged table), in order; cached per value and device."""
+    key = (value, device_name)
+    hit = _entries_cache.get(key)
+    if hit is None:
+        hit = tuple(e for path in _tile_paths(value) for t in (tiles(path),) if t["device"] == device_name
+                    for e in t["entries"])
+        _entries_cache[key] = hit
+    return hit
 
 
 def load_tiles(path: str) -> dict:
@@ -238,6 +267,7 @@ def load_tiles(path: str) -> dict:
         entries.append({"n": e["n"], "k": e["k"], "rows": tuple(e["rows"]), "config": dict(e["config"])})
     out = {"device": table["device"], "entries": entries, "source": table.get("source", "")}
     _tile_cache[path] = (stamp, out)
+    _entries_cache.clear()
     return out
 
 
@@ -299,7 +329,9 @@ def parse_value(name: str, text: str):
     if name in ("small_m", "norm_stats"):
         return _validated(name, word)
     if name in _PATHS:
-        return None if word in ("null", "none", "") else _validated(name, text.strip())
+        if word in ("null", "none", ""):
+            return None
+        return _validated(name, BUILTIN_TILES if word == BUILTIN_TILES else text.strip())
     if name in _ROWS + _CHUNKS + _BLOCK_N:
         if word in ("null", "auto", "none"):
             return None
@@ -327,7 +359,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
            "wide_topk": "true | false",
            "small_m": "dot | stream | stream_prefetch | stream_inline", "norm_stats": "off | loop | fold",
            "split_min_chunks": "null | 2..64", "stream_block_n": "null | 16 | 32 | 64 | 128",
-           "stream_tiles": "null | PATH of a tile table (JSON)"}
+           "stream_tiles": "null | builtin | PATH of a tile table (JSON)"}
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,
                            help=f"{doc[name]} (default {getattr(KernelOptions(), name)!r})")

@@ -18,7 +18,7 @@ def test_defaults_and_validation(kernel_options):
     assert o.as_dict() == dict(pdl="late", fused_linear=True, step_kernels=None, fused_merge=None,
                                attn_prewait=True, pdl_qkv_early=None, fused_rows=None,
                                gather_rows=True, wide_topk=True, small_m="auto", norm_stats="fold",
-                               split_min_chunks=None, stream_block_n=None, stream_tiles=None)
+                               split_min_chunks=None, stream_block_n=None, stream_tiles="builtin")
     for name, bad, needle in (("fused_linear", "yes", "true, false"), ("attn_prewait", None, "true, false"),
                               ("fused_rows", 65, "1..64"), ("fused_rows", 0, "1..64"), ("fused_rows", True, "1..64"),
                               ("fused_rows", "17", "1..64"),
@@ -171,6 +171,20 @@ def test_run_applies_the_kernels_group(kernel_options):
     assert kernel_options.get().as_dict() == got
     with pytest.raises(ConfigError, match="kernels: kernel option attn_prewait='no'"):
         apply_kernel_options(OmegaConf.create({"kernels": {"attn_prewait": "no"}}))
+
+
+def test_stream_tiles_builtin_tables(kernel_options):
+    # The default reads the packaged tables: each one loads, holds on its own device only (CPU tensors
+    # see none of the H200 entries), and "builtin" on a command line names them.
+    assert kernel_options.get().stream_tiles == "builtin"
+    paths = kernel_options.builtin_tile_paths()
+    assert paths and all(kernel_options.load_tiles(p)["entries"] for p in paths)
+    h200 = kernel_options.tile_entries("builtin", "NVIDIA H200")
+    assert any(e["n"] == 3072 and e["k"] == 576 and e["rows"][0] <= 17 <= e["rows"][1] for e in h200)
+    assert kernel_options.tile_entries("builtin", "cpu") == ()
+    assert kernel_options.parse_value("stream_tiles", " Builtin ") == "builtin"
+    assert kernel_options.set_(stream_tiles=None).stream_tiles == "builtin"
+    assert kernel_options.get().stream_tiles is None
 
 
 def test_stream_tiles_names_a_checked_table(tmp_path, kernel_options):

@@ -919,7 +919,8 @@ def _tile_table(path, device_name, entries):
     return str(path)
 
 
-def test_stream_tiles_table_sets_launch_settings_per_shape_and_rows(tmp_path, kernel_options, poison, launches):
+def test_stream_tiles_table_sets_launch_settings_per_shape_and_rows(tmp_path, kernel_options, poison, launches,
+                                                                   monkeypatch):
     # A tile table's entry gives the launch settings of the weights of its shape at its rows (the
     # plain, residual, norm, swiglu and qkv launchers); other shapes and row counts keep the rules, a
     # caller's own config wins, a table for another device is ignored. Outputs are the reference's.
@@ -975,6 +976,14 @@ def test_stream_tiles_table_sets_launch_settings_per_shape_and_rows(tmp_path, ke
     mine = run(8, {"block_n": 32})  # the caller's keys win, the entry fills the rest
     assert mine[0] == {**want, "BLOCK_N": 32}
     kernel_options.set_(stream_tiles=other)  # a table for another device: the rules
+    assert run(8) == rules
+    # "builtin" (the default) reads the packaged tables, each on its own device only
+    monkeypatch.setattr(kernel_options, "builtin_tile_paths", lambda: [other, here])
+    kernel_options._entries_cache.clear()
+    kernel_options.set_(stream_tiles="builtin")
+    assert run(8) == tuned
+    monkeypatch.setattr(kernel_options, "builtin_tile_paths", lambda: [other])
+    kernel_options._entries_cache.clear()
     assert run(8) == rules
     kernel_options.set_(stream_tiles=here, small_m="dot")  # not the streaming body: the table does not apply
     dot = run(8)  # (split_k 3 would be refused by the tl.dot body)

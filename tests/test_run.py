@@ -96,7 +96,7 @@ def test_run_records_provenance_and_kernel_options(tmp_path):
                                                         platform.python_version())
     want = dict(pdl="off", fused_linear=False, step_kernels=None, fused_merge=True, attn_prewait=True,
                 pdl_qkv_early=None, fused_rows=None, gather_rows=True, wide_topk=True, small_m="auto", norm_stats="fold",
-                split_min_chunks=None, stream_block_n=None, stream_tiles=None)
+                split_min_chunks=None, stream_block_n=None, stream_tiles="builtin")
     assert m["kernel_options"] == want
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["kernels"] == dict(want, pdl=False)  # the config as given; the options object normalises it
