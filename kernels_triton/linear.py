@@ -816,8 +816,9 @@ def _default_block_n(x, config, epi, dot_block_n, rows=None, n_cols=None, hi=128
 
 def _tuned(config, w, x, rows=None, qkv=False):
     """config over the kernel option stream_tiles' entry (options.load_tiles; "builtin": the packaged
-    tables) for w's shape at this many rows on x's device; config's own keys win. Only where the streaming body runs (several rows, not the
-    tl.dot body, not a forced GEMV); elsewhere, or without a table or a matching entry, config as given.
+    tables) for w's shape at this many rows on x's device; config's own keys win. Only where the
+    streaming body runs (several rows, not the tl.dot body, not a forced GEMV); elsewhere, or without
+    a table or a matching entry, config as given.
     "parts" (programs per head) is the qkv launcher's alone: other launchers skip it."""
     value = options.get().stream_tiles
     if value is None:

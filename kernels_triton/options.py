@@ -102,8 +102,7 @@ class KernelOptions:
         weight shape at a range of rows on one device, over the launchers' rules; settings a caller
         passes still win. Written by ``experiments/kernels/bench_linear.py --write-tiles`` from its
         --small-m-grid measurements. "builtin" (the default): the tables packaged in kernels_triton/tiles/,
-        each applied on its own device only (h200_smollm2.json: SmolLM2's gate|up at 16-24 rows, H200 graphed
-        tree16 step 0.893 / 0.892 / 0.901 against 0.903 / 0.898 / 0.903 ms without it); None: the rules alone.
+        each applied on its own device only (docs/kernel_notes.md "Tile tables"); None: the rules alone.
     """
 
     pdl: str = "late"
