@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from ..errors import ConfigError, config_flag
 from .always import Always
+from .bandit import Bandit
 from .base import BatchView, Policy, StepStats
 from .batch_threshold import BatchThreshold
 from .goodput import SERVED_OUTLIER, Goodput
 from .never import Never
 from .schedule import Schedule
 
-__all__ = ["Always", "BatchThreshold", "BatchView", "Goodput", "Never", "Policy", "SERVED_OUTLIER", "Schedule",
+__all__ = ["Always", "Bandit", "BatchThreshold", "BatchView", "Goodput", "Never", "Policy", "SERVED_OUTLIER", "Schedule",
            "StepStats", "build_policy"]
 
 
@@ -46,39 +47,49 @@ def build_policy(cfg, sizes=None):
         on = cfg.get("on_at_or_below")
         return BatchThreshold(_size(cfg, "k", sizes), int(cfg.off_above), None if on is None else int(on))
     if name == "goodput":
-        ks = cfg.get("ks")
-        if ks is None:
-            if not sizes:
-                raise ConfigError("policy goodput: policy.ks is null and the drafter lists no sizes; set policy.ks")
-            ks = list(sizes)
-        ks = [int(k) for k in ks]
-        bad = [k for k in ks if sizes is not None and k not in sizes]
-        if bad:
-            raise ConfigError(f"policy.ks={ks}: {bad} not sizes the drafter is configured for; configured sizes: "
-                              f"{list(sizes)} (EAGLE-3: draft.trees num_draft_tokens; n-gram: draft.chains)")
-        return Goodput(ks, ema=float(cfg.get("ema", 0.1)),
-                       margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 32)),
-                       profile_context=_profile_context(cfg.get("profile_context", 512)),
-                       time_ema=float(cfg.get("time_ema", 0.1)),
-                       prior_ema=float(cfg.get("prior_ema", 0.01)),
-                       explore_backoff=float(cfg.get("explore_backoff", 1.0)),
-                       explore_max=int(cfg.get("explore_max", 1024)),
-                       shadow_evals=int(cfg.get("shadow_evals", 0)),
-                       profile_iters=int(cfg.get("profile_iters", 20)),
-                       probe_rows=int(cfg.get("probe_rows", 1)),
-                       switch_horizon=int(cfg.get("switch_horizon", 32)),
-                       explore_budget=float(cfg.get("explore_budget", 0.05)),
-                       probe_cost=float("inf") if cfg.get("probe_cost") is None else float(cfg.probe_cost),
-                       counterfactual=config_flag("policy.counterfactual", cfg.get("counterfactual", False)),
-                       refresh_every=int(cfg.get("refresh_every", 0) or 0),
-                       defer_first_tries=config_flag("policy.defer_first_tries", cfg.get("defer_first_tries", False)),
-                       shadow_min_rows=float(cfg.get("shadow_min_rows", 2.0)),
-                       probe_requests=int(cfg.get("probe_requests", 0) or 0),
-                       shadow_ema=cfg.get("shadow_ema", 0.03),
-                       iter_median=int(cfg.get("iter_median", 0) or 0))
+        return _goodput(cfg, sizes)
+    if name == "bandit":
+        arms = cfg.get("arms") or ["goodput", "always", "never"]
+        return Bandit(_goodput(cfg, sizes), list(arms), block_iters=int(cfg.get("block_iters", 8)),
+                      block_rows=int(cfg.get("block_rows", 256)), settle=int(cfg.get("settle", 2)),
+                      memory=float(cfg.get("memory", 0.2)), explore_cost=float(cfg.get("explore_cost", 0.01)))
     if name == "schedule":
         return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
-    raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, schedule")
+    raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, bandit, schedule")
+
+
+def _goodput(cfg, sizes) -> Goodput:
+    """goodput from its config keys (policy=goodput, and the model of policy=bandit)."""
+    ks = cfg.get("ks")
+    if ks is None:
+        if not sizes:
+            raise ConfigError("policy goodput: policy.ks is null and the drafter lists no sizes; set policy.ks")
+        ks = list(sizes)
+    ks = [int(k) for k in ks]
+    bad = [k for k in ks if sizes is not None and k not in sizes]
+    if bad:
+        raise ConfigError(f"policy.ks={ks}: {bad} not sizes the drafter is configured for; configured sizes: "
+                          f"{list(sizes)} (EAGLE-3: draft.trees num_draft_tokens; n-gram: draft.chains)")
+    return Goodput(ks, ema=float(cfg.get("ema", 0.1)),
+                   margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 32)),
+                   profile_context=_profile_context(cfg.get("profile_context", 512)),
+                   time_ema=float(cfg.get("time_ema", 0.1)),
+                   prior_ema=float(cfg.get("prior_ema", 0.01)),
+                   explore_backoff=float(cfg.get("explore_backoff", 1.0)),
+                   explore_max=int(cfg.get("explore_max", 1024)),
+                   shadow_evals=int(cfg.get("shadow_evals", 0)),
+                   profile_iters=int(cfg.get("profile_iters", 20)),
+                   probe_rows=int(cfg.get("probe_rows", 1)),
+                   switch_horizon=int(cfg.get("switch_horizon", 32)),
+                   explore_budget=float(cfg.get("explore_budget", 0.05)),
+                   probe_cost=float("inf") if cfg.get("probe_cost") is None else float(cfg.probe_cost),
+                   counterfactual=config_flag("policy.counterfactual", cfg.get("counterfactual", False)),
+                   refresh_every=int(cfg.get("refresh_every", 0) or 0),
+                   defer_first_tries=config_flag("policy.defer_first_tries", cfg.get("defer_first_tries", False)),
+                   shadow_min_rows=float(cfg.get("shadow_min_rows", 2.0)),
+                   probe_requests=int(cfg.get("probe_requests", 0) or 0),
+                   shadow_ema=cfg.get("shadow_ema", 0.03),
+                   iter_median=int(cfg.get("iter_median", 0) or 0))
 
 
 def profile_context_auto(cfg) -> bool:
