@@ -46,14 +46,16 @@ def answers(n: int, new_tokens: int) -> dict[str, list[tuple[list[int], list[int
     return out
 
 
-def simulate(gens, every_step: bool, repeats: int = 3, shadow_ema: float = 0.1) -> dict:
+def simulate(gens, every_step, repeats: int = 3, shadow_ema: float = 0.1, max_lag=None) -> dict:
+    """every_step: False (k = 0 steps only), True (every step, every k) or "above" (every step, the ks
+    above the step's: the engine now; a speculative step's own and nested chains are exact samples)."""
     dr = NgramDrafter(3, 1, [2, 4, 8])
     g = Goodput([2, 4, 8], shadow_evals=2, probe_rows=4, probe_cost=4, shadow_min_rows=2, explore_every=32,
                 explore_backoff=2, margin=0.03, shadow_ema=shadow_ema)
     g.set_table({k: {1: v} for k, v in MS.items()})
     g.shadowed_()
     g.serial_drafting = True
-    sh = ShadowAcceptance(dr, [2, 4, 8], 2)
+    sh = ShadowAcceptance(dr, [2, 4, 8], 2, max_lag=max_lag)
     shadow: dict[int, list[int]] = {2: [], 4: [], 8: []}
     ks, t_ms, toks = [], 0.0, 0
     for i, (prompt, out) in enumerate(gens * repeats):
@@ -65,11 +67,14 @@ def simulate(gens, every_step: bool, repeats: int = 3, shadow_ema: float = 0.1) 
             hist = prompt + out[:pos]
             c = dr.shadow_commits(prompt + out, len(prompt) + pos, k) if k else 1
             new = out[pos:pos + c]
-            sam = sh.samples_([rid], lambda _: hist + new) if (every_step or k == 0) and g.shadow_due() else []
+            above = k if every_step == "above" else 0
+            sam = (sh.samples_([rid], lambda _: hist + new, above=above)
+                   if (every_step or k == 0) and g.shadow_due() else [])
             for kk, _, cc in sam:
                 shadow[kk].append(cc)
+            cf = {j: [min(c, j + 1)] for j in (2, 4) if j < k} or None  # nested chains (the engine's _host_cf)
             g.update(StepStats(k=k, num_decode=1, committed=[c], rows=[rid], step_ms=MS[k], shadow=sam or None,
-                               shadow_ms=0.01, counterfactual=None))
+                               shadow_ms=0.01, counterfactual=cf))
             g.iteration_(k, 1, MS[k], 0.2)
             ks.append(k)
             pos, t_ms, toks = pos + c, t_ms + MS[k], toks + c
@@ -98,6 +103,10 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=6)
     ap.add_argument("--subset", type=int, default=16)
     ap.add_argument("--shadow-emas", default="0.2,0.1,0.05,0.03,0.02,0.01")
+    ap.add_argument("--variants", default="every:none",
+                    help="scoring:max_lag pairs for the second table, e.g. every:none,above:none,above:16 (scoring: "
+                         "every = every k on every step, above = the ks above a speculative step's; max_lag: a "
+                         "walk this far behind restarts at the newest position, none: never)")
     a = ap.parse_args()
     try:
         gens = torch.load(a.cache) if a.cache else None
@@ -119,17 +128,22 @@ def main() -> None:
                              f"{'-' if sm is None else f'{sm:.2f}'} | {'-' if pr is None else f'{pr:.2f}'} | "
                              f"{r['walk_mean'][k]:.2f} | {r['tok_per_ms']:.3f} | {r['never']:.3f} | {r['always8']:.3f} |")
     lines += ["", f"goodput / envelope, {a.draws} draws of {a.subset} of {a.prompts} prompts each (min .. max):", "",
-              "| workload | shadow_ema | " + " | ".join(f"draw {i}" for i in range(a.draws)) + " | mean | min |",
-              "| --- | ---: |" + " ---: |" * (a.draws + 2)]
+              "| workload | scoring | max_lag | shadow_ema | " + " | ".join(f"draw {i}" for i in range(a.draws))
+              + " | mean | min |", "| --- | --- | ---: | ---: |" + " ---: |" * (a.draws + 2)]
+    variants = [(v.split(":")[0], None if v.split(":")[1] == "none" else int(v.split(":")[1]))
+                for v in a.variants.split(",")]
     for ws, g in gens.items():
-        for e in (float(x) for x in a.shadow_emas.split(",")):
-            rs = []
-            for i in range(a.draws):
-                gg = list(g)
-                random.Random(i).shuffle(gg)
-                r = simulate(gg[:a.subset], True, repeats=1, shadow_ema=e)
-                rs.append(r["tok_per_ms"] / r["envelope"])
-            lines.append(f"| {ws} | {e} | " + " | ".join(f"{x:.3f}" for x in rs) + f" | {st.mean(rs):.3f} | {min(rs):.3f} |")
+        for mode, lag in variants:
+            for e in (float(x) for x in a.shadow_emas.split(",")):
+                rs = []
+                for i in range(a.draws):
+                    gg = list(g)
+                    random.Random(i).shuffle(gg)
+                    r = simulate(gg[:a.subset], "above" if mode == "above" else True, repeats=1, shadow_ema=e,
+                                 max_lag=lag)
+                    rs.append(r["tok_per_ms"] / r["envelope"])
+                lines.append(f"| {ws} | {mode} | {lag if lag is not None else '-'} | {e} | "
+                             + " | ".join(f"{x:.3f}" for x in rs) + f" | {st.mean(rs):.3f} | {min(rs):.3f} |")
     text = "\n".join(lines)
     print(text)
     if a.out:

@@ -22,7 +22,7 @@ def test_full_study_composes_to_the_sweep_it_promises():
     params = cfg.hydra.sweeper.params
     assert params["draft"] == "eagle3_smollm2_trees,ngram_chains"
     assert params["workload"] == "humaneval,mt_bench"
-    assert params["policy"] == "never,always,goodput,bandit"
+    assert params["policy"] == "never,always,goodput"
     assert params["workload.concurrency"] == "1,2,4,8,16,32,64,128,256"
     assert [t["num_draft_tokens"] for t in cfg.draft.trees] == [3, 8, 16, 32]
     assert cfg.policy.k is None and cfg.workload.requests_per_client == 3
@@ -48,7 +48,7 @@ def test_policy_envelope_smoke_runs_and_reports(tmp_path):
                           timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p.parent for p in sweep.rglob("metrics.json"))
-    assert len(runs) == 8  # never / always / goodput / bandit x C = 1, 2
+    assert len(runs) == 6  # never / always / goodput x C = 1, 2
     for r in runs:
         m = json.loads((r / "metrics.json").read_text())
         assert m["failed_requests"] == 0 and "steady_k" in m
@@ -61,4 +61,4 @@ def test_policy_envelope_smoke_runs_and_reports(tmp_path):
     rows = [ln for ln in section.splitlines() if ln.startswith("| ")]
     assert [c.strip() for c in rows[0].split("|")[1:4]] == ["Policy", "C=1", "C=2"]
     names = [ln.split("|")[1].strip().split()[0] for ln in rows[2:]]
-    assert names == ["never", "always", "bandit", "goodput", "envelope"]
+    assert names == ["never", "always", "goodput", "envelope"]

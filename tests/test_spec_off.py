@@ -414,6 +414,26 @@ def test_shadow_acceptance_is_what_speculation_commits(tiny):
     assert sh.samples_(["a"], lambda i: hist) == []  # no new tokens: nothing left to score
 
 
+def test_shadow_walks_score_above_a_speculative_steps_k_and_restart_when_far_behind():
+    """A speculative step's own k and the chains nested in it have exact samples: it scores only the
+    larger ks (none at the largest, and then no history is read). A walk more than max_lag tokens
+    behind the newest position it can score restarts there; without max_lag it keeps its place."""
+    from specdec.engine.shadow import ShadowAcceptance
+
+    hist = repetitive_prompts(1, seed=4)[0] * 3
+    sh = ShadowAcceptance(NgramDrafter(chains=[2, 5]), (0, 2, 5), evals_per_step=4)
+    got = sh.samples_(["a", "b"], lambda i: hist, above=2)
+    assert [g[:2] for g in got] == [(5, "a"), (5, "b")]
+    read = []
+    assert sh.samples_(["a"], lambda i: read.append(i) or hist, above=5) == [] and read == []
+    for lag, restarted in ((None, False), (4, True)):
+        sh = ShadowAcceptance(NgramDrafter(chains=[2]), (0, 2), evals_per_step=1, max_lag=lag)
+        sh.next_start[("a", 2)] = 3  # a walk far behind the newest scorable position
+        (k, _, c), = sh.samples_(["a"], lambda i: hist)
+        assert sh.next_start[("a", 2)] == (len(hist) - 2 if restarted else 3) + c
+        assert sh.restarts == int(restarted)
+
+
 def test_goodput_with_shadow_scores_turns_ngram_speculation_on(tiny):
     """An n-gram engine under goodput with shadow scoring: k = 0 steps feed it samples (no forced
     try), it speculates on repetitive text, and greedy output stays plain greedy's."""
@@ -593,3 +613,31 @@ def test_only_the_prefill_paths_a_policy_reaches_are_captured(tiny):
         if name == "never":
             assert engine.undrafted_prefill_tokens == sum(len(p) - 1 for p in prompts)
     assert runners == {"never": (False, True, False), "always": (True, False, False), "switching": (True, True, True)}
+
+
+def test_speculative_ngram_steps_shadow_score_only_the_larger_chains(tiny):
+    """Under goodput with nested-chain counterfactuals, a step at the largest chain does no shadow
+    lookups (its host work is on the serial path), a step at a smaller one scores only the larger
+    chain, a k = 0 step every chain; greedy output stays plain greedy's."""
+    from specdec.policy import Goodput
+
+    prompts = repetitive_prompts(2, seed=4)
+    want = [reference(tiny, p, 20) for p in prompts]
+    pol = Goodput([2, 5], explore_every=0, shadow_evals=2, counterfactual=True)
+    engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
+                    drafter=NgramDrafter(chains=[2, 5]), policy=pol)
+    pol.set_table({0: {1: 1.0, 4: 1.0}, 2: {1: 1.05, 4: 1.05}, 5: {1: 1.1, 4: 1.1}})
+    seen = []
+    update = pol.update
+    pol.update = lambda st: (seen.append((st.k, sorted({k for k, _, _ in st.shadow or ()}))), update(st))
+    reqs = [engine.add_request(p, 20) for p in prompts]
+    schedule = [0, 0, 5, 5, 2, 2, 0, 5]
+    i = 0
+    while engine.has_work():
+        engine.step(schedule[i % len(schedule)] if engine.state.num_rows else 0)
+        i += 1
+    by_k = {}
+    for k, scored in seen:
+        by_k.setdefault(k, set()).update(scored)
+    assert by_k[5] == set() and by_k[2] == {5} and by_k[0] == {2, 5}
+    assert [r.output_ids for r in reqs] == want

@@ -337,7 +337,8 @@ class Engine:
         # Drafts scored from the committed tokens while off (n-gram, for a policy that asks for it).
         self._shadow = None
         if shadow_evals(policy) and hasattr(drafter, "shadow_commits") and len(self.ks) > 1:
-            self._shadow = ShadowAcceptance(drafter, self.ks, shadow_evals(policy))
+            self._shadow = ShadowAcceptance(drafter, self.ks, shadow_evals(policy),
+                                            max_lag=getattr(policy, "shadow_max_lag", None))
             # the policy may space the scorings out (goodput: while speculation trails far behind)
             self._shadow_due = getattr(policy, "shadow_due", None) or (lambda: True)
             if hasattr(policy, "shadowed_"):
@@ -607,12 +608,15 @@ class Engine:
         tokens = step.tokens
         if self.policy is not None and not step.policy_fed:
             shadow = shadow_ms = None
-            # Scored on every step, speculative ones too: a policy that speculates while a request's text
-            # repeats and stops where it does not would otherwise score only the stretches it left
-            # speculation off in (a biased prior; see specdec.engine.shadow)
+            # Scored on every step, speculative ones too (there the ks above the step's): a policy that
+            # speculates while a request's text repeats and stops where it does not would otherwise
+            # score only the stretches it left speculation off in (a biased prior; see specdec.engine.shadow)
             if self._shadow is not None and step.rows and self._shadow_due():
                 sh, rows, n0, s0 = self._shadow, step.rows, self._shadow.lookups, self._shadow.lookup_s
-                shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i])
+                # A speculative step's commits are exact samples of its k, and with chains that nest of
+                # every smaller one (_host_cf): it scores only the larger ks (its host work is serial)
+                above = 0 if step.k == 0 else (step.k if self._host_cf else 0)
+                shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i], above=above)
                 if sh.lookups > n0:
                     # What a drafting step's host work costs per row: the drafter's own measure where it
                     # keeps one (n-gram: its indexed drafting, far cheaper than the scans that score

@@ -34,19 +34,26 @@ from typing import Callable
 class ShadowAcceptance:
     """Samples (k, request id, committed) of the always-k walk over rows' committed tokens."""
 
-    def __init__(self, drafter, ks, evals_per_step: int = 2):
+    def __init__(self, drafter, ks, evals_per_step: int = 2, max_lag: int | None = None):
         self.score = drafter.shadow_commits
         self.ks = tuple(k for k in sorted(ks) if k > 0)
         self.evals_per_step = int(evals_per_step)
+        # A walk more than this many tokens behind the newest position it can score restarts there
+        # (None: walks never skip)
+        self.max_lag = None if max_lag is None else int(max_lag)
+        self.restarts = 0
         self.next_start: dict[tuple[str, int], int] = {}  # (request id, k) -> the walk's next start
         self._cursor = 0  # round-robin position over rows x ks
         self.lookups = 0
         self.lookup_s = 0.0  # host seconds spent scoring (the drafter's own lookups)
 
-    def samples_(self, ids: list[str], history: Callable[[int], list[int]]) -> list[tuple[int, str, int]]:
+    def samples_(self, ids: list[str], history: Callable[[int], list[int]],
+                 above: int = 0) -> list[tuple[int, str, int]]:
         """Score up to evals_per_step drafts over rows ``ids`` (``history(i)``: row i's committed
-        tokens, called only for the rows scored); mutates the walks and the cursor."""
-        pairs = len(ids) * len(self.ks)
+        tokens, called only for the rows scored) at the ks above ``above`` (a speculative step's own
+        k and the chains nested in it have exact samples already); mutates the walks and the cursor."""
+        ks = self.ks if above <= 0 else tuple(k for k in self.ks if k > above)
+        pairs = len(ids) * len(ks)
         if not pairs or self.evals_per_step <= 0:
             return []
         if len(self.next_start) > 4 * pairs:  # requests that left the batch
@@ -58,8 +65,8 @@ class ShadowAcceptance:
         for _ in range(min(self.evals_per_step, pairs)):
             j = self._cursor % pairs
             self._cursor = j + 1
-            i, k = divmod(j, len(self.ks))
-            k = self.ks[k]
+            i, k = divmod(j, len(ks))
+            k = ks[k]
             rid = ids[i]
             hist = seen.get(i)
             if hist is None:
@@ -67,6 +74,9 @@ class ShadowAcceptance:
             start = self.next_start.get((rid, k))
             if start is None:  # a new walk starts at the newest draft the tokens can score
                 start = len(hist) - k
+            elif self.max_lag is not None and len(hist) - k - start > self.max_lag:
+                start = len(hist) - k  # fallen behind: score the recent text
+                self.restarts += 1
             if start < 1 or start + k > len(hist):
                 continue
             c = self.score(hist, start, k)

@@ -150,6 +150,10 @@ class Bandit:
         return self.model.shadow_evals
 
     @property
+    def shadow_max_lag(self) -> int | None:
+        return self.model.shadow_max_lag
+
+    @property
     def wants_counterfactual(self) -> bool:
         return self.model.wants_counterfactual
 

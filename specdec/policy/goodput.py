@@ -106,7 +106,8 @@ class Goodput:
                  profile_iters: int = 20, probe_rows: int = 1, switch_horizon: int = 32,
                  explore_budget: float = 0.05, probe_cost: float = float("inf"), counterfactual: bool = False,
                  refresh_every: int = 0, defer_first_tries: bool = False, shadow_min_rows: float = 2.0,
-                 probe_requests: int = 0, shadow_ema: float | None = 0.03, iter_median: int = 0):
+                 probe_requests: int = 0, shadow_ema: float | None = 0.03, iter_median: int = 0,
+                 shadow_max_lag: int | None = None):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -161,6 +162,11 @@ class Goodput:
         self._row_age: dict = {}  # request id -> decode steps seen, while requests are probed
         self.request_probes = 0  # probe steps run
         self.shadow_evals = int(shadow_evals)  # drafts scored per step (the engine's ShadowAcceptance)
+        if shadow_max_lag is not None and int(shadow_max_lag) < 0:
+            raise ConfigError(f"policy goodput: need shadow_max_lag >= 0 or null (got shadow_max_lag={shadow_max_lag})")
+        # a shadow walk this many tokens behind the newest scorable position restarts there (the engine's
+        # ShadowAcceptance max_lag; None: walks never skip)
+        self.shadow_max_lag = None if shadow_max_lag is None else int(shadow_max_lag)
         self.serial_drafting = False  # set by the engine: speculative steps run after the host's work (n-gram)
         if shadow_min_rows < 0:
             raise ConfigError(f"policy goodput: need shadow_min_rows >= 0 (got shadow_min_rows={shadow_min_rows})")
