@@ -24,6 +24,9 @@ def test_full_study_composes_to_the_sweep_it_promises():
     assert params["workload"] == "humaneval,mt_bench"
     assert params["policy"] == "never,always,goodput"
     assert params["workload.concurrency"] == "1,2,4,8,16,32,64,128,256"
+    # every policy of one C back to back: the first param varies slowest, so concurrency comes before policy
+    keys = list(params)
+    assert keys.index("workload.concurrency") < keys.index("policy")
     assert [t["num_draft_tokens"] for t in cfg.draft.trees] == [3, 8, 16, 32]
     assert cfg.policy.k is None and cfg.workload.requests_per_client == 3
     assert cfg.workload.duration_s == 5 and cfg.workload.warmup_s == 1  # timed points, steady window
