@@ -188,3 +188,13 @@ def test_bandit_through_the_engine_stays_greedy_identical(tiny):
     measured = {a for b in st["buckets"].values() for a, s in b.items() if s["blocks"]}
     assert len(measured) >= 2
     engine.check()
+
+
+def test_bandit_drops_a_choice_that_launched_no_step():
+    """A choice whose step never launched (the batch emptied by preemption) leaves a tag behind; the
+    next fed step, of another k (an explicit ``engine.step(k)``), drops it and counts for no block."""
+    world = low_c_world()
+    pol = bandit(world, arms=("always", "never"), block_rows=64, settle=0)
+    assert pol.choose(BatchView(num_decode=1, num_waiting=0)) == 4  # tagged, never launched
+    pol.update(StepStats(k=0, num_decode=1, committed=[1]))
+    assert pol._block.tokens == 0 and pol._block.pending == 0 and not pol._tags

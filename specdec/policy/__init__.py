@@ -15,8 +15,8 @@ from .goodput import SERVED_OUTLIER, Goodput
 from .never import Never
 from .schedule import Schedule
 
-__all__ = ["Always", "Bandit", "BatchThreshold", "BatchView", "Goodput", "Never", "Policy", "SERVED_OUTLIER", "Schedule",
-           "StepStats", "build_policy"]
+__all__ = ["Always", "Bandit", "BatchThreshold", "BatchView", "Goodput", "Never", "Policy", "SERVED_OUTLIER",
+           "Schedule", "StepStats", "build_policy"]
 
 
 def _size(cfg, key: str, sizes) -> int:
