@@ -6,10 +6,13 @@ scored on k = 0 steps only (the engine before a93dbd1) or on every step.
 First table: per k the mean of the shadow samples, goodput's final prior a(k), the always-k walk's mean
 and tokens per ms of goodput against never and always chain 8 (per-request estimates with weight 0.1,
 as then). Second table: goodput over the envelope max(never, always chain 2 / 4 / 8) of the same text
-for each ``shadow_ema`` (the weight of a shadow sample in a request's own a(k)), over ``--draws``
-random draws of ``--subset`` of the prompts.
+for each ``shadow_ema`` (the weight of a shadow sample in a request's own a(k)) and each of ``--variants``
+(which chains a speculative step scores: every one, or only those above its own as the engine does since
+7ee0bb9; and ``policy.shadow_max_lag``), over ``--draws`` random draws of ``--subset`` of the prompts.
+Speculative steps feed goodput the nested chains' commits, min(committed, k' + 1), as the engine does.
 
     python experiments/sim_shadow_bias.py --prompts 32 --cache /tmp/answers32.pt [--out FILE.md]
+        [--variants every:none,above:none,above:16]
 """
 
 from __future__ import annotations
