@@ -271,6 +271,34 @@ def test_goodput_retries_back_off_while_speculation_keeps_losing():
     assert pol.choose(view(8)) == 2 and pol.explore_gap == 2.0
 
 
+@pytest.mark.parametrize("fresh", [0.0, 0.5])
+def test_goodput_explore_fresh_restarts_the_backoff_for_new_requests(fresh):
+    """While off, re-tries back off (gaps 2, 4, 8) as long as the same requests run; with explore_fresh
+    0.5 a batch whose rows mostly joined after the last re-try gets the next one after explore_every
+    steps again, without it the gap stays at the cap."""
+    pol = Goodput([2], margin=0.0, explore_every=2, explore_backoff=2.0, explore_max=8, explore_fresh=fresh)
+    pol.set_table(TABLE)
+    old = tuple(f"a{i}" for i in range(64))
+    new = tuple(f"b{i}" for i in range(64))
+
+    def step(rows):
+        return pol.choose(BatchView(num_decode=len(rows), num_waiting=0, rows=rows))
+
+    assert step(old) == 2  # the first try
+    pol.update(StepStats(k=2, num_decode=64, committed=[1] * 64, rows=list(old)))  # a(2) = 1: k = 0 wins
+    seen = [step(old) for _ in range(24)]
+    retries = [i for i, k in enumerate(seen) if k]
+    assert [b - a - 1 for a, b in zip(retries, retries[1:])] == [3, 7, 7][: len(retries) - 1]
+    assert pol.explore_gap == 8.0
+    seen = [step(new) for _ in range(3)]
+    if fresh:
+        assert pol.fresh_resets == 1 and pol.explore_gap <= 4.0 and any(seen)
+    else:
+        assert pol.fresh_resets == 0 and pol.explore_gap == 8.0
+    with pytest.raises(ConfigError, match="explore_fresh"):
+        Goodput([2], explore_fresh=1.5)
+
+
 def test_schedule_pattern_and_window_positions():
     """on steps at k, off steps at 0, repeated over decode steps only; each speculative step's
     committed tokens are kept by its position in the window (0: first after an off period), also
