@@ -173,9 +173,6 @@ class Bandit:
     def calibrate_(self, profile, batches) -> None:
         self.model.calibrate_(profile, batches)
 
-    def set_table(self, table) -> None:
-        self.model.set_table(table)
-
     def catch_up_table_(self, forward_ms) -> None:
         self.model.catch_up_table_(forward_ms)
 
@@ -196,11 +193,6 @@ class Bandit:
     def bucket(view: BatchView) -> int:
         n = view.num_decode + max(0, view.num_prefilling)
         return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-
-    def rate(self, bucket: int, arm: str) -> float | None:
-        """Measured committed tokens per ms of ``arm`` at ``bucket`` (None: not measured there)."""
-        st = self.arms.get(bucket, {}).get(arm)
-        return None if st is None else st.rate()
 
     def _pick(self, bucket: int) -> str:
         arms = self.arms.setdefault(bucket, {a: _Arm() for a in self.arm_k})
