@@ -153,7 +153,10 @@ def catch_up_body_(model, kv: KVCache, drafter, ids, pos, meta, next_ids):
     no target KV (slot -1: the k = 0 steps already wrote it, and rewriting it from a batched
     forward could change its last bits), then the drafter's prefill extends its KV over them at
     their real slots. Returns the drafter's root state per chunk; device ops only (the same padded
-    shapes as prefill, so it replays as a CUDA graph where prefill does)."""
+    shapes as prefill, so it replays as a CUDA graph where prefill does). A drafter that reads no
+    target features (``capture_layers`` empty) gets its prefill alone: no target forward."""
+    if not drafter.capture_layers:  # a drafter that reads no target features (n-gram on the device)
+        return drafter.prefill_(ids, pos, meta, None, next_ids)
     no_write = dataclasses.replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
     out = model(ids, pos, no_write, kv.k, kv.v, capture_layers=drafter.capture_layers)
     return drafter.prefill_(ids, pos, meta, out.captured, next_ids)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import Drafter
 from .eagle3 import Eagle3Drafter
-from .ngram import NgramDrafter
+from .ngram import DeviceNgramDrafter, NgramDrafter
 
-__all__ = ["Drafter", "Eagle3Drafter", "NgramDrafter", "build_drafter"]
+__all__ = ["DeviceNgramDrafter", "Drafter", "Eagle3Drafter", "NgramDrafter", "build_drafter"]
 
 
 def tree_shapes(cfg) -> list[tuple[int, int, int]]:
@@ -34,8 +34,14 @@ def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
         return None
     if name == "ngram":
         chains = cfg.get("chains")
-        return NgramDrafter(int(cfg.get("max_ngram", 3)), int(cfg.get("min_ngram", 1)),
-                            chains=None if chains is None else [int(c) for c in chains])
+        chains = None if chains is None else [int(c) for c in chains]
+        lookup = str(cfg.get("lookup", "host"))
+        if lookup == "device":
+            return DeviceNgramDrafter(int(cfg.get("max_ngram", 3)), int(cfg.get("min_ngram", 1)), chains=chains,
+                                      backend=backend)
+        if lookup != "host":
+            raise ConfigError(f"draft.lookup={lookup!r}; valid: host, device")
+        return NgramDrafter(int(cfg.get("max_ngram", 3)), int(cfg.get("min_ngram", 1)), chains=chains)
     if name == "eagle3" and cfg.get("random"):
         head = random_eagle3_head(target, cfg.get("draft_vocab_size", "auto"), cfg.get("target_layers"),
                                   device=device, dtype=dtype if dtype is not None else target.dtype,

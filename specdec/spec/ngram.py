@@ -257,3 +257,59 @@ class _GramIndex:
             if j is not None:
                 return toks[j:j + k]
         return []
+
+
+class DeviceNgramDrafter(NgramDrafter):
+    """``NgramDrafter``'s lookup on the device (``draft.lookup=device``): the same chains, drafted by a
+    kernel over each row's committed tokens kept in a paged token cache beside the KV
+    (kernels_triton/ngram.py), so a drafting step does no host work and needs no host context: it
+    runs overlapped with the step before it, as a plain step does, instead of waiting for its tokens.
+
+    The cache is filled by the drafter's prefill (prompt tokens at their slots), by each drafting step
+    (the pending token at the root's slot, the accepted tokens where the commit put them) and, for
+    tokens committed by k = 0 steps (which do not see the drafter: plain decoding's step), by the
+    engine's catch-up before the first drafting step after them (the backlog's tokens written at their
+    slots; no target forward, the drafter reads no features). Host-side helpers (``lookup``,
+    ``shadow_commits`` for a policy's shadow scoring while off) are the host drafter's."""
+
+    needs_context = False
+    catches_up = True
+    prefills = True
+    prepare_ = None  # nothing on the host before the step
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, chains=None, *, backend: str = "auto"):
+        super().__init__(max_ngram, min_ngram, chains)
+        self.backend = backend
+        self.host_ms_per_row = 0.0  # a drafting step's host work per row (policies price it)
+
+    def bind_(self, state, num_pages: int, page_size: int) -> None:
+        R, T = state.max_rows, state.max_tree_nodes
+        dev = state.pending.device
+        self.buf = torch.full((R, T), -1, dtype=torch.int64, device=dev)
+        # One token per KV slot, plus a last entry that padding (slot -1) writes land in.
+        self.tok = torch.full((num_pages * page_size + 1,), -1, dtype=torch.int32, device=dev)
+        self.page_size = page_size
+
+    def _kernels(self, t):
+        from kernels_triton import ngram as kn
+
+        from .tree_ops import use_step_kernels
+
+        return (kn.ngram_propose_, kn.ngram_record_) if use_step_kernels(self.backend, t) else \
+            (kn.ngram_propose_ref_, kn.ngram_record_ref_)
+
+    def prefill_(self, ids, pos, meta, captured, next_ids):
+        """The prefill (or catch-up) tokens into the token cache at their slots (padding: slot -1)."""
+        self.tok[meta.slot_mapping.long()] = ids.to(torch.int32)
+        return None
+
+    def propose(self, state, B: int, T: int, valid, context=None) -> DraftTree:
+        propose, _ = self._kernels(self.tok)
+        propose(self.tok, state.page_table[:B], state.seq_lens[:B], state.pending[:B], valid, self.buf[:B, :T],
+                self.page_size, self.min_ngram, self.max_ngram)
+        return super().propose(state, B, T, valid, context)
+
+    def extend_(self, state, B: int, T: int, valid, seq_old, captured, nodes, out_tokens, accept_len,
+                verify=None) -> None:
+        _, record = self._kernels(self.tok)
+        record(self.tok, state.page_table[:B], seq_old, out_tokens, accept_len, valid, self.page_size)
