@@ -92,20 +92,21 @@ def _ngram_propose_kernel(tok_ptr, pt_ptr, stride_pt, seq_ptr, pend_ptr, valid_p
         found = tl.zeros((), dtype=tl.int64) - 1  # start of the match
         fn = tl.zeros((), dtype=tl.int64)  # its n
         ob = tl.arange(0, BLOCK)
-        for i in tl.static_range(MAX_N - MIN_N + 1):
-            n: tl.constexpr = MAX_N - i
+        for i in range(0, MAX_N - MIN_N + 1):  # n = MAX_N .. MIN_N, the first with a match wins
+            n = MAX_N - i
             if (found < 0) & (n <= L):  # H - 1 = L tokens before the pending one
                 top = L - n  # the latest start with a follower
                 while (top >= 0) & (found < 0):
                     s = top - ob  # newest first
                     ms = s >= 0
                     hit = ms
-                    for j in tl.static_range(n):
-                        want = _hist(tok_ptr, pt_row, L - n + 1 + j + tl.zeros((), dtype=tl.int64), True, L, pend, PS)
-                        hit = hit & (_hist(tok_ptr, pt_row, s + j, ms, L, pend, PS) == want)
+                    for j in tl.static_range(MAX_N):  # the suffix's token j (j < n)
+                        want = _hist(tok_ptr, pt_row, L - n + 1 + j + tl.zeros((), dtype=tl.int64), j < n, L,
+                                     pend, PS)
+                        hit = hit & ((_hist(tok_ptr, pt_row, s + j, ms & (j < n), L, pend, PS) == want) | (j >= n))
                     best = tl.max(tl.where(hit, s, -1), axis=0)
+                    fn = tl.where(best >= 0, best * 0 + n, fn)
                     found = tl.where(best >= 0, best, found)
-                    fn = tl.where(best >= 0, n, fn)
                     top -= BLOCK
         f = found + fn + oi  # follower positions
         keep = (found >= 0) & (oi < T - 1) & (f <= L)
