@@ -426,10 +426,11 @@ def test_goodput_switch_on_from_shadow_samples_waits_for_enough_of_them():
     drafts of the same acceptance switch on, and at one row a couple of drafts suffice."""
     table = {0: {1: 0.5, 128: 1.0}, 8: {1: 0.6, 128: 1.2}}
 
-    def fed(n, commits):
-        pol = Goodput([8], margin=0.03, explore_every=32, shadow_evals=2)
+    def fed(n, commits, serial=True, cap=16):
+        pol = Goodput([8], margin=0.03, explore_every=32, shadow_evals=2, shadow_rows_cap=cap)
         pol.set_table(table)
         pol.shadowed_()
+        pol.serial_drafting = serial  # host lookups before each drafting step
         for i in range(n):
             pol.update(StepStats(k=0, num_decode=1, committed=[1], rows=[f"r{i}"], shadow=[(8, f"r{i}", commits)]))
         return pol
@@ -442,6 +443,13 @@ def test_goodput_switch_on_from_shadow_samples_waits_for_enough_of_them():
     assert loose.choose(view(128)) == 8  # the rule off: the 30 drafts decide
     with pytest.raises(ConfigError, match="shadow_min_rows"):
         Goodput([8], shadow_min_rows=-1)
+    # Drafting without host work (n-gram lookups on the device): the rows counted stop at shadow_rows_cap
+    assert fed(30, 9, serial=False).choose(view(128)) == 0  # 30 < 2 x 16
+    assert fed(32, 9, serial=False).choose(view(128)) == 8
+    assert fed(32, 9, serial=False, cap=None).choose(view(128)) == 0  # no cap: 2 x 128
+    assert fed(32, 9, serial=True).choose(view(128)) == 0  # host lookups: every row counts
+    with pytest.raises(ConfigError, match="shadow_rows_cap"):
+        Goodput([8], shadow_rows_cap=0)
 
 
 def test_goodput_iter_median_is_robust_to_a_heavy_tail_of_wall_times():
