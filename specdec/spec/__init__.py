@@ -35,7 +35,7 @@ def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
     if name == "ngram":
         chains = cfg.get("chains")
         chains = None if chains is None else [int(c) for c in chains]
-        lookup = str(cfg.get("lookup", "host"))
+        lookup = str(cfg.get("lookup", "device"))
         if lookup == "device":
             return DeviceNgramDrafter(int(cfg.get("max_ngram", 3)), int(cfg.get("min_ngram", 1)), chains=chains,
                                       backend=backend)
