@@ -23,8 +23,9 @@ One interface (used by :func:`specdec.engine.step.step_body_`):
     extends_at_k0           True: k = 0 steps run extend_ (and capture target features); False:
                             a k = 0 step runs exactly plain decoding's step body (default True)
     catches_up              True: the engine calls catch-up (target features recomputed over the
-                            tokens committed while off, the drafter's prefill_ over them) before
-                            the first drafting step after k = 0 steps (default False)
+                            tokens committed while off, the drafter's prefill_ over them; without
+                            capture_layers the prefill_ alone) before the first drafting step after
+                            k = 0 steps (default False)
     prefills                False: prefill_ does nothing (the prefill forward skips it; default True)
 """
 
