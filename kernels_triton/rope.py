@@ -22,8 +22,10 @@ Shapes: q [N, HQ, D], k [N, HKV, D] (HQ and HKV independent, e.g. 9 and 3), posi
 int32/int64, cos/sin [P, D/2] fp32. Returns new contiguous (q_out, k_out) in the input dtype.
 
 Positions are per token and need not be contiguous or distinct (tree nodes sit at prefix + depth).
-Invariant: 0 <= positions[n] < P. It is not checked on the host (that would synchronise); a kernel
-row whose position is out of range reads no table memory and comes out as zeros.
+Positions should lie in 0 .. P - 1; they are not checked on the host (that would synchronise). A row
+whose position is out of range reads no table memory and comes out as zeros, in the kernels and the
+reference alike: the engine's tree nodes past a request's last position (a speculative step of a request
+that ends at max_position_embeddings) sit there, and their tokens are never kept.
 
 Kernel layout: one program per token rotates all HQ query heads and HKV key heads of that token in
 one launch, reading the token's table row once. The last dim of q/k must be contiguous; token and
@@ -123,8 +125,10 @@ def rope_tables(head_dim, max_positions, base, scaling=None, device=None):
 def rope_ref(q, k, positions, cos, sin):
     """Plain-torch rotate-half RoPE at per-token positions; see the module docstring."""
     idx = positions.long()
-    c = cos[idx].float()[:, None, :]  # [N, 1, D/2]
-    s = sin[idx].float()[:, None, :]  # [N, 1, D/2]
+    ok = ((idx >= 0) & (idx < cos.shape[0]))[:, None, None]  # out of range: cos = sin = 0, as in the kernels
+    idx = idx.clamp(0, cos.shape[0] - 1)
+    c = torch.where(ok, cos[idx].float()[:, None, :], 0.0)  # [N, 1, D/2]
+    s = torch.where(ok, sin[idx].float()[:, None, :], 0.0)  # [N, 1, D/2]
 
     def rotate(x):
         half = x.shape[-1] // 2

@@ -209,3 +209,24 @@ def test_lookup_config():
     assert type(build_drafter(OmegaConf.create({"name": "ngram"}), target, device="cpu")) is NgramDrafter
     with pytest.raises(ConfigError, match="draft.lookup='gpu'"):
         build_drafter(OmegaConf.create({"name": "ngram", "lookup": "gpu"}), target, device="cpu")
+
+
+@pytest.mark.parametrize("lookup", ["host", "device"])
+def test_a_request_ending_at_the_last_position_speculates_to_its_end(lookup):
+    """A request whose prompt + max_new_tokens fill the model's positions drafts chain-8 trees whose
+    nodes pass the last position near its end (their RoPE rows are out of the table: zeros, never
+    kept; overlapped, the step launched behind its last one runs past it too): the step runs, the other
+    request in the batch is not affected, greedy output is plain greedy's."""
+    model = tiny_model(layers=1)
+    P = model.config.max_position_embeddings
+    prompts = repetitive_prompts(2, seed=7)
+    news = [P - len(prompts[0]), 20]
+    want = [reference(model, p, m) for p, m in zip(prompts, news)]
+    drafter = (DeviceNgramDrafter if lookup == "device" else NgramDrafter)(chains=[8])
+    engine = Engine(model, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=4 * P, overlap=True), drafter=drafter,
+                    ks=(8,))
+    reqs = [engine.add_request(p, m, ignore_eos=True) for p, m in zip(prompts, news)]
+    while engine.has_work():
+        engine.step(8)
+    assert [r.finish_reason for r in reqs] == ["length", "length"]
+    assert [r.output_ids for r in reqs] == [w[:m] for w, m in zip(want, news)]

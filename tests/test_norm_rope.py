@@ -184,6 +184,10 @@ def test_rope_out_of_range_position_gives_zeros(poison):
     assert torch.all(q_out[1] == 0) and torch.all(k_out[1] == 0)
     q_ref, _ = rope_ref(q[[0, 2]], k[[0, 2]], torch.tensor([1, 2], device=DEVICE), cos, sin)
     torch.testing.assert_close(q_out[[0, 2]], q_ref, atol=1e-6, rtol=1e-6)
+    # the reference agrees (it used to raise an IndexError, taking the whole batch's step down)
+    q_r, k_r = rope_ref(q, k, torch.tensor([1, 16, 2], device=DEVICE), cos, sin)
+    assert torch.all(q_r[1] == 0) and torch.all(k_r[1] == 0)
+    torch.testing.assert_close(q_r, q_out, atol=1e-6, rtol=1e-6)
 
 
 def test_rope_tables_default_close_to_float64():
