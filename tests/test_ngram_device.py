@@ -168,7 +168,8 @@ def test_device_ngram_drafts_the_host_chains_under_random_schedules(kernel_optio
 
 def test_device_ngram_steps_stay_overlapped_and_k0_is_plain():
     """A drafting step asks nothing of the host (no prepare_, no context), so overlapped decoding keeps
-    one step in flight through speculative steps too; the k = 0 step does not see the drafter."""
+    one step in flight through speculative steps too; a k = 0 step, and a prefill while off, do not see
+    the drafter."""
     model = tiny_model(layers=2)
     prompts = repetitive_prompts(3, seed=4)
     want = [reference(model, p, 16) for p in prompts]
@@ -200,6 +201,9 @@ def test_device_ngram_steps_stay_overlapped_and_k0_is_plain():
     calls.clear()
     engine.step(0)
     assert calls == []  # a k = 0 step: plain decoding's body, no drafter call
+    engine.add_request(prompts[1], 4)
+    engine.step(0)  # a prompt prefilled while off: the target's prefill alone (its tokens wait for the catch-up)
+    assert calls == [] and engine.undrafted_prefill_tokens > 0
     assert n_drafted > 5
 
 
