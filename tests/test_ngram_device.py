@@ -212,7 +212,8 @@ def test_lookup_config():
     cfg = OmegaConf.create({"name": "ngram", "chains": [2, 4], "lookup": "device"})
     d = build_drafter(cfg, target, device="cpu")
     assert isinstance(d, DeviceNgramDrafter) and d.sizes == (2, 4) and d.host_ms_per_row == 0.0
-    assert type(build_drafter(OmegaConf.create({"name": "ngram"}), target, device="cpu")) is NgramDrafter
+    assert type(build_drafter(OmegaConf.create({"name": "ngram"}), target, device="cpu")) is DeviceNgramDrafter
+    assert type(build_drafter(OmegaConf.create({"name": "ngram", "lookup": "host"}), target, device="cpu")) is NgramDrafter
     with pytest.raises(ConfigError, match="draft.lookup='gpu'"):
         build_drafter(OmegaConf.create({"name": "ngram", "lookup": "gpu"}), target, device="cpu")
 
