@@ -17,8 +17,8 @@ class NgramDrafter:
     """Prompt-lookup drafting: a chain of up to k tokens copied from the row's own history.
 
     Here the lookup runs on the host (``draft.lookup=host``; ``DeviceNgramDrafter`` below runs it on the
-    device, the default) over the committed tokens the scheduler already has, in ``prepare_``, which uploads the chains into static device buffers with one copy; ``propose``
-    only reads those buffers, so the verify step stays a CUDA graph. Under the engine each request's
+    device, the default) over the committed tokens the scheduler already has, in ``prepare_``, which
+    uploads the chains into static device buffers with one copy; ``propose`` only reads those buffers, so the verify step stays a CUDA graph. Under the engine each request's
     n-grams are indexed as its tokens are committed (``_GramIndex``: a dict probe per n instead of a
     scan of the history; CPU, 300-token histories: 2.3 us a row against 74 us for a scan without a
     match, 70 us to index a request on its first drafting step). A whole ``prepare_`` at 64 rows of
