@@ -16,16 +16,15 @@ from .tree import DraftTree, bit
 class NgramDrafter:
     """Prompt-lookup drafting: a chain of up to k tokens copied from the row's own history.
 
-    Here the lookup runs on the host (``draft.lookup=host``; ``DeviceNgramDrafter`` below runs it on the
-    device, the default) over the committed tokens the scheduler already has, in ``prepare_``, which
-    uploads the chains into static device buffers with one copy; ``propose`` only reads those buffers, so the verify step stays a CUDA graph. Under the engine each request's
-    n-grams are indexed as its tokens are committed (``_GramIndex``: a dict probe per n instead of a
-    scan of the history; CPU, 300-token histories: 2.3 us a row against 74 us for a scan without a
-    match, 70 us to index a request on its first drafting step). A whole ``prepare_`` at 64 rows of
-    300-token prompts that grow a token a step, the engine's context included: 3.8 us a row on this
-    CPU (16 us with a tensor per row, the n-gram slices zipped for every new token and each row's
-    prompt + output copied and compared every step; the H200's host measured 15-64 us a row at
-    ca37d2e).
+    Here the lookup runs on the host (``draft.lookup=host``; ``DeviceNgramDrafter`` below runs it on the device, the
+    default) over the committed tokens the scheduler already has, in ``prepare_``, which uploads the chains into
+    static device buffers with one copy; ``propose`` only reads those buffers, so the verify step stays a CUDA
+    graph. Under the engine each request's n-grams are indexed as its tokens are committed (``_GramIndex``: a dict
+    probe per n instead of a scan of the history; CPU, 300-token histories: 2.3 us a row against 74 us for a scan
+    without a match, 70 us to index a request on its first drafting step). A whole ``prepare_`` at 64 rows of
+    300-token prompts that grow a token a step, the engine's context included: 3.8 us a row on this CPU (16 us with
+    a tensor per row, the n-gram slices zipped for every new token and each row's prompt + output copied and
+    compared every step; the H200's host measured 15-64 us a row at ca37d2e).
     """
 
     name = "ngram"
