@@ -167,6 +167,28 @@ sweep)
 tiles17)  # where the 17-row verify GEMMs lose to the one-row GEMV (docs/kernel_notes.md, "Norm statistics from the producer")
   run ${TILES_S:-400} python experiments/kernels/bench_linear.py --small-m --small-m-sweep --shapes smollm2 --rows 17 21 --out "$OUT"
   ls -l "$OUT" ;;
+tiles8b)  # Llama-3.1-8B projections: the streaming tile sweep at a 16-node tree's verify rows (17) and its draft
+  # rounds' rows (4), one tile table of the winners ($OUT/h200_llama8b.json), then the graphed tree16 / tree48
+  # steps with the verify and rounds on cuBLAS (small_m=auto) vs streamed under the packaged and the new tables
+  for m in 17 4; do
+    lo=$m hi=$m; [ $m = 17 ] && lo=16 hi=24; [ $m = 4 ] && lo=2 hi=8
+    run ${TILES_S:-240} python experiments/kernels/bench_linear.py --small-m --small-m-sweep --shapes llama8b --rows $m \
+      --bodies stream --write-tiles "$R/tiles8b_$m.json" --tile-rows $lo $hi --out "$R/tiles8b_$m"
+    cp "$R/tiles8b_$m/bench_linear_small_m_sweep.csv" "$OUT/bench_linear_small_m_sweep_llama8b_${m}_$SPECDEC_COMMIT.csv"
+  done
+  python3 - "$R" "$OUT/h200_llama8b.json" <<'PY'
+import json, sys
+r, out = sys.argv[1:]
+ts = [json.load(open(f"{r}/tiles8b_{m}.json")) for m in (17, 4)]
+ts[0]["entries"] += ts[1]["entries"]
+ts[0]["source"] = "bench_linear.py --small-m-sweep --shapes llama8b --rows 17 (rows 16-24) and --rows 4 (rows 2-8)"
+json.dump(ts[0], open(out, "w"), indent=1)
+print(json.dumps(ts[0])[:3000])
+PY
+  run ${PROFILE_S:-300} python experiments/profile_step.py --shape llama8b --steps-only --trees ${PROFILE_TREES:-tree16,tree48} \
+    --ab small_m=auto,stream_prefetch --ab stream_tiles=builtin,"$OUT/h200_llama8b.json" ${PROFILE_EXTRA:-} --out "$R/tiles8b_ab"
+  tail -n 30 "$R/last.log"
+  cp "$R"/tiles8b_ab/*.json "$OUT/" 2>/dev/null; ls -l "$OUT" ;;
 gputests)  # GPU_TESTS_FILES: test files to run (default: all of tests/), e.g. "tests/test_engine.py tests/test_spec.py"
   # shellcheck disable=SC2086  # GPU_TESTS_FILES: paths, split on spaces
   SPECDEC_TESTS_OFFLINE=1 timeout ${GPU_TESTS_S:-560} python -m pytest -m gpu -v -rfEs -p no:cacheprovider ${GPU_TESTS_FILES:-} \
