@@ -3,8 +3,9 @@
 The growth of ``specdec/spec/tree.py`` as torch ops costs ~20 small kernels per draft round (child
 scores, the vocabulary map, top-k, gathers, the concatenation of the next round's draft rows) and
 ~25 for the final selection; in a graphed batch-1 step of a 16-node tree those ~140 launches took
-~0.18 ms of a 1.48 ms step (H200, experiments/results/profile). Here each is one program per
-request (grid (B,)).
+~0.18 ms of a 1.48 ms step (H200, experiments/results/profile). Here each is one launch: programs
+per request (tree_select: grid (B,); tree_expand: grid (B, hidden chunks), the next rows' hidden
+copied in parallel chunks).
 
 ``tree_expand`` -- one round. Inputs: the frontier (F nodes: cumulative log-prob ``score`` [B, F],
 candidate id ``fcid`` [B, F]) and the best K children of each frontier node (log-probs ``lp``
@@ -48,6 +49,7 @@ from .topk import ranked_index, ranked_key
 
 MAX_NODES = 64
 MAX_CANDIDATES = 4096
+EXPAND_BLOCK_H = 256  # hidden values per program and row of tree_expand's copy (grid (B, H / 256))
 TIE = 1e-6  # depth penalty: a child's selection key is strictly below its parent's
 
 
@@ -168,33 +170,20 @@ def _tree_expand_kernel(
     ROWS: tl.constexpr,
     HAS_D2T: tl.constexpr,
 ):
+    # Grid (B, hidden chunks): every program ranks the children (a few dozen values, in registers);
+    # program (b, 0) writes the candidates, the next frontier and its rows' tokens, positions and masks,
+    # and program (b, j) copies chunk j of the new rows' hidden (one load and store each: the copy
+    # of K x H values in one program's loop was most of the launch, ~12 us at H = 4096).
     b = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
     o_j = tl.arange(0, BLOCK_J)
     m_j = o_j < F * K
     o_p = o_j // K  # frontier slot of each child
     b_lp = tl.load(lp_ptr + b * stride_lp + o_j, mask=m_j, other=float("-inf"))
     if FIRST:
         b_sc = b_lp
-        b_par = tl.full([BLOCK_J], -1, tl.int32)
     else:
         b_sc = tl.load(score_ptr + b * F + o_p, mask=m_j, other=0.0) + b_lp
-        b_par = tl.load(fcid_ptr + b * F + o_p, mask=m_j, other=-1).to(tl.int32)
-    b_cid = tl.load(cid_ptr + b * stride_cid + o_j, mask=m_j, other=0)
-    if HAS_D2T:
-        b_tok = tl.load(d2t_ptr + b_cid, mask=m_j, other=0)
-    else:
-        b_tok = b_cid
-    b_tok = b_tok.to(tl.int64)
-    p_c = b * C + cand_off + o_j
-    tl.store(ctok_ptr + p_c, b_tok, mask=m_j)
-    tl.store(cscore_ptr + p_c, b_sc, mask=m_j)
-    tl.store(cpar_ptr + p_c, b_par, mask=m_j)
-    tl.store(cdep_ptr + p_c, tl.full([BLOCK_J], 0, tl.int32) + depth, mask=m_j)
-
-    if ROWS:
-        b_valid = tl.load(valid_ptr + b) != 0
-        b_pos = tl.load(seq_ptr + b).to(tl.int64) + depth - 1
-        o_h = tl.arange(0, BLOCK_H)
 
     # The next frontier: the K best children (lowest index on ties; NaN ranks last) from one sort in
     # registers; everything they need is then gathered in parallel.
@@ -208,26 +197,46 @@ def _tree_expand_kernel(
         # the first K entries, as a [BLOCK_K] vector
         b_first = tl.sum(tl.where(o_j[None, :] == o_k[:, None], b_sorted[None, :], 0), axis=1)
         b_sel = tl.minimum(ranked_index(b_first), F * K - 1)
-    tl.debug_barrier()  # the candidates stored above are read back by other threads
-    p_s = b * C + cand_off + b_sel
-    tl.store(nscore_ptr + b * K + o_k, tl.load(cscore_ptr + p_s, mask=m_k), mask=m_k)
-    tl.store(ncid_ptr + b * K + o_k, (cand_off + b_sel).to(tl.int64), mask=m_k)
-    if ROWS:
-        b_ntok = tl.load(ctok_ptr + p_s, mask=m_k, other=0)
-        p_n = b * K + o_k  # [BLOCK_K] the new rows
-        tl.store(ntok_ptr + p_n, tl.where(b_valid, b_ntok, 0), mask=m_k)
-        tl.store(npos_ptr + p_n, tl.zeros([BLOCK_K], dtype=tl.int64) + b_pos, mask=m_k)
-        b_pslot = b_sel // K  # frontier slot of each new node's parent
-        b_bit = tl.full([BLOCK_K], 1, tl.int64) << (n_done + o_k).to(tl.int64)
+    b_pslot = b_sel // K  # frontier slot of each new node's parent
+    p_n = b * K + o_k  # [BLOCK_K] the new rows
+
+    if hb == 0:
         if FIRST:
-            b_pmask = tl.zeros([BLOCK_K], dtype=tl.int64)
+            b_par = tl.full([BLOCK_J], -1, tl.int32)
         else:
-            b_pmask = tl.load(fmask_ptr + b * F + b_pslot, mask=m_k, other=0)
-        tl.store(nmask_ptr + p_n, b_pmask | b_bit, mask=m_k)
-        for h0 in range(0, H, BLOCK_H):
-            m_kh = m_k[:, None] & ((h0 + o_h) < H)[None, :]
-            b_h = tl.load(hf_ptr + b * stride_hfb + b_pslot[:, None] * stride_hff + (h0 + o_h)[None, :], mask=m_kh)
-            tl.store(nhid_ptr + p_n[:, None] * H + (h0 + o_h)[None, :], b_h.to(nhid_ptr.dtype.element_ty), mask=m_kh)
+            b_par = tl.load(fcid_ptr + b * F + o_p, mask=m_j, other=-1).to(tl.int32)
+        b_cid = tl.load(cid_ptr + b * stride_cid + o_j, mask=m_j, other=0)
+        if HAS_D2T:
+            b_tok = tl.load(d2t_ptr + b_cid, mask=m_j, other=0)
+        else:
+            b_tok = b_cid
+        b_tok = b_tok.to(tl.int64)
+        p_c = b * C + cand_off + o_j
+        tl.store(ctok_ptr + p_c, b_tok, mask=m_j)
+        tl.store(cscore_ptr + p_c, b_sc, mask=m_j)
+        tl.store(cpar_ptr + p_c, b_par, mask=m_j)
+        tl.store(cdep_ptr + p_c, tl.full([BLOCK_J], 0, tl.int32) + depth, mask=m_j)
+        tl.debug_barrier()  # the candidates stored above are read back by other threads
+        p_s = b * C + cand_off + b_sel
+        tl.store(nscore_ptr + b * K + o_k, tl.load(cscore_ptr + p_s, mask=m_k), mask=m_k)
+        tl.store(ncid_ptr + b * K + o_k, (cand_off + b_sel).to(tl.int64), mask=m_k)
+        if ROWS:
+            b_valid = tl.load(valid_ptr + b) != 0
+            b_pos = tl.load(seq_ptr + b).to(tl.int64) + depth - 1
+            b_ntok = tl.load(ctok_ptr + p_s, mask=m_k, other=0)
+            tl.store(ntok_ptr + p_n, tl.where(b_valid, b_ntok, 0), mask=m_k)
+            tl.store(npos_ptr + p_n, tl.zeros([BLOCK_K], dtype=tl.int64) + b_pos, mask=m_k)
+            b_bit = tl.full([BLOCK_K], 1, tl.int64) << (n_done + o_k).to(tl.int64)
+            if FIRST:
+                b_pmask = tl.zeros([BLOCK_K], dtype=tl.int64)
+            else:
+                b_pmask = tl.load(fmask_ptr + b * F + b_pslot, mask=m_k, other=0)
+            tl.store(nmask_ptr + p_n, b_pmask | b_bit, mask=m_k)
+    if ROWS:
+        o_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        m_kh = m_k[:, None] & (o_h < H)[None, :]
+        b_h = tl.load(hf_ptr + b * stride_hfb + b_pslot[:, None] * stride_hff + o_h[None, :], mask=m_kh)
+        tl.store(nhid_ptr + p_n[:, None] * H + o_h[None, :], b_h.to(nhid_ptr.dtype.element_ty), mask=m_kh)
 
 
 @triton.jit(do_not_specialize=["C", "n", "max_depth"])
@@ -349,7 +358,8 @@ def tree_expand(cand, cand_off: int, depth: int, lp, cid, d2t, score=None, fcid=
     if B == 0:
         return nscore, ncid, new_rows
     ph = lp2  # placeholder pointer for unused arguments
-    _tree_expand_kernel[(B,)](
+    block_h = min(EXPAND_BLOCK_H, max(16, triton.next_power_of_2(H)))
+    _tree_expand_kernel[(B, triton.cdiv(H, block_h) if rows is not None else 1)](
         score if not first else ph, fcid if not first else ph, lp2, cid2, d2t if d2t is not None else ph,
         valid if rows is not None else ph, seq if rows is not None else ph,
         ctok, cscore, cpar, cdep, nscore, ncid,
@@ -360,7 +370,7 @@ def tree_expand(cand, cand_off: int, depth: int, lp, cid, d2t, score=None, fcid=
         lp2.stride(0), cid2.stride(0),
         h_front.stride(0) if rows is not None else 0, h_front.stride(1) if rows is not None else 0,
         F=F, K=K, BLOCK_J=max(16, triton.next_power_of_2(F * K)), BLOCK_K=max(16, triton.next_power_of_2(K)),
-        BLOCK_H=min(256, max(16, triton.next_power_of_2(H))), FIRST=first, ROWS=rows is not None,
+        BLOCK_H=block_h, FIRST=first, ROWS=rows is not None,
         HAS_D2T=d2t is not None, num_warps=4,
     )  # fmt: skip
     return nscore, ncid, new_rows

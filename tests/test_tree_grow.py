@@ -31,14 +31,18 @@ def random_round(g, B, F, K, Vd, first):
     return lp, cid, score, fcid
 
 
-@pytest.mark.parametrize("first,F,K,n,d2t", [(True, 1, 4, 0, True), (False, 4, 4, 4, True), (False, 3, 3, 9, False),
-                                             (False, 2, 2, 6, True), (False, 4, 4, 12, True), (False, 8, 8, 48, True)])
+@pytest.mark.parametrize("first,F,K,n,d2t,H", [(True, 1, 4, 0, True, 24), (False, 4, 4, 4, True, 24),
+                                               (False, 3, 3, 9, False, 24), (False, 2, 2, 6, True, 24),
+                                               (False, 4, 4, 12, True, 24), (False, 8, 8, 48, True, 24),
+                                               (True, 1, 4, 0, True, 2 * tree_grow.EXPAND_BLOCK_H + 40),
+                                               (False, 4, 4, 4, True, 2 * tree_grow.EXPAND_BLOCK_H + 40)])
 @pytest.mark.gpu
-def test_tree_expand_matches_reference(first, F, K, n, d2t):
+def test_tree_expand_matches_reference(first, F, K, n, d2t, H):
     """One round: candidates, next frontier and the next round's K rows (tokens, positions, masks =
-    parent's mask | own bit n_done + i, parent hidden) equal the reference; n = scratch rows so far."""
+    parent's mask | own bit n_done + i, parent hidden) equal the reference; n = scratch rows so far.
+    H wider than one program's chunk: the hidden copy over several programs per row, the last partial."""
     g = torch.Generator().manual_seed(F * 10 + K + n)
-    B, Vd, H, C = 3, 40, 24, 80 + F * K
+    B, Vd, C = 3, 40, 80 + F * K
     lp, cid, score, fcid = random_round(g, B, F, K, Vd, first)
     table = torch.randperm(1000, generator=g)[:Vd].to(DEV) if d2t else None
     front_mask = None if first else torch.randint(-2**62, 2**62, (B, F), generator=g).to(DEV)

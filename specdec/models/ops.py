@@ -146,13 +146,13 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     if one_row_any_size and M == 1 and projection:
         return True
     opts = options.get()
-    auto = opts.small_m == "auto"  # streaming for few rows of small weights only (AUTO_STREAM_MAX_ROWS)
+    auto = opts.small_m == "auto"  # streaming for few rows (AUTO_STREAM_MAX_ROWS), projections of any size
     stream = opts.small_m not in ("dot", "auto")  # "stream" / "stream_prefetch" / "stream_inline", any size
     # kernel option fused_rows: an A/B of tree verify; small_m: the body for more than one row
     cap = AUTO_STREAM_MAX_ROWS if auto else STREAM_MAX_ROWS if stream else FUSED_MAX_ROWS
     if M > (opts.fused_rows or cap):
         return False
-    return (stream and one_row_any_size and projection) or w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
+    return ((stream or auto) and one_row_any_size and projection) or w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
 
 
 def gathers_rows(backend: str, x: torch.Tensor, w: torch.Tensor, rows) -> bool:
