@@ -75,8 +75,10 @@ class KernelOptions:
         residual-added and normalised in the K loop right before its dot (as "dot" does). "auto"
         (the default): "stream_prefetch" for up to ops.AUTO_STREAM_MAX_ROWS = 24 rows (fused_rows
         overrides it) of weights up to ops.FUSED_MAX_WEIGHT_BYTES (SmolLM2's layers: a 16-node tree's
-        verify, draft rounds), norm + cuBLAS + epilogues above (Llama-3.1-8B projections at more than
-        one row): the measured winner (docs/kernel_notes.md, "Fused small-M layers").
+        verify, draft rounds) and, for larger projections (Llama-3.1-8B's), from
+        ops.AUTO_STREAM_LARGE_MIN_ROWS = 17 rows (a 16-node tree's verify); norm + cuBLAS + epilogues
+        elsewhere (8B draft rounds, small batches): the measured winner (docs/kernel_notes.md, "Fused
+        small-M layers").
     norm_stats: where the streaming body runs several rows (tree verify, draft rounds, small
         batches), the projections that close a residual block (wo, w2) add the residual in their
         epilogue and write each column block's sums of squares of the new stream, so the next RMSNorm

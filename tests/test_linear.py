@@ -716,12 +716,13 @@ def test_small_m_option_selects_the_body(launches, kernel_options):
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
-@pytest.mark.parametrize("n", [17, 64])
+@pytest.mark.parametrize("n", [8, 17, 64])
 def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, kernel_options, launches):
     # small_m="stream": n rows (a tree verify) take the fused kernels (4 per layer, streaming body) even
     # with every weight "too large" (FUSED_MAX_WEIGHT_BYTES = 0); an LM head (more than GEMV_MAX_COLUMNS
-    # outputs) keeps the weight limit (cuBLAS); fused_rows still caps the rows. The default ("dot") keeps
-    # the old routing (cuBLAS). All match the torch-reference model.
+    # outputs) keeps the weight limit (cuBLAS); fused_rows still caps the rows. "dot" keeps large weights
+    # on cuBLAS; the default ("auto") streams them from AUTO_STREAM_LARGE_MIN_ROWS to AUTO_STREAM_MAX_ROWS
+    # rows only. All match the torch-reference model.
     from specdec.models import ops
     from specdec.models.llama import LlamaModel
     from specdec.models.loading import LlamaConfig
@@ -742,7 +743,10 @@ def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, ker
                              torch.arange(n, device=DEVICE), n)
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     pos = torch.arange(n, **i32)
-    for opts, want in (({}, 0), (dict(small_m="stream"), 4), (dict(small_m="stream", fused_rows=n - 1), 0),
+    auto = 4 if ops.AUTO_STREAM_LARGE_MIN_ROWS <= n <= ops.AUTO_STREAM_MAX_ROWS else 0
+    assert auto == (4 if n == 17 else 0)  # the cases: below, inside and above the default's row range
+    for opts, want in (({}, auto), (dict(small_m="dot"), 0), (dict(small_m="stream"), 4),
+                       (dict(small_m="stream", fused_rows=n - 1), 0),
                        (dict(small_m="stream_prefetch", fused_rows=n), 4), (dict(small_m="stream_inline"), 4)):
         kernel_options.reset_()
         kernel_options.set_(**opts)

@@ -115,11 +115,18 @@ FUSED_MAX_WEIGHT_BYTES = 16 << 20
 # FUSED_MAX_WEIGHT_BYTES.
 STREAM_MAX_ROWS = 64
 # The default small_m="auto": the streaming body (with its L2 prefetch) for up to this many rows of
-# weights up to FUSED_MAX_WEIGHT_BYTES, cuBLAS above. H200, 2026-12-02, 6e40d5d: graphed batch-1
+# weights up to FUSED_MAX_WEIGHT_BYTES. H200, 2026-12-02, 6e40d5d: graphed batch-1
 # SmolLM2 tree16 / tree48 steps 1.232 / 1.371 ms on "dot", 1.054 / 1.556 streaming up to 64 rows
 # (its 49-row verify loses to cuBLAS: bench_linear --small-m, qkv 9.7 vs 6.4 us), 1.060 / 1.337
-# streaming up to 24; Llama-3.1-8B tree16 6.16 ms with cuBLAS verify and draft rounds, 6.26 streamed.
+# streaming up to 24.
 AUTO_STREAM_MAX_ROWS = 24
+# ... and projections above FUSED_MAX_WEIGHT_BYTES (Llama-3.1-8B's) from this many rows up to
+# AUTO_STREAM_MAX_ROWS (a 16-node tree's verify), cuBLAS at fewer. H200, 2026-12-03, 1cb20d0
+# (experiments/results/profile/ab_auto_large_llama8b_1cb20d0.json, decode_batches_llama8b_1cb20d0.json):
+# the 17-row verify forward streamed 4.772 ms vs 4.846 on cuBLAS (tree16 step 6.018 vs 6.114), but
+# batched plain steps at 2 / 4 / 8 / 16 rows 3.5 / 3.7 / 3.0 / 0.9% slower streamed (24 rows: 0.6%
+# faster), and the 4-row draft rounds equal either way.
+AUTO_STREAM_LARGE_MIN_ROWS = 17
 # One row (batch-1 decode) runs the GEMV body at any weight size for the projections where it wins on
 # the H200 (bench_linear.py, weights streamed from HBM, M = 1): 8B qkv with norm + RoPE + KV write
 # 17.8 us vs 20.7 unfused, wo 10.5 vs 13.2, w2 29.8 vs 31.6 (SmolLM2 qkv 3.4 vs 6.6, wo 2.0 vs 3.1,
@@ -152,7 +159,9 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     cap = AUTO_STREAM_MAX_ROWS if auto else STREAM_MAX_ROWS if stream else FUSED_MAX_ROWS
     if M > (opts.fused_rows or cap):
         return False
-    return ((stream or auto) and one_row_any_size and projection) or w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES
+    if w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES:
+        return True
+    return one_row_any_size and projection and (stream or (auto and M >= AUTO_STREAM_LARGE_MIN_ROWS))
 
 
 def gathers_rows(backend: str, x: torch.Tensor, w: torch.Tensor, rows) -> bool:
