@@ -524,6 +524,10 @@ def test_policy_envelope_averages_repeats_over_seed(tmp_path):
     spread = {r[0].split()[0]: r for r in table(md, "Run-to-run spread: " + titles[0].split(": ", 1)[1])[1:]}
     assert spread["never"][1:3] == ["9.5%", "0.0%"]  # 10 / 105
     assert spread["goodput"][1:3] == ["6.5%", "9.5%"]  # 10 / 155, 20 / 210
+    # ... and the envelope of each point's best run, every policy alike
+    best = {r[0].split()[0]: r for r in table(md, "Best of repeats vs the envelope: " + titles[0].split(": ", 1)[1])[1:]}
+    assert best["goodput"][1:3] == ["0.941", "1.100"]  # 160 / max(110, 170), 220 / max(190, 200)
+    assert best["never"][1:3] == ["0.647", "0.950"] and best["envelope"][1:3] == ["170.0", "200.0"]
 
 
 def test_policy_envelope_uses_the_steady_window_of_timed_runs(tmp_path):
