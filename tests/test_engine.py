@@ -195,6 +195,32 @@ def test_eos_and_ignore_eos(tiny, overlap):
     assert b.finish_reason == "length" and b.output_ids == ref
 
 
+def test_commit_of_several_tokens_a_row_stops_at_eos_and_length(tiny):
+    """A step's tokens for a row (a speculative step commits several): kept up to and including the
+    first EOS (unless ignore_eos) or up to max_new_tokens, the rest dropped; the row's committed length
+    still advances by every token the step wrote (its KV holds them until the request leaves)."""
+    engine = Engine(tiny, EngineConfig(kv_cache_tokens=512), eos_ids=[VOCAB - 1])
+    eos = VOCAB - 1
+    prompts = rand_prompts([6, 7, 8, 9, 10], seed=11)
+    reqs = [engine.add_request(prompts[0], 20), engine.add_request(prompts[1], 20),
+            engine.add_request(prompts[2], 20, ignore_eos=True), engine.add_request(prompts[3], 4),
+            engine.add_request(prompts[4], 20)]
+    engine.step(0)  # prefill and one decode step each
+    sched = engine.scheduler
+    assert [len(r.output_ids) for r in reqs] == [1] * 5 and all(r.finish_reason is None for r in reqs)
+    before = [(list(r.output_ids), r.seq_len, len(r.token_times)) for r in reqs]
+    seq_before = list(engine.state.seq_lens_host)
+    toks = [[1, 2, 3], [4, eos, 5], [eos, 6], [7, 8, 9], [eos]]  # row 3: exactly its last 3 of 4 outputs
+    kept = sched.commit_tokens_([(r, r.row_epoch) for r in reqs], toks, 1.0)
+    assert kept == toks
+    took = [3, 2, 2, 3, 1]  # all / through EOS / EOS ignored / up to max_new_tokens = 4 / the EOS alone
+    for r, (out, seq, nt), t, n in zip(reqs, before, toks, took):
+        assert r.output_ids == out + t[:n] and r.seq_len == seq + len(t) and len(r.token_times) == nt + n
+    assert [r.finish_reason for r in reqs] == [None, "eos", None, "length", "eos"]
+    assert engine.state.seq_lens_host == [s + len(t) for s, t in zip(seq_before, toks)][:1] + [seq_before[2] + 2]
+    assert [r.id for r in sched.rows] == [reqs[0].id, reqs[2].id]
+
+
 def test_overlapped_decoding_commits_one_iteration_later(tiny):
     """engine.overlap: each iteration queues its decode step and then commits the previous one, so
     a request's tokens arrive one iteration late, the finished request's extra step is dropped,

@@ -357,20 +357,32 @@ class Scheduler:
         up) it stays behind."""
         row_of = {id(r): i for i, r in enumerate(self.rows)}
         plan = []  # (row, request, tokens, tokens kept, finish reason or None, error or None)
+        outcome = self._outcome
         for (req, epoch), toks in zip(launched_rows, tokens):
             i = row_of.get(id(req))
             if i is None or req.row_epoch != epoch:
                 continue
-            plan.append((i, req, toks, *self._outcome(req, toks)))
+            # Most rows of most steps: no stop strings, below max_new_tokens, no EOS among the tokens
+            # (what _outcome finds token by token, decided at once)
+            if (not req.stop and len(toks) < req.max_new_tokens - len(req.output_ids)
+                    and (req.ignore_eos or req.eos_ids.isdisjoint(toks))):
+                plan.append((i, req, toks, len(toks), None, None))
+            else:
+                plan.append((i, req, toks, *outcome(req, toks)))
         done, kept = [], []
+        seq_lens, draft_lens = self.state.seq_lens_host, self.state.draft_lens_host
         for i, req, toks, take, reason, error in plan:  # nothing below raises
-            self.state.seq_lens_host[i] += len(toks)
+            n = len(toks)
+            seq_lens[i] += n
             if drafted:
-                self.state.draft_lens_host[i] = self.state.seq_lens_host[i]
+                draft_lens[i] = seq_lens[i]
             kept.append(toks)
-            req.seq_len += len(toks)
-            req.output_ids.extend(toks[:take])
-            req.token_times.extend([now] * take)
+            req.seq_len += n
+            req.output_ids += toks if take == n else toks[:take]
+            if take == 1:
+                req.token_times.append(now)
+            elif take:
+                req.token_times += [now] * take
             if req.first_token_s is None and take:
                 req.first_token_s = now
             if reason is not None:
