@@ -172,9 +172,8 @@ class DecodeState:
         """page_table[rows[i], cols[i]] = pages[i] (pages added to running requests); one upload."""
         if not rows:
             return
-        r = upload(rows, torch.int64, self.device)
-        c = upload(cols, torch.int64, self.device)
-        self.page_table.index_put_((r, c), upload(pages, torch.int32, self.device))
+        rcp = upload([rows, cols, pages], torch.int64, self.device)  # one transfer of the three lists
+        self.page_table.index_put_((rcp[0], rcp[1]), rcp[2].to(self.page_table.dtype))
 
     def add_row_buffer(self, name: str, shape: tuple[int, ...], dtype, *, follows: str = "rows") -> torch.Tensor:
         """A [max_rows, *shape] device tensor of per-row values. ``follows`` says what keep_rows_
