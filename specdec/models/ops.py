@@ -142,7 +142,8 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     switch for benchmarks). ``one_row_any_size``: a
     single row goes to the fused GEMV whatever the weight size (output widths up to
     kernels_triton.linear.GEMV_MAX_COLUMNS; wider ones, LM heads, keep the limits), and so do up to
-    STREAM_MAX_ROWS rows under a streaming body (kernel option small_m other than "dot")."""
+    STREAM_MAX_ROWS rows under a streaming body (kernel option small_m "stream*"), and
+    AUTO_STREAM_LARGE_MIN_ROWS .. AUTO_STREAM_MAX_ROWS rows under the default "auto"."""
     from kernels_triton import linear as lin
     from kernels_triton import options
 
