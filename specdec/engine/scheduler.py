@@ -362,13 +362,7 @@ class Scheduler:
             i = row_of.get(id(req))
             if i is None or req.row_epoch != epoch:
                 continue
-            # Most rows of most steps: no stop strings, below max_new_tokens, no EOS among the tokens
-            # (what _outcome finds token by token, decided at once)
-            if (not req.stop and len(toks) < req.max_new_tokens - len(req.output_ids)
-                    and (req.ignore_eos or req.eos_ids.isdisjoint(toks))):
-                plan.append((i, req, toks, len(toks), None, None))
-            else:
-                plan.append((i, req, toks, *outcome(req, toks)))
+            plan.append((i, req, toks, *outcome(req, toks)))
         done, kept = [], []
         seq_lens, draft_lens = self.state.seq_lens_host, self.state.draft_lens_host
         for i, req, toks, take, reason, error in plan:  # nothing below raises
@@ -396,6 +390,9 @@ class Scheduler:
         ``req`` only. Tokens committed after EOS / a stop in the same step are dropped."""
         n_out = len(req.output_ids)
         if not req.stop:  # _finish_reason without stop strings, inline (every row, every step)
+            # Most rows of most steps: below max_new_tokens and no EOS among the tokens, decided at once
+            if len(toks) < req.max_new_tokens - n_out and (req.ignore_eos or req.eos_ids.isdisjoint(toks)):
+                return len(toks), None, None
             eos = () if req.ignore_eos else req.eos_ids
             for j, t in enumerate(toks):
                 if t in eos:
