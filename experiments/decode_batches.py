@@ -50,16 +50,14 @@ def main() -> None:
     it = dict(iters=50) if cuda else dict(iters=1, warmup=1)
     for combo in itertools.product(*[[(n, v) for v in vals] for n, vals in ab]):
         label = ",".join(f"{n}={v}" for n, v in combo)
-        prev = options.set_(**dict(combo))
-        try:
+        with options.use(**dict(combo)):
             cfg = EngineConfig(max_batch_size=max(batches), graph_buckets=batches, prefill_buckets=(),
                                kv_cache_tokens=max(batches) * (args.context + 64), max_seq_len=args.context + 64)
             eng = Engine(model, cfg, eos_ids=[])
             res["ms"][label] = {B: min(eng.profile_decode_step(B, args.context, **it) for _ in range(3)) for B in batches}
             del eng
-            torch.cuda.empty_cache() if cuda else None
-        finally:
-            options.set_(**{f: getattr(prev, f) for f, _ in combo})
+            if cuda:
+                torch.cuda.empty_cache()
         print(label, " ".join(f"B={B}:{ms:.4f}" for B, ms in res["ms"][label].items()), flush=True)
     labels = list(res["ms"])
     print(f"\ngraphed plain decode step ms ({args.shape}, context {args.context}; ratio to {labels[0]})")

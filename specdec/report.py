@@ -372,10 +372,17 @@ def _show(v) -> str:
     return str(v)
 
 
+def _finite(values) -> list[float]:
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+
+
 def _mean(values) -> float | None:
-    xs = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
-          and math.isfinite(v)]
+    xs = _finite(values)
     return sum(xs) / len(xs) if xs else None
+
+
+def _best(values) -> float | None:
+    return max(_finite(values), default=None)
 
 
 def format_column(values: list, kind: str = "num") -> list[str]:
@@ -684,18 +691,12 @@ def _tok_key(rs: list[Run]) -> str:
     return "steady_tok_per_s" if _steady(rs) else "output_tok_per_s"
 
 
-def _best(values) -> float | None:
-    got = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
-    return max(got) if got else None
-
-
-def _policy_envelope(rs: list[Run], stat=None):
+def _policy_envelope(rs: list[Run], stat=_mean):
     """Mean (``stat``: another reduction, e.g. _best) tok/s per policy label and C over runs of one study,
     with the envelope max(never, always) per C. Returns (tok {policy: {C: tok/s}}, policy names, Cs,
     envelope {C: tok/s}, policies in table order: never, always, then the rest), or None without both a
     never and an always run over 2+ Cs. tok/s is the steady window's when every run of the study has one
     (``_steady``), else the whole run's."""
-    stat = stat or _mean
     by: dict[str, dict[int, list]] = {}
     names = {}
     key = _tok_key(rs)
