@@ -423,7 +423,11 @@ def _paged_attention_fwd_kernel(
     # An empty split (or a row that saw nothing in it) has l = 0: write 0 with weight 2^-inf = 0.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     b_o = acc / l_safe[:, None]  # [BLOCK_M, D]
-    if SPLIT:
+    if SPLIT and FUSED_MERGE and tl.cdiv(n_tiles, per_split) == 1:
+        # The request's tiles fit one split: its result is the output (no partial, no arrival).
+        p_o = o + (o_n * stride_on + o_hq * stride_oh)[:, None] + o_d[None, :]
+        tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_r[:, None])
+    elif SPLIT:
         o_part_row = (o_n * (HKV * G) + o_hq) * num_splits + i_sp  # [BLOCK_M]
         tl.store(o_part + o_part_row[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None])
         b_lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # [BLOCK_M]
@@ -606,6 +610,7 @@ def paged_attention(
     maxnreg: int | None = None,
     merge_chunk: int | None = None,
     l2d: bool | None = None,
+    min_busy_tiles: int | None = None,
 ):
     """Paged attention over one layer's KV pool (prefill chunk, decode or tree verify) in 1-2 launches.
 
@@ -638,6 +643,9 @@ def paged_attention(
         l2d: True: each program keeps its running softmax sums per element of the score tile and
             reduces them once after its loop; False: a row sum per tile; None: the measured default,
             see attention_launch.default_l2d. Both compute the same values up to summation order.
+        min_busy_tiles: launch tuning: a busy split takes at least this many of its request's KV tiles
+            (fewer busy splits for short requests; one busy split under the fused merge writes the
+            output itself); None: 1, or the tree occupancy plan's.
         When num_splits is None and the tree occupancy plan applies (attention_launch.occupancy_splits), the
         defaults of fused_merge, merge_chunk and maxnreg are the plan's; explicit values win.
 
@@ -654,7 +662,8 @@ def paged_attention(
     B, MP = page_table.shape
     G = HQ // HKV
     lp = launch.plan(max_q_len, B, HKV, G, D, MP * PS, q.dtype, q.device, num_splits=num_splits,
-                     fused_merge=fused_merge, one_loop=one_loop, maxnreg=maxnreg, merge_chunk=merge_chunk, l2d=l2d)
+                     fused_merge=fused_merge, one_loop=one_loop, maxnreg=maxnreg, merge_chunk=merge_chunk, l2d=l2d,
+                     min_busy_tiles=min_busy_tiles)
     cfg, num_splits, pdl = lp.cfg, lp.num_splits, lp.pdl
 
     o = torch.empty((N, HQ, D), dtype=q.dtype, device=q.device)

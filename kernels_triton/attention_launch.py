@@ -198,12 +198,13 @@ class AttentionLaunch:
 
 
 def plan(max_q_len, B, HKV, G, D, kv_capacity, dtype, device, *, num_splits=None, fused_merge=None,
-         one_loop=None, maxnreg=None, merge_chunk=None, l2d=None) -> AttentionLaunch:
+         one_loop=None, maxnreg=None, merge_chunk=None, l2d=None, min_busy_tiles=None) -> AttentionLaunch:
     """The launch of one paged_attention call: explicit arguments win, None takes the defaults above
     (with num_splits None and the tree occupancy plan applying, the plan's fused merge, one partial
     per merge step and register cap). Raises ValueError for an out-of-range num_splits or merge_chunk."""
     cfg = launch_config(max_q_len, G, D, dtype, kv_capacity)
     n_qblocks = triton.cdiv(max_q_len, cfg["BLOCK_T"])
+    busy = min_busy_tiles
     min_busy_tiles = 1
     if num_splits is None:
         num_splits, occupancy = default_split_count(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype)
@@ -213,6 +214,10 @@ def plan(max_q_len, B, HKV, G, D, kv_capacity, dtype, device, *, num_splits=None
             merge_chunk = 1 if merge_chunk is None else merge_chunk
             if maxnreg is None and D <= 64:
                 maxnreg = TREE_MAXNREG
+    if busy is not None:
+        if not isinstance(busy, int) or busy < 1:
+            raise ValueError(f"paged_attention: min_busy_tiles must be an int >= 1, got {busy!r}")
+        min_busy_tiles = busy
     if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"paged_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     if merge_chunk is not None and (not isinstance(merge_chunk, int) or merge_chunk < 1

@@ -264,6 +264,32 @@ def test_fused_merge_leaves_arrival_counters_zeroed():
         assert int(counters.count_nonzero()) == 0
 
 
+def test_min_busy_tiles_one_busy_split_writes_the_output():
+    # min_busy_tiles: a busy split takes at least that many of its request's KV tiles, so a short
+    # request in a wide page table runs one busy split; under the fused merge that split writes the
+    # output itself (no partial, no arrival: the counters stay zero), a longer one still merges.
+    # NaN-poisoned output and workspaces: a row nobody writes fails. Tiles of 32 (fp32, d64).
+    import kernels_triton.attention as attn
+
+    T = [16, 1, 16]
+    batch = make_batch(T=T, prefix=[40, 5, 300], heads=(8, 2, 64), PS=16, dtype=torch.float32, seed=14)
+    spare = batch["page_table"][:, -1:]
+    batch["page_table"] = torch.cat([batch["page_table"], spare.expand(-1, 40)], dim=1).contiguous()
+    tm = batch_tree_mask(T, seed=14)
+    ref = attn.paged_attention_ref(**batch, tree_mask=tm)
+    for busy in (1, 4, 64):
+        for fused in (True, False):
+            out = call_poisoned(lambda: attn.paged_attention(**batch, tree_mask=tm, max_q_len=16, num_splits=8,
+                                                             fused_merge=fused, min_busy_tiles=busy),
+                                batch["q"].shape, torch.float32)
+            torch.testing.assert_close(out, ref, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1],
+                                       msg=lambda m: f"min_busy_tiles={busy}, fused_merge={fused}: {m}")
+    counters = attn._COUNTERS[(batch["q"].device, "paged_attention")]
+    assert int(counters.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="min_busy_tiles"):
+        attn.paged_attention(**batch, tree_mask=tm, max_q_len=16, num_splits=8, min_busy_tiles=0)
+
+
 def test_launch_tuning_options_keep_results():
     # merge_chunk (partials folded per fused-merge step) and maxnreg (a register cap, ignored by the
     # interpreter) change how the kernel runs, not what it computes; bad merge_chunk values fail.
