@@ -26,6 +26,8 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
         --ab gather_rows=false,true --ab fused_rows=null,64 --out $OUT/ab_draft   # before / after
     python experiments/profile_step.py --steps-only --phases --ab small_m=dot,stream,stream_prefetch,stream_inline \
         --out $OUT/ab_small_m   # the multi-row body (and with --shape llama8b)
+    python experiments/profile_step.py --shape llama8b --steps-only --phases --trees tree16 \
+        --ab draft_weight_dtype=model,int8 --out $OUT/ab_w8   # the head's projections (draft.weight_dtype)
 The kernel options (--pdl, --fused-linear, --step-kernels, --fused-merge, --attn-prewait,
 --pdl-qkv-early, --fused-rows, --gather-rows, --small-m; kernels_triton/options.py) are recorded in profile_step.json as
 "kernel_options".
@@ -153,10 +155,23 @@ TREES = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree20_deep": (4, 7, 20), "
 PHASE_CONTEXT = 256  # tokens of context of the profiled row (as graphed_step's)
 
 
+# --ab draft_weight_dtype=model,int8: the EAGLE-3 head's projection weights (draft.weight_dtype), not a
+# kernel option: set on the head before each combination's engines are built
+HEAD_AB = "draft_weight_dtype"
+
+
 def parse_ab(text: str):
-    """'fused_rows=null,64' -> ('fused_rows', [None, 64]), validated by kernels_triton.options."""
+    """'fused_rows=null,64' -> ('fused_rows', [None, 64]), validated by kernels_triton.options (or
+    HEAD_AB=model,int8)."""
     name, sep, vals = text.partition("=")
     name = name.strip().replace("-", "_")
+    if name == HEAD_AB and vals:
+        from specdec.models.eagle3 import WEIGHT_DTYPES
+
+        bad = [v for v in vals.split(",") if v not in WEIGHT_DTYPES]
+        if bad:
+            raise SystemExit(f"error: --ab {text!r}: {HEAD_AB} values are {', '.join(WEIGHT_DTYPES)}")
+        return name, vals.split(",")
     if not sep or name not in options.FIELDS or not vals:
         raise SystemExit(f"error: --ab {text!r}: expected OPTION=V1,V2 with OPTION one of {', '.join(options.FIELDS)}")
     try:
@@ -264,7 +279,9 @@ def main() -> None:
         res["ab"] = {"option": ", ".join(n for n, _ in ab), "values": {}}
         for combo in itertools.product(*[[(n, v) for v in vals] for n, vals in ab]):
             options.set_from_flags_(args)
-            options.set_(**dict(combo))
+            combo_opts = dict(combo)
+            head.set_weight_dtype_(combo_opts.pop(HEAD_AB, "model"))
+            options.set_(**combo_opts)
             label = ",".join(f"{n}={'null' if v is None else str(v).lower()}" for n, v in combo)
             res["ab"]["values"][label] = step_set(model, head, trees, args.phases, options.get().as_dict(), max_seq_len)
             # after every combination: a run cut short by its time limit still returns what it measured

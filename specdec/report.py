@@ -276,6 +276,8 @@ def acceptance_label(run: Run) -> str:
 
 def drafter_label(run: Run) -> str:
     d = run.config.get("draft") or {}
+    if d.get("weight_dtype") == "model":  # the default says nothing (and labels match runs from before the key)
+        d = {k: v for k, v in d.items() if k != "weight_dtype"}
     if d.get("random"):  # draft=eagle3_random: its shape follows the target; the label says random
         skip = ("name", "path", "random", "draft_vocab_size", "target_layers", "logit_std")
         return f"{d.get('name', 'none')} (random head) {_params(d, skip)}".strip()

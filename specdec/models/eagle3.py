@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from . import ops
 from .loading import (SHARD_BYTES, CheckpointError, LlamaConfig, read_json_object, resolve_dtype,
                       write_safetensors)
@@ -48,6 +49,8 @@ EAGLE3_KEYS = ("fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q
 HF_LLAMA_RMS_NORM_EPS = 1e-6
 # Tree nodes sit up to 63 positions past the committed length (draft.steps x draft.topk <= 63).
 ROPE_SLACK = 64
+# draft.weight_dtype: the head's own dtype, or weight-only int8 projections for few rows (set_weight_dtype_)
+WEIGHT_DTYPES = ("model", "int8")
 
 
 def _refused_flags(cfg: dict) -> list[str]:
@@ -183,9 +186,36 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+        self.weight_dtype = "model"  # set_weight_dtype_: "int8" streams the projections weight-only int8
 
     def w(self, key: str) -> torch.Tensor:
         return self.weights[key.replace(".", "__")]
+
+    def set_weight_dtype_(self, weight_dtype: str) -> "Eagle3Head":
+        """How inference reads the projection weights (fc, q|k|v, o, gate|up, down, lm_head): "model"
+        (default) in the head's dtype; "int8": weight-only int8 with a scale per output row (ops.W8,
+        kernels_triton/linear_w8.py) wherever a projection multiplies at most linear_w8.MAX_ROWS rows
+        (draft rounds and extends at small batches: half the bytes), the head's own weights above
+        that (prefill chunks, large batches). Drafts change, verification does not: output stays
+        exact. Training reads the parameters themselves either way."""
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"draft.weight_dtype={weight_dtype!r}; valid: {', '.join(WEIGHT_DTYPES)}")
+        self.weight_dtype = weight_dtype
+        if weight_dtype == "int8" and self.w("fc.weight").device.type != "meta":
+            self.fused_weights()  # quantized here, outside any CUDA graph capture
+            for key in ("fc.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight",
+                        "lm_head.weight"):
+                self.proj(key)
+        return self
+
+    def proj(self, key: str, w: torch.Tensor | None = None):
+        """The projection weight ``key`` (or the given derived weight ``w`` named key) as inference
+        multiplies it: the parameter, or its ops.W8 under weight_dtype "int8" (made once per weight
+        version, ops.derived)."""
+        w = self.w(key) if w is None else w
+        if self.weight_dtype != "int8":
+            return w
+        return ops.derived(self, "w8_" + key, (w,), lambda: ops.W8.of(w))
 
     def embed(self, token_ids: torch.Tensor, target) -> torch.Tensor:
         """[N] target token ids -> [N, H] embeddings: the head's own table when it has one (then its
@@ -353,13 +383,13 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
         """[N, 3H] captured target features -> [N, H] draft input hidden."""
-        return target_features @ self.w("fc.weight").t()
+        return ops.mm(target_features, self.proj("fc.weight"), backend=self.backend)
 
     def fuse_rows(self, target_features: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
         """``fuse`` of the rows ``index`` [G, W] picks from [G * group, 3H] features (row g * group +
         max(index[g, j], 0)) -> [G * W, H], the fc reading them itself: one launch for the gather, clamp
         and GEMM (callers check ``gathers_rows``)."""
-        w = self.w("fc.weight")
+        w = self.proj("fc.weight")
         return ops.linear(target_features.to(w.dtype), w, backend=self.backend, rows=(index, group))
 
     def gathers_rows(self, table: torch.Tensor, n: int, fc_features: torch.Tensor | None = None) -> bool:
@@ -369,11 +399,11 @@ class Eagle3Head(nn.Module):
         if table is None:
             return False
         ids = torch.empty(1, n, dtype=torch.int32, device="meta")  # only its size is read
-        wqkv = self.fused_weights()[0]
+        wqkv = self.proj("wqkv", self.fused_weights()[0])
         ok = table.dtype == self.dtype and ops.gathers_rows(self.backend, table, wqkv, (ids, 0))
         if ok and fc_features is not None:
-            ok = fc_features.dtype == self.dtype and ops.gathers_rows(self.backend, fc_features, self.w("fc.weight"),
-                                                                      (ids, 0))
+            ok = fc_features.dtype == self.dtype and ops.gathers_rows(self.backend, fc_features,
+                                                                      self.proj("fc.weight"), (ids, 0))
         return ok
 
     def forward(self, token_embeds, hidden, positions, meta: ops.AttentionMeta, k_cache, v_cache,
@@ -397,6 +427,7 @@ class Eagle3Head(nn.Module):
         N = hidden.shape[0]
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         wqkv, w13 = self.fused_weights()
+        wqkv, w13 = self.proj("wqkv", wqkv), self.proj("w13", w13)
         rows = None
         if token_rows is not None:
             token_embeds, ids = token_rows
@@ -410,13 +441,13 @@ class Eagle3Head(nn.Module):
         o = ops.paged_attention(q, k_cache[0], v_cache[0], meta, backend=be)  # [N, HQ, D]
         # RMSNorm(attn + hidden) -> gate|up -> SwiGLU, then residual + act @ down. (Where the
         # o-projection adds the residual itself, attn is the sum and sumsq its rows' squares.)
-        attn, residual, sumsq = ops.linear_residual(o.reshape(N, HQ * D), self.w("midlayer.self_attn.o_proj.weight"),
+        attn, residual, sumsq = ops.linear_residual(o.reshape(N, HQ * D), self.proj("midlayer.self_attn.o_proj.weight"),
                                                     hidden, backend=be)
         post_norm = self.w("midlayer.post_attention_layernorm.weight")
         folded = self.folded_weight("w13", w13, post_norm) if sumsq is not None and ops.norm_folding() else None
         act, residual = ops.norm_swiglu(attn, residual, post_norm, c.rms_norm_eps, w13, backend=be, sumsq=sumsq,
                                         folded=folded)  # [N, F]
-        w_down = self.w("midlayer.mlp.down_proj.weight")
+        w_down = self.proj("midlayer.mlp.down_proj.weight")
         if ops.sums_squares(be, act, w_down):
             out, _, sumsq = ops.linear_residual(act, w_down, residual, backend=be)
             return out, sumsq
@@ -425,7 +456,7 @@ class Eagle3Head(nn.Module):
     def logits(self, hidden: torch.Tensor, sumsq: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] pre-norm draft hidden -> [N, draft_vocab] logits (final norm + lm_head). ``sumsq``: the
         rows' sums of squares from :meth:`layer` (the norm then needs no prologue launch)."""
-        nw, w = self.w("norm.weight"), self.w("lm_head.weight")
+        nw, w = self.w("norm.weight"), self.proj("lm_head.weight")
         folded = self.folded_weight("lm_head", w, nw) if sumsq is not None and ops.norm_folding() else None
         return ops.norm_linear(hidden, None, nw, self.config.rms_norm_eps, w, backend=self.backend, sumsq=sumsq,
                                folded=folded)[0]

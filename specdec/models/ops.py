@@ -46,6 +46,47 @@ class AttentionMeta:
         return self.kv_lens.shape[0]
 
 
+@dataclass(frozen=True)
+class W8:
+    """A projection weight stored weight-only int8 for few rows (kernels_triton/linear_w8.py): q [NOUT, K]
+    int8 and scale [NOUT] fp32 (w ~ q * scale per output row), beside the ``dense`` original [NOUT, K]
+    that more than ``linear_w8.MAX_ROWS`` rows (prefill chunks, large batches) multiply through cuBLAS.
+    Every op below that takes a weight accepts one (:func:`mm`): its fused kernels are for dense
+    weights, so a W8 takes the unfused composition (norm kernel, the int8 GEMM, epilogue kernel)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dense: torch.Tensor
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "W8":
+        from kernels_triton.linear_w8 import quantize
+
+        q, scale = quantize(w.detach())
+        return cls(q, scale, w)
+
+    @property
+    def shape(self):
+        return self.dense.shape
+
+    @property
+    def dtype(self):
+        return self.dense.dtype
+
+
+def mm(x, w, add=None, *, backend="auto"):
+    """x [N, K] @ w^T (+ add, rounded once like torch.addmm) for a dense weight or a :class:`W8` (its
+    int8 weight for up to linear_w8.MAX_ROWS rows, the dense original above)."""
+    if isinstance(w, W8):
+        from kernels_triton import linear_w8
+
+        if x.shape[0] <= linear_w8.MAX_ROWS:
+            fn = linear_w8.linear_w8 if use_triton(backend, x) else linear_w8.linear_w8_ref
+            return fn(x, w.q, w.scale, add)
+        w = w.dense
+    return x @ w.t() if add is None else torch.addmm(add, x, w.t())
+
+
 def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ConfigError(f"unknown kernel backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -147,7 +188,7 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     from kernels_triton import linear as lin
     from kernels_triton import options
 
-    if not use_triton(backend, x) or not options.get().fused_linear:
+    if isinstance(w, W8) or not use_triton(backend, x) or not options.get().fused_linear:
         return False
     M = x.shape[0] if m is None else m  # m: the rows a gathered input yields
     projection = w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS  # not an LM head
@@ -170,7 +211,7 @@ def gathers_rows(backend: str, x: torch.Tensor, w: torch.Tensor, rows) -> bool:
     fused kernel: the fused path for its G * W rows, the kernel option gather_rows, one dtype."""
     from kernels_triton import options
 
-    if not options.get().gather_rows or x.dtype != w.dtype:
+    if isinstance(w, W8) or not options.get().gather_rows or x.dtype != w.dtype:
         return False
     return _fused(backend, x, w, one_row_any_size=True, m=rows[0].numel())
 
@@ -194,7 +235,7 @@ def linear(x, w, add=None, *, backend="auto", rows=None):
         x = gather_rows(x, rows)
     if _fused(backend, x, w, one_row_any_size=True):
         return lin.linear(x, w, add)
-    return x @ w.t() if add is None else torch.addmm(add, x, w.t())
+    return mm(x, w, add, backend=backend)
 
 
 def linear_residual(x, w, residual, *, backend="auto"):
@@ -282,7 +323,7 @@ def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto", sumsq=None,
         nw, wf = _norm_args(norm_weight, w, sumsq, folded)
         return lin.norm_linear(x, residual, nw, eps, wf, sumsq=sumsq)
     y, s = _norm(x, residual, norm_weight, eps, backend)
-    return y @ w.t(), s
+    return mm(y, w, backend=backend), s
 
 
 def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto", sumsq=None, folded=None):
@@ -296,7 +337,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto", sumsq=Non
         return lin.norm_swiglu(x, residual, nw, eps, w, sumsq=sumsq)
     y, s = _norm(x, residual, norm_weight, eps, backend)
     # silu(gate) * up read straight from the fused [N, 2F] projection: one launch, fp32 math.
-    return silu_mul(y @ w13.t(), backend=backend), s
+    return silu_mul(mm(y, w13, backend=backend), backend=backend), s
 
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
@@ -326,7 +367,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     y, s = _norm(x, residual, norm_weight, eps, backend)
     if x2 is not None:
         y = torch.cat([y, rms_norm(x2, norm_weight2, eps, backend=backend)], dim=-1)  # [N, K + K2]
-    qkv = y @ wqkv.t()  # [N, H] @ [H, (HQ+2HKV)D]
+    qkv = mm(y, wqkv, backend=backend)  # [N, H] @ [H, (HQ+2HKV)D]
     q, k, v = qkv.split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)  # views, no copies
     # One launch: rotate q and k, write rotated k and v into this layer's cache slots.
     q = rope_write_kv_(q.view(N, n_q_heads, D), k.view(N, n_kv_heads, D), v.view(N, n_kv_heads, D), positions,

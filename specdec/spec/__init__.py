@@ -46,6 +46,7 @@ def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
         head = random_eagle3_head(target, cfg.get("draft_vocab_size", "auto"), cfg.get("target_layers"),
                                   device=device, dtype=dtype if dtype is not None else target.dtype,
                                   backend=backend, logit_std=float(cfg.get("logit_std", RANDOM_LOGIT_STD)))
+        head.set_weight_dtype_(str(cfg.get("weight_dtype", "model")))
         return Eagle3Drafter(head, target, trees=tree_shapes(cfg),
                              sync_while_off=bool(cfg.get("sync_while_off", False)),
                              catch_up=bool(cfg.get("catch_up", True)))
@@ -63,6 +64,7 @@ def build_drafter(cfg, target, *, device, dtype=None, backend="auto"):
                               "or point draft.path at an EAGLE-3 checkpoint")
         head = Eagle3Head.load(path, device=device, dtype=dtype if dtype is not None else target.dtype,
                                backend=backend, target=target.config)
+        head.set_weight_dtype_(str(cfg.get("weight_dtype", "model")))
         return Eagle3Drafter(head, target, trees=tree_shapes(cfg),
                              sync_while_off=bool(cfg.get("sync_while_off", False)),
                              catch_up=bool(cfg.get("catch_up", True)))
