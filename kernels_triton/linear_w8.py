@@ -64,7 +64,8 @@ def linear_w8_ref(x, q, scale, add=None):
 def _w8_linear_kernel(x_ptr, q_ptr, s_ptr, a_ptr, y_ptr, p_ptr, M, NOUT, K, k_per_split,
                       stride_xm, stride_qn, stride_am, stride_ym,
                       HAS_ADD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                      EVEN_K: tl.constexpr):
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -79,9 +80,13 @@ def _w8_linear_kernel(x_ptr, q_ptr, s_ptr, a_ptr, y_ptr, p_ptr, M, NOUT, K, k_pe
     p_x = x_ptr + o_m.to(tl.int64)[None, :] * stride_xm + o_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        m_k = (k0 + o_k) < k_hi
-        b_q = tl.load(p_q + k0, mask=m_n[:, None] & m_k[None, :], other=0)  # [BLOCK_N, BLOCK_K] int8
-        b_x = tl.load(p_x + k0, mask=m_k[:, None] & m_m[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
+        if EVEN_K:  # no mask along K: the int8 row loads stay 16-byte vectors
+            b_q = tl.load(p_q + k0, mask=m_n[:, None], other=0)  # [BLOCK_N, BLOCK_K] int8
+            b_x = tl.load(p_x + k0, mask=m_m[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
+        else:
+            m_k = (k0 + o_k) < k_hi
+            b_q = tl.load(p_q + k0, mask=m_n[:, None] & m_k[None, :], other=0)
+            b_x = tl.load(p_x + k0, mask=m_k[:, None] & m_m[None, :], other=0.0)
         acc = tl.dot(b_q.to(b_x.dtype), b_x, acc, input_precision=DOT_PREC)  # |q| <= 127: exact in bf16 / fp16
     if SPLIT:
         # fp32 partials [SPLIT, M, NOUT]; _w8_reduce_kernel sums them and runs the epilogue
@@ -159,6 +164,7 @@ def linear_w8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, add: torch.
     _w8_linear_kernel[grid](x, q, scale, a, y, part, M, NOUT, K, k_per, x.stride(0), q.stride(0),
                             a.stride(0), y.stride(0), HAS_ADD=add is not None, SPLIT=split > 1,
                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                            EVEN_K=K % bk == 0,
                             num_warps=cfg["num_warps"],
                             num_stages=cfg["num_stages"])
     if split > 1:

@@ -41,7 +41,8 @@ def test_quantize_error_bound_and_zero_rows():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,NOUT,K,split", [(1, 2100, 64, None), (4, 96, 160, None), (4, 96, 160, 3),
-                                            (5, 40, 300, 2), (17, 300, 72, None), (33, 50, 520, 4)])
+                                            (5, 40, 300, 2), (17, 300, 72, None), (33, 50, 520, 4),
+                                            (3, 70, 512, None), (3, 70, 768, 2)])  # K a multiple of BLOCK_K
 def test_linear_w8_matches_reference(dtype, M, NOUT, K, split, poison):
     gen = torch.Generator().manual_seed(M * 1000 + K)
     w = torch.randn(NOUT, K, generator=gen) / K**0.5
