@@ -39,20 +39,27 @@ def test_quantize_error_bound_and_zero_rows():
     assert (q.abs().amax(dim=1)[torch.arange(37) != 5] == w8.QMAX).all()
 
 
+DOT = dict(body="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_stages=2)  # the tl.dot body at few rows
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,NOUT,K,split", [(1, 2100, 64, None), (4, 96, 160, None), (4, 96, 160, 3),
-                                            (5, 40, 300, 2), (17, 300, 72, None), (33, 50, 520, 4),
-                                            (3, 70, 512, None), (3, 70, 768, 2)])  # K a multiple of BLOCK_K
-def test_linear_w8_matches_reference(dtype, M, NOUT, K, split, poison):
+@pytest.mark.parametrize("M,NOUT,K,config", [
+    (1, 2100, 64, None), (4, 96, 160, None), (4, 96, 160, {"split": 3}), (5, 40, 300, {"split": 2}),
+    (8, 70, 512, None), (4, 96, 160, DOT), (4, 70, 512, DOT | {"split": 2}),  # gemv at <= 8 rows; dot forced
+    (9, 50, 520, None), (17, 300, 72, None), (33, 50, 520, {"split": 4}),  # the dot body
+    (3, 70, 512, None), (3, 70, 768, {"split": 2}), (12, 70, 768, {"split": 2}),  # K a multiple of BLOCK_K
+])
+def test_linear_w8_matches_reference(dtype, M, NOUT, K, config, poison):
     gen = torch.Generator().manual_seed(M * 1000 + K)
     w = torch.randn(NOUT, K, generator=gen) / K**0.5
     q, scale = (t.to(DEVICE) for t in w8.quantize(w))
     x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
     add = torch.randn(M, NOUT, generator=gen).to(DEVICE, dtype)
-    cfg = None if split is None else {"split": split}
     atol, rtol = TOL[dtype]
+    want_body = (config or {}).get("body", "gemv" if M <= w8.GEMV_MAX_ROWS else "dot")
+    assert (w8.launch_config(M, NOUT, K, x.device) | (config or {}))["body"] == want_body
     for a in (None, add):
-        y = w8.linear_w8(x, q, scale, a, config=cfg)
+        y = w8.linear_w8(x, q, scale, a, config=config)
         assert y.dtype == dtype and y.shape == (M, NOUT)
         torch.testing.assert_close(y.float(), w8.linear_w8_ref(x, q, scale, a).float(), atol=atol, rtol=rtol)
 

@@ -57,7 +57,10 @@ def main():
     copy = copy_bandwidth_gbps() if cuda else float("nan")
     print(f"{device_name(dev)}, commit {git_commit()}, copy bandwidth {copy:.0f} GB/s")
     out = []
-    grid = list(itertools.product((32, 64), (512, 1024), (3, 5), (4,)))
+    grid = [dict(body="gemv", BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=nw)
+            for bn, bk, st, nw in itertools.product((4, 8, 16), (128, 256, 512), (2, 3), (2, 4))]
+    grid += [dict(body="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=4)
+             for bn, bk, st in itertools.product((32, 64), (512,), (3,))]
     for name, (N, K) in shapes.items():
         gen = torch.Generator(device=dev).manual_seed(0)
         n_copies = max(1, min(16, math.ceil(ROTATE_BYTES / (N * K)))) if cuda else 1
@@ -72,9 +75,9 @@ def main():
             best = (t_w8, "default")
             if args.sweep and cuda and M == 4:  # the draft rounds' rows at batch 1 (tree16)
                 splits = sorted({1, cfg["split"], 2})
-                for bn, bk, st, nw in grid:
+                for g in grid:
                     for sp in splits:
-                        c = dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=nw, split=sp)
+                        c = g | dict(split=sp)
                         try:
                             t = time_rotating([lambda q=q, s=s, c=c: w8.linear_w8(x, q, s, config=c) for q, s in quant])
                         except Exception:  # noqa: BLE001 - a tile that does not fit (shared memory)
