@@ -33,7 +33,6 @@ import triton.language as tl
 from .attention_launch import sm_count
 
 MAX_ROWS = 64  # rows a launch takes (BLOCK_M <= 64); more: the caller's dense path
-GEMV_MAX_ROWS = 8  # up to this many rows the CUDA-core body (_w8_gemv_kernel), above it tl.dot
 QMAX = 127  # symmetric int8: q in [-127, 127]
 
 
@@ -104,47 +103,6 @@ def _w8_linear_kernel(x_ptr, q_ptr, s_ptr, a_ptr, y_ptr, p_ptr, M, NOUT, K, k_pe
 
 
 @triton.jit
-def _w8_gemv_kernel(x_ptr, q_ptr, s_ptr, a_ptr, y_ptr, p_ptr, M, NOUT, K, k_per_split,
-                    stride_xm, stride_qn, stride_am, stride_ym,
-                    HAS_ADD: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Few rows (BLOCK_M <= 8) on CUDA cores: acc[BLOCK_M, BLOCK_N, BLOCK_K] += x * q in fp32, summed
-    over k once after the loop, so BLOCK_N may be small (many programs in flight per SM)."""
-    i_n = tl.program_id(0)
-    i_s = tl.program_id(2)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_m = tl.arange(0, BLOCK_M)
-    o_k = tl.arange(0, BLOCK_K)
-    m_n = o_n < NOUT
-    m_m = o_m < M
-    k_lo = i_s * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    p_q = q_ptr + o_n.to(tl.int64)[:, None] * stride_qn + o_k[None, :]  # [BLOCK_N, BLOCK_K]
-    p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            b_q = tl.load(p_q + k0, mask=m_n[:, None], other=0)
-            b_x = tl.load(p_x + k0, mask=m_m[:, None], other=0.0)
-        else:
-            m_k = (k0 + o_k) < k_hi
-            b_q = tl.load(p_q + k0, mask=m_n[:, None] & m_k[None, :], other=0)
-            b_x = tl.load(p_x + k0, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        acc += b_x.to(tl.float32)[:, None, :] * b_q.to(tl.float32)[None, :, :]
-    out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    mask = m_m[:, None] & m_n[None, :]
-    if SPLIT:
-        tl.store(p_ptr + (i_s * M + o_m.to(tl.int64))[:, None] * NOUT + o_n[None, :], out, mask=mask)
-    else:
-        out = out * tl.load(s_ptr + o_n, mask=m_n, other=0.0)[None, :]
-        if HAS_ADD:
-            out += tl.load(a_ptr + o_m.to(tl.int64)[:, None] * stride_am + o_n[None, :], mask=mask,
-                           other=0.0).to(tl.float32)
-        tl.store(y_ptr + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :], out.to(y_ptr.dtype.element_ty),
-                 mask=mask)
-
-
-@triton.jit
 def _w8_reduce_kernel(p_ptr, s_ptr, a_ptr, y_ptr, M, NOUT, stride_am, stride_ym,
                       HAS_ADD: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     i_m = tl.program_id(0).to(tl.int64)
@@ -160,25 +118,21 @@ def _w8_reduce_kernel(p_ptr, s_ptr, a_ptr, y_ptr, M, NOUT, stride_am, stride_ym,
 
 
 def launch_config(M: int, NOUT: int, K: int, device) -> dict:
-    """body ("gemv" up to GEMV_MAX_ROWS rows, else "dot"), BLOCK_M / BLOCK_N / BLOCK_K, split count,
-    warps and stages from static shapes. dot: 32-column blocks (128 of a 4096-wide projection: one
-    per SM); gemv: 8-column blocks (several programs per SM in flight). Split-K when there are fewer
-    column blocks than half the SMs, each split keeping >= 4 BLOCK_K chunks."""
-    if M <= GEMV_MAX_ROWS:
-        block_m = triton.next_power_of_2(max(M, 1))
-        cfg = dict(body="gemv", BLOCK_M=block_m, BLOCK_N=8, BLOCK_K=256 if block_m <= 4 else 128,
-                   num_warps=4, num_stages=3)
-    else:
-        block_m = max(16, triton.next_power_of_2(M))
-        cfg = dict(body="dot", BLOCK_M=block_m, BLOCK_N=32 if NOUT >= 2048 else 16,
-                   BLOCK_K=256 if block_m <= 16 else 128, num_warps=4, num_stages=4)
-    block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid_n = triton.cdiv(NOUT, block_n)
+    """BLOCK_M / BLOCK_N / BLOCK_K, split count, warps and stages from static shapes: 32-column blocks;
+    where they are fewer than twice the SMs (4096 / 6144 wide projections: 128 / 192 blocks) two
+    K splits of 512-wide chunks, else (wider: gate|up, lm_head) whole K in 256-wide chunks; far fewer
+    blocks than SMs (small models) split further, each split keeping >= 4 chunks. The sweep behind
+    these choices: experiments/kernels/bench_linear_w8.py --sweep (docs/kernel_notes.md)."""
+    block_m = max(16, triton.next_power_of_2(M))
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=32 if NOUT >= 2048 else 16, BLOCK_K=256 if block_m <= 16 else 128,
+               num_warps=4, num_stages=4, split=1)
     sms = sm_count(device)
-    split = 1
+    grid_n = triton.cdiv(NOUT, cfg["BLOCK_N"])
     if grid_n < sms // 2:
-        split = max(1, min(sms // grid_n, triton.cdiv(K, 4 * block_k), 16))
-    return cfg | dict(split=split)
+        cfg["split"] = max(1, min(sms // grid_n, K // (4 * cfg["BLOCK_K"]), 16))
+    elif grid_n < 2 * sms and block_m <= 16 and K >= 4 * 1024:
+        cfg.update(BLOCK_K=512, num_stages=3, split=2)
+    return cfg
 
 
 def linear_w8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, add: torch.Tensor | None = None,
@@ -210,15 +164,10 @@ def linear_w8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, add: torch.
     part = torch.empty((split, M, NOUT), dtype=torch.float32, device=x.device) if split > 1 else y
     a = add if add is not None else y
     grid = (triton.cdiv(NOUT, bn), triton.cdiv(M, bm), split)
-    args = (x, q, scale, a, y, part, M, NOUT, K, k_per, x.stride(0), q.stride(0), a.stride(0), y.stride(0))
-    common = dict(HAS_ADD=add is not None, SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg["body"] == "gemv":
-        if bm < M or bm > GEMV_MAX_ROWS:
-            raise ValueError(f"linear_w8: the gemv body takes BLOCK_M = pow2 >= M <= {GEMV_MAX_ROWS}, got {bm} for M={M}")
-        _w8_gemv_kernel[grid](*args, **common)
-    else:
-        _w8_linear_kernel[grid](*args, **common, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32")
+    _w8_linear_kernel[grid](x, q, scale, a, y, part, M, NOUT, K, k_per, x.stride(0), q.stride(0), a.stride(0),
+                            y.stride(0), HAS_ADD=add is not None, SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn,
+                            BLOCK_K=bk, EVEN_K=K % bk == 0, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         block = 1024
         _w8_reduce_kernel[(M, triton.cdiv(NOUT, block))](part, scale, a, y, M, NOUT, a.stride(0), y.stride(0),

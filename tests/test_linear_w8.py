@@ -39,14 +39,14 @@ def test_quantize_error_bound_and_zero_rows():
     assert (q.abs().amax(dim=1)[torch.arange(37) != 5] == w8.QMAX).all()
 
 
-DOT = dict(body="dot", BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_stages=2)  # the tl.dot body at few rows
+SMALL = dict(BLOCK_N=16, BLOCK_K=128, num_stages=2)  # other tiles than the default's
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,NOUT,K,config", [
     (1, 2100, 64, None), (4, 96, 160, None), (4, 96, 160, {"split": 3}), (5, 40, 300, {"split": 2}),
-    (8, 70, 512, None), (4, 96, 160, DOT), (4, 70, 512, DOT | {"split": 2}),  # gemv at <= 8 rows; dot forced
-    (9, 50, 520, None), (17, 300, 72, None), (33, 50, 520, {"split": 4}),  # the dot body
+    (8, 70, 512, None), (4, 96, 160, SMALL), (4, 70, 512, SMALL | {"split": 2}),
+    (9, 50, 520, None), (17, 300, 72, None), (33, 50, 520, {"split": 4}),
     (3, 70, 512, None), (3, 70, 768, {"split": 2}), (12, 70, 768, {"split": 2}),  # K a multiple of BLOCK_K
 ])
 def test_linear_w8_matches_reference(dtype, M, NOUT, K, config, poison):
@@ -56,12 +56,28 @@ def test_linear_w8_matches_reference(dtype, M, NOUT, K, config, poison):
     x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
     add = torch.randn(M, NOUT, generator=gen).to(DEVICE, dtype)
     atol, rtol = TOL[dtype]
-    want_body = (config or {}).get("body", "gemv" if M <= w8.GEMV_MAX_ROWS else "dot")
-    assert (w8.launch_config(M, NOUT, K, x.device) | (config or {}))["body"] == want_body
     for a in (None, add):
         y = w8.linear_w8(x, q, scale, a, config=config)
         assert y.dtype == dtype and y.shape == (M, NOUT)
         torch.testing.assert_close(y.float(), w8.linear_w8_ref(x, q, scale, a).float(), atol=atol, rtol=rtol)
+
+
+def test_launch_config_splits_narrow_projections():
+    # 8B-shape head on a 132-SM device: 4096 / 6144 wide -> two K splits of 512; 28672 / 32000 wide -> whole K;
+    # a 576-wide one (SmolLM2) -> split until the SMs have work, >= 4 chunks a split
+    import kernels_triton.attention_launch as launch
+
+    dev = torch.device("cpu")
+    real = launch.sm_count
+    try:
+        w8.sm_count = lambda device: 132
+        assert w8.launch_config(4, 4096, 14336, dev)["split"] == 2 and w8.launch_config(4, 4096, 14336, dev)["BLOCK_K"] == 512
+        assert w8.launch_config(4, 32000, 4096, dev)["split"] == 1
+        assert w8.launch_config(4, 576, 1152, dev)["split"] == 1  # 1152 / (4 x 256) -> 1 chunk group
+        assert w8.launch_config(4, 576, 4608, dev)["split"] == 3  # 36 blocks: 132 // 36
+        assert w8.launch_config(40, 4096, 14336, dev)["split"] == 1  # 64-row tiles: whole K
+    finally:
+        w8.sm_count = real
 
 
 def test_linear_w8_rejects_bad_inputs():

@@ -57,10 +57,8 @@ def main():
     copy = copy_bandwidth_gbps() if cuda else float("nan")
     print(f"{device_name(dev)}, commit {git_commit()}, copy bandwidth {copy:.0f} GB/s")
     out = []
-    grid = [dict(body="gemv", BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=nw)
-            for bn, bk, st, nw in itertools.product((4, 8, 16), (128, 256, 512), (2, 3), (2, 4))]
-    grid += [dict(body="dot", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=4)
-             for bn, bk, st in itertools.product((32, 64), (512,), (3,))]
+    grid = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=4)
+            for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))]
     for name, (N, K) in shapes.items():
         gen = torch.Generator(device=dev).manual_seed(0)
         n_copies = max(1, min(16, math.ceil(ROTATE_BYTES / (N * K)))) if cuda else 1
