@@ -16,6 +16,8 @@
 #                                             committed one): all 164 HumanEval prompts, and the T = 0
 #                                             eagle3_table (40 prompts of HumanEval and MT-bench), plain beside
 #                                             (HEAD_EXTRA: more overrides for both sweeps, e.g. kernel options)
+#   bash experiments/gpu_round.sh w8          # draft.weight_dtype=model vs int8: 8B step table, phases A/B, projections
+#   bash experiments/gpu_round.sh w8smol      # the same two with the committed SmolLM2 head on HumanEval (tau, speed-up)
 #   bash experiments/gpu_round.sh ab8b        # 8B A/Bs: draft rounds streamed (verify on cuBLAS); goodput defer_first_tries
 #   bash experiments/gpu_round.sh ngramdiag   # n-gram speculation-off gap at SmolLM2 shapes, random weights (no staging):
 #                                             never / batch_threshold / goodput at NGD_C, and host ms per engine phase
@@ -97,6 +99,27 @@ eagle3head)  # HEAD_DIR: a head trained on this machine (experiments/train_head_
     "+method=${HEAD_TABLE_METHODS:-plain,eagle3_tree16,eagle3_tree32}" ${HEAD_EXTRA:-} hydra.sweep.dir="$R/table"
   for d in humaneval_full table; do python -m specdec.report "$R/$d" --out "$R/$d/report" > /dev/null 2>&1 && cat "$R/$d/report/report.md"; done
   pack eagle3head humaneval_full table ;;
+w8)  # draft.weight_dtype=model vs int8 at 8B shapes: the step table (both arms in one multirun), the whole graphed
+  # batch-1 tree steps split into phases (A/B in one process), the int8 projections beside cuBLAS at 1-64 rows
+  run ${W8_STEP_S:-320} python -m specdec.run --multirun +experiment=step_8b draft.weight_dtype=model,int8 \
+    hydra.sweep.dir="$R/step_8b_w8"
+  python -m specdec.report "$R/step_8b_w8" --out "$R/step_8b_w8/report" > /dev/null 2>&1
+  sed -n '/Step breakdown/,/^## Runs/p' "$R/step_8b_w8/report/report.md" | head -n 30
+  run ${PROFILE_S:-200} python experiments/profile_step.py --shape llama8b --phases --trees tree16,tree48 \
+    --ab draft_weight_dtype=model,int8 --out "$R/ab_w8"
+  tail -n 30 "$R/last.log"
+  run ${W8_BENCH_S:-150} python experiments/kernels/bench_linear_w8.py --rows 1,4,8,16,32,64 --out "$R/bench_linear_w8.csv"
+  cat "$R/last.log" | tail -n 40
+  pack w8 step_8b_w8 ab_w8 bench_linear_w8.csv ;;
+w8smol)  # draft.weight_dtype=model vs int8 with the committed SmolLM2 head: all 164 HumanEval prompts at batch 1
+  # (greedy), plain beside: does int8 keep the head's acceptance (tau) and what does it do to the speed-up there
+  run ${W8_PLAIN_S:-200} python -m specdec.run --multirun +experiment=eagle3_humaneval_full +method=plain \
+    hydra.sweep.dir="$R/w8_humaneval/plain"
+  run ${W8_SPEC_S:-360} python -m specdec.run --multirun +experiment=eagle3_humaneval_full \
+    "+method=${W8_METHODS:-eagle3_tree16,eagle3_tree32}" draft.weight_dtype=model,int8 hydra.sweep.dir="$R/w8_humaneval/eagle3"
+  python -m specdec.report "$R/w8_humaneval/plain" "$R/w8_humaneval/eagle3" --out "$R/w8_humaneval/report" > /dev/null 2>&1
+  head -n 40 "$R/w8_humaneval/report/report.md"
+  pack w8_humaneval w8_humaneval ;;
 ab8b|ab8b_rows|ab8b_defer)  # two 8B-shape A/Bs (ab8b: both; ab8b_rows / ab8b_defer: one each): the draft rounds'
   # rows streamed with verify left on cuBLAS (small_m x fused_rows: stream_prefetch + fused_rows=8 streams rows <= 8,
   # the rounds of tree16 / tree48), and goodput's defer_first_tries at C = 128 / 256 beside never (replayed trace);

@@ -1045,17 +1045,26 @@ def step_breakdown_table(runs: list[Run]) -> Table | None:
             Column("plain ms", None, "r"), Column("step ms", None, "r"), Column("step / plain", None, "r"),
             Column("draft ms", None, "r"), Column("per round", None, "r"), Column("verify ms", None, "r"),
             Column("commit ms", None, "r"), Column("τ", r"$\tau$", "r"), Column("implied speed-up", None, "r")]
-    rows = []
-    for r in prof:
+    # runs that differ only in the draft's weight dtype (draft.weight_dtype=model,int8) sit side by side
+    dtypes = [str(r.get("draft.weight_dtype", "model")) for r in prof]
+    by_dtype = len(set(dtypes)) > 1
+    if by_dtype:
+        cols.insert(3, Column("draft weights", None, "l"))
+    keyed = []
+    for i, r in enumerate(prof):
         sb = r.metrics["step_breakdown"]
-        for b, row in sorted(sb.get("batches", {}).items(), key=lambda kv: int(kv[0])):
-            for k, e in sorted(row.get("k", {}).items(), key=lambda kv: int(kv[0])):
+        for b, row in sb.get("batches", {}).items():
+            for k, e in row.get("k", {}).items():
                 tau, sp = e.get("mean_accepted_length"), e.get("implied_speedup")
-                rows.append([target_label(r), b, k, f"{row['plain_ms']:.2f}", f"{e['step_ms']:.2f}",
-                             f"{e['step_over_plain']:.2f}", f"{e['draft_ms']:.2f}",
-                             f"{e['draft_round_ms']:.3f} x {e['draft_rounds']}", f"{e['verify_ms']:.2f}",
-                             f"{e['commit_ms']:.2f}", "-" if tau is None else f"{tau:.2f}",
-                             "-" if sp is None else f"{sp:.2f}x"])
+                cells = [target_label(r), b, k, f"{row['plain_ms']:.2f}", f"{e['step_ms']:.2f}",
+                         f"{e['step_over_plain']:.2f}", f"{e['draft_ms']:.2f}",
+                         f"{e['draft_round_ms']:.3f} x {e['draft_rounds']}", f"{e['verify_ms']:.2f}",
+                         f"{e['commit_ms']:.2f}", "-" if tau is None else f"{tau:.2f}",
+                         "-" if sp is None else f"{sp:.2f}x"]
+                if by_dtype:
+                    cells.insert(3, dtypes[i])
+                keyed.append(((target_label(r), int(b), int(k), i), cells))
+    rows = [cells for _, cells in sorted(keyed, key=lambda kc: kc[0])]
     ctx = {r.metrics["step_breakdown"].get("context") for r in prof}
     graphed = all(r.metrics["step_breakdown"].get("graphed") for r in prof)
     caption = (f"The speculative step per k ({'graphed' if graphed else 'EAGER (not graphed)'}, context "

@@ -441,6 +441,33 @@ def test_step_floor_table(tmp_path):
     assert body[0]["TPOT ms (C=1)"] == "4.50"
 
 
+def test_step_breakdown_sets_draft_weight_dtypes_side_by_side(tmp_path):
+    """step_8b with draft.weight_dtype=model,int8: a "draft weights" column, and each (batch, k) row of
+    one dtype next to the other's; a single dtype keeps the table without the column."""
+    def sb(step):
+        e = lambda ms: {"step_ms": ms, "step_over_plain": ms / 4.0, "draft_ms": 1.0, "draft_round_ms": 0.2,  # noqa: E731
+                        "draft_rounds": 5, "verify_ms": 4.5, "commit_ms": 0.2, "mean_accepted_length": 4.87,
+                        "implied_speedup": 4.87 * 4.0 / ms}
+        return {"context": 512, "graphed": True,
+                "batches": {"64": {"plain_ms": 6.0, "k": {"16": e(step * 5)}},
+                            "1": {"plain_ms": 4.0, "k": {"3": e(step - 0.5), "16": e(step)}}}}
+    for name, dt, step in (("m", "model", 6.0), ("q", "int8", 5.6)):
+        run = make_run(tmp_path / "sweep" / name, tok_s=1.0, draft="eagle3", policy="goodput", concurrency=1,
+                       step_breakdown=sb(step))
+        cfg = json.loads((run / "config.json").read_text())
+        cfg["draft"]["weight_dtype"] = dt
+        (run / "config.json").write_text(json.dumps(cfg))
+    md, _ = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out")
+    rows = table(md, "Step breakdown")
+    body = [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert [(r["batch"], r["k"], r["draft weights"], r["step ms"]) for r in body] == [
+        ("1", "3", "model", "5.50"), ("1", "3", "int8", "5.10"), ("1", "16", "model", "6.00"),
+        ("1", "16", "int8", "5.60"), ("64", "16", "model", "30.00"), ("64", "16", "int8", "28.00")]
+    assert body[3]["step / plain"] == "1.40" and body[3]["implied speed-up"] == "3.48x"
+    md1, _ = report.build_report(report.load_runs([tmp_path / "sweep" / "m"]), tmp_path / "out1")
+    assert "draft weights" not in table(md1, "Step breakdown")[0]
+
+
 def test_crossover_table_for_replayed_acceptance(tmp_path):
     """Replayed-acceptance runs over C: tok/s per policy beside the envelope, where each always
     falls below never, the ratios at the top C, and the label in the tables (replayed, the trace)."""
