@@ -97,7 +97,7 @@ def test_mm_routes_few_rows_to_int8_and_more_to_the_dense_weight():
     w = torch.randn(24, 40, generator=gen)
     wq = ops.W8.of(w)
     deq = w8.dequantize(wq.q, wq.scale)
-    for rows, want_w in ((w8.MAX_ROWS, deq), (w8.MAX_ROWS + 1, w)):
+    for rows, want_w in ((ops.W8_MAX_ROWS, deq), (ops.W8_MAX_ROWS + 1, w)):
         x = torch.randn(rows, 40, generator=gen)
         torch.testing.assert_close(ops.mm(x, wq, backend="torch"), x @ want_w.t(), atol=1e-4, rtol=1e-5)
     x = torch.randn(3, 40, generator=gen)
@@ -120,7 +120,7 @@ PROJ = ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_p
 def test_int8_head_equals_the_head_with_dequantized_weights(backend):
     """weight_dtype int8: fc, layer and logits over few rows equal the same head whose projection
     weights are replaced by their int8 round trip (so they differ from the original head), and over
-    more than linear_w8.MAX_ROWS rows the original head's (the dense weights)."""
+    more than ops.W8_MAX_ROWS rows the original head's (the dense weights)."""
     from specdec.models.ops import AttentionMeta
 
     target = tiny_model(layers=2)
@@ -133,7 +133,7 @@ def test_int8_head_equals_the_head_with_dequantized_weights(backend):
     plain = _head(target)
     H, PS = head.config.hidden_size, 4
     gen = torch.Generator().manual_seed(1)
-    for T, want_head in ((7, deq), (w8.MAX_ROWS + 3, plain)):
+    for T, want_head in ((7, deq), (ops.W8_MAX_ROWS + 3, plain)):
         emb, hidden = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
         feats = torch.randn(T, 3 * H, generator=gen)
         pages = -(-T // PS)

@@ -194,7 +194,7 @@ class Eagle3Head(nn.Module):
     def set_weight_dtype_(self, weight_dtype: str) -> "Eagle3Head":
         """How inference reads the projection weights (fc, q|k|v, o, gate|up, down, lm_head): "model"
         (default) in the head's dtype; "int8": weight-only int8 with a scale per output row (ops.W8,
-        kernels_triton/linear_w8.py) wherever a projection multiplies at most linear_w8.MAX_ROWS rows
+        kernels_triton/linear_w8.py) wherever a projection multiplies at most ops.W8_MAX_ROWS rows
         (draft rounds and extends at small batches: half the bytes), the head's own weights above
         that (prefill chunks, large batches). Drafts change, verification does not: output stays
         exact. Training reads the parameters themselves either way."""

@@ -50,7 +50,7 @@ class AttentionMeta:
 class W8:
     """A projection weight stored weight-only int8 for few rows (kernels_triton/linear_w8.py): q [NOUT, K]
     int8 and scale [NOUT] fp32 (w ~ q * scale per output row), beside the ``dense`` original [NOUT, K]
-    that more than ``linear_w8.MAX_ROWS`` rows (prefill chunks, large batches) multiply through cuBLAS.
+    that more than ``W8_MAX_ROWS`` rows (prefill chunks, larger batches) multiply through cuBLAS.
     Every op below that takes a weight accepts one (:func:`mm`): its fused kernels are for dense
     weights, so a W8 takes the unfused composition (norm kernel, the int8 GEMM, epilogue kernel)."""
 
@@ -74,13 +74,20 @@ class W8:
         return self.dense.dtype
 
 
+# Rows up to which a W8 weight multiplies in int8 (linear_w8), cuBLAS on its dense original above: on
+# the H200 at the 8B-shape head's projections the int8 kernel is 1.13-1.55x faster than cuBLAS bf16 at
+# 1-16 rows, mixed at 32 (0.88-1.20x), 0.49-0.66x at 64 (experiments/kernels/bench_linear_w8.py,
+# docs/kernel_notes.md "Weight-only int8").
+W8_MAX_ROWS = 16
+
+
 def mm(x, w, add=None, *, backend="auto"):
     """x [N, K] @ w^T (+ add, rounded once like torch.addmm) for a dense weight or a :class:`W8` (its
-    int8 weight for up to linear_w8.MAX_ROWS rows, the dense original above)."""
+    int8 weight for up to W8_MAX_ROWS rows, the dense original above)."""
     if isinstance(w, W8):
         from kernels_triton import linear_w8
 
-        if x.shape[0] <= linear_w8.MAX_ROWS:
+        if x.shape[0] <= W8_MAX_ROWS:
             fn = linear_w8.linear_w8 if use_triton(backend, x) else linear_w8.linear_w8_ref
             return fn(x, w.q, w.scale, add)
         w = w.dense
