@@ -17,6 +17,7 @@
 #                                             eagle3_table (40 prompts of HumanEval and MT-bench), plain beside
 #                                             (HEAD_EXTRA: more overrides for both sweeps, e.g. kernel options)
 #   bash experiments/gpu_round.sh w8          # draft.weight_dtype=model vs int8: 8B step table, phases A/B, projections
+#   bash experiments/gpu_round.sh ncuw8       # Nsight Compute of the int8 projection (and cuBLAS) at 4 rows; 8-warp tile sweep
 #   bash experiments/gpu_round.sh w8smol      # the same two with the committed SmolLM2 head on HumanEval (tau, speed-up)
 #   bash experiments/gpu_round.sh ab8b        # 8B A/Bs: draft rounds streamed (verify on cuBLAS); goodput defer_first_tries
 #   bash experiments/gpu_round.sh ngramdiag   # n-gram speculation-off gap at SmolLM2 shapes, random weights (no staging):
@@ -111,6 +112,24 @@ w8)  # draft.weight_dtype=model vs int8 at 8B shapes: the step table (both arms 
   run ${W8_BENCH_S:-150} python experiments/kernels/bench_linear_w8.py --rows 1,4,8,16,32,64 --out "$R/bench_linear_w8.csv"
   cat "$R/last.log" | tail -n 40
   pack w8 step_8b_w8 ab_w8 bench_linear_w8.csv ;;
+ncuw8)  # where the int8 projection's time goes: Nsight Compute (full set, one launch after warm-up) of linear_w8 at
+  # 4 rows on gate|up and q|k|v and of cuBLAS bf16 on gate|up (the summary metrics and the stall table of each),
+  # then the 4-row tile sweep with 8 warps (NCUW8_WARPS) on gate|up, q|k|v, lm_head
+  for v in "gate_up w8" "qkv w8" "gate_up cublas"; do
+    set -- $v; f="$R/ncu_${2}_$1"; extra=(); [ "$2" = cublas ] && extra=(--cublas)
+    timeout 120 ncu --clock-control none --set full --nvtx --nvtx-include calls/ --launch-skip 4 --launch-count 1 \
+      -f -o "$f" python experiments/kernels/ncu_linear_w8.py --shape "$1" --rows 4 "${extra[@]}" > "$f.log" 2>&1
+    echo "== $v rc=$? $(tail -n 1 "$f.log")"
+    ncu -i "$f.ncu-rep" --page details --csv > "$f.details.csv" 2>/dev/null
+    grep -E '"(Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per Thread|Block Limit Shared Mem|Block Limit Registers|Dynamic Shared Memory Per Block|Grid Size|L2 Hit Rate|Issue Slots Busy|Executed Ipc Active|Theoretical Occupancy|Waves Per SM)"' \
+      "$f.details.csv" | awk -F'","' '{print "  " $(NF-2) " = " $NF " " $(NF-1)}' | tr -d '"' | head -n 20
+    ncu -i "$f.ncu-rep" --page source --csv --print-source sass > "$f.sass.csv" 2>/dev/null
+    python experiments/kernels/ncu_stalls.py "$f.sass.csv" 25 2>&1 | head -n 45
+  done
+  run ${NCUW8_SWEEP_S:-240} python experiments/kernels/bench_linear_w8.py --rows 4 --sweep --warps ${NCUW8_WARPS:-8} \
+    --shapes gate_up,qkv,lm_head --out "$R/bench_linear_w8_sweep.csv"
+  tail -n 8 "$R/last.log"
+  tar czf "$OUT/ncuw8.tgz" -C "$R" $(cd "$R" && ls ncu_*.csv ncu_*.log bench_linear_w8_sweep.csv 2>/dev/null); ls -l "$OUT" ;;
 w8smol)  # draft.weight_dtype=model vs int8 with the committed SmolLM2 head: all 164 HumanEval prompts at batch 1
   # (greedy), plain beside: does int8 keep the head's acceptance (tau) and what does it do to the speed-up there
   run ${W8_PLAIN_S:-200} python -m specdec.run --multirun +experiment=eagle3_humaneval_full +method=plain \

@@ -46,19 +46,22 @@ def main():
     ap.add_argument("--rows", default="1,4,8,16,32")
     ap.add_argument("--sweep", action="store_true", help="also the best of a small launch grid per shape")
     ap.add_argument("--out", type=Path, default=None, help="CSV of every measurement")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    ap.add_argument("--warps", default="4", help="--sweep: num_warps values of the grid")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:
         sys.exit("bench_linear_w8.py times CUDA kernels (--quick: a CPU smoke run)")
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float16)
-    shapes = SHAPES if not args.quick else {"tiny": (96, 128)}
+    shapes = {n: SHAPES[n] for n in args.shapes.split(",")} if not args.quick else {"tiny": (96, 128)}
     rows = [int(r) for r in args.rows.split(",")] if not args.quick else [4]
     copy = copy_bandwidth_gbps() if cuda else float("nan")
     print(f"{device_name(dev)}, commit {git_commit()}, copy bandwidth {copy:.0f} GB/s")
     out = []
-    grid = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=4)
-            for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))]
+    grid = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=nw)
+            for bn, bk, st, nw in itertools.product((16, 32, 64), (128, 256, 512), (3, 4),
+                                                    [int(w) for w in args.warps.split(",")])]
     for name, (N, K) in shapes.items():
         gen = torch.Generator(device=dev).manual_seed(0)
         n_copies = max(1, min(16, math.ceil(ROTATE_BYTES / (N * K)))) if cuda else 1
