@@ -118,20 +118,30 @@ def _w8_reduce_kernel(p_ptr, s_ptr, a_ptr, y_ptr, M, NOUT, stride_am, stride_ym,
 
 
 def launch_config(M: int, NOUT: int, K: int, device) -> dict:
-    """BLOCK_M / BLOCK_N / BLOCK_K, split count, warps and stages from static shapes: 32-column blocks;
-    where they are fewer than twice the SMs (4096 / 6144 wide projections: 128 / 192 blocks) two
-    K splits of 512-wide chunks, else (wider: gate|up, lm_head) whole K in 256-wide chunks; far fewer
-    blocks than SMs (small models) split further, each split keeping >= 4 chunks. The sweep behind
+    """BLOCK_M / BLOCK_N / BLOCK_K, split count, warps and stages from static shapes.
+
+    Up to 16 rows (BLOCK_M 16) the int8 -> bf16 conversion of the weight tile is the kernel's largest
+    instruction stream, so warps are laid out along the weight rows only: with 4 warps the mma layout
+    of a [32, 16] accumulator is 2 x 2 and every weight element is converted by two warps; 2 warps over
+    32 rows (1 over 16) convert each once. 32-row blocks in two K splits of 256-wide chunks where they
+    are fewer than twice the SMs (4096 / 6144 wide projections: 128 / 192 blocks); 64-row blocks over
+    whole K where there are more (gate|up, lm_head); far fewer blocks than SMs (small models) split K
+    further, each split keeping >= 4 chunks. 17-64 rows: 4 warps, 128-wide chunks. The sweeps behind
     these choices: experiments/kernels/bench_linear_w8.py --sweep (docs/kernel_notes.md)."""
     block_m = max(16, triton.next_power_of_2(M))
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=32 if NOUT >= 2048 else 16, BLOCK_K=256 if block_m <= 16 else 128,
-               num_warps=4, num_stages=4, split=1)
+    block_n = 32 if NOUT >= 2048 else 16
+    if block_m <= 16:
+        cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, num_warps=block_n // 16, num_stages=4, split=1)
+    else:
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=4, split=1)
     sms = sm_count(device)
-    grid_n = triton.cdiv(NOUT, cfg["BLOCK_N"])
+    grid_n = triton.cdiv(NOUT, block_n)
     if grid_n < sms // 2:
         cfg["split"] = max(1, min(sms // grid_n, K // (4 * cfg["BLOCK_K"]), 16))
-    elif grid_n < 2 * sms and block_m <= 16 and K >= 4 * 1024:
-        cfg.update(BLOCK_K=512, num_stages=3, split=2)
+    elif block_m <= 16 and grid_n < 2 * sms:
+        cfg["split"] = 2 if K >= 4 * 1024 else 1
+    elif block_m <= 16:
+        cfg.update(BLOCK_N=64, num_stages=3)
     return cfg
 
 

@@ -48,6 +48,7 @@ SMALL = dict(BLOCK_N=16, BLOCK_K=128, num_stages=2)  # other tiles than the defa
     (8, 70, 512, None), (4, 96, 160, SMALL), (4, 70, 512, SMALL | {"split": 2}),
     (9, 50, 520, None), (17, 300, 72, None), (33, 50, 520, {"split": 4}),
     (3, 70, 512, None), (3, 70, 768, {"split": 2}), (12, 70, 768, {"split": 2}),  # K a multiple of BLOCK_K
+    (4, 150, 512, {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3}),  # the wide projections' tiles
 ])
 def test_linear_w8_matches_reference(dtype, M, NOUT, K, config, poison):
     gen = torch.Generator().manual_seed(M * 1000 + K)
@@ -63,19 +64,24 @@ def test_linear_w8_matches_reference(dtype, M, NOUT, K, config, poison):
 
 
 def test_launch_config_splits_narrow_projections():
-    # 8B-shape head on a 132-SM device: 4096 / 6144 wide -> two K splits of 512; 28672 / 32000 wide -> whole K;
-    # a 576-wide one (SmolLM2) -> split until the SMs have work, >= 4 chunks a split
+    # 8B-shape head on a 132-SM device: 4096 / 6144 wide -> two K splits; 28672 / 32000 wide -> 64-row blocks,
+    # whole K; a 576-wide one (SmolLM2) -> split until the SMs have work, >= 4 chunks a split; up to 16 rows
+    # one warp per 16 weight rows of a 32-row block (each weight element converted once)
     import kernels_triton.attention_launch as launch
 
     dev = torch.device("cpu")
     real = launch.sm_count
     try:
         w8.sm_count = lambda device: 132
-        assert w8.launch_config(4, 4096, 14336, dev)["split"] == 2 and w8.launch_config(4, 4096, 14336, dev)["BLOCK_K"] == 512
-        assert w8.launch_config(4, 32000, 4096, dev)["split"] == 1
+        c = w8.launch_config(4, 4096, 14336, dev)
+        assert (c["split"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) == (2, 32, 256, 2)
+        c = w8.launch_config(16, 32000, 4096, dev)
+        assert (c["split"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) == (1, 64, 2, 3)
+        assert w8.launch_config(4, 4096, 2048, dev)["split"] == 1  # short K: whole
         assert w8.launch_config(4, 576, 1152, dev)["split"] == 1  # 1152 / (4 x 256) -> 1 chunk group
         assert w8.launch_config(4, 576, 4608, dev)["split"] == 3  # 36 blocks: 132 // 36
-        assert w8.launch_config(40, 4096, 14336, dev)["split"] == 1  # 64-row tiles: whole K
+        c = w8.launch_config(40, 4096, 14336, dev)
+        assert (c["split"], c["num_warps"]) == (1, 4)  # 64-row tiles: whole K, 4 warps
     finally:
         w8.sm_count = real
 
