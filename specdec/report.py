@@ -697,7 +697,7 @@ def _policy_envelope(rs: list[Run], stat=_mean):
     """Mean (``stat``: another reduction, e.g. _best) tok/s per policy label and C over runs of one study,
     with the envelope max(never, always) per C. Returns (tok {policy: {C: tok/s}}, policy names, Cs,
     envelope {C: tok/s}, policies in table order: never, always, then the rest), or None without both a
-    never and an always run over 2+ Cs. tok/s is the steady window's when every run of the study has one
+    never and an always run (one C is enough: a repeated point). tok/s is the steady window's when every run of the study has one
     (``_steady``), else the whole run's."""
     by: dict[str, dict[int, list]] = {}
     names = {}
@@ -708,7 +708,7 @@ def _policy_envelope(rs: list[Run], stat=_mean):
     tok = {p: {c: stat(v) for c, v in cs.items()} for p, cs in by.items()}
     bounds = [p for p in tok if names[p] in ("never", "always")]
     cs = sorted({c for v in tok.values() for c in v})
-    if not any(names[p] == "never" for p in bounds) or not any(names[p] == "always" for p in bounds) or len(cs) < 2:
+    if not any(names[p] == "never" for p in bounds) or not any(names[p] == "always" for p in bounds) or not cs:
         return None
     env = {c: max((tok[p][c] for p in bounds if tok[p].get(c) is not None), default=None) for c in cs}
     order = sorted(tok, key=lambda p: (names[p] not in ("never", "always"), names[p] != "never", p))

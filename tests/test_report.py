@@ -557,6 +557,24 @@ def test_policy_envelope_averages_repeats_over_seed(tmp_path):
     assert best["never"][1:3] == ["0.647", "0.950"] and best["envelope"][1:3] == ["170.0", "200.0"]
 
 
+def test_policy_envelope_of_one_repeated_point(tmp_path):
+    """Repeats at a single C (seed=0,1,2 at C = 8) still make an envelope table: one column."""
+    tok = {"never": [100.0, 104.0, 96.0], "always": [150.0, 152.0, 148.0], "goodput": [147.0, 149.0, 148.0]}
+    for policy, vals in tok.items():
+        for seed, v in enumerate(vals):
+            d = make_run(tmp_path / "sweep" / f"{policy}_{seed}", tok_s=v, draft="eagle3", policy=policy, concurrency=8)
+            cfg = json.loads((d / "config.json").read_text())
+            cfg["seed"] = seed
+            (d / "config.json").write_text(json.dumps(cfg))
+    md, _ = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out")
+    titles = [line[3:] for line in md.splitlines() if line.startswith("## Policy envelope")]
+    assert len(titles) == 1
+    rows = table(md, titles[0])
+    assert rows[0][1] == "C=8"
+    by = {r[0].split()[0]: r for r in rows[1:]}
+    assert by["goodput"][1] == "0.987" and by["never"][1] == "0.667"  # 148 / 150, 100 / 150
+
+
 def test_policy_envelope_uses_the_steady_window_of_timed_runs(tmp_path):
     """Timed closed loops (workload.duration_s): the envelope compares steady-window tok/s, says so in
     its caption, and falls back to whole-run tok/s when a run of the study lacks the window."""
