@@ -697,8 +697,8 @@ def _policy_envelope(rs: list[Run], stat=_mean):
     """Mean (``stat``: another reduction, e.g. _best) tok/s per policy label and C over runs of one study,
     with the envelope max(never, always) per C. Returns (tok {policy: {C: tok/s}}, policy names, Cs,
     envelope {C: tok/s}, policies in table order: never, always, then the rest), or None without both a
-    never and an always run (one C is enough: a repeated point). tok/s is the steady window's when every run of the study has one
-    (``_steady``), else the whole run's."""
+    never and an always run (one C is enough: a repeated point). tok/s is the steady window's when every
+    run of the study has one (``_steady``), else the whole run's."""
     by: dict[str, dict[int, list]] = {}
     names = {}
     key = _tok_key(rs)

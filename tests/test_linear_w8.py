@@ -63,27 +63,21 @@ def test_linear_w8_matches_reference(dtype, M, NOUT, K, config, poison):
         torch.testing.assert_close(y.float(), w8.linear_w8_ref(x, q, scale, a).float(), atol=atol, rtol=rtol)
 
 
-def test_launch_config_splits_narrow_projections():
+def test_launch_config_splits_narrow_projections(monkeypatch):
     # 8B-shape head on a 132-SM device: 4096 / 6144 wide -> two K splits; 28672 / 32000 wide -> 64-row blocks,
     # whole K; a 576-wide one (SmolLM2) -> split until the SMs have work, >= 4 chunks a split; up to 16 rows
     # one warp per 16 weight rows of a 32-row block (each weight element converted once)
-    import kernels_triton.attention_launch as launch
-
+    monkeypatch.setattr(w8, "sm_count", lambda device: 132)
     dev = torch.device("cpu")
-    real = launch.sm_count
-    try:
-        w8.sm_count = lambda device: 132
-        c = w8.launch_config(4, 4096, 14336, dev)
-        assert (c["split"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) == (2, 32, 256, 2)
-        c = w8.launch_config(16, 32000, 4096, dev)
-        assert (c["split"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) == (1, 64, 2, 3)
-        assert w8.launch_config(4, 4096, 2048, dev)["split"] == 1  # short K: whole
-        assert w8.launch_config(4, 576, 1152, dev)["split"] == 1  # 1152 / (4 x 256) -> 1 chunk group
-        assert w8.launch_config(4, 576, 4608, dev)["split"] == 3  # 36 blocks: 132 // 36
-        c = w8.launch_config(40, 4096, 14336, dev)
-        assert (c["split"], c["num_warps"]) == (1, 4)  # 64-row tiles: whole K, 4 warps
-    finally:
-        w8.sm_count = real
+    c = w8.launch_config(4, 4096, 14336, dev)
+    assert (c["split"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) == (2, 32, 256, 2)
+    c = w8.launch_config(16, 32000, 4096, dev)
+    assert (c["split"], c["BLOCK_N"], c["num_warps"], c["num_stages"]) == (1, 64, 2, 3)
+    assert w8.launch_config(4, 4096, 2048, dev)["split"] == 1  # short K: whole
+    assert w8.launch_config(4, 576, 1152, dev)["split"] == 1  # 1152 / (4 x 256) -> 1 chunk group
+    assert w8.launch_config(4, 576, 4608, dev)["split"] == 3  # 36 blocks: 132 // 36
+    c = w8.launch_config(40, 4096, 14336, dev)
+    assert (c["split"], c["num_warps"]) == (1, 4)  # 64-row tiles: whole K, 4 warps
 
 
 def test_linear_w8_rejects_bad_inputs():

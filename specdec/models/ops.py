@@ -74,10 +74,9 @@ class W8:
         return self.dense.dtype
 
 
-# Rows up to which a W8 weight multiplies in int8 (linear_w8), cuBLAS on its dense original above: on
-# the H200 at the 8B-shape head's projections the int8 kernel is 1.13-1.55x faster than cuBLAS bf16 at
-# 1-16 rows, mixed at 32 (0.88-1.20x), 0.49-0.66x at 64 (experiments/kernels/bench_linear_w8.py,
-# docs/kernel_notes.md "Weight-only int8").
+# Rows up to which a W8 weight multiplies in int8 (linear_w8), cuBLAS on its dense original above: at the
+# 8B-shape head's projections the int8 kernel beats cuBLAS bf16 on every one at 1-16 rows and loses from
+# 32-64 (experiments/kernels/bench_linear_w8.py; docs/kernel_notes.md, "Weight-only int8").
 W8_MAX_ROWS = 16
 
 
