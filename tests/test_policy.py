@@ -259,6 +259,25 @@ def test_goodput_rows_fast_path_matches_the_direct_sum():
     assert set(pol.row_accept[2]) == set(rows[5:])
 
 
+def test_goodput_prunes_rows_an_older_step_brought_back():
+    """With overlapped steps an update can carry rows of a step launched before the last choice, some
+    of which left the batch since: the next choice forgets them even when the batch did not change
+    (choose skips the pruning only while no update started a row's estimate)."""
+    pol = Goodput([2], ema=0.5, margin=0.0, explore_every=0)
+    pol.set_table(TABLE)
+    rows = ("a", "b")
+    pol.choose(BatchView(2, 0, rows=rows))
+    pol.update(StepStats(k=2, num_decode=2, committed=[3, 1], rows=["a", "b"]))
+    pol.choose(BatchView(2, 0, rows=rows))
+    pol.update(StepStats(k=2, num_decode=3, committed=[3, 1, 3], rows=["a", "b", "gone"]))  # launched earlier
+    pol.choose(BatchView(2, 0, rows=tuple(rows)))  # the same batch
+    assert set(pol.row_accept[2]) == {"a", "b"}
+    direct = sum(pol.row_accept[2][r] for r in rows)
+    assert pol.expected(2, 2, pol._rows) == pytest.approx(direct)
+    pol.update(StepStats(k=2, num_decode=2, committed=[1, 1], rows=["a", "b"]))  # no new row: nothing to prune
+    assert not pol._unpruned
+
+
 def test_goodput_retries_back_off_while_speculation_keeps_losing():
     pol = Goodput([2], margin=0.0, explore_every=2, explore_backoff=2.0, explore_max=8)
     pol.set_table(TABLE)

@@ -214,6 +214,7 @@ class Goodput:
         self.accept: dict[int, float | None] = {k: None for k in ks}  # prior: all requests' rows
         self.row_accept: dict[int, dict] = {k: {} for k in ks}  # k -> {request id: its own a(k)}
         self._rows = None  # the row ids of the last choose(), whose estimates row_accept holds
+        self._unpruned = False  # an update started a row's own estimate since the last choose()
         self.last = 0  # k of the previous choice
         self.off_steps = 0  # consecutive k = 0 choices
 
@@ -230,6 +231,7 @@ class Goodput:
         if missing:
             raise ConfigError(f"policy goodput: the step-time table has no entries for k in {missing}")
         self.table = {k: sorted((int(b), float(ms)) for b, ms in table[k].items()) for k in self.ks}
+        self._buckets: dict[tuple[int, int], tuple[int, float]] = {}  # (k, batch) -> _bucket's row
         # ms per token of the cheapest k = 0 step: what a catch-up costs per backlog token when no
         # catch-up forwards were timed (catch_up_table_)
         self._catch_up_ms_per_token = min(ms / b for b, ms in self.table[0])
@@ -245,12 +247,15 @@ class Goodput:
         self._catch_up_fwd = {int(n): float(ms) for n, ms in sorted(forward_ms.items()) if n > 0}
 
     def _bucket(self, k: int, batch: int) -> tuple[int, float]:
-        """(batch, ms) of the table row for batch: the smallest profiled batch >= it, else the largest."""
+        """(batch, ms) of the table row for batch: the smallest profiled batch >= it, else the largest
+        (memoised: the table is fixed once set, and a step looks rows up ~10 times)."""
+        hit = self._buckets.get((k, batch))
+        if hit is not None:
+            return hit
         rows = self.table[k]
-        for b, ms in rows:
-            if b >= batch:
-                return b, ms
-        return rows[-1]
+        hit = next(((b, ms) for b, ms in rows if b >= batch), rows[-1])
+        self._buckets[(k, batch)] = hit
+        return hit
 
     def step_ms(self, k: int, batch: int) -> float:
         """t(k, batch): the served steps' average in batch's table bucket, else the start-up entry
@@ -372,12 +377,17 @@ class Goodput:
         B = view.num_decode
         if B == 0:
             return self.last
-        rows = self._rows = view.rows
-        if rows is not None:  # forget the requests that left the batch (set ops: no per-row Python loop)
+        rows = view.rows
+        if rows is not None and (self._unpruned or rows != self._rows):
+            # Forget the requests that left the batch (set ops: no per-row Python loop); only when the
+            # batch changed or an update since the last choice started a row's estimate (a step
+            # launched before the last choice may have rows that left since)
             live = set(rows)
             for own in self.row_accept.values():
                 for r in own.keys() - live:
                     del own[r]
+            self._unpruned = False
+        self._rows = rows
         # A k is tried until its prior covers probe_rows rows: one step at a small batch is a
         # sample of one or two rows (H200 envelope at a3b05ab, C = 2: tree32's first step accepted
         # 2.0 against its 4.1 under always, and goodput held tree16 all run at 0.95x).
@@ -616,9 +626,12 @@ class Goodput:
             # 0.1, 1.012 (0.989 .. 1.040) at 0.03; MT-bench 1.001 / 1.004
             e = self.shadow_ema if self.shadowed else self.ema
             own = self.row_accept[k]
+            start = mean if prior is None else prior
+            size = len(own)
             for r, c in zip(rows, committed):
-                old = own.get(r, mean if prior is None else prior)
-                own[r] = (1.0 - e) * old + e * c
+                own[r] = (1.0 - e) * own.get(r, start) + e * c
+            if len(own) != size:  # a row's first estimate: the next choose() prunes
+                self._unpruned = True
         # The mean of the rows so far while they are few, then one prior_ema step per row.
         seen = self.rows_seen[k]
         w = max(n / (seen + n), 1.0 - (1.0 - self.prior_ema) ** n)
