@@ -496,6 +496,35 @@ def test_goodput_iter_median_is_robust_to_a_heavy_tail_of_wall_times():
         Goodput([8], iter_median=-1)
 
 
+def test_goodput_iter_min_samples_keeps_the_model_until_enough_iterations():
+    """iter_min_samples > 0: a (k, bucket)'s served iterations replace the model max(t(k, B), host ms) only
+    once there are that many; a k served in a few atypical iterations (right after a switch, a refresh)
+    keeps the model's price, so chain 8 stays chosen over k = 0 on 2.2 tokens a row at 1.6 ms against
+    0.76; with the default (0) its three 6 ms iterations price it out."""
+    table = {0: {16: 0.76}, 8: {16: 1.6}}
+
+    def fed(n, **kw):
+        pol = Goodput([8], margin=0.03, explore_every=0, **kw)
+        pol.set_table(table)
+        run_k(pol, 8, [2.2] * 16)
+        for _ in range(n):
+            pol.iteration_(8, 16, 6.0, 0.1)
+        for _ in range(8):
+            pol.iteration_(0, 16, 0.76, 0.1)
+        return pol
+
+    gated, plain = fed(3, iter_min_samples=4), fed(3)
+    assert gated.iter_ms(8, 16) == pytest.approx(1.6) and gated.choose(view(16)) == 8
+    assert plain.iter_ms(8, 16) > 3.0 and plain.choose(view(16)) == 0
+    # the fourth iteration makes the served mean the price: the same mean the default keeps
+    gated.iteration_(8, 16, 6.0, 0.1)
+    plain.iteration_(8, 16, 6.0, 0.1)
+    assert gated.iter_ms(8, 16) == pytest.approx(plain.iter_ms(8, 16)) and gated.iter_ms(8, 16) > 3.0
+    assert gated.describe()["served_iter_samples"]["k=8"] == {16: 4}
+    with pytest.raises(ConfigError, match="iter_min_samples"):
+        Goodput([8], iter_min_samples=-1)
+
+
 def test_goodput_prices_host_bound_iterations():
     """When the host sets the pace (each iteration's host work exceeds the device step), a larger
     tree costs no more wall time per iteration: goodput moves from tree 8 (fastest device step) to

@@ -107,7 +107,8 @@ class Goodput:
                  explore_budget: float = 0.05, probe_cost: float = float("inf"), counterfactual: bool = False,
                  refresh_every: int = 0, defer_first_tries: bool = False, shadow_min_rows: float = 2.0,
                  probe_requests: int = 0, shadow_ema: float | None = 0.03, iter_median: int = 0,
-                 shadow_max_lag: int | None = None, explore_fresh: float = 0.0, shadow_rows_cap: int | None = None):
+                 shadow_max_lag: int | None = None, explore_fresh: float = 0.0, shadow_rows_cap: int | None = None,
+                 iter_min_samples: int = 0):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -194,6 +195,11 @@ class Goodput:
         # > 0: t(k, B) of served iterations is the median of the last this many unmixed ones instead of the EMA
         self.iter_median = int(iter_median)
         self._iter_recent: dict[tuple[int, int], deque] = {}
+        if iter_min_samples < 0:
+            raise ConfigError(f"policy goodput: need iter_min_samples >= 0 (0: from the first; got {iter_min_samples})")
+        # The served iterations' wall ms at (k, bucket) stands for iter_ms once it rests on this many of them
+        # (before: the model, max(t(k, B), the bucket's host ms of any k)); 0: from the first
+        self.iter_min_samples = int(iter_min_samples)
         self.host_ms: dict[int, float] = {}  # table batch -> EMA of host ms per iteration (any k)
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
@@ -277,8 +283,14 @@ class Goodput:
         iteration costs t(k, batch) plus the host ms: nothing overlaps."""
         b, _ = self._bucket(k, batch)
         served = self.iter_observed.get((k, b))
-        if served is not None:
+        if served is not None and (not self.iter_min_samples
+                                   or self.iter_samples.get((k, b), 0) >= self.iter_min_samples):
             return served
+        return self._iter_model(k, batch, b)
+
+    def _iter_model(self, k: int, batch: int, b: int) -> float:
+        """iter_ms without served iterations at (k, bucket b): t(k, batch) against the bucket's host ms
+        per iteration (any k)."""
         ms = self.step_ms(k, batch)
         host = self.host_ms.get(b)
         if host is None:
@@ -318,7 +330,10 @@ class Goodput:
             self.iter_observed[(k, b)] = statistics.median(recent)
             self.iter_samples[(k, b)] = n + 1
             return
-        old = self.iter_ms(k, batch)
+        # the running estimate (trusted by iter_ms or not yet: iter_min_samples), else the model
+        old = self.iter_observed.get((k, b)) if n else None
+        if old is None:
+            old = self._iter_model(k, batch, b)
         sample = min(wall_ms, (FIRST_ITER_OUTLIER if n == 0 else SERVED_OUTLIER) * old)
         w = max(self.time_ema, 1.0 / (n + 1))
         self.iter_observed[(k, b)] = (1.0 - w) * old + w * sample
@@ -569,6 +584,8 @@ class Goodput:
                                    for k in self.ks},
                 "served_iter_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.iter_observed.items()) if kk == k}
                                    for k in self.ks},
+                "served_iter_samples": {f"k={k}": {b: n for (kk, b), n in sorted(self.iter_samples.items()) if kk == k}
+                                        for k in self.ks},
                 "host_ms_per_iter": dict(sorted(self.host_ms.items())),
                 "accept": {f"k={k}": a for k, a in self.accept.items()},
                 "accept_rows_seen": {f"k={k}": n for k, n in self.rows_seen.items()},
