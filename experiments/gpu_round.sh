@@ -26,6 +26,9 @@
 #   bash experiments/gpu_round.sh recheck     # after ca37d2e (SmolLM2 staged): n-gram shadow scoring / drafting costs
 #                                             (random weights, then HumanEval at C = 1, 16, 64), goodput probe_requests
 #                                             on MT-bench at C = 1, 2, 8, the n-gram C = 1 step split by phase
+#   bash experiments/gpu_round.sh abiter     # goodput iter_min_samples=0,16 beside never / always, n-gram, 3 seeds, at the
+#                                             e5229cc misses (MT-bench C = 64 / 128 / 256, HumanEval C = 128; two calls'
+#                                             worth: ABITER_S per sweep)
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
 #                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
 #   bash experiments/gpu_round.sh tiles17     # SmolLM2 projections at 17 / 21 rows (tree16 / tree20_deep verify): cuBLAS
@@ -200,6 +203,19 @@ repeats)  # envelope points repeated (seed=0,1,2; the report averages them): REP
     policy=${REPEAT_POLICIES:-always,goodput} workload.concurrency=${REPEAT_C:-1,2,4} seed=${REPEAT_SEEDS:-0,1,2} \
     hydra.sweep.dir="$R/repeats_$d"
   PACK_STEPS=1 pack "repeats_$d" "repeats_$d" ;;
+abiter)  # goodput iter_min_samples 0 vs 16 (served iterations price a k only once there are 16) beside never / always,
+  # n-gram at the points it missed at e5229cc (means of seeds 0 / 1 / 2): MT-bench C = 64 / 128 / 256, HumanEval C = 128
+  for w in mt_bench humaneval; do
+    c=64,128,256; [ "$w" = humaneval ] && c=128
+    run ${ABITER_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=ngram_chains workload=$w \
+      workload.stagger=true workload.concurrency=$c seed=0,1,2 policy=never,always hydra.sweep.dir="$R/abiter_$w/base"
+    run ${ABITER_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=ngram_chains workload=$w \
+      workload.stagger=true workload.concurrency=$c seed=0,1,2 policy=goodput ++policy.iter_min_samples=0,16 \
+      hydra.sweep.dir="$R/abiter_$w/goodput"
+    python -m specdec.report "$R/abiter_$w/base" "$R/abiter_$w/goodput" --out "$R/abiter_$w/report" 2>&1 \
+      | sed -n '/^## Policy envelope/,/^## /p' | head -n 12
+  done
+  PACK_STEPS=1 pack abiter abiter_mt_bench abiter_humaneval ;;
 sweep)
   n=${SWEEP_NAME:?SWEEP_NAME}
   # shellcheck disable=SC2086  # SWEEP_ARGS: overrides, split on spaces
