@@ -26,9 +26,8 @@
 #   bash experiments/gpu_round.sh recheck     # after ca37d2e (SmolLM2 staged): n-gram shadow scoring / drafting costs
 #                                             (random weights, then HumanEval at C = 1, 16, 64), goodput probe_requests
 #                                             on MT-bench at C = 1, 2, 8, the n-gram C = 1 step split by phase
-#   bash experiments/gpu_round.sh abiter     # goodput iter_min_samples=0,16 beside never / always, n-gram, 3 seeds, at the
-#                                             e5229cc misses (MT-bench C = 64 / 128 / 256, HumanEval C = 128; two calls'
-#                                             worth: ABITER_S per sweep)
+#   ABITER_W=mt_bench|humaneval bash experiments/gpu_round.sh abiter   # goodput iter_min_samples=0,16 x row_sample=0,16
+#                                             beside never / always, n-gram, 3 seeds, at the e5229cc misses (ABITER_C)
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
 #                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
 #   bash experiments/gpu_round.sh tiles17     # SmolLM2 projections at 17 / 21 rows (tree16 / tree20_deep verify): cuBLAS
@@ -203,19 +202,17 @@ repeats)  # envelope points repeated (seed=0,1,2; the report averages them): REP
     policy=${REPEAT_POLICIES:-always,goodput} workload.concurrency=${REPEAT_C:-1,2,4} seed=${REPEAT_SEEDS:-0,1,2} \
     hydra.sweep.dir="$R/repeats_$d"
   PACK_STEPS=1 pack "repeats_$d" "repeats_$d" ;;
-abiter)  # goodput iter_min_samples 0 vs 16 (served iterations price a k only once there are 16) beside never / always,
-  # n-gram at the points it missed at e5229cc (means of seeds 0 / 1 / 2): MT-bench C = 64 / 128 / 256, HumanEval C = 128
-  for w in mt_bench humaneval; do
-    c=64,128,256; [ "$w" = humaneval ] && c=128
-    run ${ABITER_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=ngram_chains workload=$w \
-      workload.stagger=true workload.concurrency=$c seed=0,1,2 policy=never,always hydra.sweep.dir="$R/abiter_$w/base"
-    run ${ABITER_S:-330} python -m specdec.run --multirun +experiment=policy_envelope draft=ngram_chains workload=$w \
-      workload.stagger=true workload.concurrency=$c seed=0,1,2 policy=goodput ++policy.iter_min_samples=0,16 \
-      hydra.sweep.dir="$R/abiter_$w/goodput"
-    python -m specdec.report "$R/abiter_$w/base" "$R/abiter_$w/goodput" --out "$R/abiter_$w/report" 2>&1 \
-      | sed -n '/^## Policy envelope/,/^## /p' | head -n 12
-  done
-  PACK_STEPS=1 pack abiter abiter_mt_bench abiter_humaneval ;;
+abiter)  # goodput iter_min_samples 0 / 16 x row_sample 0 / 16 beside never / always, n-gram, seeds 0 / 1 / 2, at the points
+  # it missed at e5229cc: ABITER_W (mt_bench) at ABITER_C (mt_bench: 128,256; humaneval: 128); one call per workload
+  w=${ABITER_W:-mt_bench}; c=${ABITER_C:-128,256}; [ "$w" = humaneval ] && c=${ABITER_C:-128}
+  run ${ABITER_S:-150} python -m specdec.run --multirun +experiment=policy_envelope draft=ngram_chains workload=$w \
+    workload.stagger=true workload.concurrency=$c seed=0,1,2 policy=never,always hydra.sweep.dir="$R/abiter_$w/base"
+  run ${ABITER_GS:-400} python -m specdec.run --multirun +experiment=policy_envelope draft=ngram_chains workload=$w \
+    workload.stagger=true workload.concurrency=$c seed=0,1,2 policy=goodput ++policy.iter_min_samples=0,16 \
+    ++policy.row_sample=0,16 hydra.sweep.dir="$R/abiter_$w/goodput"
+  python -m specdec.report "$R/abiter_$w/base" "$R/abiter_$w/goodput" --out "$R/abiter_$w/report" 2>&1 \
+    | sed -n '/^## Policy envelope/,/^## /p' | head -n 14
+  PACK_STEPS=1 pack "abiter_$w" "abiter_$w" ;;
 sweep)
   n=${SWEEP_NAME:?SWEEP_NAME}
   # shellcheck disable=SC2086  # SWEEP_ARGS: overrides, split on spaces

@@ -525,6 +525,35 @@ def test_goodput_iter_min_samples_keeps_the_model_until_enough_iterations():
         Goodput([8], iter_min_samples=-1)
 
 
+def test_goodput_row_sample_moves_a_window_of_rows_in_turn():
+    """row_sample > 0: a step's commits move the own a(k) of row_sample of its rows, a window that advances
+    (wrapping) from step to step, while the prior takes every row; with row_sample at least the batch it is
+    the default (every row)."""
+    rows = [f"r{i}" for i in range(10)]
+    committed = [1 + i % 3 for i in range(10)]
+
+    def step(pol, c=committed):
+        pol.update(StepStats(k=2, num_decode=10, committed=list(c), rows=list(rows),
+                             counterfactual=None))
+
+    sampled, full, wide = (Goodput([2], ema=0.5, margin=0.0, explore_every=0, row_sample=r) for r in (4, 0, 10))
+    for pol in (sampled, full, wide):
+        pol.set_table(TABLE)
+        step(pol)
+    assert set(sampled.row_accept[2]) == set(rows[:4])
+    assert set(full.row_accept[2]) == set(rows) and full.row_accept[2] == wide.row_accept[2]
+    assert sampled.accept[2] == full.accept[2] == pytest.approx(sum(committed) / 10)  # the prior: every row
+    step(sampled)
+    assert set(sampled.row_accept[2]) == set(rows[:8])
+    before = dict(sampled.row_accept[2])
+    step(sampled, [3] * 10)  # rows 8, 9, 0, 1 (wrapping)
+    moved = {r for r in rows if sampled.row_accept[2].get(r) != before.get(r)}
+    assert moved == {"r8", "r9", "r0", "r1"}
+    assert sampled.row_accept[2]["r0"] == pytest.approx(0.5 * before["r0"] + 0.5 * 3)
+    with pytest.raises(ConfigError, match="row_sample"):
+        Goodput([2], row_sample=-1)
+
+
 def test_goodput_prices_host_bound_iterations():
     """When the host sets the pace (each iteration's host work exceeds the device step), a larger
     tree costs no more wall time per iteration: goodput moves from tree 8 (fastest device step) to

@@ -91,6 +91,7 @@ def _goodput(cfg, sizes) -> Goodput:
                    shadow_ema=cfg.get("shadow_ema", 0.03),
                    iter_median=int(cfg.get("iter_median", 0) or 0),
                    iter_min_samples=int(cfg.get("iter_min_samples", 0) or 0),
+                   row_sample=int(cfg.get("row_sample", 0) or 0),
                    shadow_max_lag=None if cfg.get("shadow_max_lag") is None else int(cfg.shadow_max_lag),
                    explore_fresh=float(cfg.get("explore_fresh", 0.0) or 0.0),
                    shadow_rows_cap=None if cfg.get("shadow_rows_cap") is None else int(cfg.get("shadow_rows_cap")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from itertools import chain
 
 from ..engine.graphs import forwards_ms
 from ..errors import ConfigError
@@ -108,7 +109,7 @@ class Goodput:
                  refresh_every: int = 0, defer_first_tries: bool = False, shadow_min_rows: float = 2.0,
                  probe_requests: int = 0, shadow_ema: float | None = 0.03, iter_median: int = 0,
                  shadow_max_lag: int | None = None, explore_fresh: float = 0.0, shadow_rows_cap: int | None = None,
-                 iter_min_samples: int = 0):
+                 iter_min_samples: int = 0, row_sample: int = 0):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -200,6 +201,12 @@ class Goodput:
         # The served iterations' wall ms at (k, bucket) stands for iter_ms once it rests on this many of them
         # (before: the model, max(t(k, B), the bucket's host ms of any k)); 0: from the first
         self.iter_min_samples = int(iter_min_samples)
+        if row_sample < 0:
+            raise ConfigError(f"policy goodput: need row_sample >= 0 (0: every row; got row_sample={row_sample})")
+        # A step's served and counterfactual commits update the own a(k) of at most this many of its rows, in turn
+        # over the batch (the prior still takes every row); 0: every row
+        self.row_sample = int(row_sample)
+        self._row_cursor = 0  # where the next step's sampled rows start
         self.host_ms: dict[int, float] = {}  # table batch -> EMA of host ms per iteration (any k)
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
@@ -616,21 +623,28 @@ class Goodput:
             if stats.shadow_ms is not None:
                 old = self.lookup_ms
                 self.lookup_ms = stats.shadow_ms if old is None else (1.0 - self.ema) * old + self.ema * stats.shadow_ms
+        # row_sample: this step's own estimates move for rows [start, start + row_sample) of it (wrapping)
+        n = len(stats.committed) if stats.committed else 0
+        start = None
+        if self.row_sample and stats.rows is not None and n > self.row_sample:
+            start = self._row_cursor % n
+            self._row_cursor = start + self.row_sample
         if stats.counterfactual:
             for j, counts in sorted(stats.counterfactual.items()):
                 if j in self.accept and counts:
-                    self._observe_(j, stats.rows, counts)
+                    self._observe_(j, stats.rows, counts, start)
                     self.counterfactual_rows[j] += len(counts)
         if stats.k == 0 or not stats.committed or stats.k not in self.accept:
             return
         if (self.probe_requests and stats.k == self.ks[-1] and stats.rows is not None
                 and len(self.top_requests) < self.probe_requests):
             self.top_requests.update(stats.rows)
-        self._observe_(stats.k, stats.rows, stats.committed)
+        self._observe_(stats.k, stats.rows, stats.committed, start)
 
-    def _observe_(self, k: int, rows, committed) -> None:
+    def _observe_(self, k: int, rows, committed, sample_from: int | None = None) -> None:
         """Fold tokens committed per row at k (served, or scored in the shadow) into the rows' own
-        a(k) and the prior."""
+        a(k) and the prior (``sample_from``: only rows [sample_from, sample_from + row_sample) of them,
+        wrapping, move their own; the prior takes every row)."""
         n = len(committed)
         mean = sum(committed) / n
         prior = self.accept[k]
@@ -645,7 +659,13 @@ class Goodput:
             own = self.row_accept[k]
             start = mean if prior is None else prior
             size = len(own)
-            for r, c in zip(rows, committed):
+            pairs = zip(rows, committed)
+            if sample_from is not None:  # row_sample: a window of the rows, in turn over steps
+                end = sample_from + self.row_sample
+                pairs = zip(rows[sample_from:end], committed[sample_from:end])
+                if end > n:
+                    pairs = chain(pairs, zip(rows[: end - n], committed[: end - n]))
+            for r, c in pairs:
                 own[r] = (1.0 - e) * own.get(r, start) + e * c
             if len(own) != size:  # a row's first estimate: the next choose() prunes
                 self._unpruned = True
