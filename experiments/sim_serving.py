@@ -176,6 +176,9 @@ def main(argv=None) -> int:
                     "weights, is assumed)")
     ap.add_argument("--out", default=None, help="folder for sim_serving.md")
     ap.add_argument("--stagger", action="store_true", help="a staggered closed loop (workload.stagger)")
+    ap.add_argument("--explore-budget", type=float, default=0.05,
+                    help="goodput's explore_budget (conf/policy/goodput.yaml: 0.05): the share of the time spent off a "
+                         "re-try's catch-up may cost")
     ap.add_argument("--quick", action="store_true", help="one seed, short runs (smoke run)")
     a = ap.parse_args(argv)
     if a.quick:
@@ -192,14 +195,15 @@ def main(argv=None) -> int:
     def goodput(defer=False):
         return lambda: Goodput(ks, ema=0.1, prior_ema=0.01, margin=0.03, probe_rows=4, probe_cost=4,
                                explore_every=32, explore_backoff=2.0, explore_max=1024, switch_horizon=32,
-                               explore_budget=0.05, counterfactual=True, defer_first_tries=defer)
+                               explore_budget=a.explore_budget, counterfactual=True, defer_first_tries=defer)
 
     arms = [("never", Never)] + [(f"always{k}", (lambda k=k: Always(k))) for k in ks]
     arms += [("goodput", goodput()), ("goodput defer_first_tries", goodput(True))]
     source = f"parametric mean {a.parametric:g} at depth 7" if a.parametric is not None else Path(a.trace).name
     lines = [f"# sim_serving: {source}, step table {Path(a.table).parent.name} of {Path(a.table).parents[1].name}, "
              f"prefill forward {fwd_a:g} + {fwd_b:g} N ms, chunk {a.chunk}, {a.seconds:g} simulated s x {a.seeds} "
-             f"seeds, tok/s from {a.warmup:g} s" + (", staggered loop" if a.stagger else ""), "",
+             f"seeds, tok/s from {a.warmup:g} s, explore_budget {a.explore_budget:g}"
+             + (", staggered loop" if a.stagger else ""), "",
              "| C | " + " | ".join(name for name, _ in arms) + " | best always | goodput / envelope | "
              "deferred / envelope | prompt tokens per forward (never / goodput / deferred) |",
              "| ---: |" + " ---: |" * (len(arms) + 4)]
