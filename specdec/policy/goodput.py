@@ -283,8 +283,9 @@ class Goodput:
         return ms
 
     def iter_ms(self, k: int, batch: int) -> float:
-        """Wall ms an iteration at k and batch costs: the served iterations' average in the bucket,
-        else max(t(k, batch), the bucket's host ms per iteration), else t(k, batch). With
+        """Wall ms an iteration at k and batch costs: the served iterations' average in the bucket (once
+        there are iter_min_samples of them), else max(t(k, batch), the bucket's host ms per iteration),
+        else t(k, batch). With
         ``serial_drafting`` (the engine's drafter drafts from the host's tokens, so its speculative
         steps wait for the step in flight and do the host's work before they launch) a k > 0
         iteration costs t(k, batch) plus the host ms: nothing overlaps."""
@@ -296,8 +297,8 @@ class Goodput:
         return self._iter_model(k, batch, b)
 
     def _iter_model(self, k: int, batch: int, b: int) -> float:
-        """iter_ms without served iterations at (k, bucket b): t(k, batch) against the bucket's host ms
-        per iteration (any k)."""
+        """iter_ms where the served iterations at (k, bucket b) do not price it (none, or fewer than
+        iter_min_samples): t(k, batch) against the bucket's host ms per iteration (any k)."""
         ms = self.step_ms(k, batch)
         host = self.host_ms.get(b)
         if host is None:
