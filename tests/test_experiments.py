@@ -210,3 +210,21 @@ def test_lent_gpu_setup_gathers_a_carried_head_and_the_parts(tmp_path):
         "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert (stage / "gguf.part02").read_text() == "q2" and (stage / "gguf.size").is_file()
     assert not (stage / "smol.gguf").exists()  # 2 of 99 bytes staged: no join, no conversion
+
+
+def test_crossover_serves_longer_at_high_concurrency():
+    """crossover_8b: 5 s points below C = 128, 15 s from there (lockstep waves of 128-token requests need a
+    window over several of them); the ${specdec.at_least:...} resolver it uses picks by a number, null: the else."""
+    def duration(c):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("config", overrides=["+experiment=crossover_8b", f"workload.concurrency={c}",
+                                               "policy=never"])
+        return cfg.workload.duration_s
+    assert [duration(c) for c in (1, 64, 127, 128, 256)] == [5, 5, 5, 15, 15]
+    cfg = OmegaConf.create({"x": None, "y": "${specdec.at_least:${x},2,a,b}"})
+    assert cfg.y == "b"
+    cfg.x = 2.0
+    assert cfg.y == "a"
+    cfg.x = "many"
+    with pytest.raises(Exception, match="must be numbers"):
+        _ = cfg.y
