@@ -228,3 +228,29 @@ def test_crossover_serves_longer_at_high_concurrency():
     cfg.x = "many"
     with pytest.raises(Exception, match="must be numbers"):
         _ = cfg.y
+
+
+def _sweep_jobs(name: str, cmdline: list[str]) -> list[dict]:
+    """The jobs of ``--multirun +experiment=NAME *cmdline`` in the order Hydra's basic sweeper runs them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={'null' if v is None else v}" for k, v in _sweep(name).items()]
+    jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(params + cmdline), None)[0]
+    return [dict(o.split("=", 1) for o in job) for job in jobs]
+
+
+@pytest.mark.parametrize("name,policies", [("policy_envelope", "never,always,goodput"),
+                                           ("crossover_8b", "never,always3,goodput"),
+                                           ("policy_sweep", "never,always,goodput")])
+def test_repeats_run_a_points_policies_back_to_back(name, policies):
+    """seed=0,1,2 on the command line interleaves: every consecutive group of len(policies) jobs is one
+    (concurrency, seed) with each policy once, so host drift between runs hits a point's policies alike."""
+    pol = policies.split(",")
+    jobs = _sweep_jobs(name, ["seed=0,1,2", f"policy={policies}", "workload.concurrency=128,256"])
+    assert len(jobs) % len(pol) == 0 and len(jobs) >= 6 * len(pol)
+    for i in range(0, len(jobs), len(pol)):
+        group = jobs[i:i + len(pol)]
+        assert [j["policy"] for j in group] == pol
+        assert len({(j["workload.concurrency"], j["seed"]) for j in group}) == 1
+    assert [j["seed"] for j in jobs[::len(pol)]][:3] == ["0", "1", "2"]
