@@ -114,7 +114,9 @@ def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: flo
             ms += forwards_ms(fwd, total)  # one forward: total <= chunk
             forwards += 1
             fwd_tokens += total
-            off = last_k == 0  # a prompt prefilled while off: the draft catches it up later
+            # a prompt prefilled while off: the draft catches it up later (unless the policy asks for drafted
+            # prefills: goodput's ramp_hold while a k is untried; the engine's rule)
+            off = last_k == 0 and not (hasattr(policy, "drafts_prefill") and policy.drafts_prefill())
             for r, n in plan:
                 r["prompt_left"] -= n
                 if off:
@@ -179,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--explore-budget", type=float, default=0.05,
                     help="goodput's explore_budget (conf/policy/goodput.yaml: 0.05): the share of the time spent off a "
                          "re-try's catch-up may cost")
+    ap.add_argument("--ramp-hold", action="store_true", help="also goodput with ramp_hold (k = 0 while the requests "
+                    "prefilling outnumber the decode rows; prompts drafted while a k is untried)")
     ap.add_argument("--quick", action="store_true", help="one seed, short runs (smoke run)")
     a = ap.parse_args(argv)
     if a.quick:
@@ -192,21 +196,26 @@ def main(argv=None) -> int:
     fwd_a, fwd_b = (float(x) for x in a.fwd_ms.split(","))
     ks = sorted(DEPTHS)
 
-    def goodput(defer=False):
+    def goodput(defer=False, hold=False):
         return lambda: Goodput(ks, ema=0.1, prior_ema=0.01, margin=0.03, probe_rows=4, probe_cost=4,
                                explore_every=32, explore_backoff=2.0, explore_max=1024, switch_horizon=32,
-                               explore_budget=a.explore_budget, counterfactual=True, defer_first_tries=defer)
+                               explore_budget=a.explore_budget, counterfactual=True, defer_first_tries=defer,
+                               ramp_hold=hold)
 
     arms = [("never", Never)] + [(f"always{k}", (lambda k=k: Always(k))) for k in ks]
     arms += [("goodput", goodput()), ("goodput defer_first_tries", goodput(True))]
+    if a.ramp_hold:
+        arms.append(("goodput ramp_hold", goodput(hold=True)))
+    n_gp = arms.index(next(x for x in arms if x[0] == "goodput"))
     source = f"parametric mean {a.parametric:g} at depth 7" if a.parametric is not None else Path(a.trace).name
     lines = [f"# sim_serving: {source}, step table {Path(a.table).parent.name} of {Path(a.table).parents[1].name}, "
              f"prefill forward {fwd_a:g} + {fwd_b:g} N ms, chunk {a.chunk}, {a.seconds:g} simulated s x {a.seeds} "
              f"seeds, tok/s from {a.warmup:g} s, explore_budget {a.explore_budget:g}"
              + (", staggered loop" if a.stagger else ""), "",
-             "| C | " + " | ".join(name for name, _ in arms) + " | best always | goodput / envelope | "
-             "deferred / envelope | prompt tokens per forward (never / goodput / deferred) |",
-             "| ---: |" + " ---: |" * (len(arms) + 4)]
+             "| C | " + " | ".join(name for name, _ in arms) + " | best always | "
+             + " | ".join(f"{name} / envelope" for name, _ in arms[n_gp:])
+             + " | prompt tokens per forward (never / " + " / ".join(name for name, _ in arms[n_gp:]) + ") |",
+             "| ---: |" + " ---: |" * (2 * len(arms) - n_gp + 2)]
     for C in (int(x) for x in a.concurrency.split(",")):
         res = []
         for _, make in arms:
@@ -217,8 +226,8 @@ def main(argv=None) -> int:
         env = max(tps[: 1 + len(ks)])
         best = max(range(1, 1 + len(ks)), key=lambda i: tps[i])
         lines.append(f"| {C} | " + " | ".join(f"{v:.0f}" for v in tps) + f" | {arms[best][0]} | "
-                     f"{tps[-2] / env:.3f} | {tps[-1] / env:.3f} | "
-                     + " / ".join(f"{res[i]['tokens_per_forward']:.0f}" for i in (0, len(arms) - 2, len(arms) - 1))
+                     + " | ".join(f"{tps[i] / env:.3f}" for i in range(n_gp, len(arms))) + " | "
+                     + " / ".join(f"{res[i]['tokens_per_forward']:.0f}" for i in (0, *range(n_gp, len(arms))))
                      + " |")
         print(lines[-1], flush=True)
     lines += ["", "tok/s: committed tokens per simulated second from the warm-up on; the envelope is max(never, "

@@ -1028,3 +1028,31 @@ def test_goodput_probe_requests_spreads_the_largest_ks_prior_over_requests():
     with pytest.raises(ConfigError):
         Goodput([32], probe_requests=-1)
     assert build_policy(OmegaConf.create({"name": "goodput", "probe_requests": 8}), [32]).probe_requests == 8
+
+
+def test_goodput_ramp_hold_runs_k0_through_a_ramp_up_and_drafts_prompts_until_tried():
+    """ramp_hold: k = 0 on every step while the requests prefilling outnumber the decode rows (a ramp-up), even at
+    a k already tried and faster; once the decode rows are the majority the choice is goodput's own. drafts_prefill
+    (the engine's question while off): true while a k awaits its first tries, false after (and always false
+    without ramp_hold, which leaves the engine's rule)."""
+    def view(prefilling, decode=12):
+        return BatchView(num_decode=decode, num_waiting=0, num_prefilling=prefilling)
+
+    pol = Goodput([3, 48], margin=0.0, explore_every=0, probe_rows=4, ramp_hold=True)
+    pol.set_table({0: {16: 5.0}, 3: {16: 5.5}, 48: {16: 6.0}})
+    assert pol.wants_prefill_drafting and pol.drafts_prefill()
+    assert [pol.choose(view(p)) for p in (244, 100, 13)] == [0, 0, 0] and pol.ramp_steps == 3
+    assert pol.choose(view(12)) == 3  # as many prefilling as decoding: the first try runs
+    pol.update(StepStats(k=3, num_decode=12, committed=[3] * 12, rows=None))
+    assert pol.drafts_prefill()  # k = 48 not tried yet
+    assert pol.choose(view(0)) == 48
+    pol.update(StepStats(k=48, num_decode=12, committed=[5] * 12, rows=None))
+    assert not pol.drafts_prefill()
+    assert pol.choose(view(244)) == 0 and pol.choose(view(0)) == 48  # tried and faster, yet held in a ramp-up
+    off = Goodput([3, 48], margin=0.0, explore_every=0, probe_rows=4)
+    off.set_table({0: {16: 5.0}, 3: {16: 5.5}, 48: {16: 6.0}})
+    assert not off.wants_prefill_drafting and not off.drafts_prefill()
+    assert off.choose(view(244)) == 3 and off.ramp_steps == 0
+    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "ramp_hold": True})).ramp_hold
+    with pytest.raises(ConfigError, match="ramp_hold"):
+        build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "ramp_hold": "maybe"}))

@@ -269,3 +269,28 @@ def test_symm_kernel_compiles_for_h100_class_gpus():
     counts = dict(line.rsplit(" ", 1) for line in proc.stdout.strip().splitlines())
     assert int(counts["release.sys.cas"]) >= 6 and int(counts["acquire.sys.cas"]) >= 6
     assert counts["multimem"] == "0"
+
+
+def test_tp_policy_broadcasts_the_leaders_prefill_drafting():
+    """Under tensor parallelism rank 0's goodput holds the state: its drafts_prefill answer is what every rank
+    uses (a follower's own copy, never updated, would answer otherwise and prefill another way)."""
+    from specdec.dist.plan import TPPolicy
+    from specdec.policy import Goodput
+
+    class FakeGroup:
+        def __init__(self, leader, sent=None):
+            self.is_leader, self.sent = leader, sent
+
+        def broadcast_object(self, v):
+            if self.is_leader:
+                self.sent = v
+                return v
+            return self.sent
+
+    leader_policy = Goodput([3], probe_rows=1, ramp_hold=True)
+    follower_policy = Goodput([3], probe_rows=1, ramp_hold=True)
+    leader_policy.rows_seen[3] = 5  # the leader's copy saw k = 3's first tries; the follower's did not
+    group = FakeGroup(True)
+    assert TPPolicy(leader_policy, group).drafts_prefill() is False and group.sent is False
+    assert follower_policy.drafts_prefill() is True
+    assert TPPolicy(follower_policy, FakeGroup(False, sent=False)).drafts_prefill() is False

@@ -39,7 +39,8 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ConfigError, config_flag
-from ..policy.base import BatchView, StepStats, choices, shadow_evals, wants_counterfactual, wants_rows, wants_step_ms
+from ..policy.base import (BatchView, StepStats, choices, prefill_drafting, shadow_evals, wants_counterfactual,
+                           wants_rows, wants_step_ms)
 from ..spec.base import RowTokens, capturable, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
 from . import profiling
@@ -319,6 +320,7 @@ class Engine:
         # only a policy that reads request ids gets them (a tuple of B ids per step is host work).
         self._policy_times = wants_step_ms(policy)
         self._policy_rows = wants_rows(policy)
+        self._drafts_prefill = prefill_drafting(policy)  # None: prompts prefilled at k = 0 skip the draft
         self._policy_iters = getattr(policy, "iteration_", None)  # optional: per-iteration wall / host ms
         self._waited_s = 0.0  # this iteration's time blocked on the device (reading a step's tokens)
         self._iter_prev = None  # (k, rows, start, waited, mixed) of the last iteration that decoded
@@ -485,7 +487,10 @@ class Engine:
         # them up below, so rows hold no tree's slots while speculation is off.
         preempted = sched.ensure_decode_capacity_(self._ahead(0))
         sched.admit_(t_start)
-        draft_prefill = not (self._catches_up and self._last_k == 0)
+        # While off, prompts skip the draft (it catches them up if speculation resumes), unless the policy asks
+        # otherwise (goodput's ramp_hold while a k awaits its first tries)
+        draft_prefill = (not (self._catches_up and self._last_k == 0)
+                         or (self._drafts_prefill is not None and self._drafts_prefill()))
         plan = sched.plan_prefill(self.stepper.prefill_fit(draft_prefill) if self.config.prefill_fit else None)
         if plan:
             if timed:

@@ -86,6 +86,7 @@ def _goodput(cfg, sizes) -> Goodput:
                    counterfactual=config_flag("policy.counterfactual", cfg.get("counterfactual", False)),
                    refresh_every=int(cfg.get("refresh_every", 0) or 0),
                    defer_first_tries=config_flag("policy.defer_first_tries", cfg.get("defer_first_tries", False)),
+                   ramp_hold=config_flag("policy.ramp_hold", cfg.get("ramp_hold", False)),
                    shadow_min_rows=float(cfg.get("shadow_min_rows", 2.0)),
                    probe_requests=int(cfg.get("probe_requests", 0) or 0),
                    shadow_ema=cfg.get("shadow_ema", 0.03),

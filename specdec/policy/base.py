@@ -89,6 +89,12 @@ def wants_rows(policy) -> bool:
     return bool(getattr(policy, "wants_rows", False))
 
 
+def prefill_drafting(policy) -> Callable[[], bool] | None:
+    """The policy's say on whether prompts prefilled at k = 0 run the draft too (``drafts_prefill``, asked only
+    where the policy sets ``wants_prefill_drafting``; goodput's ramp_hold), or None: the engine's own rule."""
+    return getattr(policy, "drafts_prefill", None) if getattr(policy, "wants_prefill_drafting", False) else None
+
+
 def calibrator(policy) -> Callable[[Callable[[int, int], float], Iterable[int]], None] | None:
     """The policy's start-up calibration hook, or None."""
     return getattr(policy, "calibrate_", None)

@@ -109,7 +109,7 @@ class Goodput:
                  refresh_every: int = 0, defer_first_tries: bool = False, shadow_min_rows: float = 2.0,
                  probe_requests: int = 0, shadow_ema: float | None = 0.03, iter_median: int = 0,
                  shadow_max_lag: int | None = None, explore_fresh: float = 0.0, shadow_rows_cap: int | None = None,
-                 iter_min_samples: int = 0, row_sample: int = 0):
+                 iter_min_samples: int = 0, row_sample: int = 0, ramp_hold: bool = False):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -148,6 +148,11 @@ class Goodput:
             raise ConfigError(f"policy goodput: need refresh_every >= 0 (0: off; got refresh_every={refresh_every})")
         # First tries wait while the requests still prefilling outnumber the decode rows (a ramp-up)
         self.defer_first_tries = bool(defer_first_tries)
+        # k = 0 on every step while the requests still prefilling outnumber the decode rows, and prompts prefilled
+        # with the draft while a k is still to be tried (drafts_prefill)
+        self.ramp_hold = bool(ramp_hold)
+        self.wants_prefill_drafting = self.ramp_hold  # the engine asks drafts_prefill while off
+        self.ramp_steps = 0  # steps ramp_hold held at k = 0
         self.refresh_every = int(refresh_every)  # while at a k > 0 below the largest: a step at the largest this often
         self.refresh_gap = float(refresh_every)  # steps below the largest k until the next refresh (backoff)
         self.since_top = 0  # consecutive speculative choices below the largest k
@@ -425,6 +430,17 @@ class Goodput:
         # 1032 tokens against never's 1871 and 0.94x of never. experiments/sim_serving.py (the same
         # setting, no host time; scale/sim_serving_a967863.md): goodput 0.981 / 0.999 / 0.993 of the
         # envelope at C = 256 / 128 / 64, deferred 0.984 / 1.065 / 0.984, the same at C <= 32.
+        if self.ramp_hold and view.num_prefilling > B:
+            # A ramp-up (a closed loop's start, or a wave of requests that finished together being replaced):
+            # the rows decoding now are the few that came first, and a k > 0 here speeds them ahead of the
+            # rest, so the loop runs out of step from then on (its replacements prefill a few at a time, in
+            # smaller forwards). H200 crossover_8b at 72c9090, C = 256: goodput ran chain 3 at 44-126 rows
+            # through the ramp-up only, k = 0 in the whole window, and made 0.978-0.988 of never's tok/s
+            # with a decode batch of 232-240 rows against 241-249.
+            self.ramp_steps += 1
+            self.off_steps += 1
+            self.last = 0
+            return 0
         ramp = self.defer_first_tries and view.num_prefilling > B
         untried = [k for k in self.ks[1:] if self.rows_seen[k] < self.probe_rows
                    and self.iter_ms(k, B) <= self.probe_cost * self.iter_ms(0, B)] if not ramp else []
@@ -499,6 +515,12 @@ class Goodput:
         self.off_steps = self.off_steps + 1 if k == 0 else 0
         self.last = k
         return k
+
+    def drafts_prefill(self) -> bool:
+        """Whether the engine runs the draft over prompts it prefills while at k = 0 (``ramp_hold``: while some
+        k has not had its first tries, so that they need no catch-up over every prompt of the batch; the
+        engine's own rule, drafting only while the last step speculated, otherwise)."""
+        return self.ramp_hold and not self.shadowed and any(self.rows_seen[k] < self.probe_rows for k in self.ks[1:])
 
     def _probe_due(self, B: int, rows) -> bool:
         """Whether this step probes the largest k (``probe_requests``): its prior rests on fewer requests
