@@ -812,8 +812,48 @@ def envelope_tables(runs: list[Run]) -> list[tuple]:
                     "it (the lent H200 machine's host-speed episodes, docs/gpu_machines.md), the best of a "
                     "point's repeats estimates its unperturbed tok/s.", f"envelope_best{len(out) + 1}",
                     columns, _envelope_rows(btok, benv, bcs, border)))
+            paired = _paired_rows(rs, cs, order, names)
+            if paired is not None:
+                spread.append(Table(
+                    f"Paired by seed vs the envelope: {label}",
+                    f"Each run over max(never, always) of the same seed and C, averaged over the seeds that have "
+                    f"both ({label}): a sweep lists seed before policy (conf/experiment/policy_envelope.yaml), so a "
+                    "seed's runs of a point run back to back and a slow spell of the host slows them alike.",
+                    f"envelope_paired{len(out) + 1}", columns, paired))
         out.append((table, series, label, ktable, spread))
     return out
+
+
+def _paired_rows(rs: list[Run], cs, order, names) -> list[list[str]] | None:
+    """Per policy and C: the mean over seeds of run / max(never, always) of the same seed (None: no seed has a
+    never and an always run at some C)."""
+    key = _tok_key(rs)
+    by: dict[tuple, list[float]] = {}
+    for r in rs:
+        v, seed = r.metrics.get(key), r.get("seed")
+        if seed is None or not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            continue
+        by.setdefault((policy_label(r), _concurrency(r), str(seed)), []).append(float(v))
+    mean = {k: sum(v) / len(v) for k, v in by.items()}
+    bounds = [p for p in order if names[p] in ("never", "always")]
+    envs = {}
+    for (p, c, s) in mean:
+        vals = {names[b]: mean[(b, c, s)] for b in bounds if (b, c, s) in mean}
+        if "never" in vals and "always" in vals:
+            envs[(c, s)] = max(mean[(b, c, s)] for b in bounds if (b, c, s) in mean)
+    if not envs:
+        return None
+    rows = []
+    for p in order:
+        ratios = []
+        for c in cs:
+            xs = [mean[(p, c, s)] / envs[(c, s)] for (pp, cc, s) in mean if pp == p and cc == c
+                  and envs.get((c, s))]
+            ratios.append(sum(xs) / len(xs) if xs else None)
+        got = [x for x in ratios if x is not None]
+        rows.append([p] + [f"{x:.3f}" if x is not None else "-" for x in ratios]
+                    + [f"{min(got):.3f}" if got else "-", f"{max(got):.3f}" if got else "-"])
+    return rows
 
 
 def plot_envelope(series, out: Path, title: str, stem: str) -> list[str] | None:

@@ -555,6 +555,10 @@ def test_policy_envelope_averages_repeats_over_seed(tmp_path):
     best = {r[0].split()[0]: r for r in table(md, "Best of repeats vs the envelope: " + titles[0].split(": ", 1)[1])[1:]}
     assert best["goodput"][1:3] == ["0.941", "1.100"]  # 160 / max(110, 170), 220 / max(190, 200)
     assert best["never"][1:3] == ["0.647", "0.950"] and best["envelope"][1:3] == ["170.0", "200.0"]
+    # ... and each run over the envelope of its own seed, averaged: (150 / 150 + 160 / 170) / 2, (220 / 200 + 200 / 200) / 2
+    paired = {r[0].split()[0]: r for r in table(md, "Paired by seed vs the envelope: " + titles[0].split(": ", 1)[1])[1:]}
+    assert paired["goodput"][1:3] == ["0.971", "1.050"] and paired["goodput"][3:5] == ["0.971", "1.050"]
+    assert paired["never"][1:3] == ["0.657", "0.950"]  # (100 / 150 + 110 / 170) / 2
 
 
 def test_policy_envelope_of_one_repeated_point(tmp_path):
