@@ -1,6 +1,8 @@
 """Speculation policies: the goodput policy's choice from its step-time table and acceptance EMA,
 its start-up calibration through the engine, and greedy identity whatever it chooses."""
 
+import random
+
 import pytest
 from omegaconf import OmegaConf
 from test_engine import rand_prompts, reference, tiny_model
@@ -1056,3 +1058,49 @@ def test_goodput_ramp_hold_runs_k0_through_a_ramp_up_and_drafts_prompts_until_tr
     assert build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "ramp_hold": True})).ramp_hold
     with pytest.raises(ConfigError, match="ramp_hold"):
         build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "ramp_hold": "maybe"}))
+
+
+def test_goodput_host_model_prices_every_k_from_one_host_line():
+    """host_model: an iteration's host ms is fitted as a + b x (tokens committed per row) over the unmixed
+    iterations of every k (slope from a long memory, level from a short one), and iter_ms prices each k at
+    max(its device step, the line at its a(k)). Host-bound, the k with the most tokens a row wins; after the host
+    slows down while only k = 8 runs, k = 0's price follows (the served-iteration estimate of a k not served stays
+    where its last iterations left it: the default's k = 0 price does not move)."""
+    rng = random.Random(0)
+
+    def feed(pol, k, per_row, host, n=300, noise=0.05):
+        for _ in range(n):
+            c = per_row + rng.uniform(-0.4, 0.4) if k else 1.0
+            pol.update(StepStats(k=k, num_decode=128, committed=[c] * 128, rows=None,
+                                 step_ms={0: 1.2, 8: 1.9}[k]))
+            pol.iteration_(k, 128, host(c) * (1 + rng.uniform(-noise, noise)), host(c) * (1 + rng.uniform(-noise, noise)))
+
+    def fresh(**kw):
+        pol = Goodput([8], margin=0.0, explore_every=0, time_ema=0.1, **kw)
+        pol.set_table({0: {128: 1.2}, 8: {128: 1.9}})
+        pol.accept[8], pol.rows_seen[8] = 1.6, 1000
+        return pol
+
+    pol = fresh(host_model=True)
+    feed(pol, 0, 1.0, lambda c: 1.0 + 0.8 * c, n=50)
+    feed(pol, 8, 1.6, lambda c: 1.0 + 0.8 * c)
+    assert abs(pol._host_line(128, 1.0) - 1.8) < 0.1 and abs(pol._host_line(128, 2.0) - 2.6) < 0.1
+    assert abs(pol.iter_ms(8, 128) - max(1.9, 1.0 + 0.8 * pol.accept[8])) < 0.1 and abs(pol.iter_ms(0, 128) - 1.8) < 0.1
+    pol.accept[8] = 1.6
+    assert pol.choose(BatchView(num_decode=128, num_waiting=0)) == 8  # 1.6 / 2.28 > 1 / 1.8
+    # the host slows down by 1.3 while k = 8 runs: the k = 0 price follows through the line's level
+    feed(pol, 8, 1.6, lambda c: 1.3 * (1.0 + 0.8 * c))
+    assert abs(pol.iter_ms(0, 128) - 1.3 * 1.8) < 0.15
+    assert pol.describe()["host_line"][128]["per_token"] == pytest.approx(0.8 * 1.3, abs=0.25)
+    base = fresh()
+    feed(base, 0, 1.0, lambda c: 1.0 + 0.8 * c, n=50)
+    feed(base, 8, 1.6, lambda c: 1.0 + 0.8 * c)
+    before = base.iter_ms(0, 128)
+    feed(base, 8, 1.6, lambda c: 1.3 * (1.0 + 0.8 * c))
+    assert base.iter_ms(0, 128) == before and "host_line" in base.describe()
+    # device-bound (the host line far below the steps): the device steps decide, k = 0 when a(8) does not pay
+    dev = fresh(host_model=True)
+    feed(dev, 0, 1.0, lambda c: 0.2 + 0.05 * c, n=50)
+    dev.accept[8] = 1.3
+    assert dev.iter_ms(8, 128) == pytest.approx(1.9) and dev.choose(BatchView(num_decode=128, num_waiting=0)) == 0
+    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [8], "host_model": True})).host_model

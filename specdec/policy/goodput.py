@@ -15,6 +15,7 @@ PROBE_AGE = 8  # goodput probe_requests: a request is probed once it has run thi
 SHADOW_SLACK = 0.2  # goodput: while the best k > 0 trails k = 0 by more than this, shadow scoring backs off
 SERVED_OUTLIER = 2.0  # goodput: a served step's duration counts as at most this many times the average
 FIRST_ITER_OUTLIER = 4.0  # ... and the first served iteration at (k, bucket) as this many times the estimate
+HOST_SLOPE_MEMORY = 0.1  # goodput host_model: the slope's fit forgets at this share of time_ema (a longer memory)
 
 
 class Goodput:
@@ -86,8 +87,13 @@ class Goodput:
     batch, one at a large one). The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
     EMA: one first step does not set it (n-gram's first step at C = 1 accepted nothing, a prior of
     1.0 that the EMA took hundreds of rows to move).
-    ``defer_first_tries`` (off by default; simulated, not measured on the H200 yet): first tries wait
-    while the requests still prefilling (BatchView.num_prefilling) outnumber the decode rows (see choose).
+    ``host_model`` (off by default; simulated, not measured on the H200 yet): iter_ms from one host line per
+    table batch, a + b x (tokens committed per row), fitted over the unmixed iterations of every k, instead of each
+    k's own served iterations: an estimate refreshed only while its k runs stays where a fast or slow spell of the
+    host left it (experiments/sim_host_drift.py).
+    ``defer_first_tries`` (off by default; H200 6ac62a3: 0.77x of never at C = 256): first tries wait
+    while the requests still prefilling (BatchView.num_prefilling) outnumber the decode rows (see choose);
+    ``ramp_hold`` (off by default; simulated): every step does.
     A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
     near the crossover does not flip every step. Decode rows only: prefills never count.
     H200 (bench_spec --draft eagle3 --trace-dir, results/spec/goodput_trace_2dbe67d.md): with one
@@ -109,7 +115,8 @@ class Goodput:
                  refresh_every: int = 0, defer_first_tries: bool = False, shadow_min_rows: float = 2.0,
                  probe_requests: int = 0, shadow_ema: float | None = 0.03, iter_median: int = 0,
                  shadow_max_lag: int | None = None, explore_fresh: float = 0.0, shadow_rows_cap: int | None = None,
-                 iter_min_samples: int = 0, row_sample: int = 0, ramp_hold: bool = False):
+                 iter_min_samples: int = 0, row_sample: int = 0, ramp_hold: bool = False,
+                 host_model: bool = False):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -213,6 +220,11 @@ class Goodput:
         self.row_sample = int(row_sample)
         self._row_cursor = 0  # where the next step's sampled rows start
         self.host_ms: dict[int, float] = {}  # table batch -> EMA of host ms per iteration (any k)
+        # host_model: an iteration's host ms as a + b x (tokens committed per row), fitted per table batch over the
+        # unmixed iterations of every k (decayed sums [w, w x, w x^2, w y, w x y]); iter_ms prices k from it
+        self.host_model = bool(host_model)
+        self._host_fit: dict[int, list[float]] = {}
+        self._last_per_row: float | None = None  # tokens per row the last step fed to update() committed
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
         if not 0.0 <= explore_fresh <= 1.0:
@@ -295,11 +307,48 @@ class Goodput:
         steps wait for the step in flight and do the host's work before they launch) a k > 0
         iteration costs t(k, batch) plus the host ms: nothing overlaps."""
         b, _ = self._bucket(k, batch)
+        if self.host_model:
+            host = self._host_line(b, 1.0 if k == 0 else (self.accept.get(k) or 1.0))
+            if host is not None:
+                ms = self.step_ms(k, batch)
+                return ms + host if k > 0 and self.serial_drafting else max(ms, host)
         served = self.iter_observed.get((k, b))
         if served is not None and (not self.iter_min_samples
                                    or self.iter_samples.get((k, b), 0) >= self.iter_min_samples):
             return served
         return self._iter_model(k, batch, b)
+
+    def _host_line(self, b: int, per_row: float) -> float | None:
+        """host_model: the fitted host ms of an iteration at table batch b committing per_row tokens a row (None:
+        no fit yet). The slope needs iterations that committed different amounts (k > 0 steps); until then, and
+        if it comes out negative, the line is flat at the mean."""
+        fits = self._host_fit.get(b)
+        if fits is None:
+            return None
+        (w, sx, _, sy, _), slow = fits
+        mx, my = sx / w, sy / w
+        # the slope from the long memory (the k = 0 point, one token a row, lies outside the spread of a k > 0
+        # step's commits: a slope from the last ~1 / time_ema iterations alone swings the extrapolation there),
+        # the level from the short one (it follows the host's speed)
+        w2, sx2, sxx2, sy2, sxy2 = slow
+        mx2, my2 = sx2 / w2, sy2 / w2
+        var = sxx2 / w2 - mx2 * mx2
+        slope = max(0.0, (sxy2 / w2 - mx2 * my2) / var) if var > 1e-6 else 0.0
+        return my + slope * (per_row - mx)
+
+    def _fit_host_(self, b: int, per_row: float, host_ms: float) -> None:
+        """Fold one unmixed iteration into the host line of table batch b (weight time_ema for the newest; a sample
+        counts as at most SERVED_OUTLIER times the line's estimate)."""
+        fits = self._host_fit.get(b)
+        if fits is None:
+            first = [1.0, per_row, per_row * per_row, host_ms, per_row * host_ms]
+            self._host_fit[b] = (first, list(first))
+            return
+        est = self._host_line(b, per_row)
+        y = min(host_ms, SERVED_OUTLIER * est) if est else host_ms
+        for f, keep in zip(fits, (1.0 - self.time_ema, 1.0 - self.time_ema * HOST_SLOPE_MEMORY)):
+            for i, v in enumerate((1.0, per_row, per_row * per_row, y, per_row * y)):
+                f[i] = keep * f[i] + v
 
     def _iter_model(self, k: int, batch: int, b: int) -> float:
         """iter_ms where the served iterations at (k, bucket b) do not price it (none, or fewer than
@@ -321,6 +370,8 @@ class Goodput:
         if mixed or self.table is None or self.time_ema <= 0 or batch <= 0 or k not in self.table:
             return
         b, _ = self._bucket(k, batch)
+        if self.host_model and self._last_per_row is not None:
+            self._fit_host_(b, self._last_per_row, float(host_ms))
         old = self.host_ms.get(b)
         sample = host_ms if old is None else min(host_ms, SERVED_OUTLIER * old)
         self.host_ms[b] = sample if old is None else (1.0 - self.time_ema) * old + self.time_ema * sample
@@ -617,6 +668,8 @@ class Goodput:
                 "served_iter_samples": {f"k={k}": {b: n for (kk, b), n in sorted(self.iter_samples.items()) if kk == k}
                                         for k in self.ks},
                 "host_ms_per_iter": dict(sorted(self.host_ms.items())),
+                "host_line": {b: {"at_1": self._host_line(b, 1.0), "per_token": self._host_line(b, 2.0)
+                                  - self._host_line(b, 1.0)} for b in sorted(self._host_fit)},
                 "accept": {f"k={k}": a for k, a in self.accept.items()},
                 "accept_rows_seen": {f"k={k}": n for k, n in self.rows_seen.items()},
                 "shadow_samples": self.shadow_samples, "lookup_ms_per_row": self.lookup_ms,
@@ -629,6 +682,8 @@ class Goodput:
                 "accept_rows": {f"k={k}": {str(r): a for r, a in own.items()} for k, own in self.row_accept.items()}}
 
     def update(self, stats: StepStats) -> None:
+        if self.host_model and stats.committed:
+            self._last_per_row = sum(stats.committed) / len(stats.committed)
         if (stats.step_ms is not None and self.time_ema > 0 and self.table is not None and stats.num_decode
                 and stats.k in self.table):
             b, table_ms = self._bucket(stats.k, stats.num_decode)
