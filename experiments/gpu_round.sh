@@ -28,6 +28,9 @@
 #                                             on MT-bench at C = 1, 2, 8, the n-gram C = 1 step split by phase
 #   ABITER_W=mt_bench|humaneval bash experiments/gpu_round.sh abiter   # goodput iter_min_samples=0,16 x row_sample=0,16
 #                                             beside never / always, n-gram, 3 seeds, at the e5229cc misses (ABITER_C)
+#   HM_W=mt_bench|humaneval bash experiments/gpu_round.sh hostmodel   # goodput host_model A/B beside never / always,
+#                                             n-gram, staggered, seeds 0-2, at HM_C (64,128,256)
+#   bash experiments/gpu_round.sh ramphold8b  # goodput ramp_hold A/B beside never / always chain 3, 8B shapes, RH_C
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
 #                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
 #   bash experiments/gpu_round.sh tiles17     # SmolLM2 projections at 17 / 21 rows (tree16 / tree20_deep verify): cuBLAS
@@ -213,6 +216,21 @@ abiter)  # goodput iter_min_samples 0 / 16 x row_sample 0 / 16 beside never / al
   python -m specdec.report "$R/abiter_$w/base" "$R/abiter_$w/goodput" --out "$R/abiter_$w/report" 2>&1 \
     | sed -n '/^## Policy envelope/,/^## /p' | head -n 14
   PACK_STEPS=1 pack "abiter_$w" "abiter_$w" ;;
+hostmodel)  # goodput host_model A/B beside never / always, n-gram, staggered, seeds 0 / 1 / 2 at HM_C (64,128,256) on
+  # HM_W (mt_bench): one multirun, a point's four policies back to back per seed (the sweep lists seed before policy)
+  w=${HM_W:-mt_bench}
+  run ${HM_S:-560} python -m specdec.run --multirun +experiment=policy_envelope draft=ngram_chains workload=$w \
+    workload.stagger=true workload.concurrency=${HM_C:-64,128,256} seed=0,1,2 \
+    policy=never,always,goodput,goodput_host_model hydra.sweep.dir="$R/hostmodel_$w"
+  python -m specdec.report "$R/hostmodel_$w" --out "$R/hostmodel_$w/report" 2>&1 | sed -n '/^## Paired by seed/,/^## /p' | head -n 12
+  PACK_STEPS=1 pack "hostmodel_$w" "hostmodel_$w" ;;
+ramphold8b)  # goodput ramp_hold A/B beside never / always chain 3 at 8B shapes (replayed trace, not staggered), RH_C
+  # (32,64,128,256): one multirun, a point's policies back to back
+  run ${RH_S:-560} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
+    policy=never,always3,goodput,goodput_ramp_hold workload.concurrency=${RH_C:-32,64,128,256} \
+    hydra.sweep.dir="$R/ramphold8b"
+  python -m specdec.report "$R/ramphold8b" --out "$R/ramphold8b/report" 2>&1 | sed -n '/^## Crossover summary/,/^## /p' | head -n 12
+  PACK_STEPS=1 pack ramphold8b ramphold8b ;;
 sweep)
   n=${SWEEP_NAME:?SWEEP_NAME}
   # shellcheck disable=SC2086  # SWEEP_ARGS: overrides, split on spaces
