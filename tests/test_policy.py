@@ -1104,3 +1104,31 @@ def test_goodput_host_model_prices_every_k_from_one_host_line():
     dev.accept[8] = 1.3
     assert dev.iter_ms(8, 128) == pytest.approx(1.9) and dev.choose(BatchView(num_decode=128, num_waiting=0)) == 0
     assert build_policy(OmegaConf.create({"name": "goodput", "ks": [8], "host_model": True})).host_model
+
+
+def test_goodput_ramp_hold_in_the_engine_drafts_prompts_until_tried_and_stays_greedy(tiny):
+    """goodput ramp_hold on an engine with an EAGLE-3 drafter, requests arriving while others decode: prompts
+    prefilled at k = 0 run the draft while k = 4 awaits its first tries (no catch-up over them when it comes), and
+    the outputs equal plain greedy whatever it chooses (host_model on too: its pricing changes choices, not tokens)."""
+    prompts = rand_prompts([14, 15, 16, 17, 18, 19], seed=3)
+    want = [reference(tiny, p, 12) for p in prompts]
+
+    def serve(asks: bool):
+        drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
+        pol = Goodput([4], explore_every=4, profile_context=40, probe_rows=1000, ramp_hold=True, host_model=True)
+        pol.wants_prefill_drafting = asks
+        # 8 prompt tokens a forward: 4 prompts of 14-17 tokens take several iterations (a ramp-up)
+        engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=2048, prefill_chunk=8),
+                        drafter=drafter, policy=pol, ks=(4,))
+        reqs = [engine.add_request(p, 12) for p in prompts]
+        while engine.has_work():
+            engine.step()
+            engine.check()
+        assert [r.output_ids for r in reqs] == want
+        return pol, engine
+
+    pol, engine = serve(True)
+    assert pol.ramp_steps > 0 and pol.rows_seen[4] < pol.probe_rows  # held in the ramp-up; k = 4 untried throughout
+    assert engine.undrafted_prefill_tokens == 0
+    pol, engine = serve(False)  # the engine's own rule: prompts prefilled after a held step skip the draft
+    assert pol.ramp_steps > 0 and engine.undrafted_prefill_tokens > 0
