@@ -223,7 +223,7 @@ class Goodput:
         # host_model: an iteration's host ms as a + b x (tokens committed per row), fitted per table batch over the
         # unmixed iterations of every k (decayed sums [w, w x, w x^2, w y, w x y]); iter_ms prices k from it
         self.host_model = bool(host_model)
-        self._host_fit: dict[int, list[float]] = {}
+        self._host_fit: dict[int, tuple[list[float], list[float]]] = {}  # table batch -> (short, long memory)
         self._last_per_row: float | None = None  # tokens per row the last step fed to update() committed
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
