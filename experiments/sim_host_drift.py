@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from specdec.policy import build_policy  # noqa: E402
+from specdec.policy import Always, Never, build_policy  # noqa: E402
 from specdec.policy.base import BatchView, StepStats  # noqa: E402
 
 KS = (2, 4, 8)
@@ -163,18 +163,7 @@ def main(argv=None) -> int:
                 else val.strip() == "true"
         return lambda: build_policy(cfg)
 
-    def fixed(k):
-        class Fixed:
-            name, ks = f"always{k}", (k,)
-
-            def choose(self, view):
-                return k
-
-            def update(self, stats):
-                pass
-        return Fixed
-
-    arms = [("never", fixed(0))] + [(f"always{k}", fixed(k)) for k in KS] + [("goodput", goodput(""))]
+    arms = [("never", Never)] + [(f"always{k}", (lambda k=k: Always(k))) for k in KS] + [("goodput", goodput(""))]
     arms += [(f"goodput {v}", goodput(v.replace(" ", ","))) for v in a.variants.split(";") if v.strip()]
     lines = [f"# sim_host_drift: {a.batch} rows, {a.seconds:g} s x {a.seeds} seeds from {a.warmup:g} s; repeat "
              f"{a.repeat:g} (len {a.repeat_len:g}), q {a.q:g}, stray {a.stray:g}; host {a.h0:g} + {a.h1:g} ms/token, "

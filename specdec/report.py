@@ -837,10 +837,10 @@ def _paired_rows(rs: list[Run], cs, order, names) -> list[list[str]] | None:
     mean = {k: sum(v) / len(v) for k, v in by.items()}
     bounds = [p for p in order if names[p] in ("never", "always")]
     envs = {}
-    for (p, c, s) in mean:
-        vals = {names[b]: mean[(b, c, s)] for b in bounds if (b, c, s) in mean}
-        if "never" in vals and "always" in vals:
-            envs[(c, s)] = max(mean[(b, c, s)] for b in bounds if (b, c, s) in mean)
+    for (_, c, s) in mean:
+        have = [b for b in bounds if (b, c, s) in mean]
+        if {names[b] for b in have} == {"never", "always"}:
+            envs[(c, s)] = max(mean[(b, c, s)] for b in have)
     if not envs:
         return None
     rows = []
