@@ -62,8 +62,18 @@ def step_table(path: Path) -> dict[int, dict[int, float]]:
 
 
 def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: float, seed: int, chunk: int,
-             fwd_a: float, fwd_b: float, max_new: int = 128, stagger: bool = False) -> dict:
+             fwd_a: float, fwd_b: float, max_new: int = 128, stagger: bool = False, jitter: float = 0.0,
+             spikes: tuple[float, float, float] = (0.0, 1.0, 1.0), host_ms: float = 1.0) -> dict:
     rng = random.Random(seed)
+    noise_rng = random.Random(seed + 7919)  # the iterations' wall-time noise (--jitter / --spikes)
+
+    def noise() -> float:
+        """An iteration's wall time over its device time: lognormal jitter, now and then a host spike."""
+        f = noise_rng.lognormvariate(0.0, jitter) if jitter else 1.0
+        if spikes[0] and noise_rng.random() < spikes[0]:
+            f *= noise_rng.uniform(spikes[1], spikes[2])
+        return f
+
     trace = simulate.trace
     replay = ReplayAcceptance(trace, seed=seed, per_request=False, missing="nearest")
     ks = sorted(DEPTHS)
@@ -145,6 +155,13 @@ def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: flo
             ms += step
             policy.update(StepStats(k=k, num_decode=B, committed=committed, rows=list(ids), step_ms=step,
                                     counterfactual=cf))
+            if jitter or spikes[0]:
+                # the engine's iteration report: wall ms start to start (noisy), the host's share; iterations that
+                # prefilled or caught the draft up are mixed (left out of goodput's iteration estimates)
+                f = noise()
+                if hasattr(policy, "iteration_"):
+                    policy.iteration_(k, B, ms * f, host_ms * f, mixed=bool(plan) or (k > 0 and backlog > 0))
+                ms *= f
             for c, r in zip(committed, decoding):
                 r["left"] -= c
                 if k == 0:
@@ -183,6 +200,14 @@ def main(argv=None) -> int:
                          "re-try's catch-up may cost")
     ap.add_argument("--ramp-hold", action="store_true", help="also goodput with ramp_hold (k = 0 while the requests "
                     "prefilling outnumber the decode rows; prompts drafted while a k is untried)")
+    ap.add_argument("--host-model", action="store_true", help="also goodput with host_model (every k priced from its "
+                    "device step and one fitted host line, not from its own served iterations)")
+    ap.add_argument("--jitter", type=float, default=0.0, metavar="SIGMA",
+                    help="iteration wall time = device time x lognormal(0, SIGMA), reported to the policy's "
+                         "iteration_ like the engine's (0: no noise, no iteration reports)")
+    ap.add_argument("--spikes", default="0,1,1", metavar="P,LO,HI",
+                    help="with probability P an iteration's wall time is also multiplied by U(LO, HI) (a host stall)")
+    ap.add_argument("--host-ms", type=float, default=1.0, help="host ms per iteration reported with --jitter / --spikes")
     ap.add_argument("--quick", action="store_true", help="one seed, short runs (smoke run)")
     a = ap.parse_args(argv)
     if a.quick:
@@ -196,22 +221,27 @@ def main(argv=None) -> int:
     fwd_a, fwd_b = (float(x) for x in a.fwd_ms.split(","))
     ks = sorted(DEPTHS)
 
-    def goodput(defer=False, hold=False):
+    def goodput(defer=False, hold=False, host=False):
         return lambda: Goodput(ks, ema=0.1, prior_ema=0.01, margin=0.03, probe_rows=4, probe_cost=4,
                                explore_every=32, explore_backoff=2.0, explore_max=1024, switch_horizon=32,
                                explore_budget=a.explore_budget, counterfactual=True, defer_first_tries=defer,
-                               ramp_hold=hold)
+                               ramp_hold=hold, host_model=host, probe_requests=16)
 
     arms = [("never", Never)] + [(f"always{k}", (lambda k=k: Always(k))) for k in ks]
     arms += [("goodput", goodput()), ("goodput defer_first_tries", goodput(True))]
     if a.ramp_hold:
         arms.append(("goodput ramp_hold", goodput(hold=True)))
+    if a.host_model:
+        arms.append(("goodput host_model", goodput(host=True)))
+    spikes = tuple(float(x) for x in a.spikes.split(","))
     n_gp = arms.index(next(x for x in arms if x[0] == "goodput"))
     source = f"parametric mean {a.parametric:g} at depth 7" if a.parametric is not None else Path(a.trace).name
     lines = [f"# sim_serving: {source}, step table {Path(a.table).parent.name} of {Path(a.table).parents[1].name}, "
              f"prefill forward {fwd_a:g} + {fwd_b:g} N ms, chunk {a.chunk}, {a.seconds:g} simulated s x {a.seeds} "
              f"seeds, tok/s from {a.warmup:g} s, explore_budget {a.explore_budget:g}"
-             + (", staggered loop" if a.stagger else ""), "",
+             + (", staggered loop" if a.stagger else "")
+             + (f", iteration noise: lognormal sigma {a.jitter:g}, spikes {a.spikes}, host {a.host_ms:g} ms"
+                if a.jitter or spikes[0] else ""), "",
              "| C | " + " | ".join(name for name, _ in arms) + " | best always | "
              + " | ".join(f"{name} / envelope" for name, _ in arms[n_gp:])
              + " | prompt tokens per forward (never / " + " / ".join(name for name, _ in arms[n_gp:]) + ") |",
@@ -220,7 +250,8 @@ def main(argv=None) -> int:
         res = []
         for _, make in arms:
             runs = [simulate(make, table, lengths, C=C, seconds=a.seconds, warmup=a.warmup, seed=s, chunk=a.chunk,
-                             fwd_a=fwd_a, fwd_b=fwd_b, stagger=a.stagger) for s in range(a.seeds)]
+                             fwd_a=fwd_a, fwd_b=fwd_b, stagger=a.stagger, jitter=a.jitter, spikes=spikes,
+                             host_ms=a.host_ms) for s in range(a.seeds)]
             res.append({key: statistics.mean(r[key] for r in runs) for key in runs[0]})
         tps = [r["tok_s"] for r in res]
         env = max(tps[: 1 + len(ks)])
@@ -231,7 +262,9 @@ def main(argv=None) -> int:
                      + " |")
         print(lines[-1], flush=True)
     lines += ["", "tok/s: committed tokens per simulated second from the warm-up on; the envelope is max(never, "
-              "every always). No host time, no timing noise: what the iteration structure alone does."]
+              "every always). " + ("Iteration wall times noisy as above (the policy sees them as the engine reports them)."
+                                   if a.jitter or spikes[0] else
+                                   "No host time, no timing noise: what the iteration structure alone does.")]
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
