@@ -249,6 +249,37 @@ def test_goodput_picks_the_best_of_several_tree_sizes_per_batch():
     assert [slow.choose(view(b)) for b in (1, 8, 32, 256)] == [32, 0, 0, 0]
 
 
+def test_goodput_logs_each_switch_with_the_estimates_it_compared():
+    """describe()'s switch_log: one entry per change of k (none for a choice that keeps it), with the batch, the
+    k left and taken, why (first tries, then the estimates), and per k the a(k), iteration ms and rate compared,
+    the taken k's rate the highest when the estimates decided; the log keeps the last SWITCH_LOG switches."""
+    from specdec.policy.goodput import SWITCH_LOG
+
+    table = {0: {1: 1.0, 8: 1.1, 32: 1.5}, 3: {1: 1.1, 8: 1.3, 32: 2.0}, 32: {1: 1.3, 8: 3.0, 32: 7.0}}
+    pol = Goodput([3, 32], margin=0.0, explore_every=0)
+    pol.set_table(table)
+    run_k(pol, 3, [2.2, 2.2])  # first tries: the smallest k first (no counterfactual pairs)
+    log = pol.describe()["switch_log"]
+    assert [(e["from"], e["to"], e["why"]) for e in log] == [(0, 3, "first_try")]
+    run_k(pol, 32, [3.6, 3.6])
+    got = [pol.choose(view(b)) for b in (1, 1, 8, 32)]
+    assert got == [32, 32, 3, 3]  # 32 at one row (2.77 tokens a row-ms against 2.0), 3 at 8 and 32 rows
+    d = pol.describe()
+    log = d["switch_log"]
+    assert [(e["from"], e["to"], e["why"]) for e in log] == [(0, 3, "first_try"), (3, 32, "first_try"),
+                                                            (32, 3, "estimates")]
+    assert d["switches"] == 3 and d["choices_made"] == 6
+    last = log[-1]
+    assert (last["from"], last["to"], last["why"], last["batch"]) == (32, 3, "estimates", 8)
+    rates = {int(k): e["rate"] for k, e in last["k"].items()}
+    assert max(rates, key=rates.get) == 3
+    assert last["k"]["3"]["iter_ms"] == pytest.approx(1.3) and last["k"]["3"]["a"] == pytest.approx(2.2)
+    assert last["k"]["0"] == {"a": 1.0, "iter_ms": 1.1, "rate": pytest.approx(1 / 1.1, abs=1e-4)}
+    for i in range(SWITCH_LOG + 5):  # alternate: every choice a switch
+        pol.choose(view(1 if i % 2 == 0 else 8))
+    assert len(pol.describe()["switch_log"]) == SWITCH_LOG and pol.describe()["switches"] == 3 + SWITCH_LOG + 5
+
+
 def test_goodput_rows_fast_path_matches_the_direct_sum():
     pol = Goodput([2], ema=0.5, margin=0.0, explore_every=0)
     pol.set_table(TABLE)

@@ -16,6 +16,7 @@ SHADOW_SLACK = 0.2  # goodput: while the best k > 0 trails k = 0 by more than th
 SERVED_OUTLIER = 2.0  # goodput: a served step's duration counts as at most this many times the average
 FIRST_ITER_OUTLIER = 4.0  # ... and the first served iteration at (k, bucket) as this many times the estimate
 HOST_SLOPE_MEMORY = 0.1  # goodput host_model: the slope's fit forgets at this share of time_ema (a longer memory)
+SWITCH_LOG = 64  # goodput: the last this many switches of k, with the estimates behind each (describe: switch_log)
 
 
 class Goodput:
@@ -247,6 +248,10 @@ class Goodput:
         self._unpruned = False  # an update started a row's own estimate since the last choose()
         self.last = 0  # k of the previous choice
         self.off_steps = 0  # consecutive k = 0 choices
+        self.n_choices = 0  # choose() calls with decode rows
+        self.n_switches = 0  # ... whose k differed from the previous one
+        # the last SWITCH_LOG switches: choice number, batch, from / to, why, and per k the estimates compared
+        self.switch_log: deque = deque(maxlen=SWITCH_LOG)
 
     # -- the step-time table ----------------------------------------------------------------
     def calibrate_(self, profile, batches) -> None:
@@ -490,6 +495,7 @@ class Goodput:
             # with a decode batch of 232-240 rows against 241-249.
             self.ramp_steps += 1
             self.off_steps += 1
+            self._log_switch(0, B, rows, "ramp_hold")
             self.last = 0
             return 0
         ramp = self.defer_first_tries and view.num_prefilling > B
@@ -499,12 +505,14 @@ class Goodput:
             # With counterfactual samples, the largest untried k first: its steps also sample every
             # smaller k (which then may need no first try of its own).
             k = untried[-1] if self.counterfactual_pairs else untried[0]
+            why = "first_try"
         elif self._probe_due(B, rows):
             # One step at the largest k for a request its prior has not seen (the k it interrupts stays
             # the one to switch from: the refresh's bookkeeping)
             k = self.ks[-1]
             self._refreshed, self._before_refresh = True, self.last
             self.request_probes += 1
+            why = "request_probe"
         else:
             rates = {k: r for k in self.ks if (r := self.rate(k, B, rows)) is not None}
             spec = [r for j, r in rates.items() if j > 0]
@@ -563,9 +571,27 @@ class Goodput:
                     self.explore_gap = min(self.explore_gap * self.explore_backoff, float(self.explore_max))
                     self.off_steps = -1  # counted afresh from here
             k = self._refresh(k, B)
+            why = "explore" if self._explored else "refresh" if self._refreshed else "estimates"
         self.off_steps = self.off_steps + 1 if k == 0 else 0
+        self._log_switch(k, B, rows, why)
         self.last = k
         return k
+
+    def _log_switch(self, k: int, B: int, rows, why: str) -> None:
+        """Count a choice, and log it with the estimates it compared when it changes k (switch_log): per k the
+        expected tokens per row a(k), the iteration ms and the resulting tokens per row per ms at batch B."""
+        self.n_choices += 1
+        if k == self.last:
+            return
+        self.n_switches += 1
+        est = {}
+        for j in self.ks:
+            a = self.expected(j, B, rows)
+            it = self.iter_ms(j, B)
+            est[str(j)] = {"a": None if a is None else round(a / B, 4), "iter_ms": round(it, 4),
+                           "rate": None if a is None else round(a / B / it, 5)}
+        self.switch_log.append({"choice": self.n_choices, "batch": B, "from": self.last, "to": k, "why": why,
+                                "k": est})
 
     def drafts_prefill(self) -> bool:
         """Whether the engine runs the draft over prompts it prefills while at k = 0 (``ramp_hold``: while some
@@ -657,7 +683,8 @@ class Goodput:
     def describe(self) -> dict:
         """What the choices rest on, for run logs: the step-time table (ms by k and batch), the prior
         a(k) and the live requests' own estimates, the rows behind each prior (counterfactual ones
-        also counted apart) and the counterfactual pairs with their labels."""
+        also counted apart), the counterfactual pairs with their labels, and the last SWITCH_LOG switches of k with
+        the estimates each compared (switch_log: why a run left a k it then came back to)."""
         return {"profile_context": self.profile_context,
                 "catch_up_forward_ms": dict(self._catch_up_fwd),
                 "step_ms": {f"k={k}": dict(rows) for k, rows in (self.table or {}).items()},
@@ -679,7 +706,8 @@ class Goodput:
                 "counterfactual": bool(self.counterfactual_pairs),
                 "counterfactual_rows": {f"k={k}": n for k, n in self.counterfactual_rows.items()},
                 "counterfactual_pairs": {f"k={a}<k={b}": v for (a, b), v in sorted(self.counterfactual_pairs.items())},
-                "accept_rows": {f"k={k}": {str(r): a for r, a in own.items()} for k, own in self.row_accept.items()}}
+                "accept_rows": {f"k={k}": {str(r): a for r, a in own.items()} for k, own in self.row_accept.items()},
+                "choices_made": self.n_choices, "switches": self.n_switches, "switch_log": list(self.switch_log)}
 
     def update(self, stats: StepStats) -> None:
         if self.host_model and stats.committed:
