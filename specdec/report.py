@@ -1196,6 +1196,45 @@ def switch_table(runs: list[Run]) -> Table | None:
     return Table("Acceptance after switching back on", caption, "switch-acceptance", columns, rows)
 
 
+def policy_switch_table(runs: list[Run], last: int = 3) -> Table | None:
+    """Why goodput changed k (``policy_state.switch_log``, goodput since c5bcb339): per run with switches, how many
+    and why (first tries, request probes, re-tries, refreshes, ramp_hold, the estimates), and the last ``last``
+    switches the estimates decided, each with the a(k) and iteration ms of the k left and the k taken."""
+    logged = [r for r in runs if isinstance(r.metrics.get("policy_state"), dict)
+              and r.metrics["policy_state"].get("switch_log")]
+    if not logged:
+        return None
+    rows = []
+    for r in sorted(logged, key=lambda r: (policy_label(r), _concurrency(r) or 0)):
+        st = r.metrics["policy_state"]
+        log = st["switch_log"]
+        why: dict[str, int] = {}
+        for e in log:
+            why[e.get("why", "?")] = why.get(e.get("why", "?"), 0) + 1
+
+        def side(e, k):
+            est = (e.get("k") or {}).get(str(k)) or {}
+            a = est.get("a")
+            return f"{'-' if a is None else f'{a:.2f}'} / {est.get('iter_ms', float('nan')):.2f}"
+
+        recent = [e for e in log if e.get("why") == "estimates"][-last:]
+        shown = "; ".join(f"B={e['batch']}: {e['from']} -> {e['to']} ({side(e, e['from'])} -> {side(e, e['to'])})"
+                          for e in recent) or "-"
+        c = _concurrency(r)
+        rows.append([policy_label(r), "-" if c is None else str(c), str(st.get("switches", len(log))),
+                     str(st.get("choices_made", "-")),
+                     ", ".join(f"{k} {n}" for k, n in sorted(why.items())), shown])
+    columns = [Column("Policy"), Column("C", None, "r"), Column("switches", None, "r"), Column("choices", None, "r"),
+               Column("logged switches by reason"),
+               Column(f"last {last} by the estimates: batch, from -> to (a(k) / iteration ms)")]
+    context, _ = _context(logged)
+    caption = ("Why the policy changed k: switches of the whole run and choices made, the logged switches by "
+               "reason (the policy keeps the last 64), and the last ones its estimates decided, with the tokens per "
+               "row a(k) and iteration ms it compared for the k left and the k taken"
+               + (f"; {context}" if context else "") + ".")
+    return Table("Policy switches", caption, "policy-switches", columns, rows)
+
+
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -1468,7 +1507,8 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
                 figures.append((f"Crossover, replayed acceptance: {label}", names[0]))
                 plot_files += names
         tables += off_cost_tables(runs)
-        for extra in (step_breakdown_table(runs), step_floor_table(runs), switch_table(runs)):
+        for extra in (step_breakdown_table(runs), step_floor_table(runs), switch_table(runs),
+                      policy_switch_table(runs)):
             if extra is not None:
                 tables.append(extra)
         tables.append(overview_table(runs))

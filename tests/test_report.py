@@ -619,3 +619,29 @@ def test_policy_envelope_caption_says_when_the_loop_was_staggered(tmp_path):
         stagger(name)
     md, _ = report.build_report(report.load_runs([tmp_path / "sweep"]), tmp_path / "out2")
     assert "timed closed loop of 5 s, first round staggered (workload.stagger)" in md
+
+
+def test_policy_switches_table_tells_why_a_run_changed_k(tmp_path):
+    """A goodput run's switch_log becomes one row: its switch count, the logged switches by reason and the last
+    ones its estimates decided, with a(k) / iteration ms of the k left and the k taken; runs without a log
+    (never, older goodput runs) get no row and, all of them without, no table."""
+    def est(a16, it16, a48, it48):
+        def one(a, it):
+            return {"a": a, "iter_ms": it, "rate": None if a is None else a / it}
+        return {"0": one(1.0, 4.7), "16": one(a16, it16), "48": one(a48, it48)}
+    log = [{"choice": 1, "batch": 4, "from": 0, "to": 48, "why": "first_try", "k": est(None, 6.6, None, 8.8)},
+           {"choice": 9, "batch": 4, "from": 48, "to": 16, "why": "estimates", "k": est(4.6, 6.69, 5.67, 8.99)},
+           {"choice": 40, "batch": 4, "from": 16, "to": 48, "why": "estimates", "k": est(4.1, 7.52, 5.67, 8.99)}]
+    make_run(tmp_path / "s" / "0", tok_s=2305.0, draft="eagle3", policy="goodput", concurrency=4,
+             policy_state={"switches": 31, "choices_made": 650, "switch_log": log})
+    make_run(tmp_path / "s" / "1", tok_s=818.0, concurrency=4)
+    md, _ = report.build_report(report.load_runs([tmp_path / "s"]), tmp_path / "out")
+    rows = table(md, "Policy switches")
+    assert len(rows) == 2
+    assert col(rows, "switches") == ["31"] and col(rows, "choices") == ["650"]
+    assert col(rows, "logged switches by reason") == ["estimates 2, first_try 1"]
+    last = rows[1][-1]
+    assert last == "B=4: 48 -> 16 (5.67 / 8.99 -> 4.60 / 6.69); B=4: 16 -> 48 (4.10 / 7.52 -> 5.67 / 8.99)"
+    make_run(tmp_path / "t" / "0", tok_s=818.0, concurrency=4)
+    md, _ = report.build_report(report.load_runs([tmp_path / "t"]), tmp_path / "out2")
+    assert "## Policy switches" not in md
