@@ -31,6 +31,9 @@
 #   HM_W=mt_bench|humaneval bash experiments/gpu_round.sh hostmodel   # goodput host_model A/B beside never / always,
 #                                             n-gram, staggered, seeds 0-2, at HM_C (64,128,256)
 #   bash experiments/gpu_round.sh ramphold8b  # goodput ramp_hold A/B beside never / always chain 3, 8B shapes, RH_C
+#   bash experiments/gpu_round.sh paramlow    # the parametric 8B crossover's low Cs (PL_C: 2,4,8), seeds 0 / 1, never /
+#                                             tree16 / tree48 / goodput / goodput_host_model, per-step records and
+#                                             goodput's switch_log (the report's "Policy switches" table)
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun (SWEEP_S: its limit),
 #                                             packed as N.tgz, e.g. an A/B arm beside an earlier stage's sweep
 #   bash experiments/gpu_round.sh tiles17     # SmolLM2 projections at 17 / 21 rows (tree16 / tree20_deep verify): cuBLAS
@@ -231,6 +234,14 @@ ramphold8b)  # goodput ramp_hold A/B beside never / always chain 3 at 8B shapes 
     hydra.sweep.dir="$R/ramphold8b"
   python -m specdec.report "$R/ramphold8b" --out "$R/ramphold8b/report" 2>&1 | sed -n '/^## Crossover summary/,/^## /p' | head -n 12
   PACK_STEPS=1 pack ramphold8b ramphold8b ;;
+paramlow)  # 6d0055c: goodput 0.967 of the envelope at C = 4 (31 switches between tree16 and tree48); the same point
+  # with per-step records and the switch log, beside host_model (device step times + one host line, not each k's own
+  # served iterations)
+  run ${PL_S:-560} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=6 \
+    workload.concurrency=${PL_C:-2,4,8} seed=0,1 policy=never,always16,always48,goodput,goodput_host_model \
+    hydra.sweep.dir="$R/paramlow"
+  python -m specdec.report "$R/paramlow" --out "$R/paramlow/report" 2>&1 | sed -n '/^## Policy switches/,/^## /p' | cut -c1-40,440-900 | head -n 20
+  PACK_STEPS=1 pack paramlow paramlow ;;
 sweep)
   n=${SWEEP_NAME:?SWEEP_NAME}
   # shellcheck disable=SC2086  # SWEEP_ARGS: overrides, split on spaces
