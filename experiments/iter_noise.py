@@ -1,0 +1,87 @@
+"""How noisy are a run's iteration wall times, and how long does its policy hold each k? Reads run directories'
+per-step records (steps.jsonl or steps.jsonl.gz, as ``specdec.run`` writes them) and prints, per run and k, the
+unmixed iterations at the run's most common decode batch (neither the step nor the one before it prefilled; the
+wall time of an iteration is the gap between two steps' t_s): their count, p10 / p50 / p90 ms and the standard
+deviation of log(wall ms); the tokens committed per row on those steps; and the runs of consecutive steps at one k
+(how many, the longest).
+
+A policy that prices each k from an average of its own served iterations keeps a k's average where its last
+iterations left it while another k runs: with wall-time noise of this size a switch can come from the noise of the
+k running, and the way back waits for the other's frozen value to be undercut (goodput's ``host_model`` prices
+every k from its device step and one host line instead).
+
+    python experiments/iter_noise.py RUN_DIR [RUN_DIR ...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import math
+import statistics as st
+import sys
+from pathlib import Path
+
+
+def read_steps(run: Path) -> list[dict]:
+    for name, opener in (("steps.jsonl", open), ("steps.jsonl.gz", gzip.open)):
+        f = run / name
+        if f.exists():
+            with opener(f, "rt") as fh:
+                return [json.loads(line) for line in fh if line.strip()]
+    raise SystemExit(f"iter_noise: {run} has no steps.jsonl(.gz) (runs record them with per-step logging on)")
+
+
+def summarize(run: Path) -> list[str]:
+    rows = read_steps(run)
+    if len(rows) < 2:
+        return [f"{run}: fewer than two steps"]
+    batch = collections.Counter(r["decode_bs"] for r in rows).most_common(1)[0][0]
+    walls: dict[int, list[float]] = collections.defaultdict(list)
+    commits: dict[int, list[float]] = collections.defaultdict(list)
+    for a, b in zip(rows, rows[1:]):
+        if b["decode_bs"] == batch and not a["prefill_tokens"] and not b["prefill_tokens"]:
+            walls[b["k"]].append((b["t_s"] - a["t_s"]) * 1e3)
+            commits[b["k"]].append(b["committed"] / batch)
+    held: dict[int, list[int]] = collections.defaultdict(list)
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i]["k"] != rows[start]["k"]:
+            held[rows[start]["k"]].append(i - start)
+            start = i
+    switches = sum(len(v) for v in held.values()) - 1
+    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    policy = (cfg.get("policy") or {}).get("name", "?")
+    conc = (cfg.get("workload") or {}).get("concurrency", "?")
+    out = [f"## {run} ({policy}, C = {conc}): {len(rows)} steps, {switches} switches, decode batch {batch}", "",
+           "| k | unmixed iterations | p10 / p50 / p90 ms | sd of log | tokens per row | runs at k | longest |",
+           "| ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for k in sorted(set(walls) | set(held)):
+        w = sorted(x for x in walls.get(k, []) if x > 0)
+        q = " / ".join(f"{w[int(p * (len(w) - 1))]:.2f}" for p in (0.1, 0.5, 0.9)) if w else "-"
+        sd = f"{st.pstdev([math.log(x) for x in w]):.3f}" if len(w) > 1 else "-"
+        tok = f"{st.mean(commits[k]):.2f}" if commits.get(k) else "-"
+        h = held.get(k, [])
+        out.append(f"| {k} | {len(w)} | {q} | {sd} | {tok} | {len(h)} | {max(h) if h else '-'} |")
+    return out + [""]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="run directories with per-step records")
+    ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
+    a = ap.parse_args(argv)
+    lines = ["# iter_noise: iteration wall times and held k per run", ""]
+    for r in a.runs:
+        lines += summarize(Path(r))
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
