@@ -94,7 +94,8 @@ class Goodput:
     host left it (experiments/sim_host_drift.py).
     ``defer_first_tries`` (off by default; H200 6ac62a3: 0.77x of never at C = 256): first tries wait
     while the requests still prefilling (BatchView.num_prefilling) outnumber the decode rows (see choose);
-    ``ramp_hold`` (off by default; simulated): every step does.
+    ``ramp_hold`` (off by default; no gain on the H200 crossover at 6d0055c: 0.982 against 0.981 at C = 256): every
+    step does.
     A switch needs a gain above ``margin`` (relative) over the k of the previous step, so a batch
     near the crossover does not flip every step. Decode rows only: prefills never count.
     H200 (bench_spec --draft eagle3 --trace-dir, results/spec/goodput_trace_2dbe67d.md): with one
