@@ -14,7 +14,8 @@ of the same code path):
         workload.duration_s=null workload.requests_per_client=24 workload.min_requests=96 engine.dtype=float32 \\
         engine.kv_cache_tokens=16384 device=cpu target.config.hidden_size=64 ...   (tests/test_experiments.TINY_SHAPES)
 
-Writes DIR/fixed_table.md (k per decode batch, switches) beside the run directory DIR/run.
+Writes DIR/fixed_table.md (k per decode batch, switches) beside the run directory DIR/run. ``--quick``: that
+command with 8 requests (CPU smoke run).
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+QUICK_TABLE = ROOT / "experiments/results/scale/crossover_8b_parametric_6d0055c/b/8/metrics.json"
+TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096}
+QUICK = ["+experiment=crossover_8b", "acceptance.parametric.mean=6", "policy=goodput", "workload.concurrency=4",
+         "workload.duration_s=null", "workload.requests_per_client=2", "workload.min_requests=8",
+         "engine.dtype=float32", "engine.kv_cache_tokens=16384", "device=cpu",
+         *(f"target.config.{k}={v}" for k, v in TINY.items())]
 
 
 def load_table(path: Path) -> dict[int, dict[int, float]]:
@@ -58,9 +66,15 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = argv[argv.index("--") + 1:] if "--" in argv else []
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table", required=True, help="an earlier run's metrics.json (a goodput run's)")
+    ap.add_argument("--table", default=None, help="an earlier run's metrics.json (a goodput run's)")
     ap.add_argument("--out", required=True, help="folder: the run directory run/ and fixed_table.md")
+    ap.add_argument("--quick", action="store_true", help="the docstring's C = 4 point, 8 requests, tiny target (CPU)")
     a = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if a.quick:
+        a.table = a.table or str(QUICK_TABLE)
+        overrides = overrides or QUICK
+    if a.table is None or not overrides:
+        ap.error("give --table and the run's overrides after --, or --quick")
     table = load_table(Path(a.table))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ k running, and the way back waits for the other's frozen value to be undercut (g
 every k from its device step and one host line instead).
 
     python experiments/iter_noise.py RUN_DIR [RUN_DIR ...] [--out FILE]
+    python experiments/iter_noise.py --quick [--out FILE]    # a committed goodput run (QUICK_RUN)
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import math
 import statistics as st
 import sys
 from pathlib import Path
+
+QUICK_RUN = Path(__file__).resolve().parent / "results/spec/policy_e5229cc/eagle3_humaneval_stagger/8"
 
 
 def read_steps(run: Path) -> list[dict]:
@@ -70,9 +73,14 @@ def summarize(run: Path) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="run directories with per-step records")
+    ap.add_argument("runs", nargs="*", help="run directories with per-step records")
     ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
+    ap.add_argument("--quick", action="store_true", help="without run directories: a committed goodput run")
     a = ap.parse_args(argv)
+    if not a.runs:
+        if not a.quick:
+            ap.error("give run directories (or --quick)")
+        a.runs = [str(QUICK_RUN)]
     lines = ["# iter_noise: iteration wall times and held k per run", ""]
     for r in a.runs:
         lines += summarize(Path(r))

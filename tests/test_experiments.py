@@ -254,3 +254,28 @@ def test_repeats_run_a_points_policies_back_to_back(name, policies):
         assert [j["policy"] for j in group] == pol
         assert len({(j["workload.concurrency"], j["seed"]) for j in group}) == 1
     assert [j["seed"] for j in jobs[::len(pol)]][:3] == ["0", "1", "2"]
+
+
+def test_iter_noise_counts_unmixed_iterations_and_held_runs(tmp_path):
+    """experiments/iter_noise.py: wall ms between steps at the common decode batch, leaving out steps that
+    prefilled and those right after one; the runs of consecutive steps at each k and the switches."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import iter_noise
+
+    ks = [16, 16, 16, 32, 32, 16, 16, 16]
+    walls = [0, 1.0, 2.0, 1.5, 1.5, 1.0, 1.0, 4.0]  # ms before each step
+    prefill = [0, 0, 0, 0, 0, 0, 100, 0]  # step 6 prefilled: steps 6 and 7 are mixed
+    t, rows = 0.0, []
+    for i, (k, w, p) in enumerate(zip(ks, walls, prefill)):
+        t += w / 1e3
+        rows.append({"t_s": t, "k": k, "decode_bs": 4, "prefill_tokens": p, "committed": 4 * (2 if k == 16 else 3)})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (run / "config.json").write_text(json.dumps({"policy": {"name": "goodput"}, "workload": {"concurrency": 4}}))
+    lines = iter_noise.summarize(run)
+    assert "8 steps, 2 switches, decode batch 4" in lines[0]
+    by_k = {ln.split(" | ")[0].strip("| "): ln.split(" | ") for ln in lines if ln.startswith("| 16") or ln.startswith("| 32")}
+    assert by_k["16"][1] == "3" and by_k["32"][1] == "2"  # 1.0 / 2.0 / 1.0 ms at 16; 1.5 / 1.5 at 32
+    assert by_k["32"][3] == "0.000" and by_k["16"][4] == "2.00" and by_k["32"][4] == "3.00"
+    assert by_k["16"][5:] == ["2", "3 |"] and by_k["32"][5:] == ["1", "2 |"]
