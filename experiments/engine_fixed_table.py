@@ -5,17 +5,16 @@ engine and the acceptance replay run as usual, so what the policy does follows f
 fixed table alone. Then counts the k of every decode step per batch size and the switches (the run's steps.jsonl).
 
 H200 crossover_8b at 6d0055c, parametric trace, C = 4: goodput switched 31 times between tree16 and tree48 and held
-tree48 on 22% of the full-batch steps (0.967 of the envelope). With that run's table on the CPU (tiny random target
-of the same code path):
+tree48 on 22% of the full-batch steps (0.967 of the envelope). That run's table on the CPU, a tiny random target on
+the same code path (``--quick`` runs this with 8 requests; results/README.md has the committed run's overrides):
 
-    python experiments/engine_fixed_table.py \\
-        --table experiments/results/scale/crossover_8b_parametric_6d0055c/b/8/metrics.json --out DIR -- \\
-        +experiment=crossover_8b acceptance.parametric.mean=6 policy=goodput workload.concurrency=4 \\
-        workload.duration_s=null workload.requests_per_client=24 workload.min_requests=96 engine.dtype=float32 \\
-        engine.kv_cache_tokens=16384 device=cpu target.config.hidden_size=64 ...   (tests/test_experiments.TINY_SHAPES)
+    python experiments/engine_fixed_table.py \
+        --table experiments/results/scale/crossover_8b_parametric_6d0055c/b/8/metrics.json --out DIR -- \
+        +experiment=crossover_8b acceptance.parametric.mean=6 policy=goodput workload.concurrency=4 \
+        workload.duration_s=null workload.requests_per_client=24 workload.min_requests=96 engine.dtype=float32 \
+        engine.kv_cache_tokens=16384 device=cpu target.config.hidden_size=64 ...   (the TINY shapes below)
 
-Writes DIR/fixed_table.md (k per decode batch, switches) beside the run directory DIR/run. ``--quick``: that
-command with 8 requests (CPU smoke run).
+Writes DIR/fixed_table.md (k per decode batch, switches) beside the run directory DIR/run.
 """
 
 from __future__ import annotations

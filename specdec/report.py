@@ -59,6 +59,7 @@ with a message naming it.
 from __future__ import annotations
 
 import argparse
+import collections
 import difflib
 import json
 import math
@@ -1204,19 +1205,16 @@ def policy_switch_table(runs: list[Run], last: int = 3) -> Table | None:
               and r.metrics["policy_state"].get("switch_log")]
     if not logged:
         return None
+    def side(e, k):  # "a(k) / iteration ms" of k in switch e
+        est = (e.get("k") or {}).get(str(k)) or {}
+        a = est.get("a")
+        return f"{'-' if a is None else f'{a:.2f}'} / {est.get('iter_ms', float('nan')):.2f}"
+
     rows = []
     for r in sorted(logged, key=lambda r: (policy_label(r), _concurrency(r) or 0)):
         st = r.metrics["policy_state"]
         log = st["switch_log"]
-        why: dict[str, int] = {}
-        for e in log:
-            why[e.get("why", "?")] = why.get(e.get("why", "?"), 0) + 1
-
-        def side(e, k):
-            est = (e.get("k") or {}).get(str(k)) or {}
-            a = est.get("a")
-            return f"{'-' if a is None else f'{a:.2f}'} / {est.get('iter_ms', float('nan')):.2f}"
-
+        why = collections.Counter(e.get("why", "?") for e in log)
         recent = [e for e in log if e.get("why") == "estimates"][-last:]
         shown = "; ".join(f"B={e['batch']}: {e['from']} -> {e['to']} ({side(e, e['from'])} -> {side(e, e['to'])})"
                           for e in recent) or "-"
