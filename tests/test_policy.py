@@ -1137,6 +1137,46 @@ def test_goodput_host_model_prices_every_k_from_one_host_line():
     assert build_policy(OmegaConf.create({"name": "goodput", "ks": [8], "host_model": True})).host_model
 
 
+def test_goodput_calibrate_corrects_own_estimates_that_lag_rising_acceptance():
+    """calibrate: the batch's summed own a(k) times (committed / predicted) of the observed steps. Requests whose
+    acceptance grows along their answers leave every own estimate (an EMA of the request's past steps) below what
+    its next step commits: the uncalibrated sum predicts low and prices k = 8 under k = 0, the calibrated one comes
+    within 2% and picks k = 8 (mutation: without the factor in expected(), both choose 0)."""
+    life, batch = 60, 64
+
+    def commits(age):  # tokens a row commits at this age of its request: 1.0 rising to 2.6 (1.79 on average)
+        return 1.0 + 1.6 * age / life
+
+    def run(calibrate):
+        pol = Goodput([8], margin=0.0, explore_every=0, ema=0.03, calibrate=calibrate)
+        pol.set_table({0: {batch: 1.0}, 8: {batch: 1.7}})
+        born = {f"r{i}": -(i * life) // batch for i in range(batch)}  # staggered ages
+        ratios = []
+        for step in range(400):
+            for r, b in list(born.items()):  # a finished request is replaced by a new one
+                if step - b >= life:
+                    del born[r]
+                    born[f"{r}+"] = step
+            rows = tuple(born)
+            got = [commits(step - born[r]) for r in rows]
+            if step >= 200:
+                ratios.append(sum(got) / pol.expected(8, batch, rows))
+            pol.update(StepStats(k=8, num_decode=batch, committed=got, rows=list(rows)))
+        return pol, rows, sum(ratios) / len(ratios)
+
+    off, rows, bias_off = run(0.0)
+    on, rows_on, bias_on = run(0.002)
+    assert bias_off > 1.05 and abs(bias_on - 1.0) < 0.02
+    assert off.calibration(8) == 1.0 and on.calibration(8) == pytest.approx(bias_off, rel=0.03)
+    # true rate at k = 8: 1.79 / 1.7 = 1.05 tokens per row per ms against 1.0 at k = 0 (uncalibrated: 0.99)
+    assert off.choose(BatchView(num_decode=batch, num_waiting=0, rows=rows)) == 0
+    assert on.choose(BatchView(num_decode=batch, num_waiting=0, rows=rows_on)) == 8
+    assert on.describe()["calibration"]["k=8"] == on.calibration(8)
+    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [8], "calibrate": 0.002})).calibrate == 0.002
+    with pytest.raises(ConfigError, match="calibrate"):
+        Goodput([8], calibrate=1.5)
+
+
 def test_goodput_ramp_hold_in_the_engine_drafts_prompts_until_tried_and_stays_greedy(tiny):
     """goodput ramp_hold on an engine with an EAGLE-3 drafter, requests arriving while others decode: prompts
     prefilled at k = 0 run the draft while k = 4 awaits its first tries (no catch-up over them when it comes), and

@@ -88,6 +88,7 @@ def _goodput(cfg, sizes) -> Goodput:
                    defer_first_tries=config_flag("policy.defer_first_tries", cfg.get("defer_first_tries", False)),
                    ramp_hold=config_flag("policy.ramp_hold", cfg.get("ramp_hold", False)),
                    host_model=config_flag("policy.host_model", cfg.get("host_model", False)),
+                   calibrate=float(cfg.get("calibrate", 0.0) or 0.0),
                    shadow_min_rows=float(cfg.get("shadow_min_rows", 2.0)),
                    probe_requests=int(cfg.get("probe_requests", 0) or 0),
                    shadow_ema=cfg.get("shadow_ema", 0.03),

@@ -17,6 +17,7 @@ SERVED_OUTLIER = 2.0  # goodput: a served step's duration counts as at most this
 FIRST_ITER_OUTLIER = 4.0  # ... and the first served iteration at (k, bucket) as this many times the estimate
 HOST_SLOPE_MEMORY = 0.1  # goodput host_model: the slope's fit forgets at this share of time_ema (a longer memory)
 SWITCH_LOG = 64  # goodput: the last this many switches of k, with the estimates behind each (describe: switch_log)
+CALIBRATION_CLAMP = (0.5, 2.0)  # goodput calibrate: the factor on the requests' own a(k) stays within these
 
 
 class Goodput:
@@ -92,6 +93,11 @@ class Goodput:
     table batch, a + b x (tokens committed per row), fitted over the unmixed iterations of every k, instead of each
     k's own served iterations: an estimate refreshed only while its k runs stays where a fast or slow spell of the
     host left it (experiments/sim_host_drift.py).
+    ``calibrate`` (off by default; not measured on the H200 yet): a batch's summed own a(k) times the ratio of
+    what observed steps (served, counterfactual, shadow) committed to what their rows' own estimates predicted just
+    before, a decayed sum with weight ``calibrate`` per row. The own estimates run low where acceptance grows along
+    an answer (n-gram on MT-bench at C = 64: 1 / 1.11 of what the steps committed), which prices every k > 0 below
+    k = 0's exact a(0) = 1.
     ``defer_first_tries`` (off by default; H200 6ac62a3: 0.77x of never at C = 256): first tries wait
     while the requests still prefilling (BatchView.num_prefilling) outnumber the decode rows (see choose);
     ``ramp_hold`` (off by default; no gain on the H200 crossover at 6d0055c: 0.982 against 0.981 at C = 256): every
@@ -118,7 +124,7 @@ class Goodput:
                  probe_requests: int = 0, shadow_ema: float | None = 0.03, iter_median: int = 0,
                  shadow_max_lag: int | None = None, explore_fresh: float = 0.0, shadow_rows_cap: int | None = None,
                  iter_min_samples: int = 0, row_sample: int = 0, ramp_hold: bool = False,
-                 host_model: bool = False):
+                 host_model: bool = False, calibrate: float = 0.0):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -227,6 +233,12 @@ class Goodput:
         self.host_model = bool(host_model)
         self._host_fit: dict[int, tuple[list[float], list[float]]] = {}  # table batch -> (short, long memory)
         self._last_per_row: float | None = None  # tokens per row the last step fed to update() committed
+        if not 0.0 <= calibrate < 1.0:
+            raise ConfigError(f"policy goodput: need 0 <= calibrate < 1 (0: off; got calibrate={calibrate})")
+        # > 0: the requests' own a(k), summed over a batch, are scaled by the ratio of what steps committed to what
+        # those sums predicted for them, a decayed sum over observations with this weight per row (see _observe_)
+        self.calibrate = float(calibrate)
+        self._calib: dict[int, list[float]] = {k: [0.0, 0.0] for k in ks}  # k -> [decayed committed, predicted] per row
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
         if not 0.0 <= explore_fresh <= 1.0:
@@ -448,8 +460,17 @@ class Goodput:
             return batch * prior
         own = self.row_accept[k]
         if rows is self._rows:  # choose()'s batch: own holds only its rows (pruned), summed in C
-            return sum(own.values()) + (batch - len(own)) * prior
-        return sum(own.get(r, prior) for r in rows)
+            return (sum(own.values()) + (batch - len(own)) * prior) * self.calibration(k)
+        return sum(own.get(r, prior) for r in rows) * self.calibration(k)
+
+    def calibration(self, k: int) -> float:
+        """The factor on a batch's summed own a(k) (``calibrate``; 1.0 while off or before any sample): what
+        observed steps committed over what the own estimates of their rows predicted, decayed per row."""
+        num, den = self._calib[k]
+        if not self.calibrate or den <= 0.0:
+            return 1.0
+        lo, hi = CALIBRATION_CLAMP
+        return min(max(num / den, lo), hi)
 
     def rate(self, k: int, batch: int, rows=None) -> float | None:
         """Expected committed tokens per row per ms at k (None: a(k) unknown)."""
@@ -699,6 +720,7 @@ class Goodput:
                 "host_line": {b: {"at_1": self._host_line(b, 1.0), "per_token": self._host_line(b, 2.0)
                                   - self._host_line(b, 1.0)} for b in sorted(self._host_fit)},
                 "accept": {f"k={k}": a for k, a in self.accept.items()},
+                "calibration": {f"k={k}": self.calibration(k) for k in self.ks[1:]},
                 "accept_rows_seen": {f"k={k}": n for k, n in self.rows_seen.items()},
                 "shadow_samples": self.shadow_samples, "lookup_ms_per_row": self.lookup_ms,
                 "shadow_skipped": self.shadow_skipped,
@@ -765,6 +787,19 @@ class Goodput:
             e = self.shadow_ema if self.shadowed else self.ema
             own = self.row_accept[k]
             start = mean if prior is None else prior
+            if self.calibrate and prior is not None:
+                # How far the rows' own estimates, as they stand before this step, missed what it committed.
+                # They run low where a request's acceptance grows along its answer (an EMA of its past steps
+                # lags): H200 envelope at fd4df8d, n-gram on MT-bench, C = 64, always chain 8: the sum
+                # over a step's rows predicted 1 / 1.11 of what the step committed (EAGLE-3 at e5229cc,
+                # C >= 32: 1 / 1.01 .. 1 / 1.04), and goodput left chain 8 for k = 0 on a(8) 7-11% below
+                # what its last 40 steps committed (experiments/calibration_bias.py)
+                pred = sum(own.get(r, prior) for r in rows)
+                if pred > 0.0:
+                    w = 1.0 - (1.0 - self.calibrate) ** n
+                    cal = self._calib[k]
+                    cal[0] = (1.0 - w) * cal[0] + w * sum(committed) / n
+                    cal[1] = (1.0 - w) * cal[1] + w * pred / n
             size = len(own)
             pairs = zip(rows, committed)
             if sample_from is not None:  # row_sample: a window of the rows, in turn over steps
