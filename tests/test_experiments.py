@@ -231,12 +231,21 @@ def test_crossover_serves_longer_at_high_concurrency():
 
 
 def _sweep_jobs(name: str, cmdline: list[str]) -> list[dict]:
-    """The jobs of ``--multirun +experiment=NAME *cmdline`` in the order Hydra's basic sweeper runs them."""
+    """The jobs of ``--multirun +experiment=NAME *cmdline`` in the order the experiment's sweeper (its
+    hydra.sweeper._target_, else Hydra's basic sweeper) runs them."""
+    import importlib
+
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    exp = yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text())
+    target = ((exp.get("hydra") or {}).get("sweeper") or {}).get("_target_")
+    sweeper = BasicSweeper
+    if target:
+        module, cls = target.rsplit(".", 1)
+        sweeper = getattr(importlib.import_module(module), cls)
     params = [f"{k}={'null' if v is None else v}" for k, v in _sweep(name).items()]
-    jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(params + cmdline), None)[0]
+    jobs = sweeper.split_arguments(OverridesParser.create().parse_overrides(params + cmdline), None)[0]
     return [dict(o.split("=", 1) for o in job) for job in jobs]
 
 
@@ -245,15 +254,46 @@ def _sweep_jobs(name: str, cmdline: list[str]) -> list[dict]:
                                            ("policy_sweep", "never,always,goodput")])
 def test_repeats_run_a_points_policies_back_to_back(name, policies):
     """seed=0,1,2 on the command line interleaves: every consecutive group of len(policies) jobs is one
-    (concurrency, seed) with each policy once, so host drift between runs hits a point's policies alike."""
+    (concurrency, seed) with each policy once, so host drift between runs hits a point's policies alike; the
+    policies' order rotates from group to group (RotatingSweeper), so over a point's three seeds every policy
+    runs once in every place."""
     pol = policies.split(",")
     jobs = _sweep_jobs(name, ["seed=0,1,2", f"policy={policies}", "workload.concurrency=128,256"])
-    assert len(jobs) % len(pol) == 0 and len(jobs) >= 6 * len(pol)
+    assert len(jobs) % (3 * len(pol)) == 0 and len(jobs) >= 6 * len(pol)
+    places: dict = {}
     for i in range(0, len(jobs), len(pol)):
         group = jobs[i:i + len(pol)]
-        assert [j["policy"] for j in group] == pol
+        assert sorted(j["policy"] for j in group) == sorted(pol)
         assert len({(j["workload.concurrency"], j["seed"]) for j in group}) == 1
+        for place, j in enumerate(group):
+            point = tuple(sorted((k, v) for k, v in j.items() if k not in ("seed", "policy")))
+            places.setdefault((point, j["policy"]), set()).add(place)
     assert [j["seed"] for j in jobs[::len(pol)]][:3] == ["0", "1", "2"]
+    assert [j["policy"] for j in jobs[:len(pol)]] == pol  # the first group in the listed order
+    assert all(v == set(range(len(pol))) for v in places.values()), places
+
+
+def test_rotating_sweeper_counterbalances_the_innermost_key():
+    """rotate_jobs: the basic sweeper's jobs, each group of the innermost swept key rotated by its index (group g
+    starts at value g mod n); nothing swept or one job: unchanged. Hydra loads the sweeper from an experiment."""
+    from specdec.sweeper import rotate_jobs
+
+    jobs = [[f"c={c}", f"seed={s}", f"policy={p}"] for c in (1, 2) for s in (0, 1, 2) for p in "abc"]
+    out = rotate_jobs(jobs)
+    assert sorted(out) == sorted(jobs) and len(out) == len(jobs)
+    firsts = [g[2] for g in out[::3]]
+    assert firsts == ["policy=a", "policy=b", "policy=c"] * 2
+    for g in range(0, len(out), 3):
+        assert len({tuple(j[:2]) for j in out[g:g + 3]}) == 1
+    assert rotate_jobs(jobs[:1]) == jobs[:1] and rotate_jobs([["a=1"], ["a=1"]]) == [["a=1"], ["a=1"]]
+    # the last key fixed, the one before it swept: that one rotates
+    two = [[f"s={s}", f"p={p}", "x=1"] for s in (0, 1) for p in (0, 1)]
+    assert [j[1] for j in rotate_jobs(two)] == ["p=0", "p=1", "p=1", "p=0"]
+    from hydra_plugins.specdec_sweeper.rotating_sweeper import RotatingSweeper
+
+    for name in ("policy_envelope", "crossover_8b", "policy_sweep"):
+        exp = yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text())
+        assert exp["hydra"]["sweeper"]["_target_"].endswith(RotatingSweeper.__name__)
 
 
 def test_iter_noise_counts_unmixed_iterations_and_held_runs(tmp_path):
@@ -279,3 +319,34 @@ def test_iter_noise_counts_unmixed_iterations_and_held_runs(tmp_path):
     assert by_k["16"][1] == "3" and by_k["32"][1] == "2"  # 1.0 / 2.0 / 1.0 ms at 16; 1.5 / 1.5 at 32
     assert by_k["32"][3] == "0.000" and by_k["16"][4] == "2.00" and by_k["32"][4] == "3.00"
     assert by_k["16"][5:] == ["2", "3 |"] and by_k["32"][5:] == ["1", "2 |"]
+
+
+def test_calibration_bias_replays_own_estimates_against_commits(tmp_path):
+    """experiments/calibration_bias.py: steps served at the run's most common k > 0, replayed through Goodput's own
+    a(k); requests whose acceptance grows along their answers commit more than the uncalibrated sum predicts, and
+    calibrate brings the pooled ratio to ~1."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import calibration_bias
+
+    life, batch, rows = 40, 16, []
+    born = {f"r{i}": -(i * life) // batch for i in range(batch)}
+    for step in range(600):
+        for r, b in list(born.items()):
+            if step - b >= life:
+                del born[r]
+                born[f"{r}+"] = step
+        ids = list(born)
+        acc = [int(1.6 * (step - born[r]) / life + 0.5 * (step % 2)) for r in ids]  # accepted drafts, rising
+        rows.append({"t_s": step * 0.005, "k": 8, "decode_bs": batch, "prefill_tokens": 0,
+                     "committed": sum(acc) + batch, "accepted": acc, "accepted_ids": ids})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (run / "config.json").write_text(json.dumps({"policy": {"name": "always", "ema": 0.1},
+                                                 "draft": {"name": "eagle3"}, "workload": {"concurrency": batch}}))
+    steps = calibration_bias.read_steps(run)
+    off = calibration_bias.replay(steps, 8, ema=0.1, shadowed=False, calibrate=0.0)
+    on = calibration_bias.replay(steps, 8, ema=0.1, shadowed=False, calibrate=0.002)
+    assert off["ratio"] > 1.03 and abs(on["ratio"] - 1.0) < 0.01 and off["factor"] == 1.0
+    line = calibration_bias.summarize(run, 0.002)
+    assert "| eagle3 | always, C = 16 | 8 |" in line

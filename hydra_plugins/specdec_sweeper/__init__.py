@@ -1,0 +1,1 @@
+"""specdec's Hydra sweeper (specdec/sweeper.py)."""
