@@ -350,3 +350,29 @@ def test_calibration_bias_replays_own_estimates_against_commits(tmp_path):
     assert off["ratio"] > 1.03 and abs(on["ratio"] - 1.0) < 0.01 and off["factor"] == 1.0
     line = calibration_bias.summarize(run, 0.002)
     assert "| eagle3 | always, C = 16 | 8 |" in line
+
+
+def test_run_order_separates_place_from_policy(tmp_path):
+    """experiments/run_order.py: groups consecutive runs of one point and seed, divides each run's median prefill ms
+    per 100 tokens by its group's geometric mean, and tables the log ratio by place and by policy. Rotated runs where
+    the third place is 20% slower whatever runs there: the place table shows it, the policy table does not."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import run_order
+
+    sweep = tmp_path / "sweep"
+    order = ["never", "always", "goodput"]
+    i = 0
+    for seed in range(3):
+        pols = order[seed:] + order[:seed]
+        for place, pol in enumerate(pols):
+            d = sweep / str(i)
+            d.mkdir(parents=True)
+            i += 1
+            (d / "config.json").write_text(json.dumps({"policy": {"name": pol}, "seed": seed, "workload": {"c": 8}}))
+            ms = 1.2 if place == 2 else 1.0
+            steps = [{"t_s": 1.0 + j, "prefill_tokens": 100, "prefill_ms": ms} for j in range(5)]
+            (d / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in steps) + "\n")
+    by_place, by_policy, n = run_order.collect([str(sweep)])
+    assert n == 3 and set(by_place) == {1, 2, 3}
+    assert min(by_place[3]) > 0.1 and max(by_place[1] + by_place[2]) < 0
+    assert all(abs(sum(v) / len(v)) < 1e-9 for v in by_policy.values())

@@ -89,11 +89,11 @@ class Goodput:
     batch, one at a large one). The prior a(k) is the mean of the rows seen while they are fewer than 1 / prior_ema, then the
     EMA: one first step does not set it (n-gram's first step at C = 1 accepted nothing, a prior of
     1.0 that the EMA took hundreds of rows to move).
-    ``host_model`` (off by default; simulated, not measured on the H200 yet): iter_ms from one host line per
+    ``host_model`` (off by default; no gain on the H200 at fd4df8d, conf/policy/goodput.yaml): iter_ms from one host line per
     table batch, a + b x (tokens committed per row), fitted over the unmixed iterations of every k, instead of each
     k's own served iterations: an estimate refreshed only while its k runs stays where a fast or slow spell of the
     host left it (experiments/sim_host_drift.py).
-    ``calibrate`` (off by default; not measured on the H200 yet): a batch's summed own a(k) times the ratio of
+    ``calibrate`` (off by default; no gain on the H200 at 969e48b, conf/policy/goodput.yaml): a batch's summed own a(k) times the ratio of
     what observed steps (served, counterfactual, shadow) committed to what their rows' own estimates predicted just
     before, a decayed sum with weight ``calibrate`` per row. The own estimates run low where acceptance grows along
     an answer (n-gram on MT-bench at C = 64: 1 / 1.11 of what the steps committed), which prices every k > 0 below
@@ -792,7 +792,7 @@ class Goodput:
                 # They run low where a request's acceptance grows along its answer (an EMA of its past steps
                 # lags): H200 envelope at fd4df8d, n-gram on MT-bench, C = 64, always chain 8: the sum
                 # over a step's rows predicted 1 / 1.11 of what the step committed (EAGLE-3 at e5229cc,
-                # C >= 32: 1 / 1.01 .. 1 / 1.04), and goodput left chain 8 for k = 0 on a(8) 7-11% below
+                # C >= 32: 1 / 1.01 .. 1 / 1.04), and goodput left chain 8 for k = 0 on a(8) 4-11% below
                 # what its last 40 steps committed (experiments/calibration_bias.py)
                 pred = sum(own.get(r, prior) for r in rows)
                 if pred > 0.0:
