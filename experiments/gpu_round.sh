@@ -5,7 +5,8 @@
 # (config.json, metrics.json, overrides.yaml, reports; no per-request / per-step logs) into one tarball
 # under $OUT:
 #   bash experiments/gpu_round.sh 8b          # TP world-size-1 bench, 8B-shape step breakdown
-#   bash experiments/gpu_round.sh crossover   # the 8B-shape crossover, replayed acceptance (CROSSOVER_MEAN=6: parametric)
+#   bash experiments/gpu_round.sh crossover   # the 8B-shape crossover, replayed acceptance (CROSSOVER_MEAN=6: parametric;
+#                                             CROSSOVER_EXTRA: more overrides, e.g. draft.weight_dtype=model)
 #   bash experiments/gpu_round.sh profile8b   # the 8B-shape tree steps split into phases
 #   bash experiments/gpu_round.sh k0cost      # speculation-off cost, paired: never with each drafter vs the adjacent draft=none runs (K0_R repeats)
 #   bash experiments/gpu_round.sh batch1      # batch-1 HumanEval table, step floor
@@ -68,7 +69,7 @@ crossover)  # CROSSOVER_MEAN=6: the parametric trace; CROSSOVER_POLICIES / CROSS
   m=${CROSSOVER_MEAN:-null}; d=crossover_8b; [ "$m" = null ] || d=crossover_8b_parametric; d=$d${CROSSOVER_TAG:+_$CROSSOVER_TAG}
   run ${CROSSOVER_S:-560} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=$m \
     policy=${CROSSOVER_POLICIES:-never,always3,always16,always48,batch_threshold,goodput} workload.concurrency=${CROSSOVER_C:-1,2,4,8,16,32,64,128,256} \
-    hydra.sweep.dir="$R/$d"
+    ${CROSSOVER_EXTRA:-} hydra.sweep.dir="$R/$d"
   pack $d $d ;;
 profile8b)  # the 8B-shape batch-1 tree steps split into phases (kernels per phase)
   run ${PROFILE_S:-200} python experiments/profile_step.py --shape llama8b --phases --trees ${PROFILE_TREES:-tree16,tree48} \

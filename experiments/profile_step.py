@@ -155,7 +155,7 @@ TREES = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree20_deep": (4, 7, 20), "
 PHASE_CONTEXT = 256  # tokens of context of the profiled row (as graphed_step's)
 
 
-# --ab draft_weight_dtype=model,int8: the EAGLE-3 head's projection weights (draft.weight_dtype), not a
+# --ab draft_weight_dtype=model,int8: the EAGLE-3 head's projection weights (draft.weight_dtype; without it auto), not a
 # kernel option: set on the head before each combination's engines are built
 HEAD_AB = "draft_weight_dtype"
 
@@ -280,7 +280,7 @@ def main() -> None:
         for combo in itertools.product(*[[(n, v) for v in vals] for n, vals in ab]):
             options.set_from_flags_(args)
             combo_opts = dict(combo)
-            head.set_weight_dtype_(combo_opts.pop(HEAD_AB, "model"))
+            head.set_weight_dtype_(combo_opts.pop(HEAD_AB, "auto"))
             options.set_(**combo_opts)
             label = ",".join(f"{n}={'null' if v is None else str(v).lower()}" for n, v in combo)
             res["ab"]["values"][label] = step_set(model, head, trees, args.phases, options.get().as_dict(), max_seq_len)

@@ -277,7 +277,9 @@ def acceptance_label(run: Run) -> str:
 
 def drafter_label(run: Run) -> str:
     d = run.config.get("draft") or {}
-    if d.get("weight_dtype") == "model":  # the default says nothing (and labels match runs from before the key)
+    if d.get("weight_dtype") == "auto" and run.metrics.get("draft_weight_dtype"):  # what auto resolved to
+        d = {**d, "weight_dtype": run.metrics["draft_weight_dtype"]}
+    if d.get("weight_dtype") in ("model", "auto"):  # the bf16 head says nothing (labels match runs before the key)
         d = {k: v for k, v in d.items() if k != "weight_dtype"}
     if d.get("random"):  # draft=eagle3_random: its shape follows the target; the label says random
         skip = ("name", "path", "random", "draft_vocab_size", "target_layers", "logit_std")
@@ -1087,7 +1089,7 @@ def step_breakdown_table(runs: list[Run]) -> Table | None:
             Column("draft ms", None, "r"), Column("per round", None, "r"), Column("verify ms", None, "r"),
             Column("commit ms", None, "r"), Column("τ", r"$\tau$", "r"), Column("implied speed-up", None, "r")]
     # runs that differ only in the draft's weight dtype (draft.weight_dtype=model,int8) sit side by side
-    dtypes = [str(r.get("draft.weight_dtype", "model")) for r in prof]
+    dtypes = [str(r.metrics.get("draft_weight_dtype") or r.get("draft.weight_dtype", "model")) for r in prof]
     by_dtype = len(set(dtypes)) > 1
     if by_dtype:
         cols.insert(3, Column("draft weights", None, "l"))

@@ -412,6 +412,9 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
                           undrafted_prefill_tokens=engine.undrafted_prefill_tokens,
                           catch_up_tokens=engine.catch_up_tokens, catch_up_forwards=engine.num_catch_ups,
                           page_size=engine.kv.page_size, max_batch_size=engine.config.max_batch_size)
+        head = getattr(engine.drafter, "head", None)
+        if head is not None and hasattr(head, "weight_dtype"):  # draft.weight_dtype as resolved (auto: int8 or model)
+            trace.meta.update(draft_weight_dtype=head.weight_dtype)
         acceptance = getattr(engine, "acceptance", None)
         if acceptance is not None:  # replayed: the label, the trace and the sizes it drew from
             trace.meta.update(acceptance.describe())

@@ -166,6 +166,22 @@ def test_weight_dtype_is_checked_and_reaches_the_random_head():
                             "weight_dtype": "int8"})
     drafter = build_drafter(cfg, target, device="cpu", dtype=torch.float32, backend="torch")
     assert drafter.head.weight_dtype == "int8" and isinstance(drafter.head.proj("lm_head.weight"), ops.W8)
+    # auto: int8 only for a wide head on a GPU (8B shapes); the tiny head on the CPU keeps its own dtype
+    auto = build_drafter(OmegaConf.merge(cfg, {"weight_dtype": "auto"}), target, device="cpu", dtype=torch.float32,
+                         backend="torch")
+    assert auto.head.weight_dtype == "model" and not isinstance(auto.head.proj("lm_head.weight"), ops.W8)
+
+
+def test_weight_dtype_auto_resolves_by_width_and_device():
+    from specdec.models.eagle3 import AUTO_INT8_HIDDEN, resolve_weight_dtype
+
+    assert resolve_weight_dtype("auto", 4096, "cuda") == "int8"  # Llama-3.1-8B shape on a GPU
+    assert resolve_weight_dtype("auto", AUTO_INT8_HIDDEN, "cuda") == "int8"
+    assert resolve_weight_dtype("auto", 576, "cuda") == "model"  # SmolLM2: int8 measured slower
+    assert resolve_weight_dtype("auto", 4096, "cpu") == "model"
+    assert resolve_weight_dtype("model", 4096, "cuda") == "model" and resolve_weight_dtype("int8", 64, "cpu") == "int8"
+    with pytest.raises(ConfigError, match="weight_dtype='bf8'"):
+        resolve_weight_dtype("bf8", 4096, "cuda")
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])

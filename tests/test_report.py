@@ -468,6 +468,18 @@ def test_step_breakdown_sets_draft_weight_dtypes_side_by_side(tmp_path):
     assert "draft weights" not in table(md1, "Step breakdown")[0]
 
 
+def test_drafter_label_shows_what_weight_dtype_auto_resolved_to(tmp_path):
+    """draft.weight_dtype=auto: the label carries the run's draft_weight_dtype (int8 shows, model does not)."""
+    labels = {}
+    for dt in ("int8", "model"):
+        run = make_run(tmp_path / dt, tok_s=1.0, draft="eagle3", policy="always", concurrency=1, draft_weight_dtype=dt)
+        cfg = json.loads((run / "config.json").read_text())
+        cfg["draft"]["weight_dtype"] = "auto"
+        (run / "config.json").write_text(json.dumps(cfg))
+        labels[dt] = report.drafter_label(report.load_runs([run])[0])
+    assert "weight_dtype=int8" in labels["int8"] and "weight_dtype" not in labels["model"]
+
+
 def test_crossover_table_for_replayed_acceptance(tmp_path):
     """Replayed-acceptance runs over C: tok/s per policy beside the envelope, where each always
     falls below never, the ratios at the top C, and the label in the tables (replayed, the trace)."""

@@ -49,8 +49,22 @@ EAGLE3_KEYS = ("fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q
 HF_LLAMA_RMS_NORM_EPS = 1e-6
 # Tree nodes sit up to 63 positions past the committed length (draft.steps x draft.topk <= 63).
 ROPE_SLACK = 64
-# draft.weight_dtype: the head's own dtype, or weight-only int8 projections for few rows (set_weight_dtype_)
-WEIGHT_DTYPES = ("model", "int8")
+# draft.weight_dtype: the head's own dtype, weight-only int8 projections for few rows, or auto (set_weight_dtype_)
+WEIGHT_DTYPES = ("model", "int8", "auto")
+# weight_dtype auto: int8 on a CUDA device for heads at least this wide, else the head's dtype. H200: at hidden 4096
+# (Llama-3.1-8B shape) int8 cut the graphed batch-1 tree16 step from 1.38 to 1.29-1.31 plain steps (e8eb008); at
+# SmolLM2's 576 it was slower (tree16 4274 vs 4596 tok/s on HumanEval). Between them: not measured.
+AUTO_INT8_HIDDEN = 2048
+
+
+def resolve_weight_dtype(weight_dtype: str, hidden_size: int, device_type: str) -> str:
+    """draft.weight_dtype as a head uses it: auto -> int8 on a CUDA device for a head at least AUTO_INT8_HIDDEN wide
+    (where int8 measured faster), else model; model / int8 as given."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"draft.weight_dtype={weight_dtype!r}; valid: {', '.join(WEIGHT_DTYPES)}")
+    if weight_dtype != "auto":
+        return weight_dtype
+    return "int8" if hidden_size >= AUTO_INT8_HIDDEN and device_type == "cuda" else "model"
 
 
 def _refused_flags(cfg: dict) -> list[str]:
@@ -193,13 +207,15 @@ class Eagle3Head(nn.Module):
 
     def set_weight_dtype_(self, weight_dtype: str) -> "Eagle3Head":
         """How inference reads the projection weights (fc, q|k|v, o, gate|up, down, lm_head): "model"
-        (default) in the head's dtype; "int8": weight-only int8 with a scale per output row (ops.W8,
+        in the head's dtype; "auto" (the configs' default): "int8" on a CUDA device for a head at least
+        AUTO_INT8_HIDDEN wide, else "model" (``weight_dtype`` holds the choice); "int8": weight-only int8 with a scale per output row (ops.W8,
         kernels_triton/linear_w8.py) wherever a projection multiplies at most ops.W8_MAX_ROWS rows
         (draft rounds and extends at small batches: half the bytes), the head's own weights above
         that (prefill chunks, large batches). Drafts change, verification does not: output stays
         exact. Training reads the parameters themselves either way."""
         if weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"draft.weight_dtype={weight_dtype!r}; valid: {', '.join(WEIGHT_DTYPES)}")
+        weight_dtype = resolve_weight_dtype(weight_dtype, self.config.hidden_size, self.w("fc.weight").device.type)
         self.weight_dtype = weight_dtype
         if weight_dtype == "int8" and self.w("fc.weight").device.type != "meta":
             self.fused_weights()  # quantized here, outside any CUDA graph capture
