@@ -318,7 +318,8 @@ def test_iter_noise_counts_unmixed_iterations_and_held_runs(tmp_path):
     by_k = {ln.split(" | ")[0].strip("| "): ln.split(" | ") for ln in lines if ln.startswith("| 16") or ln.startswith("| 32")}
     assert by_k["16"][1] == "3" and by_k["32"][1] == "2"  # 1.0 / 2.0 / 1.0 ms at 16; 1.5 / 1.5 at 32
     assert by_k["32"][3] == "0.000" and by_k["16"][4] == "2.00" and by_k["32"][4] == "3.00"
-    assert by_k["16"][5:] == ["2", "3 |"] and by_k["32"][5:] == ["1", "2 |"]
+    assert by_k["16"][5:7] == ["2", "3"] and by_k["32"][5:7] == ["1", "2"]
+    assert by_k["16"][7] == "2 / 2.50 |"  # the mixed iterations: step 6 (1.0 ms) and step 7 (4.0 ms)
 
 
 def test_calibration_bias_replays_own_estimates_against_commits(tmp_path):
@@ -376,3 +377,29 @@ def test_run_order_separates_place_from_policy(tmp_path):
     assert n == 3 and set(by_place) == {1, 2, 3}
     assert min(by_place[3]) > 0.1 and max(by_place[1] + by_place[2]) < 0
     assert all(abs(sum(v) / len(v)) < 1e-9 for v in by_policy.values())
+
+
+def test_replay_choices_scores_fixed_ks_and_a_policy(tmp_path):
+    """experiments/replay_choices.py: a run at chain 8 whose rows accept every draft, iterations that cost the same
+    at every k: chain 8 is the best fixed k, k = 0 makes 1 / 9 of its tokens per ms, and goodput (step table and
+    iteration pools from the runs) ends up at chain 8."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import replay_choices
+
+    B, steps, it = 8, [], []
+    for i in range(300):
+        steps.append({"t_s": i * 0.01, "k": 8, "decode_bs": B, "prefill_tokens": 100 if i % 3 == 0 else 0,
+                      "accepted": [8] * B, "accepted_ids": [f"r{j}" for j in range(B)]})
+        it.append({"t_s": 1.0 + i * 0.002, "k": [0, 2, 4, 8][i % 4], "decode_bs": B, "prefill_tokens": 100 if i % 16 < 4 else 0})
+    for name, recs in (("always", steps), ("iter", it)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    pools = replay_choices.iteration_pools([tmp_path / "iter"], B)
+    assert set(pools) == {(k, m) for k in (0, 2, 4, 8) for m in (False, True)}
+    assert all(abs(w - 2.0) < 1e-6 for v in pools.values() for w in v)
+    table = {k: {B: 1.0} for k in (0, 2, 4, 8)}
+    out = replay_choices.replay(steps, [2, 4, 8], pools, table, None, seed=0)
+    assert out["k=8"] == pytest.approx(9 * out["k=0"]) and out["k=4"] == pytest.approx(5 * out["k=0"])
+    pol = replay_choices.make_policy("goodput", [2, 4, 8])
+    res = replay_choices.replay(steps, [2, 4, 8], pools, table, pol, seed=0)
+    assert res["policy"] > 0.9 * res["k=8"] and max(res["chosen"], key=res["chosen"].get) == 8

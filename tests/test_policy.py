@@ -1177,6 +1177,36 @@ def test_goodput_calibrate_corrects_own_estimates_that_lag_rising_acceptance():
         Goodput([8], calibrate=1.5)
 
 
+def test_goodput_mixed_pricing_counts_the_prefilling_iterations():
+    """mixed_pricing: most iterations of a prefill-heavy loop also prefill, and there the larger k costs about what
+    the smaller does (the prefill overlaps its extra device time). Priced from unmixed iterations alone, chain 4
+    wins; blended in the mixed share a step committing a(k) tokens sees, chain 8 does (mutation: without the blend in
+    rate(), both choose 4). The mixed iterations per token and each k's mixed average reach describe()."""
+    def run(mixed_pricing):
+        pol = Goodput([4, 8], margin=0.0, explore_every=0, time_ema=0.1, mixed_pricing=mixed_pricing)
+        pol.set_table({0: {64: 1.0}, 4: {64: 1.2}, 8: {64: 1.5}})
+        pol.accept.update({4: 1.45, 8: 1.55})
+        pol.rows_seen.update({4: 1000, 8: 1000})
+        clean, mixed = {4: 1.5, 8: 1.8}, {4: 2.36, 8: 2.36}
+        for i in range(400):
+            k = 4 if i % 2 else 8
+            pol.update(StepStats(k=k, num_decode=64, committed=[pol.accept[k]] * 64, rows=None))
+            m = i % 5 != 0  # 80% of the iterations prefill
+            wall = mixed[k] if m else clean[k]
+            pol.iteration_(k, 64, wall, wall, mixed=m)
+        return pol
+
+    off, on = run(False), run(True)
+    view = BatchView(num_decode=64, num_waiting=0)
+    assert off.choose(view) == 4  # 1.45 / 1.5 against 1.55 / 1.8
+    assert on.choose(view) == 8
+    f = on.mixed_per_token()
+    assert f == pytest.approx(0.8 / (64 * 1.5), rel=0.05) and off.mixed_per_token() is None
+    d = on.describe()
+    assert d["mixed_iter_ms"]["k=8"][64] == pytest.approx(2.36) and d["mixed_per_token"] == f
+    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [8], "mixed_pricing": True})).mixed_pricing
+
+
 def test_goodput_ramp_hold_in_the_engine_drafts_prompts_until_tried_and_stays_greedy(tiny):
     """goodput ramp_hold on an engine with an EAGLE-3 drafter, requests arriving while others decode: prompts
     prefilled at k = 0 run the draft while k = 4 awaits its first tries (no catch-up over them when it comes), and

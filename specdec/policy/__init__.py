@@ -89,6 +89,7 @@ def _goodput(cfg, sizes) -> Goodput:
                    ramp_hold=config_flag("policy.ramp_hold", cfg.get("ramp_hold", False)),
                    host_model=config_flag("policy.host_model", cfg.get("host_model", False)),
                    calibrate=float(cfg.get("calibrate", 0.0) or 0.0),
+                   mixed_pricing=config_flag("policy.mixed_pricing", cfg.get("mixed_pricing", False)),
                    shadow_min_rows=float(cfg.get("shadow_min_rows", 2.0)),
                    probe_requests=int(cfg.get("probe_requests", 0) or 0),
                    shadow_ema=cfg.get("shadow_ema", 0.03),

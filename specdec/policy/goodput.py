@@ -17,6 +17,7 @@ SERVED_OUTLIER = 2.0  # goodput: a served step's duration counts as at most this
 FIRST_ITER_OUTLIER = 4.0  # ... and the first served iteration at (k, bucket) as this many times the estimate
 HOST_SLOPE_MEMORY = 0.1  # goodput host_model: the slope's fit forgets at this share of time_ema (a longer memory)
 SWITCH_LOG = 64  # goodput: the last this many switches of k, with the estimates behind each (describe: switch_log)
+MIXED_MEMORY = 0.02  # goodput mixed_pricing: weight of the newest iteration in the mixed iterations per token
 CALIBRATION_CLAMP = (0.5, 2.0)  # goodput calibrate: the factor on the requests' own a(k) stays within these
 
 
@@ -98,6 +99,10 @@ class Goodput:
     before, a decayed sum with weight ``calibrate`` per row. The own estimates run low where acceptance grows along
     an answer (n-gram on MT-bench at C = 64: 1 / 1.11 of what the steps committed), which prices every k > 0 below
     k = 0's exact a(0) = 1.
+    ``mixed_pricing`` (off by default; not measured on the H200 yet): an iteration at k is priced as the blend of
+    its unmixed and its mixed (prefilling) iterations, in the share of mixed ones that a step committing a(k) tokens
+    sees at the workload's measured mixed iterations per token (see _blended_ms): prefill overlaps the extra device
+    time of a larger k, which unmixed iterations alone overprice.
     ``defer_first_tries`` (off by default; H200 6ac62a3: 0.77x of never at C = 256): first tries wait
     while the requests still prefilling (BatchView.num_prefilling) outnumber the decode rows (see choose);
     ``ramp_hold`` (off by default; no gain on the H200 crossover at 6d0055c: 0.982 against 0.981 at C = 256): every
@@ -124,7 +129,7 @@ class Goodput:
                  probe_requests: int = 0, shadow_ema: float | None = 0.03, iter_median: int = 0,
                  shadow_max_lag: int | None = None, explore_fresh: float = 0.0, shadow_rows_cap: int | None = None,
                  iter_min_samples: int = 0, row_sample: int = 0, ramp_hold: bool = False,
-                 host_model: bool = False, calibrate: float = 0.0):
+                 host_model: bool = False, calibrate: float = 0.0, mixed_pricing: bool = False):
         ks = sorted({int(k) for k in ks} - {0})
         if not ks or ks[0] < 1:
             raise ConfigError(f"policy goodput: ks must list draft lengths >= 1, got {ks}")
@@ -239,6 +244,12 @@ class Goodput:
         # those sums predicted for them, a decayed sum over observations with this weight per row (see _observe_)
         self.calibrate = float(calibrate)
         self._calib: dict[int, list[float]] = {k: [0.0, 0.0] for k in ks}  # k -> [decayed committed, predicted] per row
+        # mixed_pricing: an iteration at k priced as the blend of its unmixed and mixed (prefilling) iterations, in
+        # the share of mixed ones a step committing a(k) tokens sees (see rate)
+        self.mixed_pricing = bool(mixed_pricing)
+        self.mixed_observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of mixed iteration wall ms
+        self._mixed_rate = [0.0, 0.0]  # decayed [mixed iterations, tokens committed] (mixed iterations per token)
+        self._last_tokens = 0.0  # tokens the last step fed to update() committed
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
         if not 0.0 <= explore_fresh <= 1.0:
@@ -385,6 +396,15 @@ class Goodput:
         the start of a run, where every iteration prefills. H200, crossover_8b at a3b05ab, C = 16:
         tree16's first iterations averaged 37.8 ms against its 10.6 ms steps (prefills of 8B
         prompts), so goodput held tree48 (23.5 ms steps, 0.66x of always tree16)."""
+        if self.mixed_pricing and self.table is not None and batch > 0 and k in self.table:
+            keep = 1.0 - MIXED_MEMORY
+            self._mixed_rate[0] = keep * self._mixed_rate[0] + (1.0 if mixed else 0.0)
+            self._mixed_rate[1] = keep * self._mixed_rate[1] + self._last_tokens
+            if mixed and self.time_ema > 0:
+                b, _ = self._bucket(k, batch)
+                old = self.mixed_observed.get((k, b))
+                sample = wall_ms if old is None else min(wall_ms, SERVED_OUTLIER * old)
+                self.mixed_observed[(k, b)] = sample if old is None else (1.0 - self.time_ema) * old + self.time_ema * sample
         if mixed or self.table is None or self.time_ema <= 0 or batch <= 0 or k not in self.table:
             return
         b, _ = self._bucket(k, batch)
@@ -475,7 +495,39 @@ class Goodput:
     def rate(self, k: int, batch: int, rows=None) -> float | None:
         """Expected committed tokens per row per ms at k (None: a(k) unknown)."""
         a = self.expected(k, batch, rows)
-        return None if a is None else a / batch / self.iter_ms(k, batch)
+        if a is None:
+            return None
+        it = self.iter_ms(k, batch)
+        if self.mixed_pricing:
+            it = self._blended_ms(k, batch, it, a)
+        return a / batch / it
+
+    def mixed_per_token(self) -> float | None:
+        """mixed_pricing: iterations that also prefilled per committed token, over the recent iterations (None:
+        none seen yet). A closed loop prefills once per request whatever k runs, so per token this is the
+        workload's, and the share of an iteration's wall time it explains grows with the tokens a step commits."""
+        mixed, tokens = self._mixed_rate
+        return mixed / tokens if tokens > 0.0 and mixed > 0.0 else None
+
+    def _blended_ms(self, k: int, batch: int, clean_ms: float, tokens: float) -> float:
+        """mixed_pricing: what an iteration at k costs on average when min(1, f x a(k)) of the iterations also
+        prefill (f: mixed_per_token), those at their own served average at (k, bucket), else at the clean price
+        plus the bucket's mean (mixed - clean) over the ks served mixed there. H200 envelope at fd4df8d, n-gram on
+        MT-bench, C = 64 (per-step records, experiments/iter_noise.py): ~78% of the full-batch iterations prefill,
+        and there chain 8 cost 0.06-0.24 ms more than chain 4 against 0.2-0.5 ms in the unmixed ones that goodput
+        priced them by: it ran chain 2 / 4 where always chain 8 made the envelope."""
+        f = self.mixed_per_token()
+        if f is None:
+            return clean_ms
+        b, _ = self._bucket(k, batch)
+        mixed_ms = self.mixed_observed.get((k, b))
+        if mixed_ms is None:
+            gaps = [ms - self.iter_ms(j, batch) for (j, bb), ms in self.mixed_observed.items() if bb == b]
+            if not gaps:
+                return clean_ms
+            mixed_ms = clean_ms + sum(gaps) / len(gaps)
+        share = min(1.0, f * tokens)
+        return (1.0 - share) * clean_ms + share * mixed_ms
 
     def choose(self, view: BatchView) -> int:
         if self.table is None:
@@ -721,6 +773,9 @@ class Goodput:
                                   - self._host_line(b, 1.0)} for b in sorted(self._host_fit)},
                 "accept": {f"k={k}": a for k, a in self.accept.items()},
                 "calibration": {f"k={k}": self.calibration(k) for k in self.ks[1:]},
+                "mixed_iter_ms": {f"k={k}": {b: ms for (kk, b), ms in sorted(self.mixed_observed.items()) if kk == k}
+                                  for k in self.ks},
+                "mixed_per_token": self.mixed_per_token(),
                 "accept_rows_seen": {f"k={k}": n for k, n in self.rows_seen.items()},
                 "shadow_samples": self.shadow_samples, "lookup_ms_per_row": self.lookup_ms,
                 "shadow_skipped": self.shadow_skipped,
@@ -735,6 +790,8 @@ class Goodput:
     def update(self, stats: StepStats) -> None:
         if self.host_model and stats.committed:
             self._last_per_row = sum(stats.committed) / len(stats.committed)
+        if self.mixed_pricing:
+            self._last_tokens = float(sum(stats.committed)) if stats.committed else 0.0
         if (stats.step_ms is not None and self.time_ema > 0 and self.table is not None and stats.num_decode
                 and stats.k in self.table):
             b, table_ms = self._bucket(stats.k, stats.num_decode)
