@@ -31,6 +31,8 @@
 #                                             beside never / always, n-gram, 3 seeds, at the e5229cc misses (ABITER_C)
 #   HM_W=mt_bench|humaneval bash experiments/gpu_round.sh hostmodel   # goodput host_model A/B beside never / always,
 #                                             n-gram, staggered, seeds 0-2, at HM_C (64,128,256)
+#   MIX_W=mt_bench|humaneval bash experiments/gpu_round.sh mixedab   # goodput mixed_pricing A/B beside never / always,
+#                                             n-gram, staggered, seeds 0-2 (order rotated), at MIX_C (64,128,256)
 #   bash experiments/gpu_round.sh ramphold8b  # goodput ramp_hold A/B beside never / always chain 3, 8B shapes, RH_C
 #   bash experiments/gpu_round.sh paramlow    # the parametric 8B crossover's low Cs (PL_C: 2,4,8), seeds 0 / 1, never /
 #                                             tree16 / tree48 / goodput / goodput_host_model, per-step records and
@@ -228,6 +230,14 @@ hostmodel)  # goodput host_model A/B beside never / always, n-gram, staggered, s
     policy=never,always,goodput,goodput_host_model hydra.sweep.dir="$R/hostmodel_$w"
   python -m specdec.report "$R/hostmodel_$w" --out "$R/hostmodel_$w/report" 2>&1 | sed -n '/^## Paired by seed/,/^## /p' | head -n 12
   PACK_STEPS=1 pack "hostmodel_$w" "hostmodel_$w" ;;
+mixedab)  # goodput mixed_pricing (and calibrate) beside never / always, n-gram, staggered, seeds 0 / 1 / 2, at the MT-bench
+  # misses (MIX_C: 64,128,256) on MIX_W (mt_bench); the sweep's RotatingSweeper rotates the policies' order per seed
+  w=${MIX_W:-mt_bench}
+  run ${MIX_S:-560} python -m specdec.run --multirun +experiment=policy_envelope draft=ngram_chains workload=$w \
+    workload.stagger=true workload.concurrency=${MIX_C:-64,128,256} seed=0,1,2 \
+    policy=${MIX_POLICIES:-never,always,goodput,goodput_mixed} hydra.sweep.dir="$R/mixedab_$w"
+  python -m specdec.report "$R/mixedab_$w" --out "$R/mixedab_$w/report" 2>&1 | sed -n '/^## Paired by seed/,/^## /p' | head -n 12
+  PACK_STEPS=1 pack "mixedab_$w" "mixedab_$w" ;;
 ramphold8b)  # goodput ramp_hold A/B beside never / always chain 3 at 8B shapes (replayed trace, not staggered), RH_C
   # (32,64,128,256): one multirun, a point's policies back to back
   run ${RH_S:-560} python -m specdec.run --multirun +experiment=crossover_8b acceptance.parametric.mean=null \
