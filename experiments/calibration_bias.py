@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import statistics as st
 import sys
 from pathlib import Path
+
+from step_records import emit, read_steps  # noqa: E402 (experiments/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
@@ -32,13 +33,6 @@ QUICK_RUN = ROOT / "results/spec/policy_e5229cc/ngram_mt_high_c_repeats/6"
 WARMUP_S = 1.0  # steps before this many seconds (the ramp-up) feed the estimates but are left out of the summary
 
 
-def read_steps(run: Path) -> list[dict]:
-    for name, opener in (("steps.jsonl", open), ("steps.jsonl.gz", gzip.open)):
-        f = run / name
-        if f.exists():
-            with opener(f, "rt") as fh:
-                return [json.loads(line) for line in fh if line.strip()]
-    raise SystemExit(f"calibration_bias: {run} has no steps.jsonl(.gz) (runs record them with per-step logging on)")
 
 
 def replay(steps: list[dict], k: int, *, ema: float, shadowed: bool, calibrate: float) -> dict:
@@ -64,7 +58,7 @@ def replay(steps: list[dict], k: int, *, ema: float, shadowed: bool, calibrate: 
 
 
 def summarize(run: Path, calibrate: float) -> str:
-    steps = read_steps(run)
+    steps = read_steps(run, "calibration_bias")
     cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
     pol_cfg = cfg.get("policy") or {}
     drafter = (cfg.get("draft") or {}).get("name", "?")
@@ -98,11 +92,7 @@ def main(argv=None) -> int:
              "| run | drafter | policy | k | steps | off: ratio / error | on: ratio / error |",
              "| --- | --- | --- | ---: | ---: | --- | --- |"]
     lines += [summarize(Path(r), a.calibrate) for r in a.runs]
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    return 0
+    return emit(lines, a.out)
 
 
 if __name__ == "__main__":

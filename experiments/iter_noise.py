@@ -19,27 +19,21 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import math
 import statistics as st
 import sys
 from pathlib import Path
 
+from step_records import emit, read_steps  # noqa: E402 (experiments/, the script's own folder)
+
 QUICK_RUN = Path(__file__).resolve().parent / "results/spec/policy_e5229cc/eagle3_humaneval_stagger/8"
 
 
-def read_steps(run: Path) -> list[dict]:
-    for name, opener in (("steps.jsonl", open), ("steps.jsonl.gz", gzip.open)):
-        f = run / name
-        if f.exists():
-            with opener(f, "rt") as fh:
-                return [json.loads(line) for line in fh if line.strip()]
-    raise SystemExit(f"iter_noise: {run} has no steps.jsonl(.gz) (runs record them with per-step logging on)")
 
 
 def summarize(run: Path) -> list[str]:
-    rows = read_steps(run)
+    rows = read_steps(run, "iter_noise")
     if len(rows) < 2:
         return [f"{run}: fewer than two steps"]
     batch = collections.Counter(r["decode_bs"] for r in rows).most_common(1)[0][0]
@@ -92,11 +86,7 @@ def main(argv=None) -> int:
     lines = ["# iter_noise: iteration wall times and held k per run", ""]
     for r in a.runs:
         lines += summarize(Path(r))
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    return 0
+    return emit(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,13 @@ of the iteration times and shadow rows, each over the best fixed k of the same d
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import random
 import statistics as st
 import sys
 from pathlib import Path
+
+from step_records import emit, read_steps  # noqa: E402 (experiments/, the script's own folder)
 
 from omegaconf import OmegaConf
 
@@ -43,13 +44,6 @@ QUICK_DIR = ROOT / "results/spec/policy_fd4df8d/hostmodel_mt_bench"
 QUICK_ALWAYS, QUICK_TABLE, QUICK_ITER = "9", "10", ("10",)  # C = 64, seed 2: always, goodput (its ks' iterations)
 
 
-def read_steps(run: Path) -> list[dict]:
-    for name, opener in (("steps.jsonl", open), ("steps.jsonl.gz", gzip.open)):
-        f = run / name
-        if f.exists():
-            with opener(f, "rt") as fh:
-                return [json.loads(line) for line in fh if line.strip()]
-    raise SystemExit(f"replay_choices: {run} has no steps.jsonl(.gz)")
 
 
 def mixed_flags(steps: list[dict]) -> list[bool]:
@@ -62,7 +56,7 @@ def iteration_pools(runs: list[Path], batch: int) -> dict[tuple[int, bool], list
     also prefilled (the step or the next one did), clean ones did not."""
     pools: dict[tuple[int, bool], list[float]] = {}
     for run in runs:
-        steps = read_steps(run)
+        steps = read_steps(run, "replay_choices")
         for a, b, mixed in zip(steps, steps[1:], mixed_flags(steps)):
             if a["t_s"] >= WARMUP_S and abs(a["decode_bs"] - batch) <= 0.1 * batch:
                 pools.setdefault((a["k"], mixed), []).append((b["t_s"] - a["t_s"]) * 1e3)
@@ -159,7 +153,7 @@ def main(argv=None) -> int:
     if not (a.always and a.table and a.iter_runs):
         ap.error("give --always, --table and --iter-runs (or --quick)")
     ks = [int(k) for k in a.ks.split(",")]
-    steps = read_steps(Path(a.always))
+    steps = read_steps(Path(a.always), "replay_choices")
     batch = round(st.median(s["decode_bs"] for s in steps if s["decode_bs"]))
     pools = iteration_pools([Path(r) for r in a.iter_runs], batch)
     missing = [key for key in ((k, m) for k in [0, *ks] for m in (False, True)) if len(pools.get(key, [])) < 5]
@@ -193,11 +187,7 @@ def main(argv=None) -> int:
             first = first or out["chosen"]
         lines.append(f"| {spec} | {st.mean(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
                      + ", ".join(f"{k}: {n}" for k, n in sorted(first.items())) + " |")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    return 0
+    return emit(lines, a.out)
 
 
 if __name__ == "__main__":

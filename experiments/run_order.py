@@ -18,25 +18,19 @@ tables separate them.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import statistics as st
 import sys
 from pathlib import Path
 
+from step_records import emit, read_steps  # noqa: E402 (experiments/, the script's own folder)
+
 QUICK_SWEEP = Path(__file__).resolve().parent / "results/spec/policy_969e48b/calib_he"
 MIN_TOKENS = 64
 WARMUP_S = 1.0
 
 
-def read_steps(run: Path) -> list[dict] | None:
-    for name, opener in (("steps.jsonl", open), ("steps.jsonl.gz", gzip.open)):
-        f = run / name
-        if f.exists():
-            with opener(f, "rt") as fh:
-                return [json.loads(line) for line in fh if line.strip()]
-    return None
 
 
 def policy_label(cfg: dict) -> str:
@@ -117,11 +111,7 @@ def main(argv=None) -> int:
     lines += ["", "| policy | runs | mean log ratio | costlier than the group |", "| --- | ---: | ---: | ---: |"]
     for p, v in sorted(by_policy.items()):
         lines.append(f"| {p} | {len(v)} | {st.mean(v):+.3f} | {sum(x > 0 for x in v) / len(v):.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    return 0
+    return emit(lines, a.out)
 
 
 if __name__ == "__main__":
