@@ -24,8 +24,8 @@ import specdec  # noqa: F401  (registers the ${specdec.repo:...} resolver the co
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "experiments").rglob("*.py")
-                 if "__main__" in p.read_text())  # scripts, not their shared helpers (step_records.py)
+HELPERS = {"experiments/step_records.py"}  # imported by the scripts, not run
+SCRIPTS = sorted(s for s in (str(p.relative_to(ROOT)) for p in (ROOT / "experiments").rglob("*.py")) if s not in HELPERS)
 
 # The swept value a smoke run takes where the first one would cover less (a drafter over plain).
 PICK = {"policy_sweep": {"policy": "goodput"}, "eagle3_table": {"+method": "eagle3_tree16"},
