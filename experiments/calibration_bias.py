@@ -15,14 +15,13 @@ the estimator, not a run's choices.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import statistics as st
 import sys
 from pathlib import Path
 
-from step_records import emit, read_steps  # noqa: E402 (experiments/, the script's own folder)
+from step_records import emit, parse_args, read_steps  # noqa: E402 (experiments/, the script's own folder)
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
@@ -76,22 +75,14 @@ def summarize(run: Path, calibrate: float) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="*", help="run directories with per-step records")
-    ap.add_argument("--calibrate", type=float, default=0.002, help="goodput's calibrate weight per row (the 'on' arm)")
-    ap.add_argument("--out", default=None, help="also write the table to this markdown file")
-    ap.add_argument("--quick", action="store_true", help="without run directories: a committed goodput run")
-    a = ap.parse_args(argv)
-    if not a.runs:
-        if not a.quick:
-            ap.error("give run directories (or --quick)")
-        a.runs = [str(QUICK_RUN)]
+    a = parse_args(__doc__, QUICK_RUN, argv, extra=lambda ap: ap.add_argument(
+        "--calibrate", type=float, default=0.002, help="goodput's calibrate weight per row (the 'on' arm)"))
     lines = ["# calibration_bias: committed / predicted per step, goodput's own a(k) replayed", "",
              f"Steps at the run's most common k > 0 after {WARMUP_S:g} s; tokens committed / predicted over them / mean "
              f"absolute relative error per step, without and with calibrate = {a.calibrate:g} (its final factor).", "",
              "| run | drafter | policy | k | steps | off: ratio / error | on: ratio / error |",
              "| --- | --- | --- | ---: | ---: | --- | --- |"]
-    lines += [summarize(Path(r), a.calibrate) for r in a.runs]
+    lines += [summarize(Path(r), a.calibrate) for r in a.paths]
     return emit(lines, a.out)
 
 

@@ -17,7 +17,6 @@ every k from its device step and one host line instead).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import math
@@ -25,7 +24,7 @@ import statistics as st
 import sys
 from pathlib import Path
 
-from step_records import emit, read_steps  # noqa: E402 (experiments/, the script's own folder)
+from step_records import emit, parse_args, read_steps  # noqa: E402 (experiments/, the script's own folder)
 
 QUICK_RUN = Path(__file__).resolve().parent / "results/spec/policy_e5229cc/eagle3_humaneval_stagger/8"
 
@@ -74,17 +73,9 @@ def summarize(run: Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="*", help="run directories with per-step records")
-    ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
-    ap.add_argument("--quick", action="store_true", help="without run directories: a committed goodput run")
-    a = ap.parse_args(argv)
-    if not a.runs:
-        if not a.quick:
-            ap.error("give run directories (or --quick)")
-        a.runs = [str(QUICK_RUN)]
+    a = parse_args(__doc__, QUICK_RUN, argv)
     lines = ["# iter_noise: iteration wall times and held k per run", ""]
-    for r in a.runs:
+    for r in a.paths:
         lines += summarize(Path(r))
     return emit(lines, a.out)
 

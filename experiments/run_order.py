@@ -17,14 +17,13 @@ tables separate them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics as st
 import sys
 from pathlib import Path
 
-from step_records import emit, read_steps  # noqa: E402 (experiments/, the script's own folder)
+from step_records import emit, parse_args, read_steps  # noqa: E402 (experiments/, the script's own folder)
 
 QUICK_SWEEP = Path(__file__).resolve().parent / "results/spec/policy_969e48b/calib_he"
 MIN_TOKENS = 64
@@ -90,20 +89,12 @@ def collect(sweeps) -> tuple[dict, dict, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sweeps", nargs="*", help="multirun folders (numbered run directories with per-step records)")
-    ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
-    ap.add_argument("--quick", action="store_true", help="without sweep folders: a committed sweep")
-    a = ap.parse_args(argv)
-    if not a.sweeps:
-        if not a.quick:
-            ap.error("give sweep folders (or --quick)")
-        a.sweeps = [str(QUICK_SWEEP)]
-    by_place, by_policy, n_groups = collect(a.sweeps)
+    a = parse_args(__doc__, QUICK_SWEEP, argv, what="multirun folders (numbered run directories)")
+    by_place, by_policy, n_groups = collect(a.paths)
     lines = ["# run_order: prefill wall time per token by place in a sweep group and by policy", "",
              f"{n_groups} groups (runs of one point and seed; runs without per-step records left out, their places "
              f"counted) from: "
-             + ", ".join(a.sweeps) + f". Median prefill_ms per 100 tokens of steps prefilling >= {MIN_TOKENS} tokens "
+             + ", ".join(a.paths) + f". Median prefill_ms per 100 tokens of steps prefilling >= {MIN_TOKENS} tokens "
              f"after {WARMUP_S:g} s, over the group's geometric mean.", "",
              "| place | runs | mean log ratio | costlier than the group |", "| ---: | ---: | ---: | ---: |"]
     for place, v in sorted(by_place.items()):

@@ -1,11 +1,30 @@
 """Shared by the scripts that read ``specdec.run``'s per-step records (iter_noise, calibration_bias, replay_choices,
-run_order): the records of a run directory, and a markdown report printed and optionally written."""
+run_order): their command line (folders, or --quick for a committed one; --out), the records of a run directory, and
+a markdown report printed and optionally written."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 from pathlib import Path
+
+
+def parse_args(doc: str, quick: Path, argv=None, *, what: str = "run directories", extra=None) -> argparse.Namespace:
+    """The scripts' command line: ``paths`` (``what``, with per-step records), ``--out``, ``--quick`` (no paths: the
+    committed ``quick`` one), plus what ``extra(parser)`` adds."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("paths", nargs="*", help=f"{what} with per-step records")
+    ap.add_argument("--out", default=None, help="also write the tables to this markdown file")
+    ap.add_argument("--quick", action="store_true", help=f"without {what}: a committed one ({quick.name})")
+    if extra is not None:
+        extra(ap)
+    a = ap.parse_args(argv)
+    if not a.paths:
+        if not a.quick:
+            ap.error(f"give {what} (or --quick)")
+        a.paths = [str(quick)]
+    return a
 
 
 def read_steps(run: Path, required: str | None = None) -> list[dict] | None:

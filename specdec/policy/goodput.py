@@ -237,7 +237,7 @@ class Goodput:
         # unmixed iterations of every k (decayed sums [w, w x, w x^2, w y, w x y]); iter_ms prices k from it
         self.host_model = bool(host_model)
         self._host_fit: dict[int, tuple[list[float], list[float]]] = {}  # table batch -> (short, long memory)
-        self._last_per_row: float | None = None  # tokens per row the last step fed to update() committed
+        self._last_commit: tuple[float, int] | None = None  # (tokens, rows) the last step fed to update() committed
         if not 0.0 <= calibrate < 1.0:
             raise ConfigError(f"policy goodput: need 0 <= calibrate < 1 (0: off; got calibrate={calibrate})")
         # > 0: the requests' own a(k), summed over a batch, are scaled by the ratio of what steps committed to what
@@ -249,7 +249,6 @@ class Goodput:
         self.mixed_pricing = bool(mixed_pricing)
         self.mixed_observed: dict[tuple[int, int], float] = {}  # (k, table batch) -> EMA of mixed iteration wall ms
         self._mixed_rate = [0.0, 0.0]  # decayed [mixed iterations, tokens committed] (mixed iterations per token)
-        self._last_tokens = 0.0  # tokens the last step fed to update() committed
         self.explore_gap = float(explore_every)  # k = 0 steps until the next re-try
         self._explored = False  # the previous choice was a re-try
         if not 0.0 <= explore_fresh <= 1.0:
@@ -399,7 +398,7 @@ class Goodput:
         if self.mixed_pricing and self.table is not None and batch > 0 and k in self.table:
             keep = 1.0 - MIXED_MEMORY
             self._mixed_rate[0] = keep * self._mixed_rate[0] + (1.0 if mixed else 0.0)
-            self._mixed_rate[1] = keep * self._mixed_rate[1] + self._last_tokens
+            self._mixed_rate[1] = keep * self._mixed_rate[1] + (self._last_commit[0] if self._last_commit else 0.0)
             if mixed and self.time_ema > 0:
                 b, _ = self._bucket(k, batch)
                 old = self.mixed_observed.get((k, b))
@@ -408,8 +407,8 @@ class Goodput:
         if mixed or self.table is None or self.time_ema <= 0 or batch <= 0 or k not in self.table:
             return
         b, _ = self._bucket(k, batch)
-        if self.host_model and self._last_per_row is not None:
-            self._fit_host_(b, self._last_per_row, float(host_ms))
+        if self.host_model and self._last_commit is not None:
+            self._fit_host_(b, self._last_commit[0] / self._last_commit[1], float(host_ms))
         old = self.host_ms.get(b)
         sample = host_ms if old is None else min(host_ms, SERVED_OUTLIER * old)
         self.host_ms[b] = sample if old is None else (1.0 - self.time_ema) * old + self.time_ema * sample
@@ -788,10 +787,8 @@ class Goodput:
                 "choices_made": self.n_choices, "switches": self.n_switches, "switch_log": list(self.switch_log)}
 
     def update(self, stats: StepStats) -> None:
-        if self.host_model and stats.committed:
-            self._last_per_row = sum(stats.committed) / len(stats.committed)
-        if self.mixed_pricing:
-            self._last_tokens = float(sum(stats.committed)) if stats.committed else 0.0
+        if self.host_model or self.mixed_pricing:
+            self._last_commit = (float(sum(stats.committed)), len(stats.committed)) if stats.committed else None
         if (stats.step_ms is not None and self.time_ema > 0 and self.table is not None and stats.num_decode
                 and stats.k in self.table):
             b, table_ms = self._bucket(stats.k, stats.num_decode)
