@@ -160,7 +160,8 @@ def simulate(make_policy, table, lengths, *, C: int, seconds: float, warmup: flo
                 # prefilled or caught the draft up are mixed (left out of goodput's iteration estimates)
                 f = noise()
                 if hasattr(policy, "iteration_"):
-                    policy.iteration_(k, B, ms * f, host_ms * f, mixed=bool(plan) or (k > 0 and backlog > 0))
+                    policy.iteration_(k, B, ms * f, host_ms * f, mixed=bool(plan) or (k > 0 and backlog > 0),
+                                      switched=k > 0 and backlog > 0)
                 ms *= f
             for c, r in zip(committed, decoding):
                 r["left"] -= c

@@ -1207,6 +1207,61 @@ def test_goodput_mixed_pricing_counts_the_prefilling_iterations():
     assert build_policy(OmegaConf.create({"name": "goodput", "ks": [8], "mixed_pricing": True})).mixed_pricing
 
 
+def test_goodput_mixed_pricing_leaves_out_switch_iterations():
+    """mixed_pricing prices k from its prefilling iterations, not from the ones that switched (a resume's catch-up):
+    H200 at 11ce6bda, n-gram MT-bench C = 64, the resume iteration's 6.7 ms became chain 8's mixed price and goodput
+    held k = 0 for the rest of the run (mutation: counting switched iterations as prefilling ones, k = 8 is priced
+    from the 40 ms switches and 4 wins)."""
+    pol = Goodput([4, 8], margin=0.0, explore_every=0, time_ema=0.1, mixed_pricing=True)
+    pol.set_table({0: {64: 1.0}, 4: {64: 1.2}, 8: {64: 1.5}})
+    pol.accept.update({4: 1.45, 8: 1.55})
+    pol.rows_seen.update({4: 1000, 8: 1000})
+    for i in range(400):
+        k = 4 if i % 2 else 8
+        pol.update(StepStats(k=k, num_decode=64, committed=[pol.accept[k]] * 64, rows=None))
+        m = i % 5 != 0
+        switch = k == 8 and i % 10 == 2  # every fifth chain-8 iteration was a resume: 40 ms
+        wall = 40.0 if switch else (2.36 if m else {4: 1.5, 8: 1.8}[k])
+        pol.iteration_(k, 64, wall, wall, mixed=m or switch, switched=switch)
+    assert pol.describe()["mixed_iter_ms"]["k=8"][64] == pytest.approx(2.36)
+    assert pol.choose(BatchView(num_decode=64, num_waiting=0)) == 8
+    first = Goodput([8], margin=0.0, explore_every=0, time_ema=0.1, mixed_pricing=True)
+    first.set_table({0: {64: 1.0}, 8: {64: 1.5}})
+    first.update(StepStats(k=8, num_decode=64, committed=[2] * 64, rows=None))
+    first.iteration_(8, 64, 40.0, 40.0, mixed=True)  # a first prefilling sample counts at most 4x the clean price
+    assert first.describe()["mixed_iter_ms"]["k=8"][64] == pytest.approx(4 * first.iter_ms(8, 64))
+
+
+def test_engine_reports_resume_iterations_as_switched(tiny):
+    """The engine tells a policy that takes ``switched`` which mixed iterations switched (a resume after k = 0 steps
+    catches the draft up) and which only prefilled; a policy without the argument gets ``mixed`` alone."""
+    calls = []
+
+    class Spy(Goodput):
+        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False, switched=False):
+            calls.append((k, mixed, switched))
+
+    class Script(Spy):
+        def choose(self, view):
+            return (0, 0, 0, 3, 3, 3)[len(calls) % 6] if view.num_decode else 0
+
+    for overlap in (True, False):
+        calls.clear()
+        pol = Script([3], explore_every=0, profile_context=40)
+        drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=1, steps=3, num_draft_tokens=3)
+        engine = Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=1024, overlap=overlap),
+                        drafter=drafter, policy=pol, ks=(3,))
+        engine.add_request(rand_prompts([7], seed=2)[0], 60)
+        for _ in range(30):
+            engine.step()
+        assert calls[0][1] and not calls[0][2]  # the prefill iteration: mixed, not switched
+        resumes = [i for i in range(1, len(calls)) if calls[i][0] == 3 and calls[i - 1][0] == 0]
+        assert resumes and all(calls[i][1] and calls[i][2] for i in resumes)
+        steady = [c for i, c in enumerate(calls[1:], 1) if c[0] == calls[i - 1][0] == 3 and i - 1 not in resumes]
+        assert steady and any(not m and not s for _, m, s in steady)
+        assert all(m for _, m, s in calls if s)  # switched is a kind of mixed
+
+
 def test_goodput_ramp_hold_in_the_engine_drafts_prompts_until_tried_and_stays_greedy(tiny):
     """goodput ramp_hold on an engine with an EAGLE-3 drafter, requests arriving while others decode: prompts
     prefilled at k = 0 run the draft while k = 4 awaits its first tries (no catch-up over them when it comes), and

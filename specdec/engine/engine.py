@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import operator
 import time
@@ -322,9 +323,12 @@ class Engine:
         self._policy_rows = wants_rows(policy)
         self._drafts_prefill = prefill_drafting(policy)  # None: prompts prefilled at k = 0 skip the draft
         self._policy_iters = getattr(policy, "iteration_", None)  # optional: per-iteration wall / host ms
+        # ... and whether a mixed iteration's extra work was a switch (policies whose iteration_ takes ``switched``)
+        self._iters_switched = self._policy_iters is not None and "switched" in inspect.signature(self._policy_iters).parameters
         self._waited_s = 0.0  # this iteration's time blocked on the device (reading a step's tokens)
-        self._iter_prev = None  # (k, rows, start, waited, mixed) of the last iteration that decoded
+        self._iter_prev = None  # (k, rows, start, waited, mixed, switched) of the last iteration that decoded
         self._extra_prev = False  # that iteration also prefilled or switched speculation on
+        self._switch_prev = False  # ... switched (a resume, a catch-up, another k or bucket than the step before)
         self._shape_prev = None  # (k, batch bucket) of the last step launched
         self._catches_up = catches_up(drafter)
         self._stages_rows = prefills(drafter)  # new decode rows take the draft state of their prefill
@@ -473,9 +477,12 @@ class Engine:
             # The previous iteration, start to start: its wall time includes what the caller did
             # between steps (a closed-loop client's finishes and submits), which throughput pays
             # too; its host work is that wall time less the waits for the device.
-            k_p, n_p, t_p, waited_p, mixed_p = self._iter_prev
+            k_p, n_p, t_p, waited_p, mixed_p, switched_p = self._iter_prev
             wall_ms = (t_start - t_p) * 1e3
-            self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3, mixed=mixed_p)
+            if self._iters_switched:
+                self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3, mixed=mixed_p, switched=switched_p)
+            else:
+                self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3, mixed=mixed_p)
             self._iter_prev = None
         self._waited_s = 0.0
         committed: list[tuple[int, list[list[int]], list[str]]] = []  # (k, token lists, request ids) of the steps committed here
@@ -580,10 +587,16 @@ class Engine:
             shape = (k, self._bucket(n))
             switched = self.overlap and self._shape_prev is not None and self._shape_prev != shape
             self._shape_prev = shape
-            extra = bool(plan) or resume or self.num_catch_ups != caught_up
+            # ``switched`` (a subset of mixed): the extra work was a switch, not (only) a prefill. The H200
+            # envelope at 11ce6bda (n-gram, MT-bench, C = 64): goodput_mixed priced chain 8 from its resume
+            # iteration (6.7 ms of catch-up against 2.1 ms prefilling ones) and held k = 0 for the rest of the run.
+            resumed = resume or self.num_catch_ups != caught_up
+            extra = bool(plan) or resumed
             self._iter_prev = (k, n, t_start, self._waited_s,
-                               extra or switched or (self.overlap and self._extra_prev))
+                               extra or switched or (self.overlap and self._extra_prev),
+                               resumed or switched or (self.overlap and self._switch_prev))
             self._extra_prev = extra
+            self._switch_prev = resumed
         finished = sched.pop_finished()
         if timed:
             self._pending_trace[no] = dict(

@@ -185,8 +185,8 @@ class Bandit:
     def shadow_due(self) -> bool:
         return self.model.shadow_due()
 
-    def iteration_(self, k, batch, wall_ms, host_ms, mixed=False) -> None:
-        self.model.iteration_(k, batch, wall_ms, host_ms, mixed=mixed)
+    def iteration_(self, k, batch, wall_ms, host_ms, mixed=False, switched=False) -> None:
+        self.model.iteration_(k, batch, wall_ms, host_ms, mixed=mixed, switched=switched)
 
     # -- the policy ----------------------------------------------------------------------------
     @staticmethod

@@ -99,7 +99,9 @@ class Goodput:
     before, a decayed sum with weight ``calibrate`` per row. The own estimates run low where acceptance grows along
     an answer (n-gram on MT-bench at C = 64: 1 / 1.11 of what the steps committed), which prices every k > 0 below
     k = 0's exact a(0) = 1.
-    ``mixed_pricing`` (off by default; not measured on the H200 yet): an iteration at k is priced as the blend of
+    ``mixed_pricing`` (off by default; H200 at 11ce6bda, n-gram MT-bench C = 64, seeds 0-2: 0.873 of the envelope
+    against goodput's 0.968, two seeds held k = 0 after pricing chain 8 from its resume iteration, which switched
+    iterations no longer feed): an iteration at k is priced as the blend of
     its unmixed and its mixed (prefilling) iterations, in the share of mixed ones that a step committing a(k) tokens
     sees at the workload's measured mixed iterations per token (see _blended_ms): prefill overlaps the extra device
     time of a larger k, which unmixed iterations alone overprice.
@@ -387,22 +389,28 @@ class Goodput:
             return ms
         return ms + host if k > 0 and self.serial_drafting else max(ms, host)
 
-    def iteration_(self, k: int, batch: int, wall_ms: float, host_ms: float, mixed: bool = False) -> None:
+    def iteration_(self, k: int, batch: int, wall_ms: float, host_ms: float, mixed: bool = False,
+                   switched: bool = False) -> None:
         """One engine iteration ran a decode step at k over ``batch`` rows in ``wall_ms`` of wall
         time, ``host_ms`` of it host work (the rest: waiting for the device). ``mixed``: it also ran
         (or, overlapped, waited for) a prefill or a switch back on (catch-up): not counted, since
         that work costs the same whatever k the step ran, and the first tries of every k fall in
         the start of a run, where every iteration prefills. H200, crossover_8b at a3b05ab, C = 16:
         tree16's first iterations averaged 37.8 ms against its 10.6 ms steps (prefills of 8B
-        prompts), so goodput held tree48 (23.5 ms steps, 0.66x of always tree16)."""
+        prompts), so goodput held tree48 (23.5 ms steps, 0.66x of always tree16). ``switched`` (with
+        ``mixed``): the extra work was a switch (a resume, a catch-up, a step of another k or bucket
+        waited for), which mixed_pricing leaves out of the prefilling iterations it prices by."""
         if self.mixed_pricing and self.table is not None and batch > 0 and k in self.table:
+            prefilled = mixed and not switched
             keep = 1.0 - MIXED_MEMORY
-            self._mixed_rate[0] = keep * self._mixed_rate[0] + (1.0 if mixed else 0.0)
+            self._mixed_rate[0] = keep * self._mixed_rate[0] + (1.0 if prefilled else 0.0)
             self._mixed_rate[1] = keep * self._mixed_rate[1] + (self._last_commit[0] if self._last_commit else 0.0)
-            if mixed and self.time_ema > 0:
+            if prefilled and self.time_ema > 0:
                 b, _ = self._bucket(k, batch)
                 old = self.mixed_observed.get((k, b))
-                sample = wall_ms if old is None else min(wall_ms, SERVED_OUTLIER * old)
+                # the first sample at most FIRST_ITER_OUTLIER times the clean price, as for the unmixed ones
+                sample = (min(wall_ms, FIRST_ITER_OUTLIER * self.iter_ms(k, batch)) if old is None
+                          else min(wall_ms, SERVED_OUTLIER * old))
                 self.mixed_observed[(k, b)] = sample if old is None else (1.0 - self.time_ema) * old + self.time_ema * sample
         if mixed or self.table is None or self.time_ema <= 0 or batch <= 0 or k not in self.table:
             return
