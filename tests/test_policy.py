@@ -1262,6 +1262,34 @@ def test_engine_reports_resume_iterations_as_switched(tiny):
         assert all(m for _, m, s in calls if s)  # switched is a kind of mixed
 
 
+def test_goodput_time_every_times_one_step_in_n(tiny):
+    """policy.time_every = N: the engine times one decode step in N for the policy (the others carry no step_ms and
+    leave the served step-time EMA alone); 1 times every step (mutation: timing every step, both counts match)."""
+    prompts = repetitive_prompts(3, seed=1)
+    want = [reference(tiny, p, 14) for p in prompts]
+    counts = {}
+    for every in (1, 4):
+        seen = []
+
+        class Spy(Goodput):
+            def update(self, stats):
+                seen.append(stats.step_ms is not None)
+                super().update(stats)
+
+        pol = Spy([2, 4], explore_every=4, profile_context=40, time_every=every)
+        got, _ = run_engine(tiny, prompts, 14, drafter=NgramDrafter(), policy=pol, max_batch=4)
+        assert got == want
+        counts[every] = (sum(seen), len(seen))
+        assert pol.observed and pol.describe()["time_every"] == every
+    timed, total = counts[1]
+    assert timed == total > 8
+    timed, total = counts[4]
+    assert (total + 3) // 4 == timed
+    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [2], "time_every": 8})).time_every == 8
+    with pytest.raises(ConfigError, match="time_every"):
+        Goodput([2], time_every=0)
+
+
 def test_goodput_ramp_hold_in_the_engine_drafts_prompts_until_tried_and_stays_greedy(tiny):
     """goodput ramp_hold on an engine with an EAGLE-3 drafter, requests arriving while others decode: prompts
     prefilled at k = 0 run the draft while k = 4 awaits its first tries (no catch-up over them when it comes), and

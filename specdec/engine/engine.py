@@ -320,6 +320,8 @@ class Engine:
         # A policy that learns from step times gets each decode step's duration in its StepStats;
         # only a policy that reads request ids gets them (a tuple of B ids per step is host work).
         self._policy_times = wants_step_ms(policy)
+        self._time_every = max(1, int(getattr(policy, "time_every", 1) or 1))  # one timed step in this many
+        self._launches = 0  # decode steps launched (which of them the policy times)
         self._policy_rows = wants_rows(policy)
         self._drafts_prefill = prefill_drafting(policy)  # None: prompts prefilled at k = 0 skip the draft
         self._policy_iters = getattr(policy, "iteration_", None)  # optional: per-iteration wall / host ms
@@ -560,7 +562,9 @@ class Engine:
                 self.acceptance.prepare_(self.state, n, k, [r.id for r in sched.rows])
                 replay_cf = self.acceptance.last_cf
             # If the launch raises, nothing is queued and the step in flight stays queued.
-            step = self.stepper.launch_(k, launched, context, timed=self._policy_times)
+            timed_step = self._policy_times and self._launches % self._time_every == 0
+            self._launches += 1
+            step = self.stepper.launch_(k, launched, context, timed=timed_step)
             if replay_cf:  # the replay's counterfactual commits, per smaller size, rows in launch order
                 step.cf_by_k = replay_cf
             step.rows = [(r, r.row_epoch) for r in sched.rows]

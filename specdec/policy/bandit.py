@@ -185,6 +185,10 @@ class Bandit:
     def shadow_due(self) -> bool:
         return self.model.shadow_due()
 
+    @property
+    def time_every(self) -> int:  # the engine times one step in this many (the model's setting)
+        return self.model.time_every
+
     def iteration_(self, k, batch, wall_ms, host_ms, mixed=False, switched=False) -> None:
         self.model.iteration_(k, batch, wall_ms, host_ms, mixed=mixed, switched=switched)
 
