@@ -2,6 +2,7 @@
 its start-up calibration through the engine, and greedy identity whatever it chooses."""
 
 import random
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -1316,3 +1317,20 @@ def test_goodput_ramp_hold_in_the_engine_drafts_prompts_until_tried_and_stays_gr
     assert engine.undrafted_prefill_tokens == 0
     pol, engine = serve(False)  # the engine's own rule: prompts prefilled after a held step skip the draft
     assert pol.ramp_steps > 0 and engine.undrafted_prefill_tokens > 0
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf/policy").glob("*.yaml")))
+def test_every_policy_config_composes_and_builds(name):
+    """Each conf/policy option composes through Hydra and builds a policy over a drafter's sizes (an option file that
+    sets a key the builder does not read, or a value it rejects, fails here before a sweep on a GPU does)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"policy={name}"])
+    if "profile_context" in cfg.policy:  # auto: the workload's prompts, which specdec.run resolves
+        cfg.policy.profile_context = 512
+    pol = build_policy(cfg.policy, sizes=(3, 16, 48))
+    assert pol.name == cfg.policy.get("name", "never") or cfg.policy.get("name") == "schedule"
+    if cfg.policy.get("name") == "goodput":
+        for key in ("time_every", "calibrate", "mixed_pricing", "host_model", "ramp_hold"):
+            assert getattr(pol, key) == cfg.policy[key], key
