@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import List
 
 
-
 def rotate_jobs(jobs: List[List[str]]) -> List[List[str]]:
     """Jobs as the basic sweeper orders them (lists of ``key=value``, keys in one order), with each group of
     consecutive jobs that differ only in the innermost swept key rotated by its group index."""

@@ -651,7 +651,7 @@ def test_engine_reports_prefill_iterations_as_mixed(tiny):
     calls = []
 
     class Spy(Goodput):
-        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False):
+        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False, switched=False):
             calls.append((k, batch, mixed))
             super().iteration_(k, batch, wall_ms, host_ms, mixed=mixed)
 
@@ -695,7 +695,7 @@ def test_overlapped_iterations_are_charged_to_the_step_they_waited_for(tiny):
         def update(self, stats):
             pass
 
-        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False):
+        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False, switched=False):
             self.reports.append((k, mixed))
 
     for overlap in (True, False):
@@ -1234,8 +1234,8 @@ def test_goodput_mixed_pricing_leaves_out_switch_iterations():
 
 
 def test_engine_reports_resume_iterations_as_switched(tiny):
-    """The engine tells a policy that takes ``switched`` which mixed iterations switched (a resume after k = 0 steps
-    catches the draft up) and which only prefilled; a policy without the argument gets ``mixed`` alone."""
+    """The engine tells the policy which mixed iterations switched (a resume after k = 0 steps catches the draft up)
+    and which only prefilled."""
     calls = []
 
     class Spy(Goodput):
@@ -1288,7 +1288,7 @@ def test_goodput_time_every_times_one_step_in_n(tiny):
     assert (total + 3) // 4 == timed
     assert build_policy(OmegaConf.create({"name": "goodput", "ks": [2], "time_every": 8})).time_every == 8
     with pytest.raises(ConfigError, match="time_every"):
-        Goodput([2], time_every=0)
+        build_policy(OmegaConf.create({"name": "goodput", "ks": [2], "time_every": 0}))
 
 
 def test_goodput_ramp_hold_in_the_engine_drafts_prompts_until_tried_and_stays_greedy(tiny):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import itertools
 import operator
 import time
@@ -324,9 +323,8 @@ class Engine:
         self._launches = 0  # decode steps launched (which of them the policy times)
         self._policy_rows = wants_rows(policy)
         self._drafts_prefill = prefill_drafting(policy)  # None: prompts prefilled at k = 0 skip the draft
-        self._policy_iters = getattr(policy, "iteration_", None)  # optional: per-iteration wall / host ms
-        # ... and whether a mixed iteration's extra work was a switch (policies whose iteration_ takes ``switched``)
-        self._iters_switched = self._policy_iters is not None and "switched" in inspect.signature(self._policy_iters).parameters
+        # optional: per-iteration wall / host ms, iteration_(k, rows, wall_ms, host_ms, mixed=, switched=)
+        self._policy_iters = getattr(policy, "iteration_", None)
         self._waited_s = 0.0  # this iteration's time blocked on the device (reading a step's tokens)
         self._iter_prev = None  # (k, rows, start, waited, mixed, switched) of the last iteration that decoded
         self._extra_prev = False  # that iteration also prefilled or switched speculation on
@@ -481,10 +479,7 @@ class Engine:
             # too; its host work is that wall time less the waits for the device.
             k_p, n_p, t_p, waited_p, mixed_p, switched_p = self._iter_prev
             wall_ms = (t_start - t_p) * 1e3
-            if self._iters_switched:
-                self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3, mixed=mixed_p, switched=switched_p)
-            else:
-                self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3, mixed=mixed_p)
+            self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3, mixed=mixed_p, switched=switched_p)
             self._iter_prev = None
         self._waited_s = 0.0
         committed: list[tuple[int, list[list[int]], list[str]]] = []  # (k, token lists, request ids) of the steps committed here

@@ -213,8 +213,6 @@ class Eagle3Head(nn.Module):
         (draft rounds and extends at small batches: half the bytes), the head's own weights above
         that (prefill chunks, large batches). Drafts change, verification does not: output stays
         exact. Training reads the parameters themselves either way."""
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise ConfigError(f"draft.weight_dtype={weight_dtype!r}; valid: {', '.join(WEIGHT_DTYPES)}")
         weight_dtype = resolve_weight_dtype(weight_dtype, self.config.hidden_size, self.w("fc.weight").device.type)
         self.weight_dtype = weight_dtype
         if weight_dtype == "int8" and self.w("fc.weight").device.type != "meta":

@@ -73,7 +73,7 @@ def _goodput(cfg, sizes) -> Goodput:
     return Goodput(ks, ema=float(cfg.get("ema", 0.1)),
                    margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 32)),
                    profile_context=_profile_context(cfg.get("profile_context", 512)),
-                   time_ema=float(cfg.get("time_ema", 0.1)), time_every=int(cfg.get("time_every", 1) or 1),
+                   time_ema=float(cfg.get("time_ema", 0.1)), time_every=int(cfg.get("time_every", 1)),
                    prior_ema=float(cfg.get("prior_ema", 0.01)),
                    explore_backoff=float(cfg.get("explore_backoff", 1.0)),
                    explore_max=int(cfg.get("explore_max", 1024)),

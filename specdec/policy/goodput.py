@@ -867,7 +867,7 @@ class Goodput:
                 if pred > 0.0:
                     w = 1.0 - (1.0 - self.calibrate) ** n
                     cal = self._calib[k]
-                    cal[0] = (1.0 - w) * cal[0] + w * sum(committed) / n
+                    cal[0] = (1.0 - w) * cal[0] + w * mean
                     cal[1] = (1.0 - w) * cal[1] + w * pred / n
             size = len(own)
             pairs = zip(rows, committed)
