@@ -28,7 +28,7 @@ value, unit, peer, peer value, ratio), bench_serving_curve.csv (one row per C), 
 (the tables). A short table is printed last.
 
 Run (one H200, ~3-4 min incl. kernel compiles; no Hydra / W&B / gguf needed):
-    python experiments/bench_serving.py --smollm2 DIR --out experiments/results/serving
+    python experiments/bench_serving.py --smollm2 DIR --out outputs/serving
   DIR: SmolLM2 converted to a Hugging Face directory (config.json, model.safetensors,
   tokenizer.json, tokenizer_config.json), e.g. a copy of $SPECDEC_CACHE/smollm2-135m-instruct.
 CPU smoke run (tiny shapes, minutes, numbers meaningless):
@@ -365,7 +365,7 @@ def guarded(res: Results, part: str, fn, *args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smollm2", help="Hugging Face directory of SmolLM2-135M-Instruct")
-    ap.add_argument("--out", default="experiments/results/serving", help="where CSV / markdown go")
+    ap.add_argument("--out", default="outputs/serving", help="where CSV / markdown go")
     ap.add_argument("--parts", default="a,b,c", help="subset of a,b,c")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate peers")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny sizes, meaningless numbers")

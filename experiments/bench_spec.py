@@ -53,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smollm2", required=True, help="Hugging Face directory of SmolLM2-135M-Instruct")
     ap.add_argument("--prompts", required=True, help="humaneval.jsonl from the asset cache")
-    ap.add_argument("--out", default="experiments/results/spec")
+    ap.add_argument("--out", default="outputs/spec")
     ap.add_argument("--draft", choices=["ngram", "eagle3"], default="ngram")
     ap.add_argument("--k", type=int, default=None, help="draft tokens per step (default: ngram 4, eagle3 --nodes)")
     ap.add_argument("--head", default=str(REPO / "checkpoints" / "eagle3-smollm2-135m"), help="EAGLE-3 checkpoint")

@@ -20,8 +20,8 @@ Rows: TP1 today's model ("tp1"), TP1 through TPLlamaModel with the fused kernel'
 ("tp1 fused-ws1"), and at world size n > 1 "tpn nccl" and "tpn fused". Floor: the weight bytes a step
 reads on one GPU (its shard) at the copy bandwidth measured in this run.
 
-Run (one H200):   python experiments/bench_tp.py --world-size 1 --out experiments/results/tp
-Run (n GPUs):     python experiments/bench_tp.py --world-size 2 --out experiments/results/tp
+Run (one H200):   python experiments/bench_tp.py --world-size 1 --out outputs/tp
+Run (n GPUs):     python experiments/bench_tp.py --world-size 2 --out outputs/tp
                   (spawns its ranks; or torchrun --nproc-per-node 2 experiments/bench_tp.py --world-size 2)
 Subset:           --part boundary --hidden 4096 --tokens 1 8
 Quick:            python experiments/bench_tp.py --quick [--world-size 2] --out /tmp/bench  (CPU smoke run over
@@ -208,7 +208,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 64, 256])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--out", default="experiments/results/tp")
+    ap.add_argument("--out", default="outputs/tp")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, few sizes")
     args = ap.parse_args(argv)
     if not CUDA and not args.quick:

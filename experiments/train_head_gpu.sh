@@ -13,8 +13,8 @@
 #                                              #   Fails at once (exit 2) when the data is not on this machine.
 #   bash experiments/train_head_gpu.sh all     # data, then train, in ONE call (~8.5 min: DATA_BUDGET_S 170,
 #                                              #   TRAIN_BUDGET_S 340 by default; with the setup call's
-#                                              #   conversion it fits a 600 s call: 452 s with 280 at
-#                                              #   b48c50b): nothing is lost if the machine is given back
+#                                              #   conversion it fits a 600 s call: 452 s with 280):
+#                                              #   nothing is lost if the machine is given back
 #                                              #   between calls (its data would be)
 #   bash experiments/train_head_gpu.sh trees   # ~3 min: tree shapes at batch 1 on 10 HumanEval prompts
 #                                              #   for the new head (HEAD_DIR, default $S/ckpt10x), report in $OUT

@@ -1,5 +1,6 @@
 """Every study runs: each conf/experiment file through its entry (``specdec.run --multirun`` or
-``specdec.train``) in a tiny smoke mode, and each experiments/ script's ``--quick`` mode, on CPU.
+``specdec.train``) in a tiny smoke mode, and each experiments/ script's ``--quick`` mode (``--help`` where it
+has none), on CPU.
 
 Slow (minutes each on 2 cores): ``python -m pytest -q -m slow tests/test_experiments.py``.
 Smoke mode keeps the experiment's own settings and sweep structure and shrinks only the size: a
@@ -24,8 +25,8 @@ import specdec  # noqa: F401  (registers the ${specdec.repo:...} resolver the co
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-HELPERS = {"experiments/step_records.py"}  # imported by the scripts, not run
-SCRIPTS = sorted(s for s in (str(p.relative_to(ROOT)) for p in (ROOT / "experiments").rglob("*.py")) if s not in HELPERS)
+SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "experiments").rglob("*.py") if "results" not in p.parts)
+SHELL_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "experiments").glob("*.sh"))
 
 # The swept value a smoke run takes where the first one would cover less (a drafter over plain).
 PICK = {"policy_sweep": {"policy": "goodput"}, "eagle3_table": {"+method": "eagle3_tree16"},
@@ -34,8 +35,6 @@ PICK = {"policy_sweep": {"policy": "goodput"}, "eagle3_table": {"+method": "eagl
 # Llama-3.1-8B structure at tiny sizes (random-weight targets).
 TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096}
-# Scripts without a CPU smoke mode: they time CUDA kernels or drive Nsight Compute.
-NO_QUICK = "no --quick mode: it times CUDA kernels or drives Nsight tools, so it needs a GPU"
 
 
 def _env():
@@ -115,10 +114,10 @@ def test_experiment_smoke(name, tmp_path, smollm2_path, prompts_path):
     assert rep.returncode == 0, rep.stderr[-3000:]
 
 
-def _script_args(script: str, tmp_path: Path, smollm2_path: Path, prompts_path: Path) -> list[str] | None:
+def _script_args(script: str, tmp_path: Path, smollm2_path: Path, prompts_path: Path) -> list[str]:
     src = (ROOT / script).read_text()
-    if "--quick" not in src:
-        return None
+    if "--quick" not in src:  # no CPU smoke mode (it times CUDA kernels): its arguments parse and it imports
+        return ["--help"]
     args = ["--quick"]
     if re.search(r"""add_argument\(\s*["']--out["']""", src):
         args += ["--out", str(tmp_path / "out")]
@@ -133,8 +132,6 @@ def _script_args(script: str, tmp_path: Path, smollm2_path: Path, prompts_path: 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_quick(script, tmp_path, smollm2_path, prompts_path):
     args = _script_args(script, tmp_path, smollm2_path, prompts_path)
-    if args is None:
-        pytest.skip(f"{script}: {NO_QUICK}")
     proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -297,110 +294,39 @@ def test_rotating_sweeper_counterbalances_the_innermost_key():
         assert exp["hydra"]["sweeper"]["_target_"].endswith(RotatingSweeper.__name__)
 
 
-def test_iter_noise_counts_unmixed_iterations_and_held_runs(tmp_path):
-    """experiments/iter_noise.py: wall ms between steps at the common decode batch, leaving out steps that
-    prefilled and those right after one; the runs of consecutive steps at each k and the switches."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import iter_noise
-
-    ks = [16, 16, 16, 32, 32, 16, 16, 16]
-    walls = [0, 1.0, 2.0, 1.5, 1.5, 1.0, 1.0, 4.0]  # ms before each step
-    prefill = [0, 0, 0, 0, 0, 0, 100, 0]  # step 6 prefilled: steps 6 and 7 are mixed
-    t, rows = 0.0, []
-    for i, (k, w, p) in enumerate(zip(ks, walls, prefill)):
-        t += w / 1e3
-        rows.append({"t_s": t, "k": k, "decode_bs": 4, "prefill_tokens": p, "committed": 4 * (2 if k == 16 else 3)})
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (run / "config.json").write_text(json.dumps({"policy": {"name": "goodput"}, "workload": {"concurrency": 4}}))
-    lines = iter_noise.summarize(run)
-    assert "8 steps, 2 switches, decode batch 4" in lines[0]
-    by_k = {ln.split(" | ")[0].strip("| "): ln.split(" | ") for ln in lines if ln.startswith("| 16") or ln.startswith("| 32")}
-    assert by_k["16"][1] == "3" and by_k["32"][1] == "2"  # 1.0 / 2.0 / 1.0 ms at 16; 1.5 / 1.5 at 32
-    assert by_k["32"][3] == "0.000" and by_k["16"][4] == "2.00" and by_k["32"][4] == "3.00"
-    assert by_k["16"][5:7] == ["2", "3"] and by_k["32"][5:7] == ["1", "2"]
-    assert by_k["16"][7] == "2 / 2.50 |"  # the mixed iterations: step 6 (1.0 ms) and step 7 (4.0 ms)
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
+def test_shell_scripts_parse(script):
+    proc = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
 
 
-def test_calibration_bias_replays_own_estimates_against_commits(tmp_path):
-    """experiments/calibration_bias.py: steps served at the run's most common k > 0, replayed through Goodput's own
-    a(k); requests whose acceptance grows along their answers commit more than the uncalibrated sum predicts, and
-    calibrate brings the pooled ratio to ~1."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import calibration_bias
-
-    life, batch, rows = 40, 16, []
-    born = {f"r{i}": -(i * life) // batch for i in range(batch)}
-    for step in range(600):
-        for r, b in list(born.items()):
-            if step - b >= life:
-                del born[r]
-                born[f"{r}+"] = step
-        ids = list(born)
-        acc = [int(1.6 * (step - born[r]) / life + 0.5 * (step % 2)) for r in ids]  # accepted drafts, rising
-        rows.append({"t_s": step * 0.005, "k": 8, "decode_bs": batch, "prefill_tokens": 0,
-                     "committed": sum(acc) + batch, "accepted": acc, "accepted_ids": ids})
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (run / "config.json").write_text(json.dumps({"policy": {"name": "always", "ema": 0.1},
-                                                 "draft": {"name": "eagle3"}, "workload": {"concurrency": batch}}))
-    steps = calibration_bias.read_steps(run)
-    off = calibration_bias.replay(steps, 8, ema=0.1, shadowed=False, calibrate=0.0)
-    on = calibration_bias.replay(steps, 8, ema=0.1, shadowed=False, calibrate=0.002)
-    assert off["ratio"] > 1.03 and abs(on["ratio"] - 1.0) < 0.01 and off["factor"] == 1.0
-    line = calibration_bias.summarize(run, 0.002)
-    assert "| eagle3 | always, C = 16 | 8 |" in line
+def test_gpu_round_has_the_readme_stages_and_refuses_others(tmp_path):
+    """experiments/gpu_round.sh: at most 10 stages, among them those the README's tables name; an unknown stage
+    exits 64 before any setup and lists the valid ones."""
+    src = (ROOT / "experiments" / "gpu_round.sh").read_text()
+    stages = re.search(r'^STAGES="([^"]+)"', src, re.M).group(1).split()
+    assert len(stages) <= 10
+    assert {"gputests", "batch1", "envelope", "crossover8b", "step8b", "sweep", "moe"} <= set(stages)
+    for st in stages:  # every listed stage has its case branch
+        assert re.search(rf"^{st}\)", src, re.M), st
+    proc = subprocess.run(["bash", "experiments/gpu_round.sh", "nope"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(tmp_path)})
+    assert proc.returncode == 64 and "batch1" in proc.stderr
 
 
-def test_run_order_separates_place_from_policy(tmp_path):
-    """experiments/run_order.py: groups consecutive runs of one point and seed, divides each run's median prefill ms
-    per 100 tokens by its group's geometric mean, and tables the log ratio by place and by policy. Rotated runs where
-    the third place is 20% slower whatever runs there: the place table shows it, the policy table does not."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import run_order
+def test_train_head_gpu_refuses_bad_modes_and_a_machine_without_the_model(tmp_path):
+    """experiments/train_head_gpu.sh in a copy of the tree: an unknown mode exits 64; `train` on a machine where
+    SmolLM2 is not converted exits 3 and names the setup calls."""
+    import shutil
 
-    sweep = tmp_path / "sweep"
-    order = ["never", "always", "goodput"]
-    i = 0
-    for seed in range(3):
-        pols = order[seed:] + order[:seed]
-        for place, pol in enumerate(pols):
-            d = sweep / str(i)
-            d.mkdir(parents=True)
-            i += 1
-            (d / "config.json").write_text(json.dumps({"policy": {"name": pol}, "seed": seed, "workload": {"c": 8}}))
-            ms = 1.2 if place == 2 else 1.0
-            steps = [{"t_s": 1.0 + j, "prefill_tokens": 100, "prefill_ms": ms} for j in range(5)]
-            (d / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in steps) + "\n")
-    by_place, by_policy, n = run_order.collect([str(sweep)])
-    assert n == 3 and set(by_place) == {1, 2, 3}
-    assert min(by_place[3]) > 0.1 and max(by_place[1] + by_place[2]) < 0
-    assert all(abs(sum(v) / len(v)) < 1e-9 for v in by_policy.values())
-
-
-def test_replay_choices_scores_fixed_ks_and_a_policy(tmp_path):
-    """experiments/replay_choices.py: a run at chain 8 whose rows accept every draft, iterations that cost the same
-    at every k: chain 8 is the best fixed k, k = 0 makes 1 / 9 of its tokens per ms, and goodput (step table and
-    iteration pools from the runs) ends up at chain 8."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import replay_choices
-
-    B, steps, it = 8, [], []
-    for i in range(300):
-        steps.append({"t_s": i * 0.01, "k": 8, "decode_bs": B, "prefill_tokens": 100 if i % 3 == 0 else 0,
-                      "accepted": [8] * B, "accepted_ids": [f"r{j}" for j in range(B)]})
-        it.append({"t_s": 1.0 + i * 0.002, "k": [0, 2, 4, 8][i % 4], "decode_bs": B, "prefill_tokens": 100 if i % 16 < 4 else 0})
-    for name, recs in (("always", steps), ("iter", it)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "steps.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-    pools = replay_choices.iteration_pools([tmp_path / "iter"], B)
-    assert set(pools) == {(k, m) for k in (0, 2, 4, 8) for m in (False, True)}
-    assert all(abs(w - 2.0) < 1e-6 for v in pools.values() for w in v)
-    table = {k: {B: 1.0} for k in (0, 2, 4, 8)}
-    out = replay_choices.replay(steps, [2, 4, 8], pools, table, None, seed=0)
-    assert out["k=8"] == pytest.approx(9 * out["k=0"]) and out["k=4"] == pytest.approx(5 * out["k=0"])
-    pol = replay_choices.make_policy("goodput", [2, 4, 8])
-    res = replay_choices.replay(steps, [2, 4, 8], pools, table, pol, seed=0)
-    assert res["policy"] > 0.9 * res["k=8"] and max(res["chosen"], key=res["chosen"].get) == 8
+    tree = tmp_path / "tree"
+    (tree / "experiments").mkdir(parents=True)
+    for name in ("train_head_gpu.sh", "lent_gpu_setup.sh"):
+        shutil.copy(ROOT / "experiments" / name, tree / "experiments")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SPECDEC_STAGE": str(tmp_path / "stage")}
+    bad = subprocess.run(["bash", "experiments/train_head_gpu.sh", "nope"], cwd=tree, env=env, capture_output=True,
+                         text=True)
+    assert bad.returncode == 64 and "data|train|all|trees" in bad.stderr
+    bare = subprocess.run(["bash", "experiments/train_head_gpu.sh", "train"], cwd=tree, env=env, capture_output=True,
+                          text=True)
+    assert bare.returncode == 3 and "gpu_machines.md" in bare.stderr

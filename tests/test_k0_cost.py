@@ -1,13 +1,12 @@
 """Speculation-off cost, measured so that runs do not depend on their predecessors: the KV pool is
 sized the same whatever an earlier engine of the process left in torch's caching allocator, each
 run frees what earlier ones left and serves with the heap frozen, experiment=k0_cost interleaves
-draft=none around the drafters per C (experiments/gpu_round.sh k0cost builds the arm list), and the
+draft=none around the drafters per C, and the
 report divides each drafter run by its adjacent draft=none runs."""
 
 import gc
 import json
 import os
-import re
 import subprocess
 import sys
 import weakref
@@ -136,23 +135,6 @@ def test_frozen_heap_freezes_what_lives_before_serving_and_counts_collections():
 
 
 # --------------------------------------------------------------------- the sweep and its arm list
-def gpu_round_arms(r: int) -> str:
-    """The draft= list experiments/gpu_round.sh k0cost builds for K0_R = r (its own lines, run)."""
-    src = (ROOT / "experiments" / "gpu_round.sh").read_text()
-    stage = src[src.index("\nk0cost)"):]
-    lines = re.search(r"\n(\s*arms=none\n.*?\n\s*done\n)", stage, re.S).group(1)
-    out = subprocess.run(["bash", "-c", lines + 'echo "$arms"'], env=dict(os.environ, K0_R=str(r)),
-                         capture_output=True, text=True, check=True)
-    return out.stdout.strip()
-
-
-def test_gpu_round_interleaves_none_around_each_repeat_flipping_the_order():
-    n, g, e = "none", "ngram_chains", "eagle3_smollm2_trees"
-    assert gpu_round_arms(1).split(",") == [n, g, e, n]
-    assert gpu_round_arms(2).split(",") == [n, g, e, n, e, g, n]
-    assert gpu_round_arms(3).split(",") == [n, g, e, n, e, g, n, g, e, n]
-
-
 def sweep_jobs(overrides: list[str]) -> list[dict]:
     """The jobs (in launch order) that `specdec.run --multirun +experiment=k0_cost OVERRIDES` runs,
     as Hydra's basic sweeper orders them: the experiment's swept keys first, in its order."""
@@ -169,8 +151,8 @@ def test_k0_cost_sweeps_c_outermost_and_the_arms_in_order():
     arms = "none,ngram_chains,eagle3_smollm2_trees,none,eagle3_smollm2_trees,ngram_chains,none".split(",")
     assert [j["workload.concurrency"] for j in jobs] == ["16"] * 7 + ["64"] * 7 + ["256"] * 7
     assert [j["draft"] for j in jobs] == arms * 3
-    # the stage's command line replaces the values and keeps the order
-    jobs = sweep_jobs([f"draft={gpu_round_arms(1)}", "workload.concurrency=64,256"])
+    # a command line's values replace the experiment's and keep their order
+    jobs = sweep_jobs(["draft=none,ngram_chains,eagle3_smollm2_trees,none", "workload.concurrency=64,256"])
     assert [(j["workload.concurrency"], j["draft"]) for j in jobs] == [
         (c, d) for c in ("64", "256") for d in ("none", "ngram_chains", "eagle3_smollm2_trees", "none")]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -290,13 +272,14 @@ def test_settings_that_differ_split_studies(tmp_path):
 # --------------------------------------------------------------------------- the stage, on the CPU
 @pytest.mark.slow
 def test_k0_cost_stage_smoke_on_cpu(tmp_path, smollm2_path, prompts_path):
-    """What `gpu_round.sh k0cost` runs, shrunk: the k0_cost sweep with each arm at C = 1, 2 (one
+    """What `+experiment=k0_cost` runs, shrunk: the k0_cost sweep with each arm at C = 1, 2 (one
     HumanEval prompt, 4 new tokens) and the report's paired table over it."""
     env = dict(os.environ, WANDB_MODE="disabled")
     env.pop("TRITON_INTERPRET", None)
     sweep = tmp_path / "k0_cost"
     proc = subprocess.run([sys.executable, "-m", "specdec.run", "--multirun", "+experiment=k0_cost",
-                           f"draft={gpu_round_arms(1)}", "workload.concurrency=1,2", "workload.sources.0.limit=1",
+                           "draft=none,ngram_chains,eagle3_smollm2_trees,none", "workload.concurrency=1,2",
+                           "workload.sources.0.limit=1",
                            "workload.requests_per_client=1", "workload.min_requests=2", "engine.max_new_tokens=4",
                            "engine.kv_cache_tokens=4096", "device=cpu", f"hydra.sweep.dir={sweep}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)

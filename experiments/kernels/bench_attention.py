@@ -15,7 +15,7 @@ timed call then pays (H200, headline shape: 30.9 us flush vs 24.1 rotating, and 
 
 Columns (per shape):
   us            paged_attention, rotating timing (includes the split merge).
-  us flush      the same, flush timing (the table's method before 3f76e82).
+  us flush      the same, flush timing (the table's earlier method).
   GB/s, %copy   KV bytes read (B * kv_len * HKV * D * 2 bytes * 2 for K and V) / time, and that as a
                 fraction of the device copy bandwidth measured in this run (1 GiB copy_, read + write).
   copy us, x copy   a device copy moving the same bytes (KV bytes / 2 read + written), rotating
@@ -30,7 +30,7 @@ Columns (per shape):
                 Every baseline output is checked against paged_attention's (notes column).
   x sdpa/x flex baseline time / paged_attention time.
 
-Run:  python experiments/kernels/bench_attention.py --out experiments/results/kernels   (~3-4 min)
+Run:  python experiments/kernels/bench_attention.py --out outputs/kernels   (~3-4 min)
       python experiments/kernels/bench_attention.py --tune --out DIR   (launch-config sweep on key shapes)
       python experiments/kernels/bench_attention.py --tune --tune-shapes 64,1024,16 --out DIR   (one of them)
       python experiments/kernels/bench_attention.py --quick --out /tmp/bench   (two tiny shapes; CPU
@@ -459,7 +459,7 @@ def write_csv(rows, path, extra):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "kernels",
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "kernels",
                         help="directory for the CSV")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="two tiny shapes (CPU smoke run); with --tune one")
     parser.add_argument("--tune", action="store_true", help="sweep launch configs on key shapes instead")

@@ -24,7 +24,7 @@ Columns:
   attn best        the fastest split count of the sweep {1, 2, 4, ..., 64} and its us per call
 The attention sweep (every split count) is printed before the summary and written to the CSV.
 
-Run:  python experiments/kernels/bench_decode_layer.py --out experiments/results/kernels   (~2-3 min)
+Run:  python experiments/kernels/bench_decode_layer.py --out outputs/kernels   (~2-3 min)
       python experiments/kernels/bench_decode_layer.py --quick --out /tmp/bench   (CPU smoke run
       under TRITON_INTERPRET=1 when there is no GPU: 2 layers, fp32, timings meaningless)
 """
@@ -316,7 +316,7 @@ def summary_cells(row):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "kernels",
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "kernels",
                         help="directory for the CSVs")
     parser.add_argument("--quick", action="store_true", help="tiny subset (CPU smoke run)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])

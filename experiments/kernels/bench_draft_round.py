@@ -5,7 +5,7 @@ per frontier node) and ``tree_expand`` cost per call, and which ``num_warps`` su
 Per-call microseconds from replaying a CUDA graph of 20 back-to-back calls (launch overhead
 excluded, as inside the engine's graphed step).
 
-Run:  python experiments/kernels/bench_draft_round.py --out experiments/results/kernels
+Run:  python experiments/kernels/bench_draft_round.py --out outputs/kernels
       python experiments/kernels/bench_draft_round.py --quick --out /tmp/bench   (CPU smoke run)
 """
 

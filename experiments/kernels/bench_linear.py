@@ -38,7 +38,7 @@ kernel option stream_tiles reads it): per shape, op and M, the fastest variant w
 by more than --tiles-min-gain (2%), for --tile-rows LO HI rows (default: the M measured).
 ``--tiles-from CSV --write-tiles PATH`` does the same from a sweep CSV written before (no GPU needed).
 
-Run:  python experiments/kernels/bench_linear.py --out experiments/results/kernels [--sweep]
+Run:  python experiments/kernels/bench_linear.py --out outputs/kernels [--sweep]
       python experiments/kernels/bench_linear.py --small-m --out $OUT
       python experiments/kernels/bench_linear.py --small-m-sweep --shapes llama8b --out $OUT   (one shape a run)
       python experiments/kernels/bench_linear.py --small-m-grid --shapes smollm2 --rows 17 --out $OUT
@@ -364,7 +364,7 @@ def timed(fn, fused: bool) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "kernels")
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "kernels")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also time the variants of sweep_variants at M = 1")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None, help="subset of shapes")

@@ -15,7 +15,7 @@ Columns (per op and shape):
   loop us          per call, wall time of 200 back-to-back eager calls: what an uncaptured step pays
                    (host launch cost dominates at small N; compare with the empty kernel's loop us).
 
-Run:  python experiments/kernels/bench_norm_rope.py --out experiments/results/kernels
+Run:  python experiments/kernels/bench_norm_rope.py --out outputs/kernels
       python experiments/kernels/bench_norm_rope.py --quick --out /tmp/bench   (CPU smoke run; under
       TRITON_INTERPRET=1 when there is no GPU, timings meaningless)
 """
@@ -177,7 +177,7 @@ def print_table(rows, title):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "kernels",
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "kernels",
                         help="directory for the CSV")
     parser.add_argument("--quick", action="store_true", help="tiny subset (CPU smoke run)")
     args = parser.parse_args()

@@ -13,7 +13,7 @@ torch's top-k values, ties or not).
 Rows of the CSV: impl = torch (log_softmax + topk) | split (chunk = the default split_plan) |
 split_cN (chunk forced to N); S = chunks per row.
 
-Run:  python experiments/kernels/bench_topk.py --out experiments/results/kernels
+Run:  python experiments/kernels/bench_topk.py --out outputs/kernels
       python experiments/kernels/bench_topk.py --quick --out /tmp/bench   (CPU smoke run)
 """
 

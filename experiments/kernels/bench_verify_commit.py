@@ -26,7 +26,7 @@ Columns:
   mismatch   requests whose output differs from the reference (stochastic: only ulp-level ties
              between the kernel's and torch's exp/cumsum can cause this; the tests bound it)
 
-Run:  python experiments/kernels/bench_verify_commit.py --out experiments/results/kernels
+Run:  python experiments/kernels/bench_verify_commit.py --out outputs/kernels
       python experiments/kernels/bench_verify_commit.py --quick --out /tmp/bench   (CPU smoke run;
       under TRITON_INTERPRET=1 when there is no GPU, timings meaningless)
 """
@@ -209,7 +209,7 @@ def print_table(rows, title):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "experiments" / "results" / "kernels",
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "kernels",
                         help="directory for the CSV")
     parser.add_argument("--quick", action="store_true", help="tiny subset (CPU smoke run)")
     args = parser.parse_args()
