@@ -106,8 +106,310 @@ def fused_moe_ref(x, router_w, w13, w2, top_k: int, renormalize: bool):
 
 
 # ----------------------------------------------------------------------------------------------
-# Launchers (Triton kernels follow)
+# Kernels: routing and grouping
 # ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_router_kernel(
+    x_ptr,  # [T, H]
+    rw_ptr,  # [E, H]
+    l_ptr,  # [T, E] fp32 out
+    T, E, H, stride_x, stride_rw,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_t, i_e = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_t, m_e = o_t < T, o_e < E
+    b_acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < H
+        b_x = tl.load(x_ptr + o_t[:, None].to(tl.int64) * stride_x + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
+        b_w = tl.load(rw_ptr + o_e[None, :].to(tl.int64) * stride_rw + o_k[:, None],
+                      mask=m_e[None, :] & m_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_E]
+        b_acc = tl.dot(b_x, b_w, b_acc, input_precision=DOT_PREC)  # [BT, BK] @ [BK, BE] -> [BT, BE]
+    tl.store(l_ptr + o_t[:, None].to(tl.int64) * E + o_e[None, :], b_acc, mask=m_t[:, None] & m_e[None, :])
+
+
+@triton.jit
+def _scatter_pairs(sorted_ptr, b_ids, o_r, m_r, b_base, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                   K_PAD: tl.constexpr):
+    """Store the pair ids p = t * K + j of this block's rows (ids tile b_ids [BLOCK_R, K_PAD]) at
+    sorted_ptr[b_base[e] + rank], rank = the pair's place among this block's pairs of expert e, slot-major
+    (all rows' slot 0, then slot 1, ...)."""
+    o_e = tl.arange(0, E_PAD)
+    o_k = tl.arange(0, K_PAD)
+    for j in range(TOP_K):
+        b_id = tl.sum(tl.where(o_k[None, :] == j, b_ids, 0), 1)  # [BLOCK_R] expert of slot j
+        b_oh = ((o_e[None, :] == b_id[:, None]) & m_r[:, None]).to(tl.int32)  # [BLOCK_R, E_PAD] one-hot
+        b_rank = tl.cumsum(b_oh, 0) - 1 + b_base[None, :]  # [BLOCK_R, E_PAD] position if this row picked e
+        b_pos = tl.sum(b_oh * b_rank, 1)  # [BLOCK_R]
+        tl.store(sorted_ptr + b_pos, o_r * TOP_K + j, mask=m_r)
+        b_base += tl.sum(b_oh, 0)
+
+
+@triton.jit
+def _moe_topk_kernel(
+    l_ptr,  # [T, E] router logits (any float dtype)
+    w_ptr,  # [T, K] fp32 out
+    ids_ptr,  # [T, K] int32 out
+    cnt_ptr,  # [NB, E] int32 out: pairs per expert of each row block
+    hits_ptr,  # [E] int32, added to (HITS)
+    sorted_ptr,  # [P] int32 out (SORT)
+    ecnt_ptr,  # [E] int32 out: pairs per expert (SORT)
+    T, E, stride_l,
+    TOP_K: tl.constexpr, RENORM: tl.constexpr, HITS: tl.constexpr, SORT: tl.constexpr,
+    BLOCK_R: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    o_r = i_b * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_e = tl.arange(0, E_PAD)
+    o_k = tl.arange(0, K_PAD)
+    m_r, m_e = o_r < T, o_e < E
+    b_l = tl.load(l_ptr + o_r[:, None].to(tl.int64) * stride_l + o_e[None, :],
+                  mask=m_r[:, None] & m_e[None, :], other=0.0).to(tl.float32)  # [BLOCK_R, E_PAD]
+    b_l = tl.where(m_e[None, :], b_l, float("-inf"))
+    b_p = tl.exp(b_l - tl.max(b_l, 1)[:, None])
+    b_p = b_p / tl.sum(b_p, 1)[:, None]  # [BLOCK_R, E_PAD] softmax; padded experts 0
+    b_q = tl.where(m_e[None, :], b_p, -1.0)  # candidates; a picked or padded expert never wins again
+    b_w = tl.zeros((BLOCK_R, K_PAD), dtype=tl.float32)
+    b_ids = tl.zeros((BLOCK_R, K_PAD), dtype=tl.int32)
+    b_hist = tl.zeros((E_PAD,), dtype=tl.int32)
+    for j in range(TOP_K):
+        b_m = tl.max(b_q, 1)  # [BLOCK_R]
+        b_arg = tl.min(tl.where(b_q == b_m[:, None], o_e[None, :], E_PAD), 1)  # ties: the lower id
+        b_w = tl.where(o_k[None, :] == j, b_m[:, None], b_w)
+        b_ids = tl.where(o_k[None, :] == j, b_arg[:, None], b_ids)
+        b_sel = o_e[None, :] == b_arg[:, None]  # [BLOCK_R, E_PAD]
+        b_hist += tl.sum((b_sel & m_r[:, None]).to(tl.int32), 0)
+        b_q = tl.where(b_sel, -2.0, b_q)
+    if RENORM:
+        b_w = b_w / tl.sum(b_w, 1)[:, None]
+    m_rk = m_r[:, None] & (o_k[None, :] < TOP_K)
+    o_rk = o_r[:, None].to(tl.int64) * TOP_K + o_k[None, :]
+    tl.store(w_ptr + o_rk, b_w, mask=m_rk)
+    tl.store(ids_ptr + o_rk, b_ids, mask=m_rk)
+    tl.store(cnt_ptr + i_b * E + o_e, b_hist, mask=m_e)
+    if HITS:
+        tl.atomic_add(hits_ptr + o_e, b_hist, mask=m_e & (b_hist > 0))
+    if SORT:  # the only block: the expert offsets are the exclusive prefix sum of its histogram
+        tl.store(ecnt_ptr + o_e, b_hist, mask=m_e)
+        _scatter_pairs(sorted_ptr, b_ids, o_r, m_r, tl.cumsum(b_hist, 0) - b_hist, TOP_K, E_PAD, K_PAD)
+
+
+@triton.jit
+def _moe_sort_kernel(
+    ids_ptr,  # [T, K] int32
+    cnt_ptr,  # [NB, E] int32 per-block histograms
+    sorted_ptr,  # [P] int32 out
+    ecnt_ptr,  # [E] int32 out
+    T, E, NB,
+    TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    o_e = tl.arange(0, E_PAD)
+    m_e = o_e < E
+    b_tot = tl.zeros((E_PAD,), dtype=tl.int32)
+    b_before = tl.zeros((E_PAD,), dtype=tl.int32)
+    for b0 in range(0, NB, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)
+        b_c = tl.load(cnt_ptr + o_b[:, None] * E + o_e[None, :], mask=(o_b < NB)[:, None] & m_e[None, :],
+                      other=0)  # [BLOCK_B, E_PAD]
+        b_tot += tl.sum(b_c, 0)
+        b_before += tl.sum(tl.where((o_b < i_b)[:, None], b_c, 0), 0)
+    if i_b == 0:
+        tl.store(ecnt_ptr + o_e, b_tot, mask=m_e)
+    o_r = i_b * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_k = tl.arange(0, K_PAD)
+    m_r = o_r < T
+    b_ids = tl.load(ids_ptr + o_r[:, None].to(tl.int64) * TOP_K + o_k[None, :],
+                    mask=m_r[:, None] & (o_k[None, :] < TOP_K), other=0)  # [BLOCK_R, K_PAD]
+    _scatter_pairs(sorted_ptr, b_ids, o_r, m_r, tl.cumsum(b_tot, 0) - b_tot + b_before, TOP_K, E_PAD, K_PAD)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels: grouped GEMMs and the combine
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _expert_block(ecnt_ptr, i_b, E, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first sorted position, valid rows) of expert block i_b; expert >= E past the last block."""
+    o_e = tl.arange(0, E_PAD)
+    b_c = tl.load(ecnt_ptr + o_e, mask=o_e < E, other=0)  # [E_PAD] pairs per expert
+    b_nb = (b_c + BLOCK_M - 1) // BLOCK_M  # blocks per expert
+    b_end = tl.cumsum(b_nb, 0)  # blocks through expert e
+    i_e = tl.sum((b_end <= i_b).to(tl.int32), 0)  # experts wholly before block i_b
+    m_sel = o_e == i_e
+    i_blk = i_b - tl.sum(tl.where(m_sel, b_end - b_nb, 0), 0)  # block index within the expert
+    pos0 = tl.sum(tl.where(o_e < i_e, b_c, 0), 0) + i_blk * BLOCK_M
+    n_rows = tl.sum(tl.where(m_sel, b_c, 0), 0) - i_blk * BLOCK_M
+    return i_e, pos0, n_rows
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2F, H]
+    a_ptr,  # [P, F] out, rows by pair id
+    sorted_ptr,  # [P] int32 pair ids by expert
+    ecnt_ptr,  # [E] int32
+    E, H, F, stride_x, stride_we, stride_wn, stride_a,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    i_e, pos0, n_rows = _expert_block(ecnt_ptr, i_b, E, E_PAD, BLOCK_M)
+    if i_e >= E:  # past the last expert block of this routing
+        return
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < n_rows
+    b_pair = tl.load(sorted_ptr + pos0 + o_m, mask=m_m, other=0)  # [BLOCK_M]; masked rows read token 0
+    b_tok = (b_pair // TOP_K).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < F
+    o_nl = tl.minimum(o_n, F - 1).to(tl.int64)  # columns past F re-read the last one: no load mask
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = x_ptr + b_tok[:, None] * stride_x + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    p_g = w_ptr + i_e.to(tl.int64) * stride_we + o_nl[None, :] * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N]
+    p_u = p_g + F * stride_wn
+    b_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            b_x = tl.load(p_x)
+            b_wg = tl.load(p_g)
+            b_wu = tl.load(p_u)
+        else:
+            m_k = o_k < H - k0
+            b_x = tl.load(p_x, mask=m_k[None, :], other=0.0)
+            b_wg = tl.load(p_g, mask=m_k[:, None], other=0.0)
+            b_wu = tl.load(p_u, mask=m_k[:, None], other=0.0)
+        b_g = tl.dot(b_x, b_wg, b_g, input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+        b_u = tl.dot(b_x, b_wu, b_u, input_precision=DOT_PREC)
+        p_x += BLOCK_K
+        p_g += BLOCK_K
+        p_u += BLOCK_K
+    dt = a_ptr.dtype.element_ty
+    b_g = b_g.to(dt).to(tl.float32)  # the model's gate and up projections, rounded
+    b_u = b_u.to(dt).to(tl.float32)
+    b_a = b_g / (1.0 + tl.exp(-b_g)) * b_u  # silu(g) * u, rounded once (activation.py)
+    tl.store(a_ptr + b_pair[:, None].to(tl.int64) * stride_a + o_n[None, :], b_a.to(dt),
+             mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    a_ptr,  # [P, F]
+    w_ptr,  # [E, H, F]
+    y_ptr,  # [P, H] fp32 out
+    rw_ptr,  # [P] fp32 routing weights
+    sorted_ptr,  # [P] int32
+    ecnt_ptr,  # [E] int32
+    E, H, F, stride_a, stride_we, stride_wn, stride_y,
+    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    i_e, pos0, n_rows = _expert_block(ecnt_ptr, i_b, E, E_PAD, BLOCK_M)
+    if i_e >= E:
+        return
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < n_rows
+    b_pair = tl.load(sorted_ptr + pos0 + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    o_nl = tl.minimum(o_n, H - 1).to(tl.int64)
+    o_k = tl.arange(0, BLOCK_K)
+    p_a = a_ptr + b_pair[:, None] * stride_a + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+    p_w = w_ptr + i_e.to(tl.int64) * stride_we + o_nl[None, :] * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N]
+    b_y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        if EVEN_K:
+            b_a = tl.load(p_a)
+            b_w = tl.load(p_w)
+        else:
+            m_k = o_k < F - k0
+            b_a = tl.load(p_a, mask=m_k[None, :], other=0.0)
+            b_w = tl.load(p_w, mask=m_k[:, None], other=0.0)
+        b_y = tl.dot(b_a, b_w, b_y, input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+        p_a += BLOCK_K
+        p_w += BLOCK_K
+    b_rw = tl.load(rw_ptr + b_pair, mask=m_m, other=0.0)  # [BLOCK_M] routing weights
+    tl.store(y_ptr + b_pair[:, None] * stride_y + o_n[None, :], b_y * b_rw[:, None],
+             mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, o_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    p_y = y_ptr + i_t * TOP_K * H + o_h
+    b_o = tl.load(p_y, mask=m_h, other=0.0)  # [BLOCK_H] slot 0
+    for j in range(1, TOP_K):  # fixed slot order: bit-identical from run to run
+        b_o += tl.load(p_y + j * H, mask=m_h, other=0.0)
+    tl.store(o_ptr + i_t * H + o_h, b_o.to(o_ptr.dtype.element_ty), mask=m_h)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch plan and launchers
+# ----------------------------------------------------------------------------------------------
+
+# Tiles per range of the mean pairs per expert P / E (T = 1 / 8 / 64 / 256 / 1,024 tokens of a top-8,
+# 128-expert layer: 0.06 / 0.5 / 4 / 16 / 64): (upper bound, gate_up tiles, down tiles). Up to 4 pairs
+# per expert, decode and verify: BLOCK_M = 16 (one block per expert, every expert's weights read once)
+# and narrow column tiles, so that even the 8 experts of one token spread over more programs than SMs
+# (gate_up: F / 32 = 24 programs per expert of F = 768, each streaming 2 x 32 x H weights).
+_PLANS = (
+    (4.0, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
+     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
+    (24.0, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+     dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)),
+    (float("inf"), dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+)
+_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None) -> dict:
+    """The launch plan, from shapes only: {"gate_up": tiles, "down": tiles} (keys _TILE_KEYS), and the
+    routing's rows per block. ``config`` overrides entries ({"gate_up": {"BLOCK_N": 64}, ...})."""
+    mean = T * top_k / E
+    gate_up, down = next((dict(g), dict(d)) for bound, g, d in _PLANS if mean <= bound)
+    config = config or {}
+    unknown = set(config) - {"gate_up", "down"}
+    if unknown:
+        raise ValueError(f"fused_moe: config keys must be 'gate_up' / 'down', got {sorted(unknown)}")
+    plan = {}
+    for name, tiles, n_out, k_in in (("gate_up", gate_up, F, H), ("down", down, H, F)):
+        over = dict(config.get(name) or {})
+        bad = set(over) - set(_TILE_KEYS)
+        if bad:
+            raise ValueError(f"fused_moe: config[{name!r}] keys must be among {_TILE_KEYS}, got {sorted(bad)}")
+        tiles.update(over)
+        # tl.dot needs >= 16 along every dim; no tile wider than the (power-of-two padded) dim it covers.
+        tiles["BLOCK_N"] = max(16, min(int(tiles["BLOCK_N"]), triton.next_power_of_2(n_out)))
+        tiles["BLOCK_K"] = max(16, min(int(tiles["BLOCK_K"]), triton.next_power_of_2(k_in)))
+        tiles["BLOCK_M"] = max(16, int(tiles["BLOCK_M"]))
+        plan[name] = tiles
+    e_pad = triton.next_power_of_2(E)
+    # Routing rows per block: the whole batch in one block (routing and sort in one program) up to a
+    # [64, 128] tile; wider expert counts take fewer rows.
+    plan["route_rows"] = min(triton.next_power_of_2(max(T, 1)), max(1, 8192 // e_pad))
+    return plan
+
+
+def _max_blocks(P: int, E: int, block_m: int) -> int:
+    """Worst-case expert blocks over all routings of P pairs (module docstring)."""
+    return max(1, min(P, P // block_m + min(E, P)))
+
+
+def _dot_prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _check(x, router_w, w13, w2, top_k, expert_hits):
@@ -135,17 +437,91 @@ def _check(x, router_w, w13, w2, top_k, expert_hits):
                          f"{expert_hits.dtype} {tuple(expert_hits.shape)} on {expert_hits.device}")
 
 
-def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None, config=None):
-    """The MoE layer (module docstring) -> new [T, H] in x's dtype. ``expert_hits`` (int32 [E]): the
-    number of pairs routed to each expert is added to it in place, without a host sync."""
-    _check(x, router_w, w13, w2, top_k, expert_hits)
-    out = fused_moe_ref(x, router_w, w13, w2, top_k, renormalize)
-    if expert_hits is not None:
-        _, ids = moe_route_ref(x.float() @ router_w.float().t(), top_k, renormalize)
-        expert_hits.index_add_(0, ids.reshape(-1).long(), torch.ones_like(ids.reshape(-1)))
-    return out
+def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False):
+    """Launch the top-k (and, with ``sort``, the grouping): (w, ids, sorted_pairs, expert_counts)."""
+    T, E = logits.shape
+    dev = logits.device
+    e_pad, k_pad = triton.next_power_of_2(E), triton.next_power_of_2(top_k)
+    nb = triton.cdiv(T, route_rows)
+    w = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=dev)
+    counts = torch.empty((nb, E), dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty((T * top_k,), dtype=torch.int32, device=dev) if sort else ids
+    ecnt = torch.empty((E,), dtype=torch.int32, device=dev) if sort else ids
+    warps = 4 if route_rows * e_pad <= 2048 else 8
+    _moe_topk_kernel[(nb,)](
+        logits, w, ids, counts, expert_hits if expert_hits is not None else counts, sorted_pairs, ecnt,
+        T, E, logits.stride(0),
+        TOP_K=top_k, RENORM=bool(renormalize), HITS=expert_hits is not None, SORT=sort and nb == 1,
+        BLOCK_R=route_rows, E_PAD=e_pad, K_PAD=k_pad, num_warps=warps,
+    )  # fmt: skip
+    if sort and nb > 1:
+        _moe_sort_kernel[(nb,)](
+            ids, counts, sorted_pairs, ecnt, T, E, nb,
+            TOP_K=top_k, BLOCK_R=route_rows, E_PAD=e_pad, K_PAD=k_pad,
+            BLOCK_B=min(triton.next_power_of_2(nb), max(1, 4096 // e_pad)), num_warps=warps,
+        )  # fmt: skip
+    return w, ids, sorted_pairs, ecnt
 
 
 def moe_route(router_logits, top_k: int, renormalize: bool):
-    """Routing alone (moe_route_ref's math) -> (w [T, K] fp32, ids [T, K] int32)."""
-    return moe_route_ref(router_logits, top_k, renormalize)
+    """Routing alone, in one launch (moe_route_ref's math): router_logits [T, E] any float dtype (last dim
+    contiguous) -> (w [T, K] fp32, ids [T, K] int32)."""
+    if router_logits.dim() != 2 or router_logits.dtype not in _FLOAT_DTYPES or router_logits.stride(-1) != 1:
+        raise ValueError(f"moe_route: router_logits must be [T, E] float with a contiguous last dim, got "
+                         f"{tuple(router_logits.shape)} {router_logits.dtype}")
+    T, E = router_logits.shape
+    if not 1 <= int(top_k) <= E:
+        raise ValueError(f"moe_route: top_k must be in 1..E={E}, got {top_k}")
+    if T == 0:
+        return (torch.empty((0, top_k), dtype=torch.float32, device=router_logits.device),
+                torch.empty((0, top_k), dtype=torch.int32, device=router_logits.device))
+    rows = min(triton.next_power_of_2(T), max(1, 8192 // triton.next_power_of_2(E)))
+    w, ids, _, _ = _route(router_logits, int(top_k), renormalize, rows)
+    return w, ids
+
+
+def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None, config=None):
+    """The MoE layer (module docstring) -> new [T, H] in x's dtype, in six launches (five at T <= the
+    routing block), no host sync. ``expert_hits`` (int32 [E]): the number of pairs routed to each expert
+    is added to it in place. ``config``: tile overrides for moe_plan (benchmark sweeps)."""
+    _check(x, router_w, w13, w2, top_k, expert_hits)
+    T, H = x.shape
+    E, F, K = w13.shape[0], w13.shape[1] // 2, int(top_k)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    plan = moe_plan(T, E, K, H, F, config)
+    P, dev, prec = T * K, x.device, _dot_prec(x.dtype)
+    e_pad = triton.next_power_of_2(E)
+
+    logits = torch.empty((T, E), dtype=torch.float32, device=dev)
+    bt = min(64, max(16, triton.next_power_of_2(T)))
+    be = min(64 if T > 64 else 16, max(16, triton.next_power_of_2(E)))
+    _moe_router_kernel[(triton.cdiv(T, bt), triton.cdiv(E, be))](
+        x, router_w, logits, T, E, H, x.stride(0), router_w.stride(0),
+        BLOCK_T=bt, BLOCK_E=be, BLOCK_K=min(128, max(16, triton.next_power_of_2(H))), DOT_PREC=prec, num_warps=4,
+    )  # fmt: skip
+    w, _, sorted_pairs, ecnt = _route(logits, K, renormalize, plan["route_rows"], expert_hits, sort=True)
+
+    a = torch.empty((P, F), dtype=x.dtype, device=dev)  # SwiGLU activations, rows by pair id
+    tg = dict(plan["gate_up"])
+    bm, bn = tg.pop("BLOCK_M"), tg.pop("BLOCK_N")
+    _moe_gate_up_kernel[(_max_blocks(P, E, bm), triton.cdiv(F, bn))](
+        x, w13, a, sorted_pairs, ecnt, E, H, F, x.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
+        TOP_K=K, E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=H % tg["BLOCK_K"] == 0, DOT_PREC=prec, **tg,
+    )  # fmt: skip
+
+    y = torch.empty((P, H), dtype=torch.float32, device=dev)  # weighted expert outputs, rows by pair id
+    td = dict(plan["down"])
+    bm, bn = td.pop("BLOCK_M"), td.pop("BLOCK_N")
+    _moe_down_kernel[(_max_blocks(P, E, bm), triton.cdiv(H, bn))](
+        a, w2, y, w, sorted_pairs, ecnt, E, H, F, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=F % td["BLOCK_K"] == 0, DOT_PREC=prec, **td,
+    )  # fmt: skip
+
+    bh = min(1024, triton.next_power_of_2(H))
+    _moe_combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=K, BLOCK_H=bh, num_warps=max(1, min(4, bh // 256)))
+    return out
