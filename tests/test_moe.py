@@ -1,0 +1,235 @@
+"""Fused MoE layer against its loop-over-experts reference (kernels_triton/moe.py).
+
+CPU (interpreter), fp32 and fp16: odd shapes (1, 3, 17, 64 tokens; 300 in the slow selection), 8 / 16 /
+128 experts, top-1 / 2 / 8, renormalised or not, hidden and intermediate sizes no tile divides, experts
+that receive no token; outputs and scratch buffers NaN-poisoned (conftest ``poison``), so an unwritten
+row or a read of an unwritten one fails. expert_hits against a bincount of the reference ids.
+GPU (``-m gpu``): bf16 at the Qwen3-30B-A3B layer shape, and the layer captured in a CUDA graph and
+replayed with other routings.
+"""
+
+import pytest
+import torch
+
+from kernels_triton import moe
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def _layer(T, H, F, E, dtype, seed, device=DEVICE):
+    """Random x [T, H], router [E, H], w13 [E, 2F, H], w2 [E, H, F] scaled so every stage is O(1)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+    return r(T, H), r(E, H, scale=H ** -0.5), r(E, 2 * F, H, scale=H ** -0.5), r(E, H, F, scale=F ** -0.5)
+
+
+def _bincount(ids, E):
+    return torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
+
+
+def _ref_ids(x, router_w, top_k):
+    return moe.moe_route_ref(x.float() @ router_w.float().t(), top_k, False)[1]
+
+
+# (T, H, F, E, top_k, renormalize): every token count with every expert count and top-k at least once;
+# H and F of 40 / 24 / 48 leave partial K and N tiles.
+CASES = [
+    (1, 32, 16, 8, 2, True), (1, 40, 24, 16, 8, False), (1, 32, 16, 128, 8, True),
+    (3, 40, 24, 8, 1, False), (3, 64, 48, 16, 8, True), (3, 32, 16, 128, 2, False),
+    (17, 64, 48, 8, 2, True), (17, 40, 24, 16, 1, True), (17, 32, 16, 128, 8, False),
+    (64, 48, 32, 8, 8, False), (64, 32, 16, 16, 2, True), (64, 32, 16, 128, 8, True),
+]
+
+
+@pytest.mark.parametrize("T,H,F,E,top_k,renormalize", CASES)
+def test_fused_moe_matches_ref(T, H, F, E, top_k, renormalize, poison):
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.float32, seed=T * 131 + E + top_k)
+    hits = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    out = moe.fused_moe(x, rw, w13, w2, top_k, renormalize, expert_hits=hits)
+    assert out.shape == (T, H) and out.dtype == x.dtype
+    torch.testing.assert_close(out, moe.fused_moe_ref(x, rw, w13, w2, top_k, renormalize), atol=2e-5, rtol=2e-5)
+    assert torch.equal(hits, _bincount(_ref_ids(x, rw, top_k), E))
+
+
+@pytest.mark.parametrize("T,E,top_k", [(5, 8, 2), (40, 16, 8)])
+def test_fused_moe_fp16(T, E, top_k, poison):
+    H, F = 48, 40
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.float16, seed=T + E)
+    out = moe.fused_moe(x, rw, w13, w2, top_k, True)
+    torch.testing.assert_close(out, moe.fused_moe_ref(x, rw, w13, w2, top_k, True), atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("E,top_k", [(128, 8), (16, 2)])
+def test_fused_moe_300_tokens(E, top_k, poison):
+    """300 tokens: several routing blocks, so the grouping runs as its own sort launch."""
+    T, H, F = 300, 32, 16
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.float32, seed=E)
+    hits = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    out = moe.fused_moe(x, rw, w13, w2, top_k, True, expert_hits=hits)
+    torch.testing.assert_close(out, moe.fused_moe_ref(x, rw, w13, w2, top_k, True), atol=2e-5, rtol=2e-5)
+    assert torch.equal(hits, _bincount(_ref_ids(x, rw, top_k), E))
+
+
+def test_fused_moe_several_route_blocks(poison):
+    """More tokens than one routing block holds (128 experts: 64 rows a block): the sort launch, fast."""
+    T, H, F, E, top_k = 70, 32, 16, 128, 2
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.float32, seed=70)
+    assert moe.moe_plan(T, E, top_k, H, F)["route_rows"] < T
+    hits = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    out = moe.fused_moe(x, rw, w13, w2, top_k, False, expert_hits=hits)
+    torch.testing.assert_close(out, moe.fused_moe_ref(x, rw, w13, w2, top_k, False), atol=2e-5, rtol=2e-5)
+    assert torch.equal(hits, _bincount(_ref_ids(x, rw, top_k), E))
+
+
+def test_experts_without_tokens(poison):
+    """A router that never picks experts 3..7 (their logits ~ -100): those experts get no block, the others
+    several (up to 17 pairs each: two 16-row blocks), and expert_hits keeps adding over calls."""
+    T, H, F, E, top_k = 17, 32, 24, 8, 2
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.float32, seed=3)
+    x[:, 0] = 5.0
+    rw[3:, 0] = -20.0
+    hits = torch.full((E,), 7, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        out = moe.fused_moe(x, rw, w13, w2, top_k, True, expert_hits=hits)
+    counts = _bincount(_ref_ids(x, rw, top_k), E)
+    assert counts[3:].sum() == 0 and counts[:3].sum() == T * top_k
+    assert torch.equal(hits, 7 + 2 * counts)
+    torch.testing.assert_close(out, moe.fused_moe_ref(x, rw, w13, w2, top_k, True), atol=2e-5, rtol=2e-5)
+
+
+def test_fused_moe_deterministic():
+    x, rw, w13, w2 = _layer(17, 32, 16, 16, torch.float32, seed=5)
+    assert torch.equal(moe.fused_moe(x, rw, w13, w2, 8, True), moe.fused_moe(x, rw, w13, w2, 8, True))
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 64, 130])
+@pytest.mark.parametrize("E,top_k", [(8, 1), (8, 2), (16, 8), (128, 8)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_moe_route_matches_ref(T, E, top_k, renormalize, poison):
+    g = torch.Generator().manual_seed(T * 7 + E)
+    logits = (torch.randn(T, E, generator=g) * 2).to(DEVICE)
+    w, ids = moe.moe_route(logits, top_k, renormalize)
+    w_ref, ids_ref = moe.moe_route_ref(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == (T, top_k)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_moe_route_half_logits():
+    logits = torch.randn(9, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
+    w, ids = moe.moe_route(logits, 4, True)
+    w_ref, ids_ref = moe.moe_route_ref(logits, 4, True)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_max_blocks_bounds_every_routing():
+    """The grid's worst case covers adversarial routings: one expert, all experts, uneven counts."""
+    gen = torch.Generator().manual_seed(0)
+    for P, E, bm in [(8, 128, 16), (17, 8, 16), (2048, 128, 32), (8192, 128, 64), (5, 2, 16)]:
+        routings = [torch.tensor([P] + [0] * (E - 1)), torch.bincount(torch.arange(P) % E, minlength=E)]
+        routings += [torch.bincount(torch.randint(0, E, (P,), generator=gen), minlength=E) for _ in range(20)]
+        spill = torch.zeros(E, dtype=torch.int64)  # as many experts as fit get bm + 1 pairs (two blocks each)
+        n = min(E, P // (bm + 1))
+        spill[:n] = bm + 1
+        spill[0] += P - int(spill.sum())
+        routings.append(spill)
+        for counts in routings:
+            assert int(((counts + bm - 1) // bm).sum()) <= moe._max_blocks(P, E, bm), (P, E, bm, counts)
+
+
+def test_plan_depends_on_shapes_only():
+    plan = moe.moe_plan(1, 128, 8, 2048, 768)
+    assert plan["gate_up"]["BLOCK_M"] == 16 and plan["route_rows"] == 1
+    assert moe.moe_plan(1024, 128, 8, 2048, 768)["gate_up"]["BLOCK_M"] == 64
+    small = moe.moe_plan(3, 8, 2, 40, 24, config={"down": {"BLOCK_N": 256}})
+    assert small["down"]["BLOCK_N"] == 64 and small["gate_up"]["BLOCK_N"] == 32  # clamped to the dims
+    with pytest.raises(ValueError, match="config"):
+        moe.moe_plan(1, 8, 2, 32, 16, config={"gate_up": {"BLOCK_X": 16}})
+
+
+def test_bad_inputs_are_named():
+    x, rw, w13, w2 = _layer(2, 32, 16, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="w13"):
+        moe.fused_moe(x, rw, w13[:, :-1], w2, 2, True)
+    with pytest.raises(ValueError, match="w2"):
+        moe.fused_moe(x, rw, w13, w2.transpose(1, 2), 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        moe.fused_moe(x, rw, w13, w2, 9, True)
+    with pytest.raises(ValueError, match="expert_hits"):
+        moe.fused_moe(x, rw, w13, w2, 2, True, expert_hits=torch.zeros(8, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="router_w"):
+        moe.fused_moe(x, rw.half(), w13, w2, 2, True)
+
+
+def test_zero_tokens():
+    x, rw, w13, w2 = _layer(0, 32, 16, 8, torch.float32, seed=0)
+    assert moe.fused_moe(x, rw, w13, w2, 2, True).shape == (0, 32)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: bf16 at the Qwen3-30B-A3B layer shape, CUDA graphs
+# ----------------------------------------------------------------------------------------------
+
+QWEN3_MOE = dict(H=2048, F=768, E=128, top_k=8)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _unambiguous_rows(x, rw, top_k, margin=1e-4):
+    """Tokens whose k-th and (k+1)-th router probabilities differ by more than ``margin``: on those the
+    kernel's routing (another fp32 summation order for the logits) must pick the reference's experts."""
+    p = torch.softmax(x.float() @ rw.float().t(), dim=-1).topk(top_k + 1, dim=-1).values
+    return (p[:, top_k - 1] - p[:, top_k]) > margin
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 17, 64, 256])
+def test_fused_moe_bf16_qwen3_30b_a3b_shape(T):
+    H, F, E, top_k = QWEN3_MOE.values()
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.bfloat16, seed=T)
+    hits = torch.zeros(E, dtype=torch.int32, device="cuda")
+    out = moe.fused_moe(x, rw, w13, w2, top_k, True, expert_hits=hits)
+    ref = moe.fused_moe_ref(x, rw, w13, w2, top_k, True)
+    rows = _unambiguous_rows(x, rw, top_k)
+    assert rows.float().mean() > 0.9
+    torch.testing.assert_close(out[rows], ref[rows], atol=3e-2, rtol=3e-2)
+    assert int(hits.sum()) == T * top_k
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fused_moe_cuda_graph_replays_other_routings():
+    """Captured once at 17 tokens, replayed with inputs that route elsewhere: outputs follow the new
+    routing and expert_hits counts every replay."""
+    H, F, E, top_k = QWEN3_MOE.values()
+    T = 17
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.bfloat16, seed=1)
+    static_x = x.clone()
+    hits = torch.zeros(E, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        moe.fused_moe(static_x, rw, w13, w2, top_k, True, expert_hits=hits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe.fused_moe(static_x, rw, w13, w2, top_k, True, expert_hits=hits)
+    hits.zero_()
+    want = torch.zeros(E, dtype=torch.int32, device="cuda")
+    for seed in (2, 3, 4):
+        new_x = _layer(T, H, F, E, torch.bfloat16, seed=seed)[0]
+        static_x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = moe.fused_moe_ref(new_x, rw, w13, w2, top_k, True)
+        rows = _unambiguous_rows(new_x, rw, top_k)
+        torch.testing.assert_close(static_out[rows], ref[rows], atol=3e-2, rtol=3e-2)
+        want += _bincount(_ref_ids(new_x, rw, top_k), E)
+    assert int(hits.sum()) == 3 * T * top_k
+    assert (hits - want).abs().sum() <= 2 * top_k  # equal up to a near-tie routing
