@@ -14,7 +14,8 @@ moves exactly those nodes' KV, as usual. Committed tokens are real
 tree tokens but not the target's greedy output: every output of such a run is labelled
 ``"acceptance": "replayed"`` (metrics.json, the report's tables, W&B).
 
-Traces (``acceptance.trace=PATH``):
+Traces (``acceptance.trace=PATH``; ``pkg://specdec/data/NAME`` names one installed with the package,
+specdec/data/__init__.py):
   * a run directory (or a folder of them): its ``steps.jsonl`` (per step: ``k`` and the accepted
     draft count of each row, plus ``accepted_ids`` when recorded: per-request sequences), or, when
     a run kept only its ``metrics.json``, its ``accepted_histogram`` if the run used one k only;
@@ -45,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from .data import resolve as resolve_data_path
 from .engine.state import upload
 from .errors import ConfigError
 
@@ -185,7 +187,7 @@ def build_trace(paths) -> AcceptanceTrace:
     is kept from the first source that has it)."""
     tr = AcceptanceTrace()
     for raw in paths:
-        path = Path(raw)
+        path = resolve_data_path(raw)  # pkg://specdec/data/NAME: a trace installed with the package
         parts = []
         if path.is_dir():
             for d in run_dirs(path):

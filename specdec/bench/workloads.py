@@ -11,8 +11,8 @@ end them early): fixed shapes for throughput studies, and the only workload a ra
 (``requests_per_client`` x C, at least ``min_prompts``) so every C runs in steady state.
 ``kind: synthetic`` with ``lengths: FILE`` and ``set: NAME`` takes the prompt (and, unless
 ``output_len`` is set, output) lengths and the ids of a real prompt set from a lengths file
-(``experiments/results/acceptance/prompt_lengths_smollm2.json``: HumanEval and MT-bench as SmolLM2's
-chat template tokenises them), with random ids of the target's vocabulary: real-length requests for
+(``pkg://specdec/data/prompt_lengths_smollm2.json``, installed with the package: HumanEval and MT-bench as
+SmolLM2's chat template tokenises them), with random ids of the target's vocabulary: real-length requests for
 a random-weight target, whose ids match a replayed acceptance trace's per-request sequences.
 """
 
@@ -127,7 +127,9 @@ def length_prompts(src, vocab_size: int) -> list[Prompt]:
     ``limit``; ``output_len``: null = the file's, else this for every prompt; ``seed``)."""
     import torch
 
-    path = Path(str(src["lengths"]))
+    from ..data import resolve
+
+    path = resolve(str(src["lengths"]))  # pkg://specdec/data/NAME: a file installed with the package
     if not path.is_file():
         raise WorkloadError(f"workload lengths file {src['lengths']} does not exist (write one with "
                             "`python -m specdec.acceptance lengths RUN_DIRS -o FILE`)")
