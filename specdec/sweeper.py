@@ -2,10 +2,10 @@
 
 Hydra's basic sweeper runs the cartesian product with the last key varying fastest, in the same order in every
 group: ``seed=0,1,2 policy=never,always,goodput`` runs never, always, goodput for seed 0, then the same three for
-seed 1, ... so a policy listed third is always measured third. On the lent H200 (n-gram on MT-bench and HumanEval,
-C = 64 .. 256, fd4df8d / 969e48b, 21 groups of one seed and C, never / always / goodput / a goodput variant in that
-order; experiments/run_order.py) the runs in third and fourth place took 7% and 15% more wall time per prefilled token
-than the second: an effect of the place or of the policy, which a fixed order cannot tell apart.
+seed 1, ... so a policy listed third is always measured third. In n-gram sweeps at C = 64 .. 256 (21 groups of one
+seed and C, never / always / goodput / a goodput variant in that order) the runs in third and fourth place took 7% and
+15% more wall time per prefilled token than the second: an effect of the place or of the policy, which a fixed order
+cannot tell apart (docs/results.md, "Speculation under load").
 ``RotatingSweeper`` runs the same jobs, but rotates the innermost swept key's values by one place from each group
 to the next (group g starts at value g mod n), so over n consecutive groups every value runs once in every place.
 

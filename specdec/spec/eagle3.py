@@ -90,7 +90,7 @@ class Eagle3Drafter:
         #                   in chunked forwards (specdec.engine.step.catch_up_body_), so the tree is
         #                   drafted from in-sync state;
         #   neither         left behind: the draft KV keeps holes over the tokens committed while off and
-        #                   the root state goes stale (experiments/exp_switch_acceptance.py measures it).
+        #                   the root state goes stale (experiment=switch_acceptance measures it).
         self.sync_while_off = bool(sync_while_off)
         self.catches_up = bool(catch_up) and not self.sync_while_off
         self.capture_layers = tuple(head.config.target_layers)

@@ -24,7 +24,7 @@ class NgramDrafter:
     without a match, 70 us to index a request on its first drafting step). A whole ``prepare_`` at 64 rows of
     300-token prompts that grow a token a step, the engine's context included: 3.8 us a row on this CPU (16 us with
     a tensor per row, the n-gram slices zipped for every new token and each row's prompt + output copied and
-    compared every step; the H200's host measured 15-64 us a row at ca37d2e).
+    compared every step; a GPU machine's host measured 15-64 us a row).
     """
 
     name = "ngram"
@@ -99,7 +99,7 @@ class NgramDrafter:
             live = set(keys[:n])
             self._index = {key: ix for key, ix in self._index.items() if key in live}
         # The [n, T] chains as one Python list (-1: no draft), made a tensor once: a tensor per row cost
-        # ~10 us a row on the host (H200 at ca37d2e: 15-64 us a row drafted, by host_ms_per_row)
+        # ~10 us a row on the host (a GPU machine's host: 15-64 us a row drafted, by host_ms_per_row)
         flat = [-1] * (n * T)
         parts = getattr(context, "parts", None)
         for r in range(min(n, len(context))):

@@ -168,7 +168,7 @@ def ttt_functions(compile: bool = False):
     if not _COMPILED:
         # One graph per unroll depth (the list of earlier keys grows) and per size-1 batch dimension
         # (torch specialises 1): more than dynamo's default 8 per function, after which it would fall
-        # back to eager for the rest (seen on the H200 at 6e97c02).
+        # back to eager for the rest (seen on a GPU).
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), 64))
