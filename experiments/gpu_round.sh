@@ -13,7 +13,7 @@
 #   bash experiments/gpu_round.sh crossover8b  # README table 3: the 8B-shape crossover, replayed trace
 #                                              # (CROSSOVER_MEAN=6: parametric; CROSSOVER_C / _POLICIES / _TAG)
 #   bash experiments/gpu_round.sh step8b       # the 8B-shape step split into phases, and the step floor
-#   bash experiments/gpu_round.sh profile      # profile_step.py PROFILE_ARGS (e.g. "--ab small_m=auto,stream")
+#   bash experiments/gpu_round.sh profile      # profile_step.py PROFILE_ARGS (e.g. "--ab fused_rows=null,64")
 #   bash experiments/gpu_round.sh moe          # MoE at Qwen3 shapes: experiments/bench_moe.py and +experiment=step_qwen3
 #                                              # (each skipped while it is not in the tree)
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun, packed as N.tgz
@@ -80,7 +80,7 @@ moe)  # MoE at Qwen3 shapes: the kernel bench, then the graphed step experiment;
   mkdir -p "$R/moe"
   if [ -f experiments/bench_moe.py ]; then
     # shellcheck disable=SC2086  # MOE_BENCH_ARGS: arguments, split on spaces
-    run ${MOE_BENCH_S:-240} python experiments/bench_moe.py ${MOE_BENCH_ARGS:-}
+    run ${MOE_BENCH_S:-240} python experiments/bench_moe.py --out "$R/moe" ${MOE_BENCH_ARGS:-}
     cp "$R/last.log" "$R/moe/bench_moe.txt"; tail -n 30 "$R/moe/bench_moe.txt"
   else
     echo "experiments/bench_moe.py is not in this tree: skipped"
