@@ -257,7 +257,8 @@ def sweep(s, cuda, dev, gbps):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None, help="write bench_moe.json (bench_moe_sweep.json) here")
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "kernels",
+                    help="folder for bench_moe.json (--sweep: bench_moe_sweep.json)")
     ap.add_argument("--smoke", "--quick", action="store_true", help="tiny shapes on the CPU interpreter")
     ap.add_argument("--sweep", action="store_true", help="tile sweep per token count instead of the table")
     ap.add_argument("--tokens", type=int, nargs="*", help="token counts (default: the shape's list)")
@@ -272,11 +273,10 @@ def main() -> None:
           f"copy bandwidth {gbps:.0f} GB/s", flush=True)
     rows = (sweep if args.sweep else run_table)(s, cuda, dev, gbps)
     result = dict(provenance(dev), shape=s, copy_gbps=gbps, rows=rows)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / ("bench_moe_sweep.json" if args.sweep else "bench_moe.json")
-        path.write_text(json.dumps(result, indent=1, default=str))
-        print(f"-> {path}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / ("bench_moe_sweep.json" if args.sweep else "bench_moe.json")
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"-> {path}")
     print(f"\n{result['device_name']} {result['commit']}, copy {gbps:.0f} GB/s; "
           f"pct = touched-expert floor / time")
     if args.sweep:

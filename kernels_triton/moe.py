@@ -50,12 +50,14 @@ picks an expert at most once) each expert the step touches is read exactly once;
 
 Combine: per-slot fp32 rows y [P, H], then a fixed-order sum, instead of an fp32 atomic add into the
 output: the result is bit-identical from run to run (the summation order of atomics is not), one
-rounding to dt. It costs one [P, H] fp32 write and read: 2 % of the weight bytes at 256 tokens of a
-Qwen3-30B-A3B layer, 11 % at 1,024 (where the layer is no longer bound by expert reads alone).
+rounding to dt. It costs one [P, H] fp32 write and read: 3 % of the weight bytes at 256 tokens of a
+Qwen3-30B-A3B layer (1.2 GB of experts, all touched), 11 % at 1,024.
 
 Launch plan: ``moe_plan(T, E, K, H, F)`` picks each GEMM's BLOCK_M from the mean pairs per expert
 P / E (16 at decode and verify, larger for prefill) and its tiles from a table (``_PLANS``), from
-shapes only; ``fused_moe(..., config=)`` overrides it (experiments/bench_moe.py --sweep).
+shapes only; ``fused_moe(..., config=)`` overrides it. The table's tiles are first choices (checked to
+compile for sm_90 with cp.async pipelining, no spills), not yet measured: experiments/bench_moe.py
+--sweep prints the best per token count to set it from.
 
 Invariants: x [T, H] and the weights share one float dtype; last dims contiguous; 1 <= top_k <= E;
 expert_hits (optional) int32 [E] on x's device, added to in place. fp32 inputs run ieee dots (exact-path

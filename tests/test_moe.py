@@ -19,10 +19,10 @@ TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16:
 
 def _layer(T, H, F, E, dtype, seed, device=DEVICE):
     """Random x [T, H], router [E, H], w13 [E, 2F, H], w2 [E, H, F] scaled so every stage is O(1)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: a real-shape layer is 600M values
 
     def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
     return r(T, H), r(E, H, scale=H ** -0.5), r(E, 2 * F, H, scale=H ** -0.5), r(E, H, F, scale=F ** -0.5)
 
@@ -222,8 +222,9 @@ def test_fused_moe_cuda_graph_replays_other_routings():
         static_out = moe.fused_moe(static_x, rw, w13, w2, top_k, True, expert_hits=hits)
     hits.zero_()
     want = torch.zeros(E, dtype=torch.int32, device="cuda")
-    for seed in (2, 3, 4):
-        new_x = _layer(T, H, F, E, torch.bfloat16, seed=seed)[0]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for _ in range(3):
+        new_x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
         static_x.copy_(new_x)
         graph.replay()
         torch.cuda.synchronize()
