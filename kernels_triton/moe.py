@@ -281,15 +281,17 @@ def _moe_gate_up_kernel(
     b_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
+        # Weights first: their addresses need only the expert, so the first tiles are requested before
+        # the pair ids (a dependent load) arrive.
         if EVEN_K:
-            b_x = tl.load(p_x)
             b_wg = tl.load(p_g)
             b_wu = tl.load(p_u)
+            b_x = tl.load(p_x)
         else:
             m_k = o_k < H - k0
-            b_x = tl.load(p_x, mask=m_k[None, :], other=0.0)
             b_wg = tl.load(p_g, mask=m_k[:, None], other=0.0)
             b_wu = tl.load(p_u, mask=m_k[:, None], other=0.0)
+            b_x = tl.load(p_x, mask=m_k[None, :], other=0.0)
         b_g = tl.dot(b_x, b_wg, b_g, input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
         b_u = tl.dot(b_x, b_wu, b_u, input_precision=DOT_PREC)
         p_x += BLOCK_K
@@ -330,13 +332,13 @@ def _moe_down_kernel(
     p_w = w_ptr + i_e.to(tl.int64) * stride_we + o_nl[None, :] * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N]
     b_y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
-        if EVEN_K:
-            b_a = tl.load(p_a)
+        if EVEN_K:  # weights first, as in the gate|up kernel
             b_w = tl.load(p_w)
+            b_a = tl.load(p_a)
         else:
             m_k = o_k < F - k0
-            b_a = tl.load(p_a, mask=m_k[None, :], other=0.0)
             b_w = tl.load(p_w, mask=m_k[:, None], other=0.0)
+            b_a = tl.load(p_a, mask=m_k[None, :], other=0.0)
         b_y = tl.dot(b_a, b_w, b_y, input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
         p_a += BLOCK_K
         p_w += BLOCK_K
@@ -450,7 +452,9 @@ def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False)
     counts = torch.empty((nb, E), dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty((T * top_k,), dtype=torch.int32, device=dev) if sort else ids
     ecnt = torch.empty((E,), dtype=torch.int32, device=dev) if sort else ids
-    warps = 4 if route_rows * e_pad <= 2048 else 8
+    # Warps by tile size: a decode step's [1, 128] tile in one warp, so the top-k loop's row reductions stay
+    # shuffles within the warp (no shared-memory round trip per step); [64, 128] in eight.
+    warps = max(1, min(8, route_rows * e_pad // 1024))
     _moe_topk_kernel[(nb,)](
         logits, w, ids, counts, expert_hits if expert_hits is not None else counts, sorted_pairs, ecnt,
         T, E, logits.stride(0),
