@@ -89,7 +89,8 @@ def grouped_mm(x, router_w, w13, w2, top_k, renormalize):
     w, ids = moe.moe_route_ref(x.float() @ router_w.float().t(), top_k, renormalize)
     flat = ids.reshape(-1).long()  # [P]
     order = torch.argsort(flat, stable=True)  # pairs by expert
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    ones = torch.ones_like(flat, dtype=torch.int32)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(0, flat, ones)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] group ends
     tok = order // top_k
     h = torch._grouped_mm(x[tok], w13.transpose(1, 2), offs=offs)  # [P, H] x [E, H, 2F] -> [P, 2F]
@@ -283,8 +284,8 @@ def main() -> None:
         print(f"{'tokens':>6s} {'experts':>7s} {'floor us':>9s} {'plan us':>9s} {'plan %':>6s} {'best us':>9s} "
               f"{'best %':>6s}  best tiles (gate_up | down)")
         for r in rows:
-            tiles = " | ".join(" ".join(f"{k[6:] if k.startswith('BLOCK_') else k[4:]}{v}" for k, v in r["best"][n].items())
-                               for n in ("gate_up", "down"))
+            tiles = " | ".join(" ".join(f"{k.replace('BLOCK_', '').replace('num_', '')}{v}"
+                                        for k, v in r["best"][n].items()) for n in ("gate_up", "down"))
             print(f"{r['tokens']:6d} {r['distinct_experts']:7.1f} {r['floor_us']:9.1f} {r['plan_us']:9.1f} "
                   f"{r['plan_pct']:6.1f} {r['best_us']:9.1f} {r['best_pct']:6.1f}  {tiles}")
         return
