@@ -377,6 +377,10 @@ _PLANS = (
      dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
 )
 _TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+# Column tiles narrow (down to 16) until the experts a step can touch, min(E, P), give each GEMM at least
+# this many programs (two per SM of a 132-SM H100 / H200): a Mixtral decode step (2 experts, H 4096) would
+# otherwise stream its down projection with 128 programs, fewer than the SMs.
+MIN_PROGRAMS = 256
 
 
 def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None) -> dict:
@@ -397,6 +401,9 @@ def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None) -> dict:
         tiles.update(over)
         # tl.dot needs >= 16 along every dim; no tile wider than the (power-of-two padded) dim it covers.
         tiles["BLOCK_N"] = max(16, min(int(tiles["BLOCK_N"]), triton.next_power_of_2(n_out)))
+        while "BLOCK_N" not in over and tiles["BLOCK_N"] > 16 and \
+                min(E, T * top_k) * triton.cdiv(n_out, tiles["BLOCK_N"]) < MIN_PROGRAMS:
+            tiles["BLOCK_N"] //= 2
         tiles["BLOCK_K"] = max(16, min(int(tiles["BLOCK_K"]), triton.next_power_of_2(k_in)))
         tiles["BLOCK_M"] = max(16, int(tiles["BLOCK_M"]))
         plan[name] = tiles

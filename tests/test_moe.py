@@ -10,6 +10,7 @@ replayed with other routings.
 
 import pytest
 import torch
+import triton
 
 from kernels_triton import moe
 
@@ -148,7 +149,10 @@ def test_plan_depends_on_shapes_only():
     assert plan["gate_up"]["BLOCK_M"] == 16 and plan["route_rows"] == 1
     assert moe.moe_plan(1024, 128, 8, 2048, 768)["gate_up"]["BLOCK_M"] == 64
     small = moe.moe_plan(3, 8, 2, 40, 24, config={"down": {"BLOCK_N": 256}})
-    assert small["down"]["BLOCK_N"] == 64 and small["gate_up"]["BLOCK_N"] == 32  # clamped to the dims
+    assert small["down"]["BLOCK_N"] == 64  # an override, clamped to the dim
+    assert small["gate_up"]["BLOCK_N"] == 16  # the plan's, narrowed: 6 experts x 1 column tile < MIN_PROGRAMS
+    mixtral = moe.moe_plan(1, 8, 2, 4096, 14336)  # 2 experts: the down projection's H in tiles of 32
+    assert 2 * triton.cdiv(4096, mixtral["down"]["BLOCK_N"]) >= moe.MIN_PROGRAMS
     with pytest.raises(ValueError, match="config"):
         moe.moe_plan(1, 8, 2, 32, 16, config={"gate_up": {"BLOCK_X": 16}})
 
