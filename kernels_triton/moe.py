@@ -365,9 +365,10 @@ def _moe_combine_kernel(y_ptr, o_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.conste
 
 # Tiles per range of the mean pairs per expert P / E (T = 1 / 8 / 64 / 256 / 1,024 tokens of a top-8,
 # 128-expert layer: 0.06 / 0.5 / 4 / 16 / 64): (upper bound, gate_up tiles, down tiles). Up to 4 pairs
-# per expert, decode and verify: BLOCK_M = 16 (one block per expert, every expert's weights read once)
-# and narrow column tiles, so that even the 8 experts of one token spread over more programs than SMs
-# (gate_up: F / 32 = 24 programs per expert of F = 768, each streaming 2 x 32 x H weights).
+# per expert, decode and verify: BLOCK_M = 16 (one block per expert while it has <= 16 pairs, so each
+# touched expert's weights are read once) and narrow column tiles (gate_up: F / 32 = 24 programs per expert
+# of F = 768, each streaming 2 x 32 x H weights; at 1 token MIN_PROGRAMS halves them to 16 columns, so the
+# 8 experts of one token spread over 384 programs).
 _PLANS = (
     (4.0, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
      dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
