@@ -78,6 +78,10 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # perf_counter of each output token
     num_preemptions: int = 0
     row_epoch: int = 0  # bumped each time the request gets a decode row (overlapped decoding)
+    sampling: tuple | None = None  # its own (temperature, top_k, top_p, min_p) row; None: the engine's
+    # Acceptance statistics of each speculative step it committed in ([drafted depth, draft nodes,
+    # accepted sibling rank at depth 1, ...]; kernels_triton/accept_stats.py), summed when it finishes
+    accept_stats: list = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -188,10 +192,13 @@ class Scheduler:
             return "stop strings need a tokenizer to detokenize the output; this engine has none"
         return None
 
-    def add_(self, req: Request) -> None:
-        """Queue ``req``; a request that can never run (bad token ids, a duplicate id, too long)
-        finishes at once with ``error`` set."""
+    def add_(self, req: Request, error: str | None = None) -> None:
+        """Queue ``req``; a request that can never run (bad token ids, a duplicate id, too long, or
+        ``error``: what the engine found wrong with it, e.g. its sampling parameters) finishes at once
+        with ``error`` set."""
         req.prompt_ids, why = self.check_ids(req.prompt_ids)
+        if why is None:
+            why = error
         if why is None and req.id in self._live:
             why = (f"duplicate request id {req.id!r}: a request with this id is already queued or "
                    "running (ids must be unique)")
@@ -332,7 +339,8 @@ class Scheduler:
         if ready:
             rows = self.state.append_rows_([r.tokens[-1] for r in ready], [r.seq_len for r in ready],
                                            [list(self.kv.pages(r)) for r in ready],
-                                           draft_lens=[r.draft_len for r in ready])
+                                           draft_lens=[r.draft_len for r in ready],
+                                           sampling=[r.sampling for r in ready])
             for r in ready:
                 r.status = Status.DECODE
                 r.row_epoch += 1
@@ -340,7 +348,7 @@ class Scheduler:
         return list(zip(ready, rows))
 
     def commit_tokens_(self, launched_rows: list[tuple[Request, int]], tokens: list[list[int]],
-                       now: float, drafted: bool = True) -> list[list[int]]:
+                       now: float, drafted: bool = True, stats: list | None = None) -> list[list[int]]:
         """Commit the tokens of a step launched over ``launched_rows`` ((request, row_epoch) per
         row at launch): append them, finish and evict done requests, advance the host mirror of
         seq_lens. With overlapped decoding the batch may have changed since the launch: tokens of
@@ -354,18 +362,21 @@ class Scheduler:
         tokens) is the exception: it alone finishes with reason "error". ``drafted``: the step extended
         the draft KV over its tokens (a drafting step, or any step of a drafter that syncs while off),
         so each row's draft length follows its seq_len; else (a k = 0 step of a drafter that catches
-        up) it stays behind."""
+        up) it stays behind. ``stats``: a speculative step's acceptance statistics per launched row,
+        kept by each request that commits (``accept_stats``)."""
         row_of = {id(r): i for i, r in enumerate(self.rows)}
-        plan = []  # (row, request, tokens, tokens kept, finish reason or None, error or None)
+        plan = []  # (row, request, tokens, tokens kept, finish reason or None, error or None, statistics)
         outcome = self._outcome
-        for (req, epoch), toks in zip(launched_rows, tokens):
+        for j, ((req, epoch), toks) in enumerate(zip(launched_rows, tokens)):
             i = row_of.get(id(req))
             if i is None or req.row_epoch != epoch:
                 continue
-            plan.append((i, req, toks, *outcome(req, toks)))
+            plan.append((i, req, toks, *outcome(req, toks), None if stats is None else stats[j]))
         done, kept = [], []
         seq_lens, draft_lens = self.state.seq_lens_host, self.state.draft_lens_host
-        for i, req, toks, take, reason, error in plan:  # nothing below raises
+        for i, req, toks, take, reason, error, st in plan:  # nothing below raises
+            if st is not None:
+                req.accept_stats.append(st)
             n = len(toks)
             seq_lens[i] += n
             if drafted:

@@ -16,6 +16,12 @@ Rows past num_rows are stale and must be ignored: the step masks them with ``row
 
 The host keeps a mirror (``seq_lens_host``) updated from the committed tokens it already reads each
 step, so scheduling never reads device memory.
+
+A step's output, read back in one copy (``step_out``), is per row: the committed tokens (T columns),
+then any counterfactual commits (M), then for a speculative step (T > 1) its acceptance statistics
+(T + 1 columns: the depth the row drafted, its draft nodes, then the sibling rank of the accepted
+node at each depth; kernels_triton/accept_stats.py). With per-row sampling (``sampling`` given) each row also carries
+its request's (temperature, top_k, top_p, min_p) in ``sampling`` [R, 4], which follows the rows.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class DecodeState:
         # Extra int64 columns after a T-node step's tokens (``step_out``): the counterfactual commits
         # of the smaller trees (set_cf_widths_, by an engine whose policy asks for them); none by default.
         self.cf_widths: dict[int, int] = {}
+        self._grow_step_out_()
         # The k = 0 tree's constant parents / depth / mask per row (viewed, never written).
         self.root_tree_consts = (torch.full((max_rows, 1), -1, dtype=torch.int32, device=dev),
                                  torch.zeros(max_rows, 1, dtype=torch.int32, device=dev),
@@ -73,6 +80,11 @@ class DecodeState:
         # those of them read only for rows whose draft is in sync (see add_row_buffer).
         self.row_buffers: dict[str, torch.Tensor] = {}
         self._synced_row_buffers: set[str] = set()
+        # [R, 4] per-row sampling parameters (temperature, top_k, top_p, min_p), read by steps that sample
+        # per row (each request may bring its own; rows appended without get ``default_sampling``,
+        # which the stepper sets from the engine's config). 16 bytes a row: kept whatever the mode.
+        self.default_sampling = (0.0, 0.0, 1.0, 0.0)  # greedy, warpers off
+        self.sampling = self.add_row_buffer("sampling", (4,), torch.float32)
         # One generator per engine: seeded runs are reproducible; draws happen outside CUDA graphs.
         self.generator = torch.Generator(device=dev).manual_seed(int(seed))
         self.num_rows = 0
@@ -82,18 +94,28 @@ class DecodeState:
         # committed while speculation was off. Maintained by the host only (no device copy).
         self.draft_lens_host: list[int] = []
 
+    @staticmethod
+    def stats_width(T: int) -> int:
+        """Acceptance-statistics columns of a T-node step's output: T + 1 for a speculative step (drafted
+        depth, draft nodes, then the accepted sibling rank at depths 1 .. T - 1), none at T = 1."""
+        return T + 1 if T > 1 else 0
+
+    def _width(self, T: int) -> int:
+        return T + self.cf_widths.get(T, 0) + self.stats_width(T)
+
     def sampled_for(self, T: int) -> torch.Tensor:
-        """[max_rows, T] view of the step-output buffer for steps of T-node trees (contiguous unless
-        counterfactual columns follow the tokens: then rows of stride T + M)."""
-        m = self.cf_widths.get(T, 0)
-        if not m:
+        """[max_rows, T] view of the step-output buffer for steps of T-node trees (contiguous at T = 1;
+        a speculative step's rows have stride T + M + S: its counterfactual and statistics columns follow)."""
+        w = self._width(T)
+        if w == T:
             return self._sampled_flat[: self.max_rows * T].view(self.max_rows, T)
         return self.step_out(T)[:, :T]
 
     def step_out(self, T: int) -> torch.Tensor:
-        """[max_rows, T + M] contiguous view of a T-node step's whole output, the one tensor read back:
-        committed tokens then -1 (T columns), then the M counterfactual commits (M = 0 unless set)."""
-        w = T + self.cf_widths.get(T, 0)
+        """[max_rows, T + M + S] contiguous view of a T-node step's whole output, the one tensor read
+        back: committed tokens then -1 (T columns), the M counterfactual commits (M = 0 unless set),
+        the S acceptance statistics (``stats_out``)."""
+        w = self._width(T)
         return self._sampled_flat[: self.max_rows * w].view(self.max_rows, w)
 
     @property
@@ -102,23 +124,33 @@ class DecodeState:
         return self._sampled_flat.numel()
 
     def cf_out(self, T: int) -> torch.Tensor:
-        """[max_rows, M] (row stride T + M) the counterfactual columns of a T-node step's output."""
-        return self.step_out(T)[:, T:]
+        """[max_rows, M] (row stride T + M + S) the counterfactual columns of a T-node step's output."""
+        return self.step_out(T)[:, T:T + self.cf_widths.get(T, 0)]
+
+    def stats_out(self, T: int) -> torch.Tensor:
+        """[max_rows, S] (row stride T + M + S) the acceptance-statistics columns of a T-node step's output."""
+        return self.step_out(T)[:, T + self.cf_widths.get(T, 0):]
 
     def set_cf_widths_(self, widths: dict[int, int]) -> None:
         """Reserve M counterfactual columns after the tokens of T-node steps ({T: M}); before any
         step runs (graphs capture the buffer) and before the stepper sizes its read-back buffers."""
         self.cf_widths = {int(t): int(m) for t, m in widths.items() if int(m) > 0}
-        need = self.max_rows * max([self.max_tree_nodes, *(t + m for t, m in self.cf_widths.items())])
+        self._grow_step_out_()
+
+    def _grow_step_out_(self) -> None:
+        """Size the step-output buffer for every tree size's output (the largest tree's, or a
+        counterfactual size's); ``sampled`` stays the [R, max_tree_nodes] view of its start."""
+        T = self.max_tree_nodes
+        need = self.max_rows * max([self._width(T), *(self._width(t) for t in self.cf_widths)])
         if need > self._sampled_flat.numel():
             self._sampled_flat = torch.full((need,), -1, dtype=torch.int64, device=self.device)
-            self.sampled = self._sampled_flat[: self.max_rows * self.max_tree_nodes].view(self.max_rows,
-                                                                                        self.max_tree_nodes)
+            self.sampled = self._sampled_flat[: self.max_rows * T].view(self.max_rows, T)
 
     def append_rows_(self, pending: list[int], seq_lens: list[int], pages: list[list[int]],
-                     draft_lens: list[int] | None = None) -> list[int]:
+                     draft_lens: list[int] | None = None, sampling: list | None = None) -> list[int]:
         """Append rows for requests that became decode-ready; returns their row indices.
         ``draft_lens``: tokens of each whose draft KV its prefill wrote (None: all of them).
+        ``sampling``: each one's (temperature, top_k, top_p, min_p), or None for ``default_sampling``.
 
         Mutates rows num_rows .. num_rows + m - 1 and num_rows.
         """
@@ -137,6 +169,8 @@ class DecodeState:
         self.pending[r0 : r0 + m] = upload(pending, torch.int64, self.device)
         self.seq_lens[r0 : r0 + m] = upload(seq_lens, torch.int32, self.device)
         self.page_table[r0 : r0 + m] = table.to(self.device, non_blocking=True)
+        rows = [self.default_sampling if p is None else p for p in (sampling or [None] * m)]
+        self.sampling[r0 : r0 + m] = upload(rows, torch.float32, self.device)
         self.num_rows += m
         self.seq_lens_host.extend(seq_lens)
         # A prefill run while speculation was off skips the draft (catch-up covers it on resume).

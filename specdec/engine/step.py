@@ -64,14 +64,20 @@ class Counterfactual:
         return max(s for _, s, _ in self.shapes_host)
 
 
-def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperature: float,
+def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperature: float | None,
                drafter=None, context=None, marks=None, acceptance=None, counterfactual=None) -> None:
     """One step over state rows 0 .. B-1 with trees of T nodes (T = 1: plain decoding, k = 0).
 
     draft -> verify -> accept -> commit, all on the device:
       tree    root = pending token, plus T - 1 draft nodes from ``drafter`` (none when T = 1)
       verify  one target forward over every node, KV written to scratch slots seq_lens + i
-      accept  verify_accept: accepted path + bonus token per row (greedy or exact sampling)
+      warp    ``temperature`` None (per-row sampling): every node's logits warped under its row's
+              state.sampling (temperature, top-k, top-p, min-p; kernels_triton/sampling.py), which
+              verification then accepts against at temperature 1; a number: one temperature for
+              every row, no warpers (0 = greedy)
+      accept  verify_accept: accepted path + bonus token per row (greedy or exact sampling), and
+              for T > 1 the path's statistics (drafted depth, accepted sibling ranks) into
+              state.stats_out(T), read back with the tokens
       commit  kv_sync_: accepted KV moved into place, seq_lens += accepted + 1, pending = bonus;
               then the drafter extends its own KV over the committed tokens (at T = 1 only if it
               ``extends_at_k0``; otherwise a T = 1 step is plain decoding's body, drafter or not)
@@ -108,8 +114,15 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     if marks:
         marks("verify_forward")
     be = model.backend
+    if temperature is None:
+        # The same warped target for plain decoding (T = 1) and for every node of a tree: the exact
+        # rejection rule accepts against p = softmax(warped logits), so speculative sampling keeps
+        # the warped distribution. Drafts are deterministic (q = one-hot), so no draft warping.
+        target, temperature = step_ops.warp_logits(logits, state.sampling[:B], backend=be), 1.0
+    else:
+        target = logits
     uniforms = state.uniform[:B, :T] if temperature > 0 else None
-    accept_len, nodes, out_tokens = step_ops.verify_accept(logits, tree.tokens, tree.parents, temperature,
+    accept_len, nodes, out_tokens = step_ops.verify_accept(target, tree.tokens, tree.parents, temperature,
                                                       uniforms, backend=be)
     if acceptance is not None and T > 1:
         # Replayed acceptance: each row accepts its drawn length along the drafted tree's path.
@@ -118,6 +131,8 @@ def step_body_(model, state: DecodeState, kv: KVCache, B: int, T: int, temperatu
     if cf is not None:
         drafter.counterfactual_commits_(tree, nodes, accept_len, cf.shapes, state.cf_out(T)[:B],
                                         shapes_host=cf.shapes_host, max_steps=cf.max_steps)
+    if T > 1:  # acceptance per depth, read back with the tokens (no extra copy or sync)
+        step_ops.accept_stats_(tree.parents, tree.depth, nodes, accept_len, state.stats_out(T)[:B], backend=be)
     if marks:
         marks("verify")
     seq_old = state.seq_lens[:B].clone()  # [B] the drafter's extend starts here
@@ -200,12 +215,16 @@ class Stepper:
     replaying the CUDA graph of the smallest bucket >= n for that T (see :mod:`specdec.engine.graphs`).
     """
 
-    def __init__(self, model, kv: KVCache, state: DecodeState, runner, *, temperature: float,
-                 drafter=None):
-        if temperature < 0:
+    def __init__(self, model, kv: KVCache, state: DecodeState, runner, *, temperature: float | None,
+                 drafter=None, sampling: tuple | None = None):
+        if temperature is not None and temperature < 0:
             raise SpecdecError(f"sampling.temperature must be >= 0, got {temperature}")
         self.model, self.kv, self.state, self.runner = model, kv, state, runner
-        self.temperature = float(temperature)
+        if sampling is not None:  # the parameters of rows whose request brings none
+            state.default_sampling = tuple(float(v) for v in sampling)
+        # None: each row samples with its own parameters (state.sampling); else one temperature for all
+        self.temperature = None if temperature is None else float(temperature)
+        self.sampled = temperature is None or temperature > 0  # steps draw uniforms
         self.drafter = drafter
         self._prefills = prefills(drafter)  # the drafter keeps prompt state (its prefill_ runs)
         self.prefill_runner = None  # PaddedPrefill, set by the engine when it pads / graphs prefill
@@ -303,7 +322,7 @@ class Stepper:
         cuda = self._readback is not None
         t0 = (_record() if cuda else time.perf_counter()) if timed else None
         st.num_active.fill_(n)  # a kernel, not a sync
-        if self.temperature > 0:
+        if self.sampled:
             st.uniform[:n, :T].uniform_(generator=st.generator)
         prepare = preparer(self.drafter) if T > 1 else None
         if prepare is not None:
@@ -312,28 +331,34 @@ class Stepper:
         t1 = (_record() if cuda else time.perf_counter()) if timed else None
         if launched is not None:
             launched()
-        src = st.step_out(T)[:n]  # contiguous: one copy (tokens, then any counterfactual commits)
-        m = src.shape[1] - T
+        src = st.step_out(T)[:n]  # contiguous: one copy (tokens, then counterfactual commits and statistics)
+        m, sw = st.cf_widths.get(T, 0), st.stats_width(T)
         if not cuda:  # the step has already run
-            return LaunchedStep(n, k, src.clone(), None, times=None if t0 is None else (t1 - t0) * 1e3, cf_width=m)
+            return LaunchedStep(n, k, src.clone(), None, times=None if t0 is None else (t1 - t0) * 1e3, cf_width=m,
+                                stats_width=sw)
         self._flip ^= 1
-        host = self._readback[self._flip][: n * (T + m)].view(n, T + m)
+        w = src.shape[1]
+        host = self._readback[self._flip][: n * w].view(n, w)
         host.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return LaunchedStep(n, k, host, done, times=None if t0 is None else (t0, t1), cf_width=m)
+        return LaunchedStep(n, k, host, done, times=None if t0 is None else (t0, t1), cf_width=m, stats_width=sw)
 
     @staticmethod
     def collect_(step: LaunchedStep) -> list[list[int]]:
         """Wait for a launched step's tokens; the committed tokens of each row at its launch (a step
-        with counterfactual columns also sets ``step.cf``: each row's counterfactual commits)."""
+        with counterfactual columns also sets ``step.cf``: each row's counterfactual commits; a
+        speculative step ``step.stats``: each row's acceptance statistics, kernels_triton/accept_stats.py)."""
         if step.done is not None:
             step.done.synchronize()
-        if not step.cf_width:
+        if not step.cf_width and not step.stats_width:
             return [[t for t in row if t >= 0] for row in step.host.tolist()]
-        T = step.host.shape[1] - step.cf_width
+        T = step.host.shape[1] - step.cf_width - step.stats_width
         rows = step.host.tolist()
-        step.cf = [row[T:] for row in rows]
+        if step.cf_width:
+            step.cf = [row[T:T + step.cf_width] for row in rows]
+        if step.stats_width:
+            step.stats = [row[T + step.cf_width:] for row in rows]
         return [[t for t in row[:T] if t >= 0] for row in rows]
 
     @staticmethod
@@ -369,6 +394,8 @@ class LaunchedStep:
     policy_fed: bool = False  # the policy has seen this step's stats (not fed twice on a retry)
     cf_width: int = 0  # counterfactual columns after the tokens in ``host``
     cf: list | None = None  # per row, the smaller trees' counterfactual commits (once collected)
+    stats_width: int = 0  # acceptance-statistics columns after those (speculative steps)
+    stats: list | None = None  # per row, [drafted depth, draft nodes, rank at depth 1, ...] (once collected)
     cf_by_k: dict | None = None  # replayed acceptance: {smaller k: commits per row}, known at launch
 
 

@@ -1,8 +1,9 @@
 """The step's addressing and commit kernels: one call per op, the Triton kernel or its torch reference.
 
-block_meta / tree_meta (where a block's tokens sit in the paged cache), verify_accept and kv_sync_
-(the verdict and the commit) are engine work, not model layers, so their dispatch lives beside the
-step that calls them.
+block_meta / tree_meta (where a block's tokens sit in the paged cache), warp_logits, verify_accept
+and kv_sync_ (the sampling warpers, the verdict and the commit) and accept_stats_ (what the verdict
+accepted, per depth) are engine work, not model layers, so their dispatch lives beside the step that
+calls them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,24 @@ def tree_meta(start, valid, page_table, tokens, depth, page_size: int, *, backen
 
     fn = paging.tree_meta if use_step_kernels(backend, start) else paging.tree_meta_ref
     return fn(start, valid, page_table, tokens, depth, page_size)
+
+
+def warp_logits(logits, params, *, backend="auto"):
+    """[B, T, V] logits -> fp32 warped logits under each row's (temperature, top_k, top_p, min_p)
+    params [B, 4] (kernels_triton/sampling.py)."""
+    from kernels_triton import sampling
+
+    fn = sampling.warp_logits if use_triton(backend, logits) else sampling.warp_logits_ref
+    return fn(logits, params)
+
+
+def accept_stats_(parents, depth, accepted_nodes, accept_len, out, *, backend="auto"):
+    """Each row's drafted depth, draft nodes and accepted sibling ranks into ``out`` [B, T + 1] int64,
+    in place (kernels_triton/accept_stats.py)."""
+    from kernels_triton import accept_stats
+
+    fn = accept_stats.accept_stats_ if use_triton(backend, parents) else accept_stats.accept_stats_ref_
+    return fn(parents, depth, accepted_nodes, accept_len, out)
 
 
 def verify_accept(logits, tokens, parents, temperature, uniforms=None, draft_probs=None, *, backend="auto"):
