@@ -1,6 +1,6 @@
 """Paper-style tables and plots from run directories.
 
-    python -m specdec.report RUN_DIRS... [--out DIR] [--group-by KEYS] [--metrics KEYS]
+    python -m specdec.report RUN_DIRS... [--out DIR] [--group-by KEYS] [--metrics KEYS] [--ledger PATH | --no-ledger]
 
 Reads every run directory (one holding ``metrics.json`` and ``config.json``, as written by
 ``python -m specdec.run``) under the given paths, recursively, so a multirun sweep folder works as
@@ -15,11 +15,17 @@ Default report, each part only when the runs hold it:
 - Speculation summary (paper style): one row per drafter x policy, one column per workload x
   temperature, cells "τ / speed-up"; when the speculative runs cover two or more such pairs.
 - Speculation: one row per workload x target x drafter x policy x temperature: mean accepted length,
-  fraction of decode steps that speculated, output tok/s, and the speed-up over the matching plain
-  run. The matching plain run is ``policy=never`` (or ``draft=none``) with the same config apart
-  from ``draft.*``, ``policy.*`` and bookkeeping (``name``, ``run_dir``, ``logger.*``), on the same
-  device and dtype: a speed-up is only ever a ratio of two runs that served the same requests the
-  same way. No such run: "-".
+  fraction of decode steps that speculated, output tok/s, and the speed-up over the run's own plain
+  baseline. That is a run of the same origin (``run_origin``: the run's ``plain/``, served first by
+  ``compare_plain``, or else a run of the same sweep folder) that is ``policy=never`` (or
+  ``draft=none``) with the same config apart from ``draft.*``, ``policy.*`` and bookkeeping
+  (``name``, ``run_dir``, ``logger.*``), on the same device and dtype: a speed-up is only ever a
+  ratio of two runs that served the same requests the same way, one after the other. Plain runs of
+  other folders (another command, another day) are never pooled in. No such run: "-". A row that
+  merges repeats shows the mean of their own speed-ups.
+- Acceptance by draft depth (runs whose metrics hold ``acceptance_by_depth``): per method the share
+  of draft tokens at depth 1..D the target accepted, and a plot of it; for trees also which sibling
+  (by draft rank) the accepted node was (``accepted_rank_by_depth``).
 - Throughput vs concurrency: closed-loop runs at two or more ``workload.concurrency`` values; one
   row per config, one column per C (output tok/s), and a plot of tok/s against C (log2 axis).
 - Policy envelope: closed-loop sweeps holding policy=never and policy=always runs of one drafter
@@ -43,8 +49,17 @@ Default report, each part only when the runs hold it:
 
 Config keys that differ between runs that would otherwise share a row (``workload.concurrency``,
 ``engine.max_new_tokens``, ...) become extra columns, so two different runs never merge into one
-row; runs with identical configs (repeats) do, and their numbers are averaged (column "runs").
+row; runs with identical configs (repeats) of one origin do, and their numbers are averaged (column
+"runs"); identical configs of different origins get a "run dir" column instead. Drafter and Policy
+labels show the name and only the options that differ from ``conf/draft/NAME.yaml`` /
+``conf/policy/NAME.yaml`` (a null there: the policy's own default), e.g. "goodput profile_context=128".
 Rows from random-weight targets are labelled "(random weights)".
+
+Ledger: every figure the tables show is appended, one row per run and metric, to
+``experiments/results/ledger.csv`` (``--ledger PATH``, or ``$SPECDEC_LEDGER``; ``--no-ledger``: none):
+date, commit and device from the run's provenance, the experiment, its Hydra overrides less
+bookkeeping, metric, value, and the run directory (relative to the repository when inside it). A row
+whose commit, run directory and metric are there already is not written again.
 
 ``--group-by KEYS`` (comma-separated dotted keys) asks for one table instead of the default report:
 rows grouped by those values, ``--metrics KEYS`` (default: the headline numbers) averaged per group.
@@ -60,7 +75,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -79,6 +96,9 @@ BOOKKEEPING = ("name", "run_dir", "logger.")
 SPEC_ONLY = ("draft.", "policy.")
 # Metrics that describe the machine, compared like config entries.
 CONTEXT_METRICS = ("device", "dtype")
+# The setting naming a run's origin (run_origin): shown as a column only where two runs differ in
+# nothing else, and part of the key that pairs a run with its baseline.
+ORIGIN = "origin"
 # Keys shown by the descriptor columns (Workload, Target, Drafter, Policy, T) of every table.
 DESCRIBED = ("workload.name", "target.name", "sampling.temperature", "policy.", "draft.name", "acceptance.")
 
@@ -99,7 +119,7 @@ METRICS = {
 }
 OVERVIEW_METRICS = ("output_tok_per_s", "mean_ttft_s", "p50_tpot_s", "mean_batch_size",
                     "mean_accepted_length", "speculating_step_fraction")
-HEADERS = {"workload.concurrency": "C", "engine.max_new_tokens": "max new"}  # short column names
+HEADERS = {"workload.concurrency": "C", "engine.max_new_tokens": "max new", ORIGIN: "run dir"}  # short column names
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -109,7 +129,8 @@ class Run:
     config: dict
     metrics: dict
     row: dict = field(default_factory=dict)       # flat config + metrics: every key a table may show
-    settings: dict = field(default_factory=dict)  # what the run did: flat config + device, dtype
+    settings: dict = field(default_factory=dict)  # what the run did: flat config + device, dtype, origin
+    origin: Path | None = None                    # where its baseline comes from (see run_origin)
 
     def get(self, key: str, default=None):
         return self.row.get(key, default)
@@ -186,6 +207,19 @@ def _path_sort_key(p: Path):
     return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.parts]
 
 
+def run_origin(path: Path) -> Path:
+    """The folder a run shares its provenance with: a ``compare_plain`` run and the ``plain/`` baseline it
+    served first share the run's own directory; any other run shares its parent (a Hydra sweep folder,
+    whose jobs ran one after the other from one command). A speed-up is only ever taken against a plain
+    run of the same origin, and repeats only merge within one origin."""
+    path = Path(os.path.abspath(path))
+    if (path / "plain" / "metrics.json").is_file():
+        return path
+    if path.name == "plain" and (path.parent / "metrics.json").is_file():
+        return path.parent
+    return path.parent
+
+
 def load_run(path: Path) -> Run:
     metrics = _read_json(path / "metrics.json")
     if not (path / "config.json").is_file():
@@ -198,8 +232,10 @@ def load_run(path: Path) -> Run:
         flat_cfg[f"config.{k}"] = flat_cfg.pop(k)
     settings = {k: v for k, v in flat_cfg.items() if not k.startswith(BOOKKEEPING)}
     settings.update({k: metrics.get(k) for k in CONTEXT_METRICS})
+    origin = run_origin(path)
+    settings[ORIGIN] = origin.name
     row = {"run": str(path), **flat_cfg, **flat_met}
-    return Run(path, config, metrics, row, settings)
+    return Run(path, config, metrics, row, settings, origin)
 
 
 def _step_summary(path: Path, metrics: dict) -> dict:
@@ -226,7 +262,22 @@ def _step_summary(path: Path, metrics: dict) -> dict:
 
 
 def load_runs(paths) -> list[Run]:
-    return [load_run(d) for d in find_run_dirs(paths)]
+    runs = [load_run(d) for d in find_run_dirs(paths)]
+    name_origins(runs)
+    return runs
+
+
+def name_origins(runs: list[Run]) -> None:
+    """Each run's origin setting as a short name: its folder relative to what all origins share
+    (distinct origins keep distinct names)."""
+    origins = [r.origin for r in runs if r.origin is not None]
+    if not origins:
+        return
+    common = Path(os.path.commonpath([str(o) for o in origins]))
+    for r in runs:
+        if r.origin is not None:
+            rel = r.origin.relative_to(common)
+            r.settings[ORIGIN] = str(rel) if str(rel) != "." else r.origin.name
 
 
 # ------------------------------------------------------------------------------ describing runs
@@ -235,8 +286,84 @@ def _h(v) -> str:
     return json.dumps(v, sort_keys=True)
 
 
-def _params(section: dict, skip=("name", "path")) -> str:
-    return " ".join(f"{k}={_show(v)}" for k, v in section.items() if k not in skip)
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+@functools.lru_cache(maxsize=None)
+def conf_defaults(group: str, name: str) -> dict | None:
+    """The options ``conf/GROUP/NAME.yaml`` sets (``policy=goodput``: conf/policy/goodput.yaml), without
+    interpolations and mandatory values (``???``); None when there is no such file. Labels leave out what
+    a run shares with these: a goodput run reads "goodput profile_context=128", not its 30 options."""
+    f = CONF_DIR / group / f"{name}.yaml"
+    if not f.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    try:
+        doc = OmegaConf.to_container(OmegaConf.load(f), resolve=False) or {}
+    except Exception:  # an unreadable file: labels then show every option
+        return None
+    out = {k: v for k, v in doc.items() if not (isinstance(v, str) and (v.startswith("${") or v == "???"))}
+    if group == "policy":  # a null in conf/policy takes the policy's own default: that is the default shown
+        code = _policy_code_defaults(name)
+        out = {k: (code.get(k) if v is None else v) for k, v in out.items()} | {
+            k: v for k, v in code.items() if k not in out}
+    return out
+
+
+def _policy_code_defaults(name: str) -> dict:
+    """The defaults of policy NAME's options as its code declares them (dataclass fields), {} when they
+    cannot be read: ``specdec.policy.defaults(name)`` where it exists, else the fields of the policy's
+    dataclasses (its own class, and option classes such as GoodputConfig) among the keys it takes."""
+    try:
+        from . import policy as pol
+
+        if callable(getattr(pol, "defaults", None)):
+            return dict(pol.defaults(name))
+        keys = pol.BUILDERS[name][0]
+    except Exception:  # no such policy here (a run of an older tree): the conf file alone
+        return {}
+    out: dict = {}
+    for cls in vars(pol).values():
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            continue
+        if getattr(cls, "name", None) != name and not cls.__name__.endswith("Config"):
+            continue
+        for f in dataclasses.fields(cls):
+            if f.name in keys and f.default is not dataclasses.MISSING:
+                out.setdefault(f.name, f.default)
+    return out
+
+
+def _tree_name(t: dict) -> str:
+    """One draft tree shape, short: chain3 (one child per node, 3 deep), tree16(4x5) (16 nodes kept of
+    4 children per expanded node, 5 deep)."""
+    topk, steps, n = t.get("topk"), t.get("steps"), t.get("num_draft_tokens")
+    if topk == 1 and steps == n:
+        return f"chain{n}"
+    return f"tree{n}({topk}x{steps})"
+
+
+def _show_option(key: str, v) -> str:
+    if key == "trees" and isinstance(v, list) and all(isinstance(t, dict) for t in v):
+        return ",".join(map(_tree_name, v))
+    return _show(v)
+
+
+def _params(section: dict, skip=("name", "path"), defaults: dict | None = None) -> str:
+    """``key=value`` for the options of ``section`` a label must show: with ``defaults``, only those
+    that differ from them (an option the defaults lack shows unless it is off: None, False or 0, as
+    an opt-in switch a later config dropped was)."""
+    def shown(k, v):
+        if k in skip:
+            return False
+        if defaults is None:
+            return True
+        if k in defaults:
+            return defaults[k] != v
+        return v not in (None, False, 0, 0.0)
+
+    return " ".join(f"{k}={_show_option(k, v)}" for k, v in section.items() if shown(k, v))
 
 
 def is_random(run: Run) -> bool:
@@ -281,15 +408,19 @@ def drafter_label(run: Run) -> str:
         d = {**d, "weight_dtype": run.metrics["draft_weight_dtype"]}
     if d.get("weight_dtype") in ("model", "auto"):  # the bf16 head says nothing (labels match runs before the key)
         d = {k: v for k, v in d.items() if k != "weight_dtype"}
+    name = str(d.get("name", "none"))
+    defaults = conf_defaults("draft", name)
     if d.get("random"):  # draft=eagle3_random: its shape follows the target; the label says random
         skip = ("name", "path", "random", "draft_vocab_size", "target_layers", "logit_std")
-        return f"{d.get('name', 'none')} (random head) {_params(d, skip)}".strip()
-    return f"{d.get('name', 'none')} {_params(d)}".strip()
+        return f"{name} (random head) {_params(d, skip, defaults)}".strip()
+    return f"{name} {_params(d, defaults=defaults)}".strip()
 
 
 def policy_label(run: Run) -> str:
-    p = run.config.get("policy") or {}
-    return f"{p.get('name', 'never')} {_params(p)}".strip()
+    """The policy's name and the options it ran with that differ from conf/policy/NAME.yaml."""
+    p = {k: v for k, v in (run.config.get("policy") or {}).items() if v is not None}  # null: the default
+    name = str(p.get("name", "never"))
+    return f"{name} {_params(p, defaults=conf_defaults('policy', name))}".strip()
 
 
 def is_baseline(run: Run) -> bool:
@@ -327,7 +458,20 @@ def distinguishing_keys(runs: list[Run], ignore=()) -> list[str]:
             if len({_h(r.settings[k]) for r in rs if k in r.settings}) > 1:
                 keys.add(k)
     keys = {k for k in keys if not _described(k) and k not in ignore and k not in CONTEXT_METRICS}
+    if ORIGIN in keys and not origin_needed(runs):
+        keys.discard(ORIGIN)
     return sorted(keys, key=lambda k: (k != "workload.concurrency", k))
+
+
+def origin_needed(runs: list[Run]) -> bool:
+    """Whether two runs of different origin differ in nothing else: then the origin is a column of
+    their tables (they are separate rows, never averaged together)."""
+    seen: dict[str, str] = {}
+    for r in runs:
+        key = _h({k: v for k, v in r.settings.items() if k != ORIGIN})
+        if seen.setdefault(key, r.settings.get(ORIGIN)) != r.settings.get(ORIGIN):
+            return True
+    return False
 
 
 REPEAT_KEYS = ("seed",)  # settings that only repeat a run: a sweep over C averages its repeats
@@ -356,12 +500,24 @@ def _baseline_key(run: Run) -> str:
     return _h({k: v for k, v in run.settings.items() if not k.startswith(SPEC_ONLY)})
 
 
-def baseline_tok_s(run: Run, runs: list[Run]) -> float | None:
-    """Output tok/s of the plain run(s) matching ``run`` (mean of repeats; draft=none preferred)."""
+def baselines(run: Run, runs: list[Run]) -> list[Run]:
+    """The plain run(s) ``run`` is measured against: same origin (its own ``plain/``, or the plain
+    run of its sweep point) and the same settings apart from draft and policy; draft=none preferred
+    over policy=never with a drafter. Several: repeats of one sweep point."""
     key = _baseline_key(run)
     matches = [b for b in runs if is_baseline(b) and _baseline_key(b) == key]
-    plain = [b for b in matches if b.get("draft.name", "none") == "none"] or matches
-    return _mean(b.metrics.get("output_tok_per_s") for b in plain)
+    return [b for b in matches if b.get("draft.name", "none") == "none"] or matches
+
+
+def baseline_tok_s(run: Run, runs: list[Run]) -> float | None:
+    """Output tok/s of the plain run(s) matching ``run`` (mean of repeats of its sweep point)."""
+    return _mean(b.metrics.get("output_tok_per_s") for b in baselines(run, runs))
+
+
+def speedup(run: Run, runs: list[Run]) -> float | None:
+    """``run``'s output tok/s over its own baseline's (None: no baseline among ``runs``)."""
+    tok, base = run.metrics.get("output_tok_per_s"), baseline_tok_s(run, runs)
+    return tok / base if _is_num(tok) and base else None
 
 
 # ----------------------------------------------------------------------------------- formatting
@@ -447,6 +603,8 @@ class Table:
     rows: list[list[str]]
     span: tuple[str, int] | None = None  # LaTeX header over columns [span[1]:], e.g. "tok/s at C"
     notes: list[str] = field(default_factory=list)
+    # (run, metric, value): the per-run numbers behind the cells, one ledger row each
+    figures: list[tuple[Run, str, object]] = field(default_factory=list)
 
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
@@ -550,8 +708,9 @@ def speculation_table(runs: list[Run]) -> tuple[Table, list[tuple[str, Run]]] | 
     frac = [_mean(r.metrics.get("speculating_step_fraction") for r in rs) for _, rs in groups]
     frac = [None if f is None else 100 * f for f in frac]
     tok = [_mean(r.metrics.get("output_tok_per_s") for r in rs) for _, rs in groups]
-    base = [baseline_tok_s(rs[0], runs) for _, rs in groups]  # a group shares one config
-    speedup = [t / b if t is not None and b else None for t, b in zip(tok, base)]
+    # Each run over its own baseline, then the mean over a row's runs (repeats of one origin).
+    base = [_mean(baseline_tok_s(r, runs) for r in rs) for _, rs in groups]
+    speedups = [_mean(speedup(r, runs) for r in rs) for _, rs in groups]
     n = [len(rs) for _, rs in groups]
     columns = _label_columns(desc, extras) + [
         Column("acc. len", r"acc.\ len $\tau$", "r"), Column("spec. steps", r"spec.\ steps", "r"),
@@ -559,22 +718,28 @@ def speculation_table(runs: list[Run]) -> tuple[Table, list[tuple[str, Run]]] | 
         Column("speedup", None, "r")]
     tok_base = format_column(tok + base)  # one precision for both tok/s columns
     cols = [format_column(acc, "fixed2"), format_column(frac, "percent"), tok_base[:len(tok)],
-            tok_base[len(tok):], format_column(speedup, "speedup")]
+            tok_base[len(tok):], format_column(speedups, "speedup")]
     if max(n) > 1:
         columns.append(Column("runs", None, "r"))
         cols.append([str(x) for x in n])
     rows = [[_show(v) for v in key] + [c[i] for c in cols] for i, (key, _) in enumerate(groups)]
     caption = ("Speculative decoding: mean accepted length τ (tokens committed per verify step and "
                "request, bonus token included), share of decode steps that speculated, output tok/s, "
-               "and speed-up over the plain-decoding run (policy=never or draft=none) with the same "
-               "config otherwise" + (f"; {context}" if context else "") + ".")
+               "and speed-up over the run's own plain-decoding baseline (its plain/ run, or the "
+               "policy=never or draft=none run of its sweep with the same config otherwise)"
+               + (f"; {context}" if context else "") + ".")
     notes = []
     if any(b is None for b in base):
-        notes.append("-: no plain-decoding run with the same config apart from draft and policy "
-                     "was among the inputs.")
+        notes.append("-: no plain-decoding run of the same origin (the run's plain/ or its sweep folder) "
+                     "with the same config apart from draft and policy was among the inputs.")
     label_cols = columns[:len(desc) + len(extras)]
     hist_runs = [(_describe(label_cols, key), r) for key, rs in groups for r in rs]
-    return Table("Speculation", caption, "speculation", columns, rows, notes=notes), hist_runs
+    figures = _figures(spec, ("mean_accepted_length", "speculating_step_fraction", "output_tok_per_s"))
+    for r in spec:
+        base, sp = baseline_tok_s(r, runs), speedup(r, runs)
+        if base is not None:
+            figures += [(r, "plain_output_tok_per_s", base), (r, "speedup_over_plain", sp)]
+    return Table("Speculation", caption, "speculation", columns, rows, notes=notes, figures=figures), hist_runs
 
 
 def speculation_summary(runs: list[Run]) -> Table | None:
@@ -601,9 +766,7 @@ def speculation_summary(runs: list[Run]) -> Table | None:
         for w, t in combos:
             cell = [r for r in rs if (str(r.get("workload.name", "?")), r.get("sampling.temperature", 0.0)) == (w, t)]
             acc = _mean(r.metrics.get("mean_accepted_length") for r in cell)
-            tok = _mean(r.metrics.get("output_tok_per_s") for r in cell)
-            base = baseline_tok_s(cell[0], runs) if cell else None
-            sp = tok / base if tok is not None and base else None
+            sp = _mean(speedup(r, runs) for r in cell)
             cells.append("-" if acc is None and sp is None else
                          f"{format_column([acc], 'fixed2')[0]} / {format_column([sp], 'speedup')[0]}")
         rows.append([_show(key[i]) for i in keep] + [_show(v) for v in key[len(desc):]] + cells)
@@ -651,7 +814,8 @@ def concurrency_table(runs: list[Run]) -> tuple[Table, list[tuple[str, list, lis
     target = desc.index("Target")  # a shared target goes in the title: "(random weights)" stays visible
     shared = ([groups[0][0][target]] if target not in keep else []) + fixed + ([context] if context else [])
     table = Table("Throughput vs concurrency", caption, "concurrency", columns, rows,
-                  span=("output tok/s at concurrency $C$", len(columns) - len(cs)))
+                  span=("output tok/s at concurrency $C$", len(columns) - len(cs)),
+                  figures=_figures(swept, ("output_tok_per_s",)))
     return table, series, ", ".join(shared)
 
 
@@ -763,6 +927,9 @@ def envelope_tables(runs: list[Run]) -> list[tuple]:
                    f"closed-loop concurrency C; min / max over C.{repeats} Target: >= 0.98 at every C and >= 1.05 "
                    "somewhere.")
         table = Table(f"Policy envelope: {label}", caption, f"envelope{len(out) + 1}", columns, rows)
+        tkey = _tok_key(rs)
+        table.figures = [(r, f"{tkey}_over_envelope", r.metrics[tkey] / env[_concurrency(r)]) for r in rs
+                         if _is_num(r.metrics.get(tkey)) and env.get(_concurrency(r))]
         series = [(p, cs, [tok[p].get(c) for c in cs]) for p in order]
         series.append(("envelope max(never, always)", cs, [env[c] for c in cs]))
         # What each adaptive run held at full load, and how fast it got there.
@@ -1200,7 +1367,7 @@ def switch_table(runs: list[Run]) -> Table | None:
 
 
 def policy_switch_table(runs: list[Run], last: int = 3) -> Table | None:
-    """Why goodput changed k (``policy_state.switch_log``, goodput since c5bcb339): per run with switches, how many
+    """Why goodput changed k (``policy_state.switch_log``): per run with switches, how many
     and why (first tries, request probes, re-tries, refreshes, ramp_hold, the estimates), and the last ``last``
     switches the estimates decided, each with the a(k) and iteration ms of the k left and the k taken."""
     logged = [r for r in runs if isinstance(r.metrics.get("policy_state"), dict)
@@ -1237,6 +1404,87 @@ def policy_switch_table(runs: list[Run], last: int = 3) -> Table | None:
 
 def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _depth_rates(rs: list[Run]) -> list[float | None]:
+    """Acceptance rate at draft depth 1..D over runs (metrics ``acceptance_by_depth``): accepted over
+    drafted summed over the runs where both counts are there, else the mean of their rates."""
+    data = [r.metrics.get("acceptance_by_depth") or {} for r in rs]
+    depth = max((len(d.get("rate") or d.get("drafted") or []) for d in data), default=0)
+    out = []
+    for i in range(depth):
+        counts = [(d["accepted"][i], d["drafted"][i]) for d in data
+                  if i < len(d.get("accepted") or []) and i < len(d.get("drafted") or [])]
+        drafted = sum(c for _, c in counts if _is_num(c))
+        if counts and drafted:
+            out.append(sum(a for a, _ in counts if _is_num(a)) / drafted)
+        else:
+            out.append(_mean((d.get("rate") or [None] * depth)[i] if i < len(d.get("rate") or []) else None
+                             for d in data))
+    return out
+
+
+def _rank_shares(rs: list[Run], shown: int = 3) -> list[list[float] | None]:
+    """Per draft depth, the shares of accepted tree nodes that were their parent's 1st, 2nd, ..., and
+    ``shown``-th or later child by draft rank (metrics ``accepted_rank_by_depth``: counts per rank, per depth),
+    summed over runs."""
+    data = [r.metrics.get("accepted_rank_by_depth") or [] for r in rs]
+    out = []
+    for i in range(max(map(len, data), default=0)):
+        counts = [0.0] * shown
+        for d in data:
+            for rank, c in enumerate(d[i] if i < len(d) and isinstance(d[i], list) else []):
+                if _is_num(c):
+                    counts[min(rank, shown - 1)] += c
+        total = sum(counts)
+        out.append([c / total for c in counts] if total else None)
+    return out
+
+
+def acceptance_depth_tables(runs: list[Run]) -> tuple[list[Table], list] | None:
+    """Acceptance per draft position: per method (drafter x policy, and what else tells runs apart) the
+    rate at which a draft token at depth d = 1..D was accepted, given its parent was (metrics
+    ``acceptance_by_depth``); for trees also which sibling (by draft rank) the accepted node was
+    (``accepted_rank_by_depth``). Returns the tables and the plot's series (label, rates)."""
+    spec = [r for r in runs if is_spec(r) and isinstance(r.metrics.get("acceptance_by_depth"), dict)]
+    if not spec:
+        return None
+    context, ctx_keys = _context(spec)
+    extras = distinguishing_keys(spec) + ctx_keys
+    desc = [c for c in ("Workload", "Target", "Drafter", "Policy", "T")
+            if c in ("Drafter", "Policy") or len({descriptors(r)[c] for r in spec}) > 1]
+    fixed = [("workload " if c == "Workload" else "target " if c == "Target" else "T = ") + descriptors(spec[0])[c]
+             for c in ("Workload", "Target", "T") if c not in desc]
+    groups = _merge(spec, lambda r: _label_values(r, desc, extras))
+    rates = [_depth_rates(rs) for _, rs in groups]
+    depth = max(map(len, rates), default=0)
+    if depth == 0:
+        return None
+    label_cols = _label_columns(desc, extras)
+    columns = label_cols + [Column(f"d={d}", f"$d={d}$", "r") for d in range(1, depth + 1)]
+    rows = [[_show(v) for v in key] + format_column(rs_ + [None] * (depth - len(rs_)), "fixed2")
+            for (key, _), rs_ in zip(groups, rates)]
+    where = "".join(f"; {x}" for x in fixed + ([context] if context else []))
+    caption = ("Acceptance by draft position: the share of draft tokens at depth d (1 = the first drafted "
+               "token) that the target accepted, among those whose parent it accepted (trees: the nodes on "
+               "the accepted path's frontier), summed over the runs of a row" + where + ".")
+    table = Table("Acceptance by draft depth", caption, "acceptance-depth", columns, rows)
+    table.figures = [(r, f"acceptance_rate_d{d}", v) for r in spec
+                     for d, v in enumerate(_depth_rates([r]), 1) if v is not None]
+    tables = [table]
+    ranked = [(key, rs, _rank_shares(rs)) for key, rs in groups
+              if any(r.metrics.get("accepted_rank_by_depth") for r in rs)]
+    if ranked:
+        rdepth = max(len(sh) for _, _, sh in ranked)
+        rcols = label_cols + [Column(f"d={d}", f"$d={d}$", "r") for d in range(1, rdepth + 1)]
+        rrows = [[_show(v) for v in key] + ["-" if x is None else " / ".join(f"{100 * v:.0f}%" for v in x)
+                                            for x in sh + [None] * (rdepth - len(sh))] for key, _, sh in ranked]
+        tables.append(Table("Accepted rank among siblings", "Trees: which child of its parent the accepted node "
+                            "at depth d was, by the drafter's rank (shares of 1st / 2nd / 3rd or later)" + where + ".",
+                            "accepted-rank", rcols, rrows))
+    keep = [i for i in range(len(label_cols)) if len({_h(key[i]) for key, _ in groups}) > 1] or [desc.index("Drafter")]
+    series = [(_describe(label_cols, key, keep), rs_) for (key, _), rs_ in zip(groups, rates)]
+    return tables, series
 
 
 def _metric_column(groups: list[tuple[tuple, list[Run]]], key: str) -> tuple[Column, list[str]]:
@@ -1286,7 +1534,12 @@ def overview_table(runs: list[Run], metrics: list[str] | None = None) -> Table:
     rows = [[_show(v) for v in key] for key, _ in groups]
     _with_metrics(columns, rows, groups, metrics)
     caption = f"Runs: {what}" + (f"; {context}" if context else "") + "."
-    return Table("Runs", caption, "runs", columns, rows)
+    return Table("Runs", caption, "runs", columns, rows, figures=_figures(runs, metrics))
+
+
+def _figures(runs: list[Run], metrics) -> list[tuple[Run, str, object]]:
+    """(run, metric, value) for each numeric metric of each run that has it."""
+    return [(r, m, r.get(m)) for r in runs for m in metrics if _is_num(r.get(m))]
 
 
 def _check_keys(keys: list[str], runs: list[Run], what: str) -> None:
@@ -1392,6 +1645,24 @@ def plot_accepted_histogram(run: Run, label: str, out: Path, stem: str) -> list[
     return _save(fig, out, stem)
 
 
+def plot_acceptance_depth(series, out: Path) -> list[str] | None:
+    """Acceptance rate against draft depth, one line per method."""
+    fig = _figure()
+    if fig is None:
+        return None
+    ax = fig.add_subplot()
+    for label, rates in series:
+        pts = [(d, v) for d, v in enumerate(rates, 1) if v is not None]
+        ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=label)
+    ax.set_xlabel("draft depth d")
+    ax.set_ylabel("acceptance rate at d (parent accepted)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title("Acceptance by draft depth", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, out, "acceptance_by_depth")
+
+
 def _policy_steps(run: Run) -> list[tuple[float, int, int]]:
     """(t_s, decode batch, k) of the decode steps in the run's steps.jsonl, if k took >= 2 values."""
     path = run.path / "steps.jsonl"
@@ -1450,12 +1721,14 @@ def split_partial(runs: list[Run]) -> tuple[list[Run], list[Path]]:
 
 
 def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
-                 metrics: list[str] | None = None, unfinished=(), partial=()) -> tuple[str, list[str]]:
+                 metrics: list[str] | None = None, unfinished=(), partial=(),
+                 figures_out: list | None = None) -> tuple[str, list[str]]:
     """Write report.md, report.tex and plots into ``out``; return the markdown and the plot files.
 
     ``unfinished``: run directories without metrics.json, named in the report so that a sweep
     missing a point (a failed run) says so; ``partial``: those of partial runs (``split_partial``),
-    left out of every table and named the same way.
+    left out of every table and named the same way. ``figures_out``: a list that receives the
+    (run, metric, value) behind every table (for the ledger, ``append_ledger``).
     """
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -1478,6 +1751,15 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
             if summary is not None:
                 tables.append(summary)
             tables.append(spec[0])
+        depth = acceptance_depth_tables(runs)
+        if depth:
+            tables += depth[0]
+            names = plot_acceptance_depth(depth[1], out)
+            if names is None:
+                plots_skipped = True
+            else:
+                figures.append(("Acceptance rate by draft depth", names[0]))
+                plot_files += names
         if conc:
             tables.append(conc[0])
             names = plot_concurrency(conc[1], out, conc[2])
@@ -1542,11 +1824,132 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
     if plots_skipped:
         md += ["Plots skipped: matplotlib is not installed (pip install -e \".[plot]\").", ""]
     markdown = "\n".join(md)
+    if figures_out is not None:
+        figures_out.extend(f for t in tables for f in t.figures)
     (out / "report.md").write_text(markdown)
     tex = ["% specdec report: tables for \\input{}; needs \\usepackage{booktabs}.", ""]
     tex += [to_latex(t) + "\n" for t in tables]
     (out / "report.tex").write_text("\n".join(tex))
     return markdown, plot_files
+
+
+# ---------------------------------------------------------------------------------------- ledger
+REPO = Path(__file__).resolve().parents[1]
+LEDGER = REPO / "experiments" / "results" / "ledger.csv"
+LEDGER_FIELDS = ("date", "commit", "device", "experiment", "overrides", "metric", "value", "run_dir")
+# Overrides that say where or how a run was recorded, or repeat the experiment column: not in the ledger.
+QUIET_OVERRIDES = ("logger", "hydra.", "run_dir", "+experiment=", "experiment=", "device=")
+
+
+def _read_overrides(path: Path) -> list[str] | None:
+    """The run's Hydra overrides: metrics.json ``overrides`` (specdec.run records them), else
+    ``.hydra/overrides.yaml``; None when neither is there."""
+    met = path / "metrics.json"
+    try:
+        got = json.loads(met.read_text()).get("overrides") if met.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        got = None
+    if isinstance(got, list):
+        return [str(o) for o in got]
+    hyd = path / ".hydra" / "overrides.yaml"
+    if hyd.is_file():
+        from omegaconf import OmegaConf
+
+        try:
+            return [str(o) for o in OmegaConf.to_container(OmegaConf.load(hyd)) or []]
+        except Exception:
+            return None
+    return None
+
+
+def run_overrides(run: Run) -> str:
+    """The overrides that matter, compact: the run's Hydra overrides less bookkeeping (logger, hydra.*,
+    run_dir, the experiment itself), space-separated. A ``plain/`` baseline without its own takes its run's,
+    draft and policy replaced by plain decoding; a run without any names its drafter and policy."""
+    got = _read_overrides(run.path)
+    if got is None and run.path.name == "plain" and run.origin == Path(os.path.abspath(run.path.parent)):
+        parent = _read_overrides(run.path.parent)
+        if parent is not None:
+            got = [o for o in parent if not o.lstrip("+~").startswith(("draft", "policy", "acceptance"))]
+            got += ["draft=none", "policy=never"]
+    if got is None:
+        got = [f"draft={run.get('draft.name', 'none')}", f"policy={run.get('policy.name', 'never')}"]
+    return " ".join(o for o in got if not o.lstrip("+~").startswith(QUIET_OVERRIDES) and not o.startswith(QUIET_OVERRIDES))
+
+
+def _ledger_path_of(run: Run) -> str:
+    """The run directory, relative to the repository when inside it."""
+    path = Path(os.path.abspath(run.path))
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def _ledger_value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def ledger_rows(figures) -> list[dict]:
+    """One ledger row per (run, metric, value), each (run, metric) once."""
+    rows, seen = [], set()
+    for run, metric, value in figures:
+        key = (id(run), metric)
+        if key in seen or value is None:
+            continue
+        seen.add(key)
+        m = run.metrics
+        rows.append({"date": str(m.get("date_utc") or m.get("date") or "")[:10],
+                     "commit": str(m.get("commit") or "unknown"),
+                     "device": str(m.get("device_name") or m.get("device") or ""),
+                     "experiment": str(run.config.get("name") or ""),
+                     "overrides": run_overrides(run), "metric": metric, "value": _ledger_value(value),
+                     "run_dir": _ledger_path_of(run)})
+    return rows
+
+
+def append_ledger(path: Path, figures) -> tuple[int, int]:
+    """Append the rows of ``figures`` to the ledger CSV at ``path`` (created with its header if missing),
+    leaving out every row whose (commit, run_dir, metric) is there already. Returns (appended, already
+    there)."""
+    import csv
+
+    rows = ledger_rows(figures)
+    have = set()
+    try:
+        if path.is_file():
+            with open(path, newline="") as f:
+                have = {(r.get("commit"), r.get("run_dir"), r.get("metric")) for r in csv.DictReader(f)}
+            text = path.read_bytes()
+            if text and not text.endswith(b"\n"):  # a last line without its newline: the next row starts fresh
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w", newline="") as f:
+                csv.writer(f).writerow(LEDGER_FIELDS)
+        new = []
+        for r in rows:
+            key = (r["commit"], r["run_dir"], r["metric"])
+            if key not in have:
+                have.add(key)
+                new.append(r)
+        with open(path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=LEDGER_FIELDS).writerows(new)
+    except OSError as e:
+        raise SpecdecError(f"--ledger {path}: cannot write it ({e.strerror or e})") from None
+    return len(new), len(rows) - len(new)
+
+
+def default_ledger() -> Path | None:
+    """$SPECDEC_LEDGER (a path; "none" or empty: no ledger), else experiments/results/ledger.csv of this
+    checkout (None for an installed package without one)."""
+    env = os.environ.get("SPECDEC_LEDGER")
+    if env is not None:
+        return None if env.strip().lower() in ("", "none") else Path(env)
+    return LEDGER if LEDGER.parent.is_dir() else None
 
 
 def _keys(s: str) -> list[str]:
@@ -1564,11 +1967,19 @@ def main(argv: list[str] | None = None) -> None:
                          "one table grouped by these instead of the default report")
     ap.add_argument("--metrics", type=_keys, default=None, metavar="KEYS",
                     help="comma-separated metrics.json keys for that table, e.g. output_tok_per_s")
+    ap.add_argument("--ledger", default=None, metavar="PATH",
+                    help="CSV the reported figures are appended to, one row each (default: "
+                         "experiments/results/ledger.csv of this checkout, or $SPECDEC_LEDGER)")
+    ap.add_argument("--no-ledger", action="store_true", help="append nothing to the ledger")
     args = ap.parse_args(argv)
+    ledger = None if args.no_ledger else (Path(args.ledger) if args.ledger else default_ledger())
+    figures: list = []
     try:
         runs, partial = split_partial(load_runs(args.paths))
         markdown, plots = build_report(runs, Path(args.out), args.group_by, args.metrics,
-                                       unfinished=find_unfinished(args.paths), partial=partial)
+                                       unfinished=find_unfinished(args.paths), partial=partial,
+                                       figures_out=figures)
+        added = append_ledger(ledger, figures) if ledger is not None else None
     except SpecdecError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -1577,6 +1988,8 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # `... | head` stopped reading; the files are written all the same
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     print(f"wrote report.md, report.tex and {len(plots)} plot files to {args.out}", file=sys.stderr)
+    if added is not None:
+        print(f"ledger {ledger}: {added[0]} rows appended, {added[1]} already there", file=sys.stderr)
 
 
 if __name__ == "__main__":

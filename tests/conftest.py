@@ -10,6 +10,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# specdec.report appends its figures to experiments/results/ledger.csv by default: not from the tests' runs.
+os.environ.setdefault("SPECDEC_LEDGER", "none")
 
 import pytest  # noqa: E402
 

@@ -46,7 +46,7 @@ def make_run(path: Path, *, tok_s: float, draft: str = "none", policy: str = "ne
         "target": target, "device": device, "dtype": "torch.bfloat16", "workload": workload,
         "weights": "random weights" if random_weights else "pretrained", **metrics,
     }
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     (path / "metrics.json").write_text(json.dumps(out))
     return path
@@ -147,8 +147,8 @@ def test_speculation_summary_matrix(tmp_path):
     md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
     rows = table(md, "Speculation summary")
     assert rows[0] == ["Drafter", "Policy", "humaneval T=0", "humaneval T=1", "mt_bench T=0"]
-    assert rows[1:] == [["ngram max_ngram=3 min_ngram=1", "always k=3", "2.50 / 1.50×", "-", "-"],
-                        ["ngram max_ngram=3 min_ngram=1", "always k=5", "2.20 / 2.00×", "2.20 / 2.00×",
+    assert rows[1:] == [["ngram", "always k=3", "2.50 / 1.50×", "-", "-"],
+                        ["ngram", "always k=5", "2.20 / 2.00×", "2.20 / 2.00×",
                          "2.20 / 2.00×"]]
     assert md.index("## Speculation summary") < md.index("## Speculation\n")
     assert r"mt\_bench $T=0$" in (tmp_path / "out" / "report.tex").read_text()
@@ -156,6 +156,157 @@ def test_speculation_summary_matrix(tmp_path):
     md1, _ = report.build_report(report.load_runs([tmp_path / "plain_humaneval_0.0", tmp_path / "ngram_k3"]),
                                  tmp_path / "out1")
     assert "Speculation summary" not in md1 and "## Speculation" in md1
+
+
+# conf/policy/goodput.yaml as a run's config.json holds it (null: the policy's default), as the quickstart sets it.
+GOODPUT = {"name": "goodput", "ks": None, "profile_context": 128, **dict.fromkeys(
+    ("ema", "shadow_ema", "prior_ema", "counterfactual", "probe_rows", "probe_cost", "probe_requests", "profile_iters",
+     "time_ema", "margin", "switch_horizon", "explore_every", "explore_backoff", "explore_max", "explore_budget",
+     "shadow_evals", "shadow_min_rows", "shadow_rows_cap"))}
+# ... as runs of an older tree wrote it: every value spelled out, and options since retired.
+GOODPUT_SPELLED = {"name": "goodput", "ks": None, "ema": 0.1, "shadow_ema": 0.03, "prior_ema": 0.01, "margin": 0.03,
+                   "probe_rows": 4, "probe_cost": 4, "switch_horizon": 32, "explore_budget": 0.05, "explore_every": 32,
+                   "explore_backoff": 2.0, "explore_max": 1024, "profile_context": "auto", "profile_iters": 8,
+                   "shadow_evals": 2, "counterfactual": True, "time_ema": 0.1, "host_model": False, "calibrate": 0.0,
+                   "mixed_pricing": False}
+
+
+def make_quickstart(path: Path, *, draft: dict, plain_tok_s: float, tok_s: float) -> Path:
+    """A ``+experiment=quickstart`` run directory as specdec.run writes it: compare_plain serves the
+    plain baseline first into RUN_DIR/plain (draft none, policy never, acceptance real, everything else
+    the run's own config), then the run itself, whose metrics.json carries the comparison."""
+    def fill(run_dir, tok, draft_cfg, policy_cfg, **metrics):
+        cfg = json.loads((run_dir / "config.json").read_text())
+        cfg.update(draft=draft_cfg, policy=policy_cfg, acceptance={"name": "real"}, compare_plain=True,
+                   name="quickstart")
+        cfg["workload"]["name"] = "quickstart"
+        cfg["engine"]["max_batch_size"] = 4
+        (run_dir / "config.json").write_text(json.dumps(cfg))
+        met = json.loads((run_dir / "metrics.json").read_text())
+        met.update(output_tok_per_s=tok, workload="quickstart", **metrics)
+        (run_dir / "metrics.json").write_text(json.dumps(met))
+
+    make_run(path / "plain", tok_s=plain_tok_s, speculating_step_fraction=0.0, tokens_per_row_step=1.0)
+    fill(path / "plain", plain_tok_s, {"name": "none"}, {"name": "never"})
+    make_run(path, tok_s=tok_s, draft=draft["name"], policy="goodput")
+    fill(path, tok_s, draft, GOODPUT, plain_output_tok_per_s=plain_tok_s, speedup_over_plain=tok_s / plain_tok_s,
+         outputs_identical_count=2)
+    return path
+
+
+def test_each_run_is_paired_with_its_own_plain_baseline(tmp_path):
+    """Two quickstarts (EAGLE-3, then n-gram), each with its own plain/ served minutes apart at other
+    speeds: the report prints each run's own speed-up, never one over the two plain runs pooled."""
+    out = tmp_path / "outputs" / "quickstart"
+    eagle = {"name": "eagle3", "path": "/ckpt", "trees": [{"topk": 4, "steps": 5, "num_draft_tokens": 16}],
+             "sync_while_off": False, "catch_up": True, "weight_dtype": "auto"}
+    ngram = {"name": "ngram", "max_ngram": 3, "min_ngram": 1, "lookup": "device", "chains": [2, 4, 8]}
+    a = make_quickstart(out / "2026-12-07_10-00-00", draft=eagle, plain_tok_s=10.0, tok_s=9.3)
+    b = make_quickstart(out / "2026-12-07_10-05-00", draft=ngram, plain_tok_s=20.0, tok_s=17.4)
+    proc = cli(out, "--out", tmp_path / "rep", "--no-ledger")
+    assert proc.returncode == 0, proc.stderr
+    rows = table(proc.stdout, "Speculation")
+    own = {json.loads((d / "config.json").read_text())["draft"]["name"]:
+           f"{json.loads((d / 'metrics.json').read_text())['speedup_over_plain']:.2f}×" for d in (a, b)}
+    assert own == {"eagle3": "0.93×", "ngram": "0.87×"}
+    got = {d.split()[0]: sp for d, sp in zip(col(rows, "Drafter"), col(rows, "speedup"))}
+    assert got == own
+    assert col(rows, "baseline tok/s") == ["10.0", "20.0"]
+    # Labels name what differs from conf/: the goodput options the quickstart sets, not all of them.
+    assert col(rows, "Policy") == ["goodput profile_context=128"] * 2
+    assert col(rows, "Drafter") == ["eagle3", "ngram chains=[2, 4, 8]"]
+    # The two plain runs are two rows of the Runs table (their run dirs named), not one of "runs 2".
+    runs = table(proc.stdout, "Runs")
+    assert "runs" not in runs[0] and len(runs) - 1 == 4
+    assert sorted(col(runs, "run dir")) == ["2026-12-07_10-00-00", "2026-12-07_10-00-00",
+                                            "2026-12-07_10-05-00", "2026-12-07_10-05-00"]
+
+
+def test_sweep_point_pairs_with_the_plain_run_of_its_own_sweep(tmp_path):
+    """Without plain/, a run's baseline is the plain run of its sweep folder at the same point; plain runs of
+    another sweep (other commit, other day) with the same config are not pooled in."""
+    for sweep, base, spec in (("2026-01-01_00-00-00", 100.0, 150.0), ("2026-02-01_00-00-00", 50.0, 100.0)):
+        make_run(tmp_path / sweep / "0", tok_s=base)
+        make_run(tmp_path / sweep / "1", tok_s=spec, draft="ngram", policy="always")
+    md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    rows = table(md, "Speculation")
+    assert col(rows, "run dir") == ["2026-01-01_00-00-00", "2026-02-01_00-00-00"]
+    assert col(rows, "speedup") == ["1.50×", "2.00×"] and col(rows, "baseline tok/s") == ["100.0", "50.0"]
+
+
+def test_labels_show_only_options_that_differ_from_conf():
+    def run(draft, policy):
+        return report.Run(Path("r"), {"draft": draft, "policy": policy}, {})
+
+    trees = [{"topk": 1, "steps": 3, "num_draft_tokens": 3}, {"topk": 4, "steps": 5, "num_draft_tokens": 16}]
+    r = run({"name": "eagle3", "path": "/x", "trees": trees, "sync_while_off": False, "catch_up": True,
+             "weight_dtype": "auto"}, {**GOODPUT_SPELLED, "time_every": 8})
+    assert report.drafter_label(r) == "eagle3 trees=chain3,tree16(4x5)"
+    # an option conf/ no longer has shows only when on (an opt-in switch that was off says nothing)
+    assert report.policy_label(r) == "goodput time_every=8"
+    assert report.policy_label(run({}, {"name": "always", "k": 3})) == "always k=3"
+    assert report.policy_label(run({}, {"name": "no_such_policy", "x": 1})) == "no_such_policy x=1"
+
+
+def test_ledger_gets_every_reported_figure_once(tmp_path):
+    """Each figure the report prints becomes one ledger row (date, commit, device from the run's provenance;
+    the experiment; the run's overrides less bookkeeping; run_dir); a second report adds nothing."""
+    out = tmp_path / "outputs" / "quickstart"
+    a = make_quickstart(out / "2026-12-07_10-00-00", draft={"name": "ngram", "chains": [2, 4, 8]},
+                        plain_tok_s=10.0, tok_s=9.3)
+    for d, over in ((a, ["+experiment=quickstart", "draft=ngram_chains", "logger=none"]), (a / "plain", None)):
+        met = json.loads((d / "metrics.json").read_text())
+        met.update(commit="abc1234", date_utc="2026-12-07T10:00:00Z", device_name="AMD EPYC")
+        if over:
+            met["overrides"] = over
+        (d / "metrics.json").write_text(json.dumps(met))
+    ledger = tmp_path / "ledger.csv"
+    proc = cli(a, "--out", tmp_path / "rep", "--ledger", ledger)
+    assert proc.returncode == 0, proc.stderr
+    import csv
+
+    rows = list(csv.DictReader(ledger.open()))
+    assert list(rows[0]) == ["date", "commit", "device", "experiment", "overrides", "metric", "value", "run_dir"]
+    by = {(r["run_dir"], r["metric"]): r for r in rows}
+    sp = by[(str(a), "speedup_over_plain")]
+    assert sp["value"] == "0.93" and sp["date"] == "2026-12-07" and sp["commit"] == "abc1234"
+    assert sp["device"] == "AMD EPYC" and sp["experiment"] == "quickstart" and sp["overrides"] == "draft=ngram_chains"
+    assert by[(str(a), "plain_output_tok_per_s")]["value"] == "10"
+    # the plain/ baseline has no overrides of its own: its run's, with plain decoding
+    assert by[(str(a / "plain"), "output_tok_per_s")]["overrides"] == "draft=none policy=never"
+    assert len(by) == len(rows)  # (run_dir, metric) once each
+    assert f"{len(rows)} rows appended, 0 already there" in proc.stderr
+    again = cli(a, "--out", tmp_path / "rep", "--ledger", ledger)
+    assert f"0 rows appended, {len(rows)} already there" in again.stderr
+    assert len(list(csv.DictReader(ledger.open()))) == len(rows)
+    # --no-ledger writes nothing; a run inside the repository is named relative to it
+    cli(a, "--out", tmp_path / "rep", "--no-ledger", "--ledger", tmp_path / "other.csv")
+    assert not (tmp_path / "other.csv").exists()
+    run = report.load_run(a)
+    run.path = report.REPO / "experiments" / "results" / "x" / "0"
+    assert report.ledger_rows([(run, "m", 1.5)])[0]["run_dir"] == "experiments/results/x/0"
+
+
+def test_acceptance_by_depth_table_and_ranks(tmp_path):
+    make_run(tmp_path / "plain", tok_s=10.0)
+    make_run(tmp_path / "chain", tok_s=12.0, draft="ngram", policy="always",
+             acceptance_by_depth={"rate": [0.8, 0.5, 0.25], "drafted": [10, 8, 4], "accepted": [8, 4, 1]})
+    make_run(tmp_path / "tree", tok_s=15.0, draft="eagle3", policy="always", k=16,
+             acceptance_by_depth={"rate": [0.9, 0.6], "drafted": [10, 9], "accepted": [9, 5]},
+             accepted_rank_by_depth=[[6, 2, 1], [3, 1, 0, 1]])
+    md, files = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    rows = table(md, "Acceptance by draft depth")
+    assert rows[0][-3:] == ["d=1", "d=2", "d=3"]
+    got = {r[0]: r[-3:] for r in rows[1:]}
+    assert got == {"eagle3": ["0.90", "0.56", "-"], "ngram": ["0.80", "0.50", "0.25"]}
+    ranks = table(md, "Accepted rank among siblings")
+    assert ranks[1][-2:] == ["67% / 22% / 11%", "60% / 20% / 20%"]
+    assert "acceptance_by_depth.png" in files
+    figs = []
+    report.build_report(report.load_runs([tmp_path]), tmp_path / "out", figures_out=figs)
+    assert ("acceptance_rate_d3", 0.125) not in [(m, v) for _, m, v in figs]
+    assert [(m, v) for r, m, v in figs if r.path.name == "chain" and m.startswith("acceptance")] == [
+        ("acceptance_rate_d1", 0.8), ("acceptance_rate_d2", 0.5), ("acceptance_rate_d3", 0.25)]
 
 
 def test_baseline_may_be_a_never_run_with_a_drafter(tmp_path):
