@@ -23,14 +23,11 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     several --ab flags: every combination, the first one the slowest-varying:
     python experiments/profile_step.py --steps-only --phases --ab fused_rows=null,64 --out $OUT/ab_rows
     python experiments/profile_step.py --steps-only --phases --trees tree16,tree32,tree48 \
-        --ab gather_rows=false,true --ab fused_rows=null,64 --out $OUT/ab_draft   # before / after
-    python experiments/profile_step.py --steps-only --phases --ab small_m=dot,stream,stream_prefetch,stream_inline \
-        --out $OUT/ab_small_m   # the multi-row body (and with --shape llama8b)
+        --ab stream_tiles=null,builtin --out $OUT/ab_tiles   # the streaming body's tile tables
     python experiments/profile_step.py --shape llama8b --steps-only --phases --trees tree16 \
         --ab draft_weight_dtype=model,int8 --out $OUT/ab_w8   # the head's projections (draft.weight_dtype)
-The kernel options (--pdl, --fused-linear, --step-kernels, --fused-merge, --attn-prewait,
---pdl-qkv-early, --fused-rows, --gather-rows, --small-m; kernels_triton/options.py) are recorded in profile_step.json as
-"kernel_options".
+The kernel options (--pdl, --fused-linear, --step-kernels, --fused-rows, --stream-tiles;
+kernels_triton/options.py) are recorded in profile_step.json as "kernel_options".
 CPU smoke run (tiny shapes, numbers meaningless):
     python experiments/profile_step.py --quick --out /tmp/profile_step
 """

@@ -69,14 +69,15 @@ from . import attention_launch as launch
 
 MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per tree node
 MAX_SPLITS = launch.MAX_SPLITS
-# With PDL and the kernel option attn_prewait, each program reads its lengths and prefetches up to
-# PREFETCH_TILES tiles of its cached prefix into L2 before it waits for its predecessor (see
-# _prefetch_prefix): with the qkv kernel's early trigger, a SmolLM2 step takes 0.5736 ms vs 0.5821
-# with neither (results/profile/ab_prewait_qkv_early.txt; docs/kernel_notes.md "Attention before its wait").
+# With PDL, each program reads its lengths and prefetches up to PREFETCH_TILES tiles of its cached
+# prefix into L2 before it waits for its predecessor (_prefetch_prefix): the prefix, page table and
+# lengths were written before the predecessor (the qkv kernel) started. Behind a small qkv kernel that
+# lets attention launch at its start (linear.QKV_EARLY_MAX_BYTES) this overlaps the prefix fetch with
+# the projection (docs/kernel_notes.md "PDL").
 PREFETCH_TILES = tl.constexpr(4)
 # V strides passed when V has K's (the KV pools of one layer always do): as constexpr None, so the
-# kernel computes each slot's address once for K and V (tree headline 25.8 -> 24.2 us,
-# results/kernels/exp_warp_split_bc734ee.txt).
+# kernel computes each slot's address once for K and V (fewer instructions on every tile's chain;
+# docs/kernel_notes.md "Paged attention").
 SAME_KV_STRIDES = (None, None, None)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -315,15 +316,10 @@ def _paged_attention_fwd_kernel(
     MERGE_ROWS: tl.constexpr,  # pow2 >= the rows a query block can use (FUSED_MERGE's row tile)
     IS_TREE: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    USE_PDL: tl.constexpr,  # programmatic dependent launch: 0, PDL_LATE or PDL_EARLY (attention_launch.pdl_mode)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (attention_launch.pdl_mode): wait, then late trigger
     ONE_LOOP: tl.constexpr,  # one loop over all tiles, or unmasked then masked tiles (attention_launch)
     L2D: tl.constexpr,  # running softmax sums kept per element, reduced after the loop (attention_launch)
-    PREWAIT: tl.constexpr,  # USE_PDL: lengths read and prefix tiles prefetched before the wait
 ):
-    if USE_PDL == 2:  # PDL_EARLY
-        tlc.gdc_launch_dependents()
-    if USE_PDL and not PREWAIT:
-        tlc.gdc_wait()
     i_t, i_bh, i_sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b = i_bh // HKV
     i_hkv = i_bh % HKV
@@ -365,7 +361,7 @@ def _paged_attention_fwd_kernel(
     n_full = full_hi // BLOCK_N
     i_cnt = i_t * tl.num_programs(1) + i_bh  # this group's arrival counter (FUSED_MERGE)
     p_pt = page_table + i_b.to(tl.int64) * stride_ptb
-    if USE_PDL and PREWAIT:  # up to here only what the predecessor does not write was read
+    if USE_PDL:  # up to here only what the predecessor does not write was read
         _prefetch_prefix(k_cache, v_cache, p_pt, i_hkv, tile_lo * BLOCK_N,
                          tl.minimum(tl.minimum(tile_hi, tile_lo + PREFETCH_TILES) * BLOCK_N, prefix),
                          stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, D, PS,
@@ -415,7 +411,7 @@ def _paged_attention_fwd_kernel(
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             D, PS, BLOCK_N, 2 if ONE_LOOP else 1, IS_TREE, DOT_PREC, L2D,
         )  # fmt: skip
-    if USE_PDL == 1:  # PDL_LATE: only the epilogue is left
+    if USE_PDL:  # only the epilogue is left
         tlc.gdc_launch_dependents()
 
     if L2D:
@@ -453,8 +449,6 @@ def _paged_attention_merge_kernel(
     BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL == 2:  # PDL_EARLY
-        tlc.gdc_launch_dependents()
     if USE_PDL:
         tlc.gdc_wait()
     i_nh = tl.program_id(0).to(tl.int64)  # one (row, query head) per program
@@ -467,7 +461,7 @@ def _paged_attention_merge_kernel(
     b_w = tl.exp2(b_lse - tl.max(b_lse, 0))  # [BLOCK_S], empty splits weigh 0
     p_op = o_part + (i_nh * num_splits + o_s)[:, None] * D + o_d[None, :]
     b_op = tl.load(p_op, mask=m_s[:, None], other=0.0)  # [BLOCK_S, D]
-    if USE_PDL == 1:  # PDL_LATE
+    if USE_PDL:
         tlc.gdc_launch_dependents()
     b_o = tl.sum(b_w[:, None] * b_op, 0) / tl.sum(b_w, 0)  # [D]
     tl.store(o + i_n * stride_on + i_h * stride_oh + o_d, b_o.to(o.dtype.element_ty))
@@ -628,8 +622,7 @@ def paged_attention(
             head) to finish merges the partials (one launch; an int32 arrival counter per group in a
             zeroed workspace that each launch leaves zeroed); False: a second merge kernel; None:
             fused when that last program folds >= 8 partials per step (merged rows x D <= 1024,
-            e.g. decode), see attention_launch.FUSED_MERGE_MAX_TILE (the kernel option fused_merge
-            overrides the default).
+            e.g. decode), see attention_launch.FUSED_MERGE_MAX_TILE.
         one_loop: True: each program walks its KV tiles in one loop, masking a tile at run time
             when it needs it; False: the unmasked tiles, then the masked ones; None: the measured
             default, see attention_launch.default_one_loop. Both compute the same values.
@@ -694,7 +687,7 @@ def paged_attention(
         IS_TREE=tree_mask is not None,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}), ONE_LOOP=lp.one_loop,
-        L2D=lp.l2d, PREWAIT=lp.prewait,
+        L2D=lp.l2d,
         **({"maxnreg": lp.maxnreg} if lp.maxnreg else {}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -1,11 +1,11 @@
 """Launch policy of paged attention (attention.py): tile, split counts, loop shape, merge, PDL.
 
 Every choice here comes from static information only (shapes, dtypes, page-table capacity, SM
-count, the kernel options), never from tensor values, so a launch stays CUDA-graph capturable.
+count, the kernel option pdl), never from tensor values, so a launch stays CUDA-graph capturable.
 ``plan`` gathers them for one call; attention.paged_attention launches what it returns. The
-choices do not change results (beyond summation order); they were each picked by a same-run A/B on
-the H200, cited by result file (experiments/results/kernels/...) next to the rule. The measurements
-and the variants tried and dropped are in docs/kernel_notes.md.
+choices do not change results (beyond summation order); each was picked by a same-run A/B in
+CUDA graphs, and each rule carries its reason here. The measurements behind them and the variants
+tried and dropped: docs/kernel_notes.md ("Paged attention").
 
 Names: B requests, HKV KV heads, G query heads per KV head, D head dim, max_q_len the host bound
 on the query tokens per request, kv_capacity = MP * PS slots of page-table width.
@@ -32,7 +32,7 @@ TREE_PROGRAMS_PER_SM = {64: 3, 128: 2}  # by head dim, see occupancy_splits
 TREE_MAXNREG = 168  # register cap of the d64 tree tile when split (its unsplit count on sm_90)
 ONE_LOOP_MAX_TILES = 8  # default one loop for BLOCK_M >= 64 up to this many tiles of capacity per split
 MERGE_STEP_VALUES = 8192  # fp32 values the fused merge folds per step (S_CHUNK partials x rows x D)
-PDL_LATE, PDL_EARLY = 1, 2  # USE_PDL values: where a kernel lets its successor launch (see pdl_mode)
+PDL_LATE, PDL_EARLY = 1, 2  # USE_PDL values: successor launched after the main loop / at the start (pdl_mode)
 
 _SM_COUNT = {}
 
@@ -48,19 +48,19 @@ def sm_count(device) -> int:
 
 
 def pdl_mode(device) -> int:
-    """Programmatic dependent launch for the step kernels (attention, merge, fused linear): the kernel
-    option pdl ("late" -> PDL_LATE, "early" -> PDL_EARLY, "off" -> 0) on a CUDA device of compute
-    capability >= 9.0, else 0 (e.g. under the CPU interpreter, which has no griddepcontrol).
+    """Programmatic dependent launch for the step kernels (attention, merge, fused linear): PDL_LATE
+    when the kernel option pdl is on and the device is CUDA of compute capability >= 9.0, else 0 (e.g.
+    under the CPU interpreter, which has no griddepcontrol).
 
     A kernel launched this way waits for its predecessor (griddepcontrol.wait) before reading
-    anything it wrote and lets its successor launch (launch_dependents): PDL_LATE once its main loop
-    is done, PDL_EARLY at its start. Late is the default: SmolLM2 step 0.717 -> 0.612 ms, 8B shapes
-    4.467 -> 4.368 ms (profile_step_d9676c6*.json); early was slower than off at 8B (successors
-    pile up holding SM slots). Details and dropped variants: docs/kernel_notes.md "PDL"."""
-    mode = options.get().pdl
-    if mode == "off" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    anything it wrote and lets its successor launch (launch_dependents) once its main loop is done,
+    so the next kernel's weight stream starts during this one's tail. Triggering at the start instead
+    lets successors (and theirs) pile up holding SM slots while they wait: slower than no PDL at all.
+    The one exception is linear.py's (a small qkv kernel, a prologue whose GEMM prefetches), which
+    passes PDL_EARLY itself."""
+    if not options.get().pdl or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return 0
-    return PDL_EARLY if mode == "early" else PDL_LATE
+    return PDL_LATE
 
 
 def launch_config(max_q_len, G, D, dtype=torch.bfloat16, kv_capacity=None) -> dict:
@@ -167,11 +167,8 @@ def default_one_loop(cfg, kv_capacity, num_splits) -> bool:
 
 
 def default_fused_merge(cfg, max_q_len, G, D) -> bool:
-    """Whether split-KV merges in the attention kernel by default: the kernel option fused_merge
-    when set, else merged rows x D <= FUSED_MERGE_MAX_TILE."""
-    forced = options.get().fused_merge
-    if forced is not None:
-        return forced
+    """Whether split-KV merges in the attention kernel by default: where merged rows x D <=
+    FUSED_MERGE_MAX_TILE."""
     return merge_rows(cfg, max_q_len, G) * D <= FUSED_MERGE_MAX_TILE
 
 
@@ -188,8 +185,7 @@ class AttentionLaunch:
     s_chunk: int  # partials the fused merge folds per step
     one_loop: bool
     l2d: bool
-    pdl: int  # 0, PDL_LATE or PDL_EARLY
-    prewait: bool  # with PDL: lengths read and prefix prefetched before the wait
+    pdl: int  # 0 or PDL_LATE (pdl_mode)
     maxnreg: int | None  # register cap, None: ptxas decides
 
     @property
@@ -210,7 +206,7 @@ def plan(max_q_len, B, HKV, G, D, kv_capacity, dtype, device, *, num_splits=None
         num_splits, occupancy = default_split_count(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype)
         if occupancy:  # the tree-tile occupancy plan (see occupancy_splits)
             min_busy_tiles = TREE_MIN_SPLIT_TILES
-            fused_merge = True if fused_merge is None and options.get().fused_merge is None else fused_merge
+            fused_merge = True if fused_merge is None else fused_merge
             merge_chunk = 1 if merge_chunk is None else merge_chunk
             if maxnreg is None and D <= 64:
                 maxnreg = TREE_MAXNREG
@@ -234,5 +230,5 @@ def plan(max_q_len, B, HKV, G, D, kv_capacity, dtype, device, *, num_splits=None
         s_chunk=merge_chunk or min(block_s, max(1, MERGE_STEP_VALUES // (rows * D))),
         one_loop=default_one_loop(cfg, kv_capacity, num_splits) if one_loop is None else one_loop,
         l2d=default_l2d(cfg) if l2d is None else bool(l2d),
-        pdl=pdl, prewait=options.get().attn_prewait and bool(pdl), maxnreg=maxnreg or None,
+        pdl=pdl, maxnreg=maxnreg or None,
     )

@@ -390,10 +390,9 @@ def test_launch_plan_pinned_h200_shapes(monkeypatch):
     assert (lp.num_splits, lp.fused_merge, lp.maxnreg, lp.min_busy_tiles, lp.one_loop) == (2, False, None, 1, True)
 
 
-def test_kernel_options_reach_attention_launch(monkeypatch, kernel_options):
-    # The kernel options are read at launch time: forcing fused_merge off runs the separate merge
-    # kernel, on merges in the attention kernel (both give the reference result), and attn_prewait
-    # decides whether a PDL launch prefetches before its wait.
+def test_fused_merge_argument_selects_the_merge(monkeypatch):
+    # fused_merge=False runs the separate merge kernel, True merges in the attention kernel (both give
+    # the reference result); the occupancy plan's fused merge yields to an explicit False.
     import kernels_triton.attention as attn
     import kernels_triton.attention_launch as launch
 
@@ -408,20 +407,15 @@ def test_kernel_options_reach_attention_launch(monkeypatch, kernel_options):
     monkeypatch.setattr(attn, "_paged_attention_merge_kernel", Spy())
     batch = make_batch(T=[1, 1], prefix=[40, 90], heads=(9, 3, 64), PS=16, dtype=torch.float32, seed=21)
     ref = attn.paged_attention_ref(**batch)
-    for fused in (False, True, False):
-        kernel_options.set_(fused_merge=fused)
+    for fused in (False, True):
         launches.clear()
-        out = attn.paged_attention(**batch, max_q_len=1, num_splits=4)
+        out = attn.paged_attention(**batch, max_q_len=1, num_splits=4, fused_merge=fused)
         torch.testing.assert_close(out, ref, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
         assert len(launches) == (0 if fused else 1), fused
-    # the occupancy plan's fused merge also yields to a forced fused_merge=False
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    assert not launch.plan(16, 32, 3, 3, 64, 16400, torch.bfloat16, torch.device("cpu")).fused_merge
-    monkeypatch.setattr(launch, "pdl_mode", lambda device: launch.PDL_LATE)
-    for prewait in (True, False):
-        kernel_options.set_(attn_prewait=prewait)
-        lp = launch.plan(1, 1, 3, 3, 64, 8192, torch.bfloat16, torch.device("cpu"))
-        assert (lp.pdl, lp.prewait) == (launch.PDL_LATE, prewait)
+    cpu = torch.device("cpu")
+    assert launch.plan(16, 32, 3, 3, 64, 16400, torch.bfloat16, cpu).fused_merge
+    assert not launch.plan(16, 32, 3, 3, 64, 16400, torch.bfloat16, cpu, fused_merge=False).fused_merge
 
 
 def test_default_splits_keep_min_tiles_of_capacity(monkeypatch):
@@ -521,22 +515,22 @@ def test_argument_errors():
         write_kv_(batch["k_cache"], batch["v_cache"], k, k, torch.zeros(2, dtype=torch.int32, device=DEVICE))
 
 
-def test_pdl_modes_and_cuda_only(kernel_options):
-    # Programmatic dependent launch (griddepcontrol): late trigger by default, early or off by the
-    # kernel option pdl, only on a CUDA device of compute capability >= 9; never under the CPU
-    # interpreter, which has no such instruction. Modes other than late / early / off are refused.
-    from kernels_triton.attention_launch import PDL_EARLY, PDL_LATE, pdl_mode
+def test_pdl_on_off_and_cuda_only(kernel_options):
+    # Programmatic dependent launch (griddepcontrol): the late trigger by default, none with the kernel
+    # option pdl off, only on a CUDA device of compute capability >= 9; never under the CPU
+    # interpreter, which has no such instruction.
+    from kernels_triton.attention_launch import PDL_LATE, pdl_mode
 
     cc9 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-    assert kernel_options.get().pdl == "late"
-    for mode, want in (("late", PDL_LATE), ("early", PDL_EARLY), ("off", 0), (True, PDL_LATE), (False, 0)):
-        kernel_options.set_(pdl=mode)
+    assert kernel_options.get().pdl is True
+    for flag, want in ((True, PDL_LATE), (False, 0), ("on", PDL_LATE), ("off", 0)):
+        kernel_options.set_(pdl=flag)
         assert pdl_mode(torch.device("cpu")) == 0
         if torch.cuda.is_available():
             assert pdl_mode(torch.device("cuda")) == (want if cc9 else 0)
     before = kernel_options.get()
-    for bad in ("yes", "1", 0, None):
-        with pytest.raises(ValueError, match=r"pdl=.*valid: late, early, off"):
+    for bad in ("early", "yes", 0, None):
+        with pytest.raises(ValueError, match=r"pdl=.*valid: true, false"):
             kernel_options.set_(pdl=bad)
     assert kernel_options.get() == before  # a refused value changes nothing
 

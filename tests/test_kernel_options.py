@@ -1,7 +1,7 @@
-"""kernels_triton/options.py: the kernel research switches are validated, flip in-process, and reach
-the launchers at launch time (the other path runs). Attention's switches are checked in
-test_attention.py (test_pdl_modes_and_cuda_only, test_kernel_options_reach_attention_launch), the
-fused layers end to end in test_linear.py (test_model_routes_one_row_to_gemv_at_any_weight_size)."""
+"""kernels_triton/options.py: the kernel switches are validated, flip in-process, and reach the
+launchers at launch time (the other path runs). PDL is checked in test_attention.py
+(test_pdl_on_off_and_cuda_only), the fused layers end to end in test_linear.py
+(test_model_routes_one_row_to_gemv_at_any_weight_size, test_fused_rows_option_routes_tree_verify_rows)."""
 
 import argparse
 import os
@@ -15,24 +15,18 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def test_defaults_and_validation(kernel_options):
     o = kernel_options.get()
-    assert o.as_dict() == dict(pdl="late", fused_linear=True, step_kernels=None, fused_merge=None,
-                               attn_prewait=True, pdl_qkv_early=None, fused_rows=None,
-                               gather_rows=True, wide_topk=True, small_m="auto", norm_stats="fold",
-                               split_min_chunks=None, stream_block_n=None, stream_tiles="builtin")
-    for name, bad, needle in (("fused_linear", "yes", "true, false"), ("attn_prewait", None, "true, false"),
+    assert o.as_dict() == dict(pdl=True, fused_linear=True, step_kernels=None, fused_rows=None,
+                               stream_tiles="builtin")
+    for name, bad, needle in (("fused_linear", "yes", "true, false"), ("pdl", None, "true, false"),
+                              ("pdl", "late", "true, false"),
                               ("fused_rows", 65, "1..64"), ("fused_rows", 0, "1..64"), ("fused_rows", True, "1..64"),
                               ("fused_rows", "17", "1..64"),
-                              ("step_kernels", "on", "null (the measured default), true, false"),
-                              ("fused_merge", 1, "null"), ("pdl", "sometimes", "late, early, off"),
-                              ("small_m", "gemv", "dot, stream"), ("small_m", None, "dot, stream"),
-                              ("split_min_chunks", 1, "2..64"), ("split_min_chunks", 65, "2..64"),
-                              ("split_min_chunks", True, "2..64"),
-                              ("stream_block_n", 48, "16, 32, 64, 128"), ("stream_block_n", True, "16, 32")):
+                              ("step_kernels", "on", "null (wherever Triton runs), true, false")):
         with pytest.raises(ValueError, match=name) as e:
             kernel_options.set_(**{name: bad})
         assert needle in str(e.value)
-    with pytest.raises(ValueError, match="unknown kernel option.*warp_size.*valid: pdl, fused_linear"):
-        kernel_options.set_(warp_size=4)
+    with pytest.raises(ValueError, match="unknown kernel option.*small_m.*valid: pdl, fused_linear"):
+        kernel_options.set_(small_m="dot")  # a decided A/B is no switch any more
     with pytest.raises(ValueError):  # one bad field: nothing is applied
         kernel_options.set_(fused_linear=False, pdl="sometimes")
     assert kernel_options.get() == o
@@ -41,34 +35,34 @@ def test_defaults_and_validation(kernel_options):
 def test_set_and_use_restore(kernel_options):
     old = kernel_options.set_(fused_linear=False)
     assert old.fused_linear and not kernel_options.get().fused_linear
-    with kernel_options.use(pdl="off", fused_merge=True) as inside:
-        assert (inside.pdl, inside.fused_merge, inside.fused_linear) == ("off", True, False)
+    with kernel_options.use(pdl=False, fused_rows=8) as inside:
+        assert (inside.pdl, inside.fused_rows, inside.fused_linear) == (False, 8, False)
         assert kernel_options.get() is inside
     assert kernel_options.get() == kernel_options.KernelOptions(fused_linear=False)
     with pytest.raises(RuntimeError):
         with kernel_options.use(step_kernels=False):
             raise RuntimeError("the block fails")
     assert kernel_options.get().step_kernels is None  # restored on the way out
-    assert kernel_options.set_(pdl=False).pdl == "late" and kernel_options.get().pdl == "off"  # bools name modes
+    assert kernel_options.set_(pdl="off").pdl is True and kernel_options.get().pdl is False  # `kernels.pdl=off`
 
 
 def test_command_line_flags(kernel_options):
     ap = argparse.ArgumentParser()
     kernel_options.add_flags(ap)
-    opts = kernel_options.set_from_flags_(ap.parse_args(["--pdl", "early", "--step-kernels", "false",
-                                                         "--fused-merge", "null", "--pdl-qkv-early", "on"]))
-    assert (opts.pdl, opts.step_kernels, opts.fused_merge, opts.pdl_qkv_early) == ("early", False, None, True)
-    assert opts.fused_linear and opts.attn_prewait  # flags not given keep their values
+    opts = kernel_options.set_from_flags_(ap.parse_args(["--pdl", "off", "--step-kernels", "false"]))
+    assert (opts.pdl, opts.step_kernels) == (False, False)
+    assert opts.fused_linear and opts.stream_tiles == "builtin"  # flags not given keep their values
+    assert kernel_options.set_from_flags_(ap.parse_args(["--pdl", "True"])).pdl is True
     assert kernel_options.set_from_flags_(ap.parse_args(["--fused-rows", "64"])).fused_rows == 64
     assert kernel_options.set_from_flags_(ap.parse_args(["--fused-rows", "null"])).fused_rows is None
     with pytest.raises(SystemExit, match="--fused-rows: kernel option fused_rows='99'.*1..64"):
         kernel_options.set_from_flags_(ap.parse_args(["--fused-rows", "99"]))
-    assert kernel_options.set_from_flags_(ap.parse_args(["--small-m", "Stream"])).small_m == "stream"
-    assert kernel_options.parse_value("small_m", "dot") == "dot"
-    with pytest.raises(SystemExit, match="--small-m: kernel option small_m='tiles'.*dot, stream"):
-        kernel_options.set_from_flags_(ap.parse_args(["--small-m", "tiles"]))
+    with pytest.raises(SystemExit, match="--pdl: kernel option pdl='null'; valid: true, false"):
+        kernel_options.set_from_flags_(ap.parse_args(["--pdl", "null"]))
     with pytest.raises(SystemExit, match="--fused-linear: kernel option fused_linear='maybe'"):
         kernel_options.set_from_flags_(ap.parse_args(["--fused-linear", "maybe"]))
+    with pytest.raises(ValueError, match="unknown kernel option 'norm_stats'"):
+        kernel_options.parse_value("norm_stats", "fold")
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
@@ -113,9 +107,9 @@ def test_step_kernels_option_switches_the_dispatch(monkeypatch, kernel_options):
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
-def test_pdl_qkv_early_option_sets_the_qkv_trigger(monkeypatch, kernel_options):
+def test_qkv_trigger_is_early_for_small_weights_only(monkeypatch, kernel_options):
     # Under PDL (forced here: the CPU interpreter has none), the qkv kernel's trigger is early for small
-    # weights by default, late above QKV_EARLY_MAX_BYTES, and always / never with pdl_qkv_early.
+    # weights, late above QKV_EARLY_MAX_BYTES; other projections trigger late.
     from kernels_triton import linear as lin
     from kernels_triton.attention_launch import PDL_EARLY, PDL_LATE
 
@@ -147,11 +141,6 @@ def test_pdl_qkv_early_option_sets_the_qkv_trigger(monkeypatch, kernel_options):
     assert trigger() == PDL_EARLY  # 6 KB of weights
     monkeypatch.setattr(lin, "QKV_EARLY_MAX_BYTES", 100)
     assert trigger() == PDL_LATE
-    kernel_options.set_(pdl_qkv_early=True)
-    assert trigger() == PDL_EARLY
-    monkeypatch.setattr(lin, "QKV_EARLY_MAX_BYTES", 1 << 30)
-    kernel_options.set_(pdl_qkv_early=False)
-    assert trigger() == PDL_LATE
     seen.clear()
     lin.linear(x, w)  # other projections keep the late trigger
     assert seen == [PDL_LATE]
@@ -165,12 +154,19 @@ def test_run_applies_the_kernels_group(kernel_options):
     from specdec.errors import ConfigError
     from specdec.run import apply_kernel_options
 
-    kernel_options.set_(fused_linear=False, fused_merge=True)
-    got = apply_kernel_options(OmegaConf.create({"kernels": {"pdl": "early", "step_kernels": False}}))
-    assert got == dict(kernel_options.KernelOptions(pdl="early", step_kernels=False).as_dict())
+    kernel_options.set_(fused_linear=False, fused_rows=8)
+    got = apply_kernel_options(OmegaConf.create({"kernels": {"pdl": "off", "step_kernels": False}}))
+    assert got == dict(kernel_options.KernelOptions(pdl=False, step_kernels=False).as_dict())
     assert kernel_options.get().as_dict() == got
-    with pytest.raises(ConfigError, match="kernels: kernel option attn_prewait='no'"):
-        apply_kernel_options(OmegaConf.create({"kernels": {"attn_prewait": "no"}}))
+    with pytest.raises(ConfigError, match="kernels: kernel option fused_linear='no'"):
+        apply_kernel_options(OmegaConf.create({"kernels": {"fused_linear": "no"}}))
+    with pytest.raises(ConfigError, match="kernels: unknown kernel option.*wide_topk"):
+        apply_kernel_options(OmegaConf.create({"kernels": {"wide_topk": True}}))
+    # conf/kernels/default.yaml names every switch at its default
+    import pathlib
+
+    conf = OmegaConf.load(pathlib.Path(__file__).parents[1] / "conf" / "kernels" / "default.yaml")
+    assert OmegaConf.to_container(conf) == kernel_options.KernelOptions().as_dict()
 
 
 def test_stream_tiles_builtin_tables(kernel_options):

@@ -1,9 +1,10 @@
 """Fused small-M linear kernels against their unfused references (kernels_triton/linear.py).
 
 Odd shapes (M = 1, 5, 17, 40 rows; K = 80, 96, 200; column counts that no block size divides),
-fp32 and fp16 on the CPU (bf16 on the GPU), outputs NaN-poisoned so an unwritten element fails,
-KV pools NaN-poisoned with pages out of order and padding rows (slot -1) so a write to the wrong
-slot, or any write for a padding row, fails.
+fp32 and fp16 on the CPU, outputs NaN-poisoned so an unwritten element fails, KV pools NaN-poisoned
+with pages out of order and padding rows (slot -1) so a write to the wrong slot, or any write for a
+padding row, fails. On a GPU a representative case of each kernel path also runs in bf16 (the
+``-m gpu`` selection: each case compiles its kernel variants, so the sweeps stay on the CPU).
 """
 
 import json
@@ -17,7 +18,13 @@ from kernels_triton.rope import rope_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = __import__("os").environ.get("TRITON_INTERPRET") == "1"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.float16]
+BF16 = [torch.bfloat16] if DEVICE == "cuda" else []
+
+
+def with_dtypes(cases, gpu_cases=()):
+    """Parameters: every case (a tuple) in fp32 and fp16, and the ``gpu_cases`` also in bf16 on a GPU."""
+    return [(*c, dt) for c in cases for dt in DTYPES] + [(*c, dt) for c in gpu_cases for dt in BF16]
 # Outputs are one rounding of a K-long fp32 dot (summation order differs from the reference GEMM);
 # half types may round to a neighbouring value.
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
@@ -55,9 +62,8 @@ def _rope_case(M, HKV, D, PS, NP, max_pos, dtype, gen):
     return cos, sin, pos, slots, kc, vc, kc.clone(), vc.clone()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 5, 17, 40])
-@pytest.mark.parametrize("K,NOUT", [(80, 100), (200, 36)])
+@pytest.mark.parametrize("M,K,NOUT,dtype", with_dtypes([(M, K, N) for M in (1, 5, 17, 40) for K, N in ((80, 100), (200, 36))],
+                                                     [(1, 200, 36), (17, 80, 100)]))
 def test_linear_matches_ref(M, K, NOUT, dtype, poison):
     gen = torch.Generator().manual_seed(M * 31 + K)
     x = _randn(M, K, dtype=dtype, gen=gen)
@@ -67,9 +73,8 @@ def test_linear_matches_ref(M, K, NOUT, dtype, poison):
     _close(out, lin.linear_ref(x, w), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 17])
-@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("M,with_residual,dtype", with_dtypes([(1, False), (1, True), (17, False), (17, True)],
+                                                              [(17, True)]))
 def test_norm_linear_matches_ref(M, dtype, with_residual, poison):
     gen = torch.Generator().manual_seed(M + 7 * with_residual)
     K, NOUT = 96, 70
@@ -85,8 +90,7 @@ def test_norm_linear_matches_ref(M, dtype, with_residual, poison):
         assert s is x
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 5, 33])
+@pytest.mark.parametrize("M,dtype", with_dtypes([(1,), (5,), (33,)], [(33,)]))
 def test_norm_swiglu_matches_ref(M, dtype, poison):
     gen = torch.Generator().manual_seed(100 + M)
     K, F = 96, 72  # F = 72: the last column block is partial
@@ -112,9 +116,8 @@ def test_norm_swiglu_uses_gate_and_up_rows(poison):
     assert not torch.allclose(act, swapped, atol=1e-3)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 7, 20])
-@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("M,with_residual,dtype", with_dtypes([(M, r) for M in (1, 7, 20) for r in (False, True)],
+                                                              [(20, True)]))
 def test_norm_qkv_rope_write_kv_matches_ref(M, dtype, with_residual, poison):
     gen = torch.Generator().manual_seed(1000 + M + with_residual)
     HQ, HKV, D, K, PS, NP = 9, 3, (32 if M != 7 else 24), 96, 4, 16  # D = 24: half 12, masked columns
@@ -201,7 +204,7 @@ def test_launchers_reject_bad_input():
         lin.norm_linear(x[:4], None, torch.ones(63, device=DEVICE), 1e-5, w)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + BF16)
 def test_linear_with_add_matches_addmm(dtype, poison):
     gen = torch.Generator().manual_seed(11)
     x, add = _randn(5, 80, dtype=dtype, gen=gen), _randn(5, 36, dtype=dtype, scale=4.0, gen=gen)
@@ -211,8 +214,7 @@ def test_linear_with_add_matches_addmm(dtype, poison):
     assert not torch.allclose(out.float(), lin.linear_ref(x, w).float(), atol=0.5)  # the add happened
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 6])
+@pytest.mark.parametrize("M,dtype", with_dtypes([(1,), (6,)], [(6,)]))
 def test_two_input_qkv_matches_concatenated_norms(M, dtype, poison):
     # EAGLE-3's draft attention input: [RMSNorm(embeds) | RMSNorm2(hidden)] without the concat; the
     # two halves have different norm weights and scales, so swapping or sharing a norm fails.
@@ -249,16 +251,17 @@ def test_two_input_qkv_rejects_bad_shapes():
         lin.norm_qkv_rope_write_kv_(x, None, None, 1e-5, w, *args, x2=x, norm_weight2=torch.ones(64, device=DEVICE))
 
 
-# One row (batch-1 decode) has two kernel bodies: GEMV (the default: CUDA-core products, register
-# double buffering, per-block norm pass) and the 16-row tl.dot body. Each runs with several chunks and
-# a partial last chunk (K = 200, BLOCK_K = 32 / 64), and with a persistent grid smaller than the
-# column blocks (a program handles several blocks). With more rows "gemv" is ignored (tl.dot body).
+# One row (batch-1 decode) runs the GEMV body (CUDA-core products, register double buffering,
+# per-block norm pass); {"gemv": False} puts it on the streaming body instead (as an LM head wider than
+# GEMV_MAX_COLUMNS goes). Each runs with several chunks and a partial last chunk (K = 200, BLOCK_K = 32 /
+# 64), and with a persistent grid smaller than the column blocks (a program handles several blocks).
+# With more rows "gemv" is ignored (the streaming body).
 FEW_ROW_PATHS = {
     "gemv": {"gemv": True},
     "gemv-chunks": {"gemv": True, "BLOCK_K": 32},
     "gemv-persistent": {"gemv": True, "BLOCK_K": 64, "programs": 3},
-    "dot": {"gemv": False, "BLOCK_K": 64},
-    "dot-persistent": {"gemv": False, "BLOCK_K": 32, "programs": 2},
+    "stream": {"gemv": False, "BLOCK_K": 64},
+    "stream-persistent": {"gemv": False, "BLOCK_K": 32, "programs": 2},
 }
 
 
@@ -287,9 +290,8 @@ def _check_qkv_rope_write(x, r, nw, K, cfg, dtype, gen, HQ, HKV, D, PS, NP, cos,
             assert not torch.isnan(c.view(-1, HKV, D)[slots[slots >= 0]]).any()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 3])
-@pytest.mark.parametrize("path", sorted(FEW_ROW_PATHS))
+@pytest.mark.parametrize("path,M,dtype", with_dtypes([(p, M) for p in sorted(FEW_ROW_PATHS) for M in (1, 3)],
+                                                     [("gemv", 1)]))
 def test_few_row_paths_match_ref(path, M, dtype, poison):
     cfg = FEW_ROW_PATHS[path]
     gen = torch.Generator().manual_seed(5 + M)
@@ -316,8 +318,9 @@ def test_few_row_paths_match_ref(path, M, dtype, poison):
     slots = torch.tensor([9, 2, 14][:M], device=DEVICE)
     _check_qkv_rope_write(x, r, nw, K, cfg, dtype, gen, HQ, HKV, D, PS, NP, cos, sin, pos, slots)
 
+
 def test_gemv_only_for_one_row():
-    # The GEMV body serves one row; more rows run the tl.dot body even when GEMV is asked for.
+    # The GEMV body serves one row; more rows run the streaming body even when GEMV is asked for.
     x = torch.randn(3, 64, device=DEVICE)
     w = torch.randn(40, 64, device=DEVICE)
     assert lin._gemv_requested(x[:1], {}) and not lin._gemv_requested(x[:1], {"gemv": False})
@@ -384,8 +387,9 @@ def _tiny_models(n, *, layers, vocab, seed, pages, max_pos, ids_seed):
 
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
 def test_fused_rows_option_routes_tree_verify_rows(monkeypatch, kernel_options):
-    # 17 rows (the verify of a 16-node tree): the unfused path by default (ops.FUSED_MAX_ROWS = 16), the
-    # fused kernels with the kernel option fused_rows >= 17; both give the torch-reference model's hidden.
+    # 17 rows (the verify of a 16-node tree): the fused kernels by default (up to ops.FUSED_MAX_ROWS = 24),
+    # the unfused path with the kernel option fused_rows below 17; both give the torch-reference model's
+    # hidden.
     calls = []
     for name in ("linear", "linear_residual", "norm_linear", "norm_swiglu", "norm_qkv_rope_write_kv_"):
         real = getattr(lin, name)
@@ -393,16 +397,14 @@ def test_fused_rows_option_routes_tree_verify_rows(monkeypatch, kernel_options):
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     models, meta, ids, pos = _tiny_models(17, layers=1, vocab=40, seed=2, pages=5, max_pos=64, ids_seed=0)
     hidden = {}
-    # small_m "dot": 16 rows by default (17 on cuBLAS); "auto" (the default): up to 24 rows streamed
-    for body, rows, fused in (("dot", None, False), ("dot", 16, False), ("dot", 17, True), ("dot", 64, True),
-                              ("auto", None, True), ("auto", 16, False)):
-        kernel_options.set_(fused_rows=rows, small_m=body)
+    for rows, fused in ((None, True), (16, False), (17, True), (64, True)):
+        kernel_options.set_(fused_rows=rows)
         for be, model in models.items():
             calls.clear()
             k, v = model.new_kv_cache(5, 4)
             hidden[be, rows] = model(ids, pos, meta, k, v).hidden
             if be == "triton":
-                assert len(calls) == (4 if fused else 0), (body, rows, calls)
+                assert len(calls) == (4 if fused else 0), (rows, calls)
         torch.testing.assert_close(hidden["triton", rows], hidden["torch", rows], atol=1e-4, rtol=1e-4)
 
 
@@ -417,11 +419,11 @@ def _rows_case(M_shape, group, table_rows, gen):
     return index, group
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,group", [((1, 1), 0), ((1, 7), 0), ((2, 3), 5), ((1, 1), 4), ((3, 6), 9)])
+@pytest.mark.parametrize("shape,group,dtype", with_dtypes([((1, 1), 0), ((1, 7), 0), ((2, 3), 5), ((1, 1), 4),
+                                                          ((3, 6), 9)], [((1, 1), 4)]))
 def test_linear_gathered_rows_match_ref(shape, group, dtype, poison):
     # rows=(index, group): input row g * W + j is x[g * group + max(index[g, j], 0)] (GEMV at one row,
-    # tl.dot otherwise), equal to gathering first; -1 entries read row g * group.
+    # the streaming body otherwise), equal to gathering first; -1 entries read row g * group.
     gen = torch.Generator().manual_seed(7 * shape[1] + group)
     n_rows = max(1, shape[0] * group) if group else 50
     x = _randn(n_rows, 72, dtype=dtype, gen=gen)
@@ -436,8 +438,7 @@ def test_linear_gathered_rows_match_ref(shape, group, dtype, poison):
     assert torch.equal(picked, x[(g + rows[0].long().clamp(min=0)).reshape(-1)])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 6])
+@pytest.mark.parametrize("M,dtype", with_dtypes([(1,), (6,)], [(1,)]))
 def test_two_input_qkv_with_gathered_token_rows(M, dtype, poison):
     # The draft layer's qkv reading its token embeddings straight from the table (index = token ids,
     # group 0) beside the hidden rows: the same q and cache writes as embedding first.
@@ -476,27 +477,19 @@ def test_gathered_rows_reject_bad_input():
         lin.linear(x, w, rows=(torch.zeros(1, 2, dtype=torch.int32, device=DEVICE), -1))
 
 
-# The streaming body (kernel option small_m="stream", or config {"small_m": "stream"}): a prologue launch
-# writes the ready rows (norm of x + residual, second input's norm, gathered rows) and s, then the GEMM
-# streams weight and row tiles (swap-AB). Every epilogue, M from 2 to 64 (BLOCK_M 16, 32, 64), odd K and
-# output counts, several K chunks with a partial last one, persistent grids, gathered rows.
+# The streaming body (two rows or more): a prologue launch writes the ready rows (norm of x + residual,
+# second input's norm, gathered rows) and s, then the GEMM streams weight and row tiles (swap-AB). Every
+# epilogue, M from 2 to 64 (BLOCK_M 16, 32, 64), odd K and output counts, several K chunks with a partial
+# last one, persistent grids, split-K, gathered rows.
 STREAM_PATHS = {
-    "stream": {"small_m": "stream"},
-    "stream-chunks": {"small_m": "stream", "BLOCK_K": 32, "num_stages": 2},
-    "stream-persistent": {"small_m": "stream", "BLOCK_K": 64, "programs": 2, "block_n": 32},
+    "stream": {},
+    "stream-chunks": {"BLOCK_K": 32, "num_stages": 2},
+    "stream-persistent": {"BLOCK_K": 64, "programs": 2, "block_n": 32},
     # split-K: 3 splits of K = 200 in 32-column chunks (3, 3, 1 chunks), the last to arrive sums them
-    "stream-split": {"small_m": "stream", "BLOCK_K": 32, "split_k": 3},
-    "stream-split-persistent": {"small_m": "stream", "BLOCK_K": 32, "split_k": 4, "programs": 3, "block_n": 16},
-    # stream_inline: one launch, the norm (and s) in the K loop, on the same tiles
-    "inline-chunks": {"small_m": "stream_inline", "BLOCK_K": 32, "num_stages": 2},
-    "inline-split-persistent": {"small_m": "stream_inline", "BLOCK_K": 32, "split_k": 3, "programs": 4,
-                                "block_n": 16},
+    "stream-split": {"BLOCK_K": 32, "split_k": 3},
+    "stream-split-persistent": {"BLOCK_K": 32, "split_k": 4, "programs": 3, "block_n": 16},
 }
-
-
-def _norm_launches(body):
-    """The launches of a layer with a norm on ``body``."""
-    return ["stream"] if body == "stream_inline" else ["prologue", "stream"]
+NORM_LAUNCHES = ["prologue", "stream"]  # a layer with a norm on the streaming body
 
 
 class _Spy:
@@ -522,21 +515,14 @@ def launches(monkeypatch):
 
 
 def _bodies(log):
-    """'prologue' / 'stream' / 'dot' / 'gemv' per launch."""
-    out = []
-    for name, kw in log:
-        if name == "_stream_prologue_kernel":
-            out.append("prologue")
-        else:
-            out.append("gemv" if kw["GEMV"] else "stream" if kw["STREAM"] else "dot")
-    return out
+    """'prologue' / 'stream' / 'gemv' per launch."""
+    return ["prologue" if name == "_stream_prologue_kernel" else "gemv" if kw["GEMV"] else "stream"
+            for name, kw in log]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,body", [(2, "stream"), (8, "stream"), (17, "stream"), (33, "stream"), (64, "stream"),
-                                    (2, "stream_inline"), (17, "stream_inline"), (64, "stream_inline")])
-def test_stream_body_matches_ref(M, body, dtype, poison, launches):
-    cfg = {"small_m": body}
+@pytest.mark.parametrize("M,dtype", with_dtypes([(2,), (8,), (17,), (33,), (64,)], [(64,)]))
+def test_stream_body_matches_ref(M, dtype, poison, launches):
+    cfg = {}
     gen = torch.Generator().manual_seed(300 + M)
     K, NOUT, F = 75, 37, 21  # odd: partial row, column and K blocks
     x, r = _randn(M, K, dtype=dtype, scale=3.0, gen=gen), _randn(M, K, dtype=dtype, gen=gen)
@@ -550,7 +536,7 @@ def test_stream_body_matches_ref(M, body, dtype, poison, launches):
         launches.clear()
         out, s = lin.norm_linear(x, res, nw, 1e-5, w, config=dict(cfg))
         out_ref, s_ref = lin.norm_linear_ref(x, res, nw, 1e-5, w)
-        assert _bodies(launches) == _norm_launches(body)
+        assert _bodies(launches) == NORM_LAUNCHES
         torch.testing.assert_close(s, s_ref, atol=0, rtol=0)
         _close(out, out_ref, dtype)
     w13 = _randn(2 * F, K, dtype=dtype, scale=K ** -0.5, gen=gen)
@@ -566,11 +552,10 @@ def test_stream_body_matches_ref(M, body, dtype, poison, launches):
     slots[1::4] = -1  # padding rows
     slots = slots.to(DEVICE)
     _check_qkv_rope_write(x, r, nw, K, cfg, dtype, gen, HQ, HKV, D, PS, NP, cos, sin, pos, slots)
-    assert "dot" not in _bodies(launches) and "gemv" not in _bodies(launches)
+    assert "gemv" not in _bodies(launches)
 
 
-@pytest.mark.parametrize("path", ["stream-chunks", "stream-persistent", "stream-split", "stream-split-persistent",
-                                  "inline-chunks", "inline-split-persistent"])
+@pytest.mark.parametrize("path", ["stream-chunks", "stream-persistent", "stream-split", "stream-split-persistent"])
 @pytest.mark.parametrize("M", [5, 40])
 def test_stream_tiles_match_ref(path, M, poison, launches):
     # Several K chunks (K = 200: BLOCK_K 32 / 64, partial last chunk), a persistent grid (programs
@@ -602,7 +587,7 @@ def test_stream_tiles_match_ref(path, M, poison, launches):
     _close(q, q_ref, dtype)
     torch.testing.assert_close(kc, kc_ref, atol=1e-5, rtol=1e-5, equal_nan=True)
     torch.testing.assert_close(vc, vc_ref, atol=1e-5, rtol=1e-5, equal_nan=True)
-    assert _bodies(launches) == ["stream"] + _norm_launches(cfg["small_m"]) * 3
+    assert _bodies(launches) == ["stream"] + NORM_LAUNCHES * 3
     main = [kw for n, kw in launches if n == "_fused_linear_kernel"]
     assert all(kw["BLOCK_K"] == cfg["BLOCK_K"] and kw["SPLIT"] == cfg.get("split_k", kw["SPLIT"]) for kw in main)
     if "split_k" in cfg:
@@ -610,13 +595,13 @@ def test_stream_tiles_match_ref(path, M, poison, launches):
         assert not arrival_counters(x.device, 1, owner="fused_linear").any()
 
 
-@pytest.mark.parametrize("block_n", [None, 16, 32, 128])
-def test_stream_block_n_option_sets_plain_projection_tiles(block_n, monkeypatch, kernel_options, poison, launches):
-    # The kernel option stream_block_n sets the streaming body's column block of linear / linear_residual
-    # (None: STREAM_PLAIN_BLOCK_N = 64); norm_linear keeps the rule of the others (32 here: 80 columns,
+@pytest.mark.parametrize("plain_block_n", [64, 16])
+def test_plain_projections_take_their_column_block(plain_block_n, monkeypatch, poison, launches):
+    # The streaming body's column block of linear / linear_residual is STREAM_PLAIN_BLOCK_N (64; 16 when
+    # patched), no wider than the output; norm_linear keeps the rule of the others (32 here: 80 columns,
     # 132 SMs, 17 rows). Same outputs.
     monkeypatch.setattr(lin, "sm_count", lambda device: 132)
-    kernel_options.set_(small_m="stream", stream_block_n=block_n)
+    monkeypatch.setattr(lin, "STREAM_PLAIN_BLOCK_N", plain_block_n)
     gen = torch.Generator().manual_seed(3)
     dtype, M, K, NOUT = torch.float32, 17, 96, 80
     x, w = _randn(M, K, dtype=dtype, gen=gen), _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
@@ -626,8 +611,8 @@ def test_stream_block_n_option_sets_plain_projection_tiles(block_n, monkeypatch,
     _close(s, lin.linear_residual_ref(x, w, r)[0], dtype)
     _close(lin.norm_linear(x, None, nw, 1e-5, w)[0], lin.norm_linear_ref(x, None, nw, 1e-5, w)[0], dtype)
     blocks = [kw["BLOCK_N"] for n, kw in launches if n == "_fused_linear_kernel"]
-    assert blocks == [block_n or 64] * 2 + [32], blocks
-    assert ss.shape == (triton_cdiv(NOUT, block_n or 64), M)
+    assert blocks == [plain_block_n] * 2 + [32], blocks
+    assert ss.shape == (triton_cdiv(NOUT, plain_block_n), M)
 
 
 def triton_cdiv(a, b):
@@ -635,13 +620,14 @@ def triton_cdiv(a, b):
 
 
 @pytest.mark.parametrize("K,min_chunks,want_split", [(160, None, 1), (384, None, 6), (160, 4, 2), (384, 16, 1)])
-def test_split_k_only_for_long_k_loops(K, min_chunks, want_split, monkeypatch, kernel_options, poison, launches):
+def test_split_k_only_for_long_k_loops(K, min_chunks, want_split, monkeypatch, poison, launches):
     # The default split-K (132 SMs, 5 column blocks): K loops shorter than SPLIT_MIN_CHUNKS (8) BLOCK_K
     # chunks run whole (K = 160: 5 chunks of 32), longer ones split into halves of the chunks at most
-    # (K = 384: 12 chunks -> 6); the kernel option split_min_chunks moves the bar (4: the rule before it).
-    # Split or not, the output is the reference's.
+    # (K = 384: 12 chunks -> 6); other bars (patched: 4, 16) move the split. Split or not, the output is
+    # the reference's.
     monkeypatch.setattr(lin, "sm_count", lambda device: 132)
-    kernel_options.set_(small_m="stream", split_min_chunks=min_chunks)
+    if min_chunks is not None:
+        monkeypatch.setattr(lin, "SPLIT_MIN_CHUNKS", min_chunks)
     gen = torch.Generator().manual_seed(K)
     dtype, M, NOUT = torch.float32, 5, 80
     x, w = _randn(M, K, dtype=dtype, gen=gen), _randn(NOUT, K, dtype=dtype, scale=K ** -0.5, gen=gen)
@@ -656,14 +642,12 @@ def test_split_k_only_for_long_k_loops(K, min_chunks, want_split, monkeypatch, k
     assert splits == [want_split, want_split]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("body", ["stream", "stream_inline"])
-@pytest.mark.parametrize("shape,group", [((1, 2), 0), ((2, 9), 11), ((1, 33), 0)])
-def test_stream_gathered_rows_match_ref(shape, group, body, dtype, poison, launches):
+@pytest.mark.parametrize("shape,group,dtype", with_dtypes([((1, 2), 0), ((2, 9), 11), ((1, 33), 0)], [((2, 9), 11)]))
+def test_stream_gathered_rows_match_ref(shape, group, dtype, poison, launches):
     # Gathered rows: a plain linear reads them in its K loop (one launch), the two-input qkv in its
-    # prologue (the draft layer's token embeddings straight from the table) or its K loop (inline).
+    # prologue (the draft layer's token embeddings straight from the table).
     gen = torch.Generator().manual_seed(50 + shape[1] + group)
-    cfg = {"small_m": body}
+    cfg = {}
     n_rows = shape[0] * group if group else 60
     table = _randn(n_rows, 72, dtype=dtype, scale=2.0, gen=gen)
     w = _randn(40, 72, dtype=dtype, scale=72 ** -0.5, gen=gen)
@@ -684,7 +668,7 @@ def test_stream_gathered_rows_match_ref(shape, group, body, dtype, poison, launc
     launches.clear()
     q, s = lin.norm_qkv_rope_write_kv_(table, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
                                        x2=x2, norm_weight2=nw2, rows=rows, config=dict(cfg))
-    assert s is None and _bodies(launches) == _norm_launches(body)
+    assert s is None and _bodies(launches) == NORM_LAUNCHES
     q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(table, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref,
                                                vc_ref, slots, x2=x2, norm_weight2=nw2, rows=rows)
     _close(q, q_ref, dtype)
@@ -692,37 +676,26 @@ def test_stream_gathered_rows_match_ref(shape, group, body, dtype, poison, launc
     torch.testing.assert_close(vc, vc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
 
 
-def test_small_m_option_selects_the_body(launches, kernel_options):
-    # The kernel option picks the body for 2+ rows; one row keeps the GEMV; a config key overrides it.
+def test_rows_select_the_body(launches):
+    # One row: the GEMV; more rows (or a one-row launch with {"gemv": False}): the streaming body, with a
+    # prologue where a norm runs.
     x, w = torch.randn(3, 64, device=DEVICE), torch.randn(40, 64, device=DEVICE)
-    kernel_options.set_(small_m="dot")
-    lin.linear(x, w)
     lin.linear(x[:1], w)
-    kernel_options.set_(small_m="stream")
     lin.linear(x, w)
-    lin.linear(x[:1], w)
-    lin.linear(x, w, config={"small_m": "dot"})
-    kernel_options.set_(small_m="stream_prefetch")  # (the prefetch itself needs PDL: CUDA only)
-    lin.linear(x, w)
-    kernel_options.set_(small_m="stream_inline")
+    lin.linear(x[:1], w, config={"gemv": False})
     lin.norm_linear(x, None, torch.ones(64, device=DEVICE), 1e-5, w)
-    kernel_options.set_(small_m="auto")  # the default: the streaming body (with its prefetch) wherever rows come
-    lin.linear(x, w)
-    assert _bodies(launches) == ["dot", "gemv", "stream", "gemv", "dot", "stream", "stream", "stream"]
-    with pytest.raises(ValueError, match="small_m body 'fast'"):
-        lin.linear(x, w, config={"small_m": "fast"})
-    with pytest.raises(ValueError, match="small_m='fast'.*dot, stream"):
-        kernel_options.set_(small_m="fast")
+    assert _bodies(launches) == ["gemv", "stream", "stream", "prologue", "stream"]
+    with pytest.raises(ValueError, match="split_k=2: the streaming body"):
+        lin.linear(x[:1], w, config={"split_k": 2})
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
 @pytest.mark.parametrize("n", [8, 17, 64])
-def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, kernel_options, launches):
-    # small_m="stream": n rows (a tree verify) take the fused kernels (4 per layer, streaming body) even
-    # with every weight "too large" (FUSED_MAX_WEIGHT_BYTES = 0); an LM head (more than GEMV_MAX_COLUMNS
-    # outputs) keeps the weight limit (cuBLAS); fused_rows still caps the rows. "dot" keeps large weights
-    # on cuBLAS; the default ("auto") streams them from AUTO_STREAM_LARGE_MIN_ROWS to AUTO_STREAM_MAX_ROWS
-    # rows only. All match the torch-reference model.
+def test_large_weights_stream_at_tree_verify_rows_only(n, monkeypatch, kernel_options, launches):
+    # With every weight "too large" (FUSED_MAX_WEIGHT_BYTES = 0), n rows take the fused kernels (4 per layer,
+    # streaming body) from STREAM_LARGE_MIN_ROWS to FUSED_MAX_ROWS rows only (a tree verify), cuBLAS
+    # elsewhere; the kernel option fused_rows moves the upper bound, not the lower; an LM head (more than
+    # GEMV_MAX_COLUMNS outputs) keeps the weight limit (cuBLAS). All match the torch-reference model.
     from specdec.models import ops
     from specdec.models.llama import LlamaModel
     from specdec.models.loading import LlamaConfig
@@ -743,11 +716,10 @@ def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, ker
                              torch.arange(n, device=DEVICE), n)
     ids = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     pos = torch.arange(n, **i32)
-    auto = 4 if ops.AUTO_STREAM_LARGE_MIN_ROWS <= n <= ops.AUTO_STREAM_MAX_ROWS else 0
-    assert auto == (4 if n == 17 else 0)  # the cases: below, inside and above the default's row range
-    for opts, want in (({}, auto), (dict(small_m="dot"), 0), (dict(small_m="stream"), 4),
-                       (dict(small_m="stream", fused_rows=n - 1), 0),
-                       (dict(small_m="stream_prefetch", fused_rows=n), 4), (dict(small_m="stream_inline"), 4)):
+    rule = 4 if ops.STREAM_LARGE_MIN_ROWS <= n <= ops.FUSED_MAX_ROWS else 0
+    assert rule == (4 if n == 17 else 0)  # the cases: below, inside and above the rule's row range
+    for opts, want in (({}, rule), (dict(fused_rows=n - 1), 0), (dict(fused_rows=64), 0 if n < 17 else 4),
+                       (dict(fused_linear=False), 0)):
         kernel_options.reset_()
         kernel_options.set_(**opts)
         out = {}
@@ -764,14 +736,17 @@ def test_small_m_stream_routes_verify_rows_and_large_weights(n, monkeypatch, ker
 
 
 # Norm statistics in the producer's epilogue: linear_residual (wo, w2) writes s = x @ w^T + residual and
-# each column block's sums of s^2 per row; the next norm_* launcher takes them (sumsq=) and the streaming
-# body normalises s in its K loop: no prologue launch. Same values as the prologue path (up to the order
-# the squares are summed in), on every body and tile path.
-@pytest.mark.parametrize("path", ["stream", "stream-split", "stream-split-persistent", "inline-split-persistent",
-                                  "dot", "gemv"])
-@pytest.mark.parametrize("dtype", DTYPES)
+# each column block's sums of s^2 per row; the next norm_* launcher takes them (sumsq=) with the norm
+# weight folded into its weight and scales each row's products by its 1 / rms: no prologue launch. Same
+# values as the prologue path up to the normalised rows' rounding (which this path skips) and the folded
+# weight's, on every tile path. With a norm weight the kernel normalises s itself (sumsq not read).
+@pytest.mark.parametrize("path,dtype", with_dtypes([(p,) for p in ("stream", "stream-split",
+                                                                   "stream-split-persistent", "gemv")],
+                                                   [("stream-split",)]))
 def test_norm_stats_from_the_producer_epilogue(path, dtype, poison, launches):
-    cfg = {"dot": {"small_m": "dot"}, "gemv": {}, **STREAM_PATHS}[path]
+    from specdec.models.ops import fold_norm
+
+    cfg = {"gemv": {}, **STREAM_PATHS}[path]
     M = 1 if path == "gemv" else 17
     gen = torch.Generator().manual_seed(7 + M)
     K, H, F = 72, 80, 36  # x [M, K] @ wo [H, K]^T + residual [M, H] -> s; norm(s) @ w13 [2F, H]^T
@@ -784,62 +759,53 @@ def test_norm_stats_from_the_producer_epilogue(path, dtype, poison, launches):
     assert ss.dtype == torch.float32 and ss.shape[1] == M and ss.shape[0] >= 1
     # the partials sum to the row sums of s^2 as stored (bit-exact s: compare against s itself)
     torch.testing.assert_close(ss.sum(0), s.float().pow(2).sum(-1), atol=1e-3, rtol=1e-4)
-    launches.clear()
     w13 = _randn(2 * F, H, dtype=dtype, scale=H ** -0.5, gen=gen)
-    act, s_out = lin.norm_swiglu(s, None, nw, 1e-5, w13, config=dict(cfg), sumsq=ss)
-    assert s_out is s
-    _close(act, lin.norm_swiglu_ref(s, None, nw, 1e-5, w13)[0], dtype)
     wqkv = _randn(5 * 16, H, dtype=dtype, scale=H ** -0.5, gen=gen)
-    out, _ = lin.norm_linear(s, None, nw, 1e-5, wqkv, config=dict(cfg), sumsq=ss)
-    _close(out, lin.norm_linear_ref(s, None, nw, 1e-5, wqkv)[0], dtype)
+    act_ref = lin.norm_swiglu_ref(s, None, nw, 1e-5, w13)[0]
     HQ, HKV, D, PS, NP = 3, 1, 16, 4, 12
     cos, sin, pos, slots, kc, vc, kc_ref, vc_ref = _rope_case(M, HKV, D, PS, NP, 64, dtype, gen)
-    q, _ = lin.norm_qkv_rope_write_kv_(s, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots,
-                                       config=dict(cfg), sumsq=ss)
     q_ref, _ = lin.norm_qkv_rope_write_kv_ref_(s, None, nw, 1e-5, wqkv, HQ, HKV, pos, cos, sin, kc_ref, vc_ref, slots)
-    _close(q, q_ref, dtype)
-    torch.testing.assert_close(kc, kc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
-    streaming = path.startswith(("stream", "inline"))
-    # the streaming bodies skip their prologue and read the partials; dot / GEMV compute the norm themselves
-    assert "prologue" not in _bodies(launches)
-    assert [kw["PRE_SS"] for _, kw in launches] == [1 if streaming else 0] * 3
-    if not streaming:
+    # With the norm weight: the kernel normalises s itself (a prologue on the streaming body, the GEMV's pass)
+    launches.clear()
+    act, s_out = lin.norm_swiglu(s, None, nw, 1e-5, w13, config=dict(cfg), sumsq=ss)
+    assert s_out is s
+    _close(act, act_ref, dtype)
+    assert not any(kw["ROW_SCALE"] for n, kw in launches if n == "_fused_linear_kernel")
+    if path == "gemv":
         with pytest.raises(ValueError, match="folded norm weight.*needs the streaming body"):
-            lin.norm_swiglu(s, None, None, 1e-5, w13, config=dict(cfg), sumsq=ss)
+            lin.norm_swiglu(s, None, None, 1e-5, fold_norm(w13, nw), config=dict(cfg), sumsq=ss)
         return
-    # norm_stats "fold": the norm weight folded into the weight's columns, 1 / rms scaling the rows'
-    # products in the epilogue (no norm in the K loop): the same values up to the normalised rows'
-    # rounding, which this path skips, and the folded weight's
-    from specdec.models.ops import fold_norm
+    assert "prologue" in _bodies(launches)
+    # Folded weights: no prologue, 1 / rms from the sums scales the rows' products
     launches.clear()
     act_f, s_out = lin.norm_swiglu(s, None, None, 1e-5, fold_norm(w13, nw), config=dict(cfg), sumsq=ss)
     assert s_out is s
-    _close(act_f, lin.norm_swiglu_ref(s, None, nw, 1e-5, w13)[0], dtype)
-    kc2, vc2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
-    q_f, _ = lin.norm_qkv_rope_write_kv_(s, None, None, 1e-5, fold_norm(wqkv, nw), HQ, HKV, pos, cos, sin, kc2, vc2,
+    _close(act_f, act_ref, dtype)
+    out, _ = lin.norm_linear(s, None, None, 1e-5, fold_norm(wqkv, nw), config=dict(cfg), sumsq=ss)
+    _close(out, lin.norm_linear_ref(s, None, nw, 1e-5, wqkv)[0], dtype)
+    q_f, _ = lin.norm_qkv_rope_write_kv_(s, None, None, 1e-5, fold_norm(wqkv, nw), HQ, HKV, pos, cos, sin, kc, vc,
                                          slots, config=dict(cfg), sumsq=ss)
     _close(q_f, q_ref, dtype)
-    torch.testing.assert_close(kc2, kc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
-    torch.testing.assert_close(vc2, vc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
-    assert [kw["PRE_SS"] for _, kw in launches] == [2, 2] and "prologue" not in _bodies(launches)
+    torch.testing.assert_close(kc, kc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    torch.testing.assert_close(vc, vc_ref, atol=TOL[dtype][0], rtol=TOL[dtype][1], equal_nan=True)
+    assert [kw["ROW_SCALE"] for _, kw in launches] == [True] * 3 and "prologue" not in _bodies(launches)
     if "split_k" in cfg:
         from kernels_triton.attention import arrival_counters
         assert not arrival_counters(x.device, 1, owner="fused_linear").any()
 
 
-@pytest.mark.parametrize("folded", [False, True])
-def test_norm_stats_are_read_not_recomputed(folded, poison):
+def test_norm_stats_are_read_not_recomputed(poison):
     # Mutation check: scaled partials change the normalised rows by exactly that scale's rsqrt (the
-    # kernel reads the sums it is given instead of recomputing them), in the K loop or the epilogue.
+    # kernel reads the sums it is given instead of recomputing them).
     gen = torch.Generator().manual_seed(3)
-    dtype, cfg = torch.float32, {"small_m": "stream", "split_k": 2}
+    dtype, cfg = torch.float32, {"split_k": 2}
     s, nw = _randn(5, 64, dtype=dtype, gen=gen), _randn(64, dtype=dtype, gen=gen)
     w = _randn(32, 64, dtype=dtype, scale=0.125, gen=gen)
     ss = s.pow(2).sum(-1)[None].contiguous()
-    args = (None, (w * nw[None, :]).contiguous()) if folded else (nw, w)
-    base, _ = lin.norm_linear(s, None, args[0], 1e-12, args[1], config=dict(cfg), sumsq=ss)
+    folded = (w * nw[None, :]).contiguous()
+    base, _ = lin.norm_linear(s, None, None, 1e-12, folded, config=dict(cfg), sumsq=ss)
     _close(base, lin.norm_linear_ref(s, None, nw, 1e-12, w)[0], dtype)
-    scaled, _ = lin.norm_linear(s, None, args[0], 1e-12, args[1], config=dict(cfg), sumsq=ss * 4)
+    scaled, _ = lin.norm_linear(s, None, None, 1e-12, folded, config=dict(cfg), sumsq=ss * 4)
     _close(scaled, base / 2, dtype)
 
 
@@ -853,44 +819,33 @@ def test_norm_stats_reject_bad_input():
     with pytest.raises(ValueError, match="pass residual=None"):
         lin.norm_linear(x, x, nw, 1e-5, w, sumsq=torch.ones(1, 3, device=DEVICE))
     with pytest.raises(ValueError, match=r"sumsq must be fp32 \[parts, M=3\]"):
-        lin.norm_linear(x, None, nw, 1e-5, w, config={"small_m": "stream"}, sumsq=torch.ones(1, 4, device=DEVICE))
+        lin.norm_linear(x, None, None, 1e-5, w, sumsq=torch.ones(1, 4, device=DEVICE))
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
 @pytest.mark.parametrize("n", [1, 17])
-def test_model_norm_stats_drop_the_prologues(n, kernel_options, launches):
-    # A 2-layer model over 17 streamed rows: with the kernel option norm_stats wo and w2 add the residual and
-    # sum its squares, so only layer 0's qkv (the embeddings' norm) keeps a prologue launch ("loop": the
-    # others normalise in the K loop, "fold": scale rows in the epilogue, with folded weights); "off":
-    # every norm op has one (4). Hidden states match the torch-reference model each way; one row (GEMV)
-    # is untouched by the option.
+def test_model_norm_stats_drop_the_prologues(n, launches):
+    # A 2-layer model over 17 streamed rows: wo and w2 add the residual and sum its squares, so only layer
+    # 0's qkv (the embeddings' norm) keeps a prologue launch and the other three norm ops scale their rows
+    # in the epilogue, with folded weights. Hidden states match the torch-reference model; one row (GEMV)
+    # has neither.
     models, meta, ids, pos = _tiny_models(n, layers=2, vocab=40, seed=5, pages=5, max_pos=64, ids_seed=4)
-    want = {}
-    for on in ("loop", "fold", "off"):
-        kernel_options.set_(norm_stats=on, small_m="stream")
-        out = {}
-        launches.clear()
-        for be, model in models.items():  # (the torch model launches nothing)
-            k, v = model.new_kv_cache(5, 4)
-            out[be] = model(ids, pos, meta, k, v).hidden
-        torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
-        bodies = _bodies(launches)
-        pre_ss = [kw["PRE_SS"] for name, kw in launches if name == "_fused_linear_kernel"]
-        want[on] = (bodies.count("prologue"), pre_ss.count(1), pre_ss.count(2))
-    if n == 1:
-        assert want["loop"] == want["fold"] == want["off"] == (0, 0, 0)
-    else:
-        assert want == {"loop": (1, 3, 0), "fold": (1, 0, 3), "off": (4, 0, 0)}, want
+    out = {}
+    for be, model in models.items():  # (the torch model launches nothing)
+        k, v = model.new_kv_cache(5, 4)
+        out[be] = model(ids, pos, meta, k, v).hidden
+    torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
+    scaled = [kw["ROW_SCALE"] for name, kw in launches if name == "_fused_linear_kernel"].count(True)
+    assert (_bodies(launches).count("prologue"), scaled) == ((0, 0) if n == 1 else (1, 3))
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETED, reason="Triton kernels on CPU need the interpreter")
 @pytest.mark.parametrize("n", [1, 5])
-def test_draft_layer_logits_take_the_sums(n, kernel_options, launches):
-    # The EAGLE-3 draft layer over n streamed rows (a tree round): with the kernel option norm_stats its down
-    # projection adds the residual in the epilogue and hands the final norm + lm_head the rows' sums, so only
-    # the two-input qkv keeps a prologue launch (loop: the gate|up and lm_head normalise in the K loop, fold:
-    # folded weights, rows scaled in the epilogue); off: three prologues. Hidden and logits match the
-    # torch-reference head each way; one row (GEMV) is untouched.
+def test_draft_layer_logits_take_the_sums(n, launches):
+    # The EAGLE-3 draft layer over n streamed rows (a tree round): its down projection adds the residual in
+    # the epilogue and hands the final norm + lm_head the rows' sums, so only the two-input qkv keeps a
+    # prologue launch (gate|up and lm_head: folded weights, rows scaled in the epilogue). Hidden and logits
+    # match the torch-reference head; one row (GEMV) has neither.
     from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 
     models, meta, ids, pos = _tiny_models(n, layers=2, vocab=40, seed=7, pages=5, max_pos=64, ids_seed=2)
@@ -900,22 +855,14 @@ def test_draft_layer_logits_take_the_sums(n, kernel_options, launches):
     gen = torch.Generator().manual_seed(n)
     emb = _randn(n, cfg.hidden_size, dtype=torch.float32, gen=gen)
     hid = _randn(n, cfg.hidden_size, dtype=torch.float32, gen=gen)
-    want = {}
-    for on in ("loop", "fold", "off"):
-        kernel_options.set_(norm_stats=on, small_m="stream")
-        out = {}
-        launches.clear()
-        for be, head in heads.items():
-            k, v = head.new_kv_cache(5, 4)
-            out[be] = head(emb, hid, pos, meta, k, v)
-        for got, ref in zip(out["triton"], out["torch"]):
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-        pre_ss = [kw["PRE_SS"] for name, kw in launches if name == "_fused_linear_kernel"]
-        want[on] = (_bodies(launches).count("prologue"), pre_ss.count(1), pre_ss.count(2))
-    if n == 1:
-        assert want["loop"] == want["fold"] == want["off"] == (0, 0, 0)
-    else:
-        assert want == {"loop": (1, 2, 0), "fold": (1, 0, 2), "off": (3, 0, 0)}, want
+    out = {}
+    for be, head in heads.items():
+        k, v = head.new_kv_cache(5, 4)
+        out[be] = head(emb, hid, pos, meta, k, v)
+    for got, ref in zip(out["triton"], out["torch"]):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    scaled = [kw["ROW_SCALE"] for name, kw in launches if name == "_fused_linear_kernel"].count(True)
+    assert (_bodies(launches).count("prologue"), scaled) == ((0, 0) if n == 1 else (1, 2))
 
 
 def _tile_table(path, device_name, entries):
@@ -965,7 +912,6 @@ def test_stream_tiles_table_sets_launch_settings_per_shape_and_rows(tmp_path, ke
         return [{k: kw[k] for k in ("BLOCK_N", "SPLIT", "BLOCK_K", "num_stages", "num_warps")}
                 for n, kw in launches if n == "_fused_linear_kernel"]
 
-    kernel_options.set_(small_m="stream")
     rules = run(8)
     kernel_options.set_(stream_tiles=here)
     tuned = run(8)
@@ -989,6 +935,6 @@ def test_stream_tiles_table_sets_launch_settings_per_shape_and_rows(tmp_path, ke
     monkeypatch.setattr(kernel_options, "builtin_tile_paths", lambda: [other])
     kernel_options._entries_cache.clear()
     assert run(8) == rules
-    kernel_options.set_(stream_tiles=here, small_m="dot")  # not the streaming body: the table does not apply
-    dot = run(8)  # (split_k 3 would be refused by the tl.dot body)
-    assert all(d["SPLIT"] == 1 for d in dot) and not any(kw["STREAM"] for n, kw in launches)
+    kernel_options.set_(stream_tiles=here)  # one row (the GEMV): the table does not apply
+    one = run(1)  # (split_k 3 would be refused by the GEMV)
+    assert all(d["SPLIT"] == 1 for d in one) and all(kw["GEMV"] for n, kw in launches if n == "_fused_linear_kernel")

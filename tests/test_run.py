@@ -84,7 +84,7 @@ def test_run_records_provenance_and_kernel_options(tmp_path):
     stamp = "stamp-1234abc"
     start = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     proc = run_cli("+experiment=quickstart", "engine.max_new_tokens=2", "logger=wandb", "device=cpu",
-                   "kernels.pdl=false", "kernels.fused_linear=false", "kernels.fused_merge=true",
+                   "kernels.pdl=off", "kernels.fused_linear=false", "kernels.fused_rows=8",
                    tmp_path=tmp_path, env={"SPECDEC_COMMIT": stamp})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "run"
@@ -95,12 +95,10 @@ def test_run_records_provenance_and_kernel_options(tmp_path):
     assert m["device"] == "cpu" and m["device_name"] == device_name("cpu") and m["device_name"]
     assert (m["torch"], m["triton"], m["python"]) == (torch.__version__, triton.__version__,
                                                         platform.python_version())
-    want = dict(pdl="off", fused_linear=False, step_kernels=None, fused_merge=True, attn_prewait=True,
-                pdl_qkv_early=None, fused_rows=None, gather_rows=True, wide_topk=True, small_m="auto", norm_stats="fold",
-                split_min_chunks=None, stream_block_n=None, stream_tiles="builtin")
+    want = dict(pdl=False, fused_linear=False, step_kernels=None, fused_rows=8, stream_tiles="builtin")
     assert m["kernel_options"] == want
     cfg = json.loads((run_dir / "config.json").read_text())
-    assert cfg["kernels"] == dict(want, pdl=False)  # the config as given; the options object normalises it
+    assert cfg["kernels"] == dict(want, pdl="off")  # the config as given; the options object normalises it
     wandb_log = next((run_dir / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
     assert wandb_log.count(stamp.encode()) >= 2  # run config and summary
     assert wandb_log.count(b"kernel_options") >= 2 and b"date_utc" in wandb_log

@@ -456,7 +456,7 @@ def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
         calls["gathered_fc"] += rows is not None
         return real_linear(x, w, add, config, rows=rows)
 
-    def linear_residual(x, w, residual, config=None):  # the residual added in the epilogue (kernel option norm_stats)
+    def linear_residual(x, w, residual, config=None):  # the residual added in the epilogue (streamed rows)
         calls["add"] += 1
         return real_linear_residual(x, w, residual, config)
 
@@ -471,10 +471,10 @@ def test_eagle3_fused_layer_kernels_keep_greedy(monkeypatch):
     assert got == want
     assert calls["rope"] > 0 and calls["add"] > 0  # target and draft went through the fused kernels
     # The draft rounds' token embeddings and the extend's accepted features were read by the kernels
-    # (gathered rows); with the kernel option gather_rows off, torch gathers them, same output.
+    # (gathered rows); on the unfused path (kernel option fused_linear off) torch gathers them, same output.
     assert calls["gathered_qkv"] > 0 and calls["gathered_fc"] > 0, calls
     calls.update(gathered_qkv=0, gathered_fc=0)
-    with options.use(gather_rows=False):
+    with options.use(fused_linear=False):
         got_off, _ = run_engine(model, prompts[:1], 10, drafter=drafter, ks=(6,), k_of_step=lambda i: 6)
     assert got_off == want[:1] and calls["gathered_qkv"] == calls["gathered_fc"] == 0
 

@@ -258,9 +258,9 @@ def test_split_strided_rows_leading_dims_and_out(poison):
         topk_logprobs(x.flatten(0, 1), k, out=(vals[:3], ids[:3]))
 
 
-def test_tree_ops_routes_wide_rows(kernel_options, monkeypatch):
-    """tree_ops: rows wider than MAX_V take the split kernels on the Triton backend (kernel option
-    wide_topk, default on), torch's log_softmax + topk with it off or on the torch backend."""
+def test_tree_ops_routes_wide_rows(monkeypatch):
+    """tree_ops: rows wider than MAX_V take the split kernels on the Triton backend, torch's log_softmax +
+    topk on the torch backend."""
     from kernels_triton import topk as topk_mod
     from specdec.spec import tree_ops
 
@@ -276,8 +276,5 @@ def test_tree_ops_routes_wide_rows(kernel_options, monkeypatch):
     torch.testing.assert_close(out[0], rv, atol=1e-5, rtol=1e-5)
     assert torch.equal(tree_ops.topk(x, 4, backend=be)[1], ri)
     assert calls == ["topk_logprobs", "topk"]
-    with kernel_options.use(wide_topk=False):
-        v, i = tree_ops.topk_logprobs(x, 4, backend=be)
-        tree_ops.topk(x, 4, backend=be)
-    tree_ops.topk_logprobs(x, 4, backend="torch")
+    v, i = tree_ops.topk_logprobs(x, 4, backend="torch")
     assert calls == ["topk_logprobs", "topk"] and torch.equal(i, ri)

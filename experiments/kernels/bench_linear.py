@@ -19,15 +19,14 @@ latency included, host excluded; consecutive calls read different copies of the 
 all, so a weight smaller than the L2 is streamed from HBM as in a real step), weight GB/s and % of the
 copy bandwidth measured in this run.
 ``--sweep`` also times tile / grid / BLOCK_K / stages / warps variants of the fused kernels at M = 1
-(see sweep_variants).
+(see sweep_variants: the GEMV's, and the streaming body's on one row as a wide LM head runs it).
 
-``--small-m`` (instead of the table above): the multi-row bodies side by side at M in {8, 17, 33, 49}
-(EAGLE-3 draft rounds, tree verify of 16 / 32 / 48 nodes), qkv / wo / mlp_in / w2 of both shapes:
-unfused (norm + cuBLAS + epilogue kernels), the tl.dot body (kernel option small_m="dot"), the
-streaming body ("stream": prologue launch + swap-AB pipelined GEMM, split-K where the column blocks
-do not fill the GPU), "stream_prefetch" (its L2 weight prefetch before the PDL wait) and
-"stream_inline" (one launch, the norm in the K loop) (--bodies: a subset), us per call as above, a
-relative-error check of the fastest streaming variant's output against the unfused one, into
+``--small-m`` (instead of the table above): the multi-row streaming body at M in {8, 17, 33, 49}
+(EAGLE-3 draft rounds, tree verify of 16 / 32 / 48 nodes), qkv / wo / mlp_in / w2 of both shapes,
+against unfused (norm + cuBLAS + epilogue kernels): "stream" (prologue launch + swap-AB pipelined
+GEMM with its L2 weight prefetch before the PDL wait, split-K where the column blocks do not fill the
+GPU) and "no_prefetch" (the same without the prefetch) (--bodies: a subset), us per call as above, a
+relative-error check of the fastest variant's output against the unfused one, into
 bench_linear_small_m.csv; ``--small-m-sweep`` adds the streaming body's variants (stream_variants:
 BLOCK_N x split-K, BLOCK_K / stages / warps, persistent grid) into bench_linear_small_m_sweep.csv
 (rows 17 and 49 unless --rows); ``--small-m-grid`` times the cross product of BLOCK_N and the K-loop
@@ -155,24 +154,24 @@ def rotating(w):
     return lambda: next(it)
 
 
-def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
-    """(tile override, BLOCK_K, stages, warps) variants of one op's fused kernel. A tile override sets
-    BLOCK_N (qkv: programs per head ``parts``), optionally ``programs`` (a persistent grid of that
-    many programs looping over the column blocks) and ``gemv`` (M = 1 without tl.dot: CUDA-core
-    products, so BLOCK_N may go below 16)."""
+def sweep_variants(op, s, quick, kinds=("stream", "gemv")):
+    """(tile override, BLOCK_K, stages, warps) variants of one op's fused kernel at M = 1. A tile override
+    sets BLOCK_N (qkv: programs per head ``parts``), optionally ``programs`` (a persistent grid of that
+    many programs looping over the column blocks) and ``gemv`` (True: CUDA-core products, so BLOCK_N may
+    go below 16; False: the streaming body's tensor-core tiles)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
     half = s["D"] // 2
     out = []
     if op == "lm_head":
-        out = [(dict(), bk, 3, 4) for bk in (64, 128, 256)] if "dot" in kinds else []
+        out = [(dict(gemv=False), bk, 3, 4) for bk in (64, 128, 256)] if "stream" in kinds else []
         if "gemv" in kinds:
             out += [(dict(gemv=True, block_n=bn), bk, 1, wp) for bn, bk in ((8, 512), (16, 256)) for wp in (4, 8)]
         return out
-    if "dot" in kinds:  # tl.dot tiles (16-row x)
+    if "stream" in kinds:  # the streaming body's tiles (16-row blocks)
         if op == "qkv":
-            tiles = [dict(parts=p, programs=g) for p in (1, 2, 4) if half // p >= 16 for g in (None, 2 * sms)]
+            tiles = [dict(gemv=False, parts=p, programs=g) for p in (1, 2, 4) if half // p >= 16 for g in (None, 2 * sms)]
         else:
-            tiles = [dict(block_n=bn, programs=g) for bn in (16, 32, 64) for g in (None, 2 * sms)]
+            tiles = [dict(gemv=False, block_n=bn, programs=g) for bn in (16, 32, 64) for g in (None, 2 * sms)]
         bks = (64, 128) if quick else (256, 512)
         sw = ((4, 4),) if quick else ((3, 4), (4, 4))
         out += [(t, bk, st, wp) for t in tiles for bk in bks for st, wp in sw]
@@ -193,8 +192,7 @@ def sweep_variants(op, s, quick, kinds=("dot", "gemv")):
 def stream_variants(op, s, quick):
     """Variants of the streaming body beside its defaults: BLOCK_N (qkv: programs per head ``parts``) x
     split-K (1, 2, 4), then (BLOCK_K, stages, warps) at the default tile, a persistent grid of one
-    program per SM, the L2 prefetch before the PDL wait (small_m stream_prefetch) and the one-launch
-    stream_inline (default split-K and none)."""
+    program per SM, and no L2 prefetch before the PDL wait."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 4
     half = s["D"] // 2
     if op == "qkv":
@@ -205,8 +203,7 @@ def stream_variants(op, s, quick):
     out = [dict(t, split_k=sp) for t in tiles for sp in splits]
     sw = ((64, 2, 4),) if quick else ((64, 4, 4), (128, 4, 4), (256, 3, 4), (128, 5, 8))
     out += [dict(BLOCK_K=bk, num_stages=st, num_warps=wp) for bk, st, wp in sw]
-    return out + [dict(programs=sms, split_k=1), dict(small_m="stream_prefetch"), dict(small_m="stream_inline"),
-                  dict(small_m="stream_inline", split_k=1)]
+    return out + [dict(programs=sms, split_k=1), dict(prefetch=0)]
 
 
 def stream_grid(op, s):
@@ -256,9 +253,7 @@ def tile_table(sweep, rows_range=None, min_gain=0.02, source=""):
             continue
         n, k = weight_shape(op, SHAPES[shape])
         lo, hi = rows_range or (int(M), int(M))
-        entries.append({"n": n, "k": k, "rows": [lo, hi], "config": config,
-                        "measured": {"shape": shape, "op": op, "M": int(M), "us": round(us, 3),
-                                     "default_us": round(default, 3), "commit": r.get("commit", "")}})
+        entries.append({"n": n, "k": k, "rows": [lo, hi], "config": config})  # (the measurements: the sweep CSV)
     return {"device": devices.pop(), "source": source, "entries": entries}
 
 
@@ -288,8 +283,11 @@ def rel_err(got, ref_fn) -> float:
     return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
 
 
+BODIES = {"stream": {}, "no_prefetch": {"prefetch": 0}}  # --small-m: the streaming body with / without its prefetch
+
+
 def small_m_main(args, shapes, dtype, copy_gbps, meta):
-    """--small-m: unfused vs the tl.dot body vs the streaming bodies per op and row count (module docstring)."""
+    """--small-m: unfused vs the streaming body per op and row count (module docstring)."""
     bodies = args.bodies
     rows_m = [2, 5] if args.quick else (args.rows or ([17, 49] if args.small_m_sweep or args.small_m_grid
                                                       else [8, 17, 33, 49]))
@@ -304,27 +302,27 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
                 if op not in op_names:
                     continue
                 unfused_us = timed(call, False)
-                us = {b: timed(lambda: call_cfg({"small_m": b, "gemv": False}), True) for b in bodies}
+                us = {b: timed(lambda: call_cfg({**BODIES[b], "gemv": False}), True) for b in bodies}
                 row = dict(meta, shape=sname, M=M, op=op, weight_mb=wbytes / 1e6, unfused_us=unfused_us,
                            **{f"{b}_us": t for b, t in us.items()})
-                best = min((b for b in bodies if b != "dot"), key=lambda b: us[b], default=None)
-                if best is not None:  # the fastest streaming variant: its speed-ups, bandwidth and error
+                best = min(bodies, key=lambda b: us[b], default=None)
+                if best is not None:  # the fastest streaming variant: its speed-up, bandwidth and error
                     gbps = wbytes / (us[best] * 1e-6) / 1e9
-                    row.update(best_stream=best, best_vs_unfused=unfused_us / us[best],
-                               best_vs_dot=us.get("dot", float("nan")) / us[best], best_gbps=gbps,
+                    row.update(best_stream=best, best_vs_unfused=unfused_us / us[best], best_gbps=gbps,
                                pct_copy=100 * gbps / copy_gbps,
-                               rel_err=rel_err(call_cfg({"small_m": best, "gemv": False}), call))
+                               rel_err=rel_err(call_cfg({**BODIES[best], "gemv": False}), call))
                 rows.append(row)
                 stream_us = us.get("stream", float("nan"))
                 if args.small_m_sweep or args.small_m_grid:
                     for v in (stream_grid(op, s) if args.small_m_grid else stream_variants(op, s, args.quick)):
-                        cfg = dict({"small_m": "stream", "gemv": False}, **v)
+                        cfg = dict({"gemv": False}, **v)
                         try:
                             us = timed(lambda: call_cfg(dict(cfg)), True)
                         except Exception as exc:  # e.g. out of shared memory for this tile
                             us = float("nan")
                             print(f"sweep {sname} M={M} {op} {v}: {type(exc).__name__}: {exc}"[:300], flush=True)
-                        sweep.append(dict(meta, shape=sname, M=M, op=op, body=cfg["small_m"],
+                        sweep.append(dict(meta, shape=sname, M=M, op=op,
+                                          body="no_prefetch" if v.get("prefetch") == 0 else "stream",
                                           split_k=v.get("split_k", ""), block_n=v.get("block_n", ""),
                                           parts=v.get("parts", ""), programs=v.get("programs", ""),
                                           BLOCK_K=v.get("BLOCK_K", ""), num_stages=v.get("num_stages", ""),
@@ -334,7 +332,7 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
     write_csvs(args.out, {"bench_linear_small_m.csv": rows, "bench_linear_small_m_sweep.csv": sweep})
     if args.write_tiles and sweep:
         write_tiles(args.write_tiles, sweep, args, f"bench_linear.py --small-m-{'grid' if args.small_m_grid else 'sweep'}"
-                    f" at {meta['commit']} ({meta['date']})")
+                    f" on {meta['device']} (provenance: the sweep CSV and the ledger)")
     if sweep:
         best = fastest(sweep, ("shape", "M", "op"))
         print_table("best streaming-body variant per op (default tiles: stream us of the table below)",
@@ -347,12 +345,11 @@ def small_m_main(args, shapes, dtype, copy_gbps, meta):
     cols = [f"{b}_us" for b in bodies]
     print_table(f"multi-row bodies, us per call ({meta['device']}, {meta['commit']}, copy {copy_gbps:.0f} GB/s; "
                 "best: the fastest streaming variant)",
-                ["shape", "M", "op", "weight MB", "unfused"] + list(bodies) + ["best", "x unfused", "x dot", "%copy",
-                                                                              "rel err"],
+                ["shape", "M", "op", "weight MB", "unfused"] + list(bodies) + ["best", "x unfused", "%copy", "rel err"],
                 [[r["shape"], str(r["M"]), r["op"], f"{r['weight_mb']:.2f}", f"{r['unfused_us']:.2f}"]
                  + [f"{r[c]:.2f}" for c in cols]
-                 + ([r["best_stream"], f"{r['best_vs_unfused']:.2f}", f"{r['best_vs_dot']:.2f}", f"{r['pct_copy']:.0f}",
-                     f"{r['rel_err']:.1e}"] if "best_stream" in r else ["-"] * 5) for r in rows])
+                 + ([r["best_stream"], f"{r['best_vs_unfused']:.2f}", f"{r['pct_copy']:.0f}",
+                     f"{r['rel_err']:.1e}"] if "best_stream" in r else ["-"] * 4) for r in rows])
 
 
 def timed(fn, fused: bool) -> float:
@@ -370,15 +367,15 @@ def main():
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None, help="subset of shapes")
     ap.add_argument("--rows", nargs="+", type=int, default=None, help="subset of row counts M")
     ap.add_argument("--ops", nargs="+", default=None, help="subset of ops")
-    ap.add_argument("--kinds", nargs="+", choices=["dot", "gemv"], default=["dot", "gemv"],
-                    help="sweep tl.dot tiles, GEMV tiles or both")
+    ap.add_argument("--kinds", nargs="+", choices=["stream", "gemv"], default=["stream", "gemv"],
+                    help="--sweep: the streaming body's tiles at one row, GEMV tiles or both")
     ap.add_argument("--small-m", action="store_true",
-                    help="unfused vs tl.dot body vs streaming body at M in {8, 17, 33, 49} (or --rows)")
+                    help="unfused vs the streaming body at M in {8, 17, 33, 49} (or --rows)")
     ap.add_argument("--small-m-sweep", action="store_true", help="with --small-m: the streaming body's tile variants")
     ap.add_argument("--small-m-grid", action="store_true",
                     help="with --small-m: the streaming body's tiles x K-loop settings (stream_grid) instead")
-    ap.add_argument("--bodies", nargs="+", choices=options.SMALL_M_BODIES, default=[b for b in options.SMALL_M_BODIES if b != "auto"],
-                    help="--small-m: the multi-row bodies to time (kernel option small_m values)")
+    ap.add_argument("--bodies", nargs="+", choices=sorted(BODIES), default=list(BODIES),
+                    help="--small-m: the streaming body with (stream) and without (no_prefetch) its L2 prefetch")
     ap.add_argument("--write-tiles", type=Path, default=None,
                     help="with --small-m-sweep / --small-m-grid / --tiles-from: write a tile table (JSON) here")
     ap.add_argument("--tiles-from", type=Path, default=None,

@@ -148,76 +148,49 @@ def silu_mul(x, *, backend="auto"):
     return fn(x)
 
 
-# Rows up to which the fused small-M layer kernels run (kernels_triton/linear.py). H200, bf16, SmolLM2
-# shapes, tl.dot body: at M = 1 they match or beat norm + cuBLAS + epilogue kernels (w2 3.8 vs 4.6 us,
-# qkv 6.3 vs 6.8 us); at M = 17 (a 16-node tree verify) they lose (qkv 9.7 vs 6.3 us), so verify
-# stays on cuBLAS.
-FUSED_MAX_ROWS = 16
-# ... and weights up to this size: through the tl.dot body Llama-3.1-8B projections (34-235 MB) stream
-# faster through cuBLAS (8B w2 at M = 1: 36.4 vs 31.9 us; the 57 MB SmolLM2 lm_head ties at 16.2 us).
+# Routing of the fused small-M layer kernels (kernels_triton/linear.py; the measurements behind each
+# limit: docs/kernel_notes.md "Fused small-M layers"). One row (batch-1 decode) runs the GEMV body at any
+# weight size: one launch per layer op beats norm + cuBLAS + epilogue kernels at small and large models.
+# Several rows run the streaming body up to FUSED_MAX_ROWS rows (kernel option fused_rows overrides it):
+# a 16-node tree's verify and the draft rounds; a 49-row verify is faster on cuBLAS, and at 25-40 rows
+# the streamed verify lost too.
+FUSED_MAX_ROWS = 24
+# ... for weights up to FUSED_MAX_WEIGHT_BYTES (SmolLM2's layers; small LM heads). Larger projections
+# (Llama-3.1-8B's) are bound by their weight stream either way: streamed they win only at a tree verify's
+# rows (STREAM_LARGE_MIN_ROWS and up), while batched plain decoding at 2-16 rows and the 4-row draft
+# rounds are as fast or faster through cuBLAS, and a batch bucket of plain decoding never falls in 17-24.
 FUSED_MAX_WEIGHT_BYTES = 16 << 20
-# With the kernel option small_m="stream" / "stream_prefetch" / "stream_inline" (the streaming bodies,
-# kernels_triton/linear.py): rows up to this many (fused_rows overrides it) and projections of any
-# weight size take the fused kernels; LM heads (more than linear.GEMV_MAX_COLUMNS outputs) keep
-# FUSED_MAX_WEIGHT_BYTES.
-STREAM_MAX_ROWS = 64
-# The default small_m="auto": the streaming body (with its L2 prefetch) for up to this many rows of
-# weights up to FUSED_MAX_WEIGHT_BYTES. H200, 2026-12-02, 6e40d5d: graphed batch-1
-# SmolLM2 tree16 / tree48 steps 1.232 / 1.371 ms on "dot", 1.054 / 1.556 streaming up to 64 rows
-# (its 49-row verify loses to cuBLAS: bench_linear --small-m, qkv 9.7 vs 6.4 us), 1.060 / 1.337
-# streaming up to 24.
-AUTO_STREAM_MAX_ROWS = 24
-# ... and projections above FUSED_MAX_WEIGHT_BYTES (Llama-3.1-8B's) from this many rows up to
-# AUTO_STREAM_MAX_ROWS (a 16-node tree's verify), cuBLAS at fewer. H200, 2026-12-03, 1cb20d0
-# (experiments/results/profile/ab_auto_large_llama8b_1cb20d0.json, decode_batches_llama8b_1cb20d0.json):
-# the 17-row verify forward streamed 4.772 ms vs 4.846 on cuBLAS (tree16 step 6.018 vs 6.114), but
-# batched plain steps at 2 / 4 / 8 / 16 rows 3.5 / 3.7 / 3.0 / 0.9% slower streamed (24 rows: 0.6%
-# faster), and the 4-row draft rounds equal either way.
-AUTO_STREAM_LARGE_MIN_ROWS = 17
-# One row (batch-1 decode) runs the GEMV body at any weight size for the projections where it wins on
-# the H200 (bench_linear.py, weights streamed from HBM, M = 1): 8B qkv with norm + RoPE + KV write
-# 17.8 us vs 20.7 unfused, wo 10.5 vs 13.2, w2 29.8 vs 31.6 (SmolLM2 qkv 3.4 vs 6.6, wo 2.0 vs 3.1,
-# mlp_in 3.3 vs 5.9, w2 2.5 vs 4.7). The 8B norm + gate|up + SwiGLU is 62.4 vs 59.1 us alone, but
-# inside the graphed 8B step (profile_step.py --shape llama8b) the one-launch GEMV wins: 4.436 vs
-# 4.495 ms per step (cuBLAS's gate|up took 60.7 us there, plus the norm and SwiGLU launches).
+STREAM_LARGE_MIN_ROWS = 17
 
 
 def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: bool = False,
            swiglu: bool = False, m: int | None = None) -> bool:
-    """Small-M fused layers for decode / draft rows on the Triton backend. The kernel option
-    fused_linear=False (kernels_triton/options.py) falls back to the unfused kernels + cuBLAS (an A/B
-    switch for benchmarks). ``one_row_any_size``: a
-    single row goes to the fused GEMV whatever the weight size (output widths up to
-    kernels_triton.linear.GEMV_MAX_COLUMNS; wider ones, LM heads, keep the limits), and so do up to
-    STREAM_MAX_ROWS rows under a streaming body (kernel option small_m "stream*"), and
-    AUTO_STREAM_LARGE_MIN_ROWS .. AUTO_STREAM_MAX_ROWS rows under the default "auto"."""
+    """Small-M fused layers for decode / draft / verify rows on the Triton backend (the routing above).
+    The kernel option fused_linear=False (kernels_triton/options.py) falls back to the unfused kernels +
+    cuBLAS (the baseline of the kernel benchmarks). ``one_row_any_size``: a single row goes to the fused
+    GEMV whatever the weight size (output widths up to kernels_triton.linear.GEMV_MAX_COLUMNS; wider
+    ones, LM heads, keep the limits), and so do STREAM_LARGE_MIN_ROWS .. FUSED_MAX_ROWS rows."""
     from kernels_triton import linear as lin
     from kernels_triton import options
 
-    if isinstance(w, W8) or not use_triton(backend, x) or not options.get().fused_linear:
+    opts = options.get()
+    if isinstance(w, W8) or not use_triton(backend, x) or not opts.fused_linear:
         return False
     M = x.shape[0] if m is None else m  # m: the rows a gathered input yields
     projection = w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS  # not an LM head
     if one_row_any_size and M == 1 and projection:
         return True
-    opts = options.get()
-    auto = opts.small_m == "auto"  # streaming for few rows (AUTO_STREAM_MAX_ROWS), projections of any size
-    stream = opts.small_m not in ("dot", "auto")  # "stream" / "stream_prefetch" / "stream_inline", any size
-    # kernel option fused_rows: an A/B of tree verify; small_m: the body for more than one row
-    cap = AUTO_STREAM_MAX_ROWS if auto else STREAM_MAX_ROWS if stream else FUSED_MAX_ROWS
-    if M > (opts.fused_rows or cap):
+    if M > (opts.fused_rows or FUSED_MAX_ROWS):
         return False
     if w.numel() * w.element_size() <= FUSED_MAX_WEIGHT_BYTES:
         return True
-    return one_row_any_size and projection and (stream or (auto and M >= AUTO_STREAM_LARGE_MIN_ROWS))
+    return one_row_any_size and projection and M >= STREAM_LARGE_MIN_ROWS
 
 
 def gathers_rows(backend: str, x: torch.Tensor, w: torch.Tensor, rows) -> bool:
     """Whether a layer over gathered rows (``rows`` = (index [G, W], group) into x) reads them inside the
-    fused kernel: the fused path for its G * W rows, the kernel option gather_rows, one dtype."""
-    from kernels_triton import options
-
-    if isinstance(w, W8) or not options.get().gather_rows or x.dtype != w.dtype:
+    fused kernel: the fused path for its G * W rows, one dtype."""
+    if isinstance(w, W8) or x.dtype != w.dtype:
         return False
     return _fused(backend, x, w, one_row_any_size=True, m=rows[0].numel())
 
@@ -232,7 +205,7 @@ def gather_rows(x, rows):
 def linear(x, w, add=None, *, backend="auto", rows=None):
     """x [N, K] @ w [NOUT, K]^T (+ add [N, NOUT], rounded once like torch.addmm). ``rows`` = (index
     [G, W], group): the N = G * W input rows are x[g * group + max(index[g, j], 0)], read inside the
-    fused kernel where it runs (kernel option gather_rows), else gathered first."""
+    fused kernel where it runs, else gathered first."""
     from kernels_triton import linear as lin
 
     if rows is not None:
@@ -246,11 +219,10 @@ def linear(x, w, add=None, *, backend="auto", rows=None):
 
 def linear_residual(x, w, residual, *, backend="auto"):
     """The projection that closes a residual block (o-projection, down projection), as the next norm op's
-    input: (x', residual', sumsq). Where the streaming body runs several rows and the kernel option
-    norm_stats is on, one launch adds the residual in its epilogue: (s = x @ w^T + residual, None, the
-    per-column-block sums of s^2, kernels_triton.linear.linear_residual), and the next norm_* op
-    normalises s from those sums (kernel option norm_stats: "loop", in its K loop; "fold", weights with
-    the norm weight folded in, see :func:`fold_norm`, and 1 / rms in the epilogue), without a prologue
+    input: (x', residual', sumsq). Where the streaming body runs several rows, one launch adds the
+    residual in its epilogue: (s = x @ w^T + residual, None, the per-column-block sums of s^2,
+    kernels_triton.linear.linear_residual), and the next norm_* op normalises s from those sums with the
+    norm weight folded into its weight (:func:`fold_norm`, 1 / rms in the epilogue), without a prologue
     launch. Elsewhere (one row: the GEMV computes its own norm; cuBLAS; CPU) (x @ w^T, residual, None):
     the add stays in the next norm's kernel, as before. Either way the norm op that follows gets
     ``(x', residual', sumsq=sumsq)``."""
@@ -264,22 +236,14 @@ def linear_residual(x, w, residual, *, backend="auto"):
 
 def sums_squares(backend: str, x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether :func:`linear_residual` over rows x with weight w hands the next norm op its rows' sums of
-    squares: the kernel option norm_stats on, several rows, a streaming small-M body and the fused path."""
-    from kernels_triton import linear as lin
-    from kernels_triton import options
-
-    return (x.shape[0] > 1 and options.get().norm_stats != "off" and lin._peek_body(None) != "dot"
-            and _fused(backend, x, w, one_row_any_size=True))
+    squares: several rows (the streaming body) on the fused path."""
+    return x.shape[0] > 1 and _fused(backend, x, w, one_row_any_size=True)
 
 
 def norm_folding(backend: str | None = None, x: torch.Tensor | None = None, w: torch.Tensor | None = None) -> bool:
-    """Whether the kernel option norm_stats is "fold" (and, given backend, rows x and the weight w of the
-    projection before a norm, whether that projection hands over sums: :func:`sums_squares`): models then
-    pass the norm ops their weights with the norm weight folded in (``folded=``, :func:`fold_norm`)."""
-    from kernels_triton import options
-
-    if options.get().norm_stats != "fold":
-        return False
+    """Whether models pass the norm ops their weights with the norm weight folded in (``folded=``,
+    :func:`fold_norm`): wherever a projection hands over sums (given backend, rows x and the weight w of
+    the projection before a norm: :func:`sums_squares`; without them: always)."""
     return x is None or sums_squares(backend, x, w)
 
 
@@ -303,8 +267,8 @@ def fold_norm(w, norm_weight):
 
 
 def _norm_args(norm_weight, w, sumsq, folded):
-    """(norm weight, weight) for a fused norm op: with row sums and a folded weight (norm_stats "fold")
-    the folded weight and no norm weight (1 / rms scales the rows in the epilogue)."""
+    """(norm weight, weight) for a fused norm op: with row sums and a folded weight, the folded weight and
+    no norm weight (1 / rms scales the rows in the epilogue)."""
     if sumsq is not None and folded is not None:
         return None, folded
     return norm_weight, w
@@ -322,7 +286,7 @@ def _norm(x, residual, norm_weight, eps, backend):
 def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto", sumsq=None, folded=None):
     """(RMSNorm(x + residual) @ w^T, x + residual); residual None: s = x. ``sumsq``: x's rows' sums of
     squares from :func:`linear_residual` (used by the fused kernel); ``folded``: fold_norm(w, norm_weight),
-    used with them under norm_stats "fold"."""
+    used with them."""
     from kernels_triton import linear as lin
 
     if _fused(backend, x, w, one_row_any_size=True):
@@ -335,7 +299,7 @@ def norm_linear(x, residual, norm_weight, eps, w, *, backend="auto", sumsq=None,
 def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto", sumsq=None, folded=None):
     """(silu(gate) * up of RMSNorm(x + residual) @ w13^T [N, F], x + residual); residual None: x.
     ``sumsq``: x's rows' sums of squares from :func:`linear_residual` (used by the fused kernel);
-    ``folded``: fold_norm(w13, norm_weight), used with them under norm_stats "fold"."""
+    ``folded``: fold_norm(w13, norm_weight), used with them."""
     from kernels_triton import linear as lin
 
     if _fused(backend, x, w13, one_row_any_size=True, swiglu=True):
@@ -356,7 +320,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     ``rows`` = (index [G, W], group): x's rows gathered as in :func:`linear` (no residual; s is then
     the gathered rows, or None when the kernel gathered them). ``sumsq``: x's rows' sums of squares
     from :func:`linear_residual` (used by the fused kernel); ``folded``: fold_norm(wqkv, norm_weight), used
-    with them under norm_stats "fold"."""
+    with them."""
     from kernels_triton import linear as lin
 
     if rows is not None:

@@ -17,11 +17,10 @@ from ..models.ops import use_triton
 def use_step_kernels(backend: str, t: torch.Tensor) -> bool:
     """The step's addressing and tree helpers (block_meta, tree_meta, ancestor_masks, tree_expand,
     tree_select) run as Triton kernels wherever the Triton backend runs: they replace ~12,
-    ~8-per-level, ~20-per-round and ~25 small torch kernels per call (H200, graphed batch-1 steps:
-    plain 1.028 -> 1.006 ms, 16-node tree 1.676 -> 1.493 ms with the first two, -> 1.368 ms with the
-    tree kernels; profile_step results). The kernel option step_kernels (kernels_triton/options.py)
-    False keeps the torch versions (an A/B switch for benchmarks); True forces the kernels with
-    backend "auto" on the CPU too, under the interpreter (tests of the engine loop)."""
+    ~8-per-level, ~20-per-round and ~25 small torch kernels per call (docs/kernel_notes.md "Step
+    kernels"). The kernel option step_kernels (kernels_triton/options.py) False keeps the torch
+    versions (the references); True forces the kernels with backend "auto" on the CPU too, under the
+    interpreter (tests of the engine loop)."""
     from kernels_triton import options
 
     flag = options.get().step_kernels
@@ -80,15 +79,11 @@ def counterfactual_commits(cand, cids, parents, nodes, accept_len, shapes, K: in
 
 def _triton_topk(backend: str, x: torch.Tensor) -> bool:
     """The top-k ops run as Triton kernels: on the Triton backend, rows up to kernels_triton.topk.MAX_V
-    in one program, wider ones (up to MAX_SPLIT_V) as the split row's two launches unless the kernel
-    option wide_topk is off (then torch log_softmax + topk, ~20 launches per call on a GPU)."""
-    from kernels_triton import options
+    in one program, wider ones up to MAX_SPLIT_V as the split row's two launches (torch's log_softmax +
+    topk take ~20 launches per call on a GPU); wider still, torch."""
     from kernels_triton import topk as topk_mod
 
-    if not use_triton(backend, x):
-        return False
-    V = x.shape[-1]
-    return V <= topk_mod.MAX_V or (options.get().wide_topk and V <= topk_mod.MAX_SPLIT_V)
+    return use_triton(backend, x) and x.shape[-1] <= topk_mod.MAX_SPLIT_V
 
 
 def topk(x, k: int, *, backend="auto"):
