@@ -51,7 +51,7 @@ Kernel layout (FlashAttention-2 style online softmax in the exp2 domain):
 - Launch is capture-safe: the launcher never reads tensor values on the host (B, N, num_splits are
   runtime values, max_q_len a host int bound); the grid covers ceil(max_q_len / BLOCK_T) query blocks
   and programs past T_b return at once. Every launch choice (tile, splits, loops, merge, PDL) is made
-  in attention_launch.py (``plan``), with the result file behind each rule.
+  in attention_launch.py (``plan``), with the reason for each rule.
 
 Invariants: kv_lens[b] >= T_b; kv_lens[b] <= MP * PS; page_table entries below ceil(kv_len / PS) are
 valid pages (others are never read); with a tree mask T_b <= 64 and bits >= T_b are ignored; every
@@ -352,8 +352,7 @@ def _paged_attention_fwd_kernel(
     # Splits take ceil(n_tiles / n_busy) tiles each, so the last ones may be empty (65 tiles in 16
     # splits: 13 busy splits of 5). Spreading the tiles evenly instead (n_tiles // n_busy or one
     # more each, all 16 busy) was slower where it differs: same longest split, more programs and
-    # partials (H200, same run, results/kernels/ab_split_ranges_11a6ed8.txt: decode 9q/3kv B=8
-    # prefix 4096 13.79 vs 14.48 us, 32q/8kv B=1 prefix 512 7.55 vs 7.85 us).
+    # partials (docs/kernel_notes.md "Split-KV").
     n_busy = tl.maximum(tl.minimum(num_splits, n_tiles // min_busy_tiles), 1)
     per_split = tl.cdiv(n_tiles, n_busy)
     tile_lo = i_sp * per_split

@@ -69,12 +69,12 @@ def launch_config(max_q_len, G, D, dtype=torch.bfloat16, kv_capacity=None) -> di
     BLOCK_M packs BLOCK_T queries x G heads, a power of two >= 16: decode 16 rows, trees and short
     chunks 32-64, prefill 128.
     - 17-32 rows with 16-bit inputs take the one-warpgroup wgmma tile (BLOCK_M = 64) at d <= 64, and
-      at d128 from WGMMA_MIN_CAPACITY_D128 slots of capacity (up to 1.66x; d128 prefix 512 slower:
-      ab_wgmma_short_trees_d0845d2.txt).
+      at d128 from WGMMA_MIN_CAPACITY_D128 slots of capacity (up to 1.66x; at d128 short prefixes
+      are faster on mma.sync).
     - BLOCK_M <= 32 (mma.sync, bandwidth-bound): N=64 (32 at d128), 4 warps, 5 stages: two K/V
-      buffers in flight (exp_decode_warps_c3ae0bd.txt: 2 / 1 / 8 warps slower).
+      buffers in flight (2, 1 or 8 warps slower).
     - BLOCK_M = 64: N=64, 4 warps, 5 stages (3-4 stages 35% slower, 6-10 no better; N=128 needs 255
-      registers at d64; measured at 9aa95c6, docs/kernel_notes.md "Tiles").
+      registers at d64; docs/kernel_notes.md "Tiles").
     - BLOCK_M = 128 (prefill): 8 warps (4 spill at d64), N=64, 3 stages (2 above d128).
     - fp32 inputs (tests, debugging) run an ieee FMA dot: 8 warps, 2 stages, BLOCK_M <= 64 x N = 32 at
       d64 and 32 x 16 at d128, so nothing spills.
@@ -123,8 +123,8 @@ def occupancy_splits(B, HKV, D, n_qblocks, kv_capacity, cfg, device, dtype) -> i
     SM exist, each split keeping >= TREE_MIN_SPLIT_TILES tiles of capacity (and, at run time, of its
     request's tiles). paged_attention launches the plan with the fused merge folding one partial per
     step and, at d64, a TREE_MAXNREG cap (3 programs per SM instead of 2). Up to 1.75x at long
-    prefixes (exp_tree_splits_048c1ed.txt); shapes it leaves alone were slower split (B=64 prefix
-    1024). It applies only where it gives more splits than default_num_splits.
+    prefixes; shapes it leaves alone were slower split (B=64 prefix 1024). It applies only where it
+    gives more splits than default_num_splits.
     """
     per_sm = TREE_PROGRAMS_PER_SM.get(D)
     if cfg["BLOCK_M"] != 64 or dtype == torch.float32 or per_sm is None:
@@ -151,8 +151,7 @@ def merge_rows(cfg, max_q_len, G) -> int:
 def default_l2d(cfg) -> bool:
     """Running softmax sums kept per element of the score tile and reduced once after the loop (L2D)
     at BLOCK_M <= 32, where each row sum is a cross-warp reduction on every tile's chain (decode
-    3-4% faster); the wgmma tiles keep row sums, which per-element sums would cost an occupancy step
-    (exp_attention_l2d_c3ae0bd.txt)."""
+    3-4% faster); the wgmma tiles keep row sums, which per-element sums would cost an occupancy step."""
     return cfg["BLOCK_M"] <= 32
 
 
@@ -160,7 +159,7 @@ def default_one_loop(cfg, kv_capacity, num_splits) -> bool:
     """One loop over all tiles, masking at run time (ONE_LOOP), at BLOCK_M <= 32 and where a split
     holds at most ONE_LOOP_MAX_TILES tiles of capacity; else an unmasked loop then a masked one.
     Two loops restart the pipeline (two more round trips per program), which short programs feel;
-    in long wgmma loops the per-tile branch costs more (ab_attention_loops_eb3d046.txt)."""
+    in long wgmma loops the per-tile branch costs more."""
     if cfg["BLOCK_M"] <= 32:
         return True
     return triton.cdiv(triton.cdiv(kv_capacity, cfg["BLOCK_N"]), num_splits) <= ONE_LOOP_MAX_TILES

@@ -9,9 +9,9 @@ Math, for one row x of V logits (any float dtype, computed in fp32):
 Equal to ``log_softmax(x.float()).topk(K)`` up to the order of tied values (torch leaves that
 unspecified; here it is the lower index first) and fp32 rounding of the logsumexp. A draft step
 needs exactly this: the K best children and their log-probabilities, never the full [N, V]
-log-softmax. In a batch-1 EAGLE-3 tree step of SmolLM2 (H200, CUDA graph, 8192-wide draft rows)
-torch's log_softmax + radix-select ``topk`` took ~250 us per step, this kernel ~30 us for the same
-five calls (experiments/results/profile/profile_step_*.json).
+log-softmax. torch's log_softmax + radix-select ``topk`` take ~20 launches per call, this kernel one
+(two for the split row): in a graphed batch-1 tree step the five calls went from a few hundred
+microseconds to a few tens.
 
 Shapes: logits [N, V] (leading dims flattened: [..., V] works), returns logp [..., K] fp32 and ids
 [..., K] int64 (new, contiguous). K <= V and K <= 64; V <= 16384 (MAX_V) in one program, wider rows
@@ -292,8 +292,8 @@ def _launch(logits, k: int, log_softmax: bool, name: str, out=None, num_warps=No
         return res
     block_v = max(16, triton.next_power_of_2(V))
     if num_warps is None:  # benchmarks may sweep it
-        # ~16 fp32 values per thread, at most 8 warps (H200, 8192-wide rows: 4.2 us at 8 warps, 4.7 at
-        # 16; results/kernels/bench_draft_round.csv)
+        # ~16 fp32 values per thread, at most 8 warps (16 warps were slower on 8192-wide rows;
+        # experiments/kernels/bench_draft_round.py)
         num_warps = max(1, min(8, block_v // 512))
     topk_logprobs_kernel[(N,)](x2, v2, i2, V, x2.stride(0), v2.stride(0), i2.stride(0), K=k, BLOCK_V=block_v,
                                LOG_SOFTMAX=log_softmax, num_warps=num_warps)

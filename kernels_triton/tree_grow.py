@@ -3,7 +3,7 @@
 The growth of ``specdec/spec/tree.py`` as torch ops costs ~20 small kernels per draft round (child
 scores, the vocabulary map, top-k, gathers, the concatenation of the next round's draft rows) and
 ~25 for the final selection; in a graphed batch-1 step of a 16-node tree those ~140 launches took
-~0.18 ms of a 1.48 ms step (H200, experiments/results/profile). Here each is one launch: programs
+about an eighth of the step. Here each is one launch: programs
 per request (tree_select: grid (B,); tree_expand: grid (B, hidden chunks), the next rows' hidden
 copied in parallel chunks).
 

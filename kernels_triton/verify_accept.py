@@ -58,8 +58,8 @@ request); every program takes the argmax of one BLOCK_V chunk of one node's row 
 first index) to a workspace; the last program of a request to arrive (an int32 arrival counter per
 request, left at 0 for the next launch) walks the tree reading only those partials. All T rows are
 read once, in parallel, instead of the visited rows one after another: the single-program walk
-streams V / BLOCK_V chunks per visited node in sequence (17 us for one 128K-vocabulary row on an
-H200), which is latency, not bandwidth. Same decisions as the single-program kernel (first index of
+streams V / BLOCK_V chunks per visited node in sequence (~17 us for one 128K-vocabulary row), which
+is latency, not bandwidth. Same decisions as the single-program kernel (first index of
 the maximum, ties across chunks included).
 
 Invariants: parents[b, i] < i for real nodes (entries >= i are never accepted); logits contain no
