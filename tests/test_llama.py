@@ -1,4 +1,5 @@
-"""The target model against transformers: SmolLM2 from the same GGUF, and a random Llama-3 checkpoint."""
+"""The target model against transformers: SmolLM2 from the same GGUF, and a random Llama-3 checkpoint (the other
+families: tests/test_families.py)."""
 
 import json
 
@@ -106,9 +107,9 @@ def test_capture_layers_return_residual_stream(random_llama3_dir):
     torch.testing.assert_close(out.captured, torch.cat([hs[2][0], hs[0][0]], -1), atol=1e-5, rtol=1e-5)
 
 
-def test_non_llama_config_is_rejected(tmp_path):
+def test_unsupported_architecture_is_rejected(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(CheckpointError, match="not a Llama architecture"):
+    with pytest.raises(CheckpointError, match="not a supported architecture; supported model_type: llama, qwen2"):
         LlamaModel.from_pretrained(tmp_path)
 
 

@@ -1,18 +1,18 @@
-"""Random-weight targets with real shapes, for systems studies (e.g. Llama-3.1-8B on one H200).
+"""Random-weight targets with real shapes, for systems studies (Llama-3.1-8B, Qwen3-8B, Qwen3-30B-A3B).
 
 Outputs of these models are meaningless token ids: every table and metrics file that reports one
 must say "random weights". They have no tokenizer: :class:`IdsOnlyTokenizer` stands in, so only
 synthetic workloads (random prompt ids) run on them.
 
-The model itself comes from :meth:`specdec.models.llama.LlamaModel.random` (weights drawn on the
-device in the target dtype).
+The model itself comes from :meth:`specdec.models.transformer.TransformerModel.random` (weights drawn
+on the device in the target dtype); ``config.model_type`` picks the family (default llama).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..models.loading import LlamaConfig
+from ..models.families import ModelConfig
 
 RANDOM_WEIGHTS_LABEL = "random weights"
 
@@ -35,9 +35,13 @@ class IdsOnlyTokenizer:
         return ""  # random weights: the ids carry no text
 
 
-def llama_config_from_dict(d: dict) -> LlamaConfig:
-    """LlamaConfig from a plain dict of Hugging Face config.json field names."""
-    return LlamaConfig.from_dict({"model_type": "llama", **d}, source="random target config")
+def config_from_dict(d: dict) -> ModelConfig:
+    """The target config from a plain dict of Hugging Face config.json field names (a conf/target/*.yaml's
+    ``config``); ``model_type`` picks the family, llama when absent."""
+    return ModelConfig.from_dict({"model_type": "llama", **d}, source="random target config")
+
+
+llama_config_from_dict = config_from_dict  # the older name (benchmark scripts import it)
 
 
 def load_target_yaml(path: str | Path) -> dict:

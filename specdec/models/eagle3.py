@@ -37,8 +37,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import ops
-from .loading import (SHARD_BYTES, CheckpointError, LlamaConfig, read_json_object, resolve_dtype,
-                      write_safetensors)
+from .families import ModelConfig
+from .loading import SHARD_BYTES, CheckpointError, read_json_object, resolve_dtype, write_safetensors
 
 ARCH = "LlamaForCausalLMEagle3"
 # Keys that identify the EAGLE-3 layout (the EAGLE repository's own training configs say
@@ -104,7 +104,7 @@ class Eagle3Config:
     own_embedding: bool = False  # the head embeds tokens with its own embed_tokens.weight [vocab, H]
 
     @classmethod
-    def for_target(cls, target: LlamaConfig, draft_vocab_size: int, target_layers=None) -> "Eagle3Config":
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int, target_layers=None) -> "Eagle3Config":
         """A head shaped like one layer of ``target``."""
         return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
                    num_attention_heads=target.num_attention_heads,
@@ -150,7 +150,7 @@ class Eagle3Config:
             raise CheckpointError(f"{source}: {', '.join(refused)} changes the head's function and is not "
                                   "implemented by specdec (supported: the official EAGLE-3 layer, SiLU, no "
                                   "biases, no extra norms)")
-        base = LlamaConfig.from_dict({**cfg, "model_type": "llama",
+        base = ModelConfig.from_dict({**cfg, "model_type": "llama",
                                       "rms_norm_eps": cfg.get("rms_norm_eps", HF_LLAMA_RMS_NORM_EPS)}, source)
         layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         th = cfg.get("target_hidden_size")  # null (older specdec heads) reads as absent
@@ -284,7 +284,7 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, *, device="cpu", dtype=None, backend="auto",
-             target: LlamaConfig | None = None) -> "Eagle3Head":
+             target: ModelConfig | None = None) -> "Eagle3Head":
         """Load safetensors or pytorch_model.bin in the official layout; check it fits ``target``."""
         path = Path(path)
         cfg_path = path / "config.json"

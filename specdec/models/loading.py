@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,95 +41,14 @@ def read_json_object(path: Path, what: str = "file") -> dict:
         raise CheckpointError(f"{path}: expected a JSON object ({what}), got {type(obj).__name__}")
     return obj
 
-@dataclass
-class LlamaConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: list[int] = field(default_factory=list)
+def __getattr__(name: str):
+    """``LlamaConfig``: the older name of the target config, specdec.models.families.ModelConfig (imported
+    lazily: families imports this module)."""
+    if name == "LlamaConfig":
+        from .families import ModelConfig
 
-    @classmethod
-    def from_dict(cls, cfg: dict, source: str = "config") -> "LlamaConfig":
-        if not isinstance(cfg, dict):
-            raise CheckpointError(f"{source}: expected a JSON object of config fields, got "
-                                  f"{type(cfg).__name__}")
-        arch = cfg.get("architectures") or []
-        mtype = cfg.get("model_type")
-        if mtype != "llama" and "LlamaForCausalLM" not in arch:
-            raise CheckpointError(
-                f"{source}: model_type {mtype!r} / architectures {arch} is not a Llama "
-                "architecture; specdec targets need model_type 'llama' (LlamaForCausalLM)")
-        try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            # RoPE: transformers 4.x writes rope_theta + rope_scaling, 5.x one rope_parameters dict.
-            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-            theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-            if rope.get("rope_type", rope.get("type", "default")) == "default":
-                rope = None
-            eos = cfg.get("eos_token_id")
-            eos = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-            return cls(
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                vocab_size=int(cfg["vocab_size"]),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                # transformers' LlamaConfig default when absent (1e-6, checked in 5.24).
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta,
-                rope_scaling=rope,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_id=eos,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{source}: missing or malformed field: {e}") from e
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> "LlamaConfig":
-        path = Path(path)
-        cfg_path = path / "config.json"
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint directory {path} does not exist")
-        if not cfg_path.is_file():
-            raise CheckpointError(f"{path} has no config.json (expected a Hugging Face checkpoint "
-                                  "directory: config.json + *.safetensors)")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-        config = cls.from_dict(cfg, str(cfg_path))
-        # generation_config.json holds the stop ids generate() uses (Llama-3.1: <|end_of_text|>,
-        # <|eom_id|>, <|eot_id|>), often more than config.json lists: stop on all of them.
-        gen_path = path / "generation_config.json"
-        if gen_path.is_file():
-            try:
-                gen = json.loads(gen_path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{gen_path} is not valid JSON: {e}") from e
-            eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
-            if not isinstance(gen, dict) or not (eos is None or isinstance(eos, int) or (
-                    isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
-                raise CheckpointError(f"{gen_path}: expected a JSON object whose eos_token_id is an "
-                                      "integer or a list of integers")
-            for e in [eos] if isinstance(eos, int) else eos or []:
-                if e not in config.eos_token_id:
-                    config.eos_token_id.append(e)
-        return config
+        return ModelConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
