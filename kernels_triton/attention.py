@@ -73,7 +73,7 @@ MAX_SPLITS = launch.MAX_SPLITS
 # prefix into L2 before it waits for its predecessor (_prefetch_prefix): the prefix, page table and
 # lengths were written before the predecessor (the qkv kernel) started. Behind a small qkv kernel that
 # lets attention launch at its start (linear.QKV_EARLY_MAX_BYTES) this overlaps the prefix fetch with
-# the projection (docs/kernel_notes.md "PDL").
+# the projection (docs/kernel_notes.md "PDL in attention").
 PREFETCH_TILES = tl.constexpr(4)
 # V strides passed when V has K's (the KV pools of one layer always do): as constexpr None, so the
 # kernel computes each slot's address once for K and V (fewer instructions on every tile's chain;

@@ -24,7 +24,7 @@ MAX_SPLITS = 64  # split-KV cap: bounds the merge kernel's tile and the fp32 wor
 MIN_SPLIT_TILES = 4  # default split-KV keeps >= 4 BLOCK_N tiles of page-table capacity per split
 # Fused merge by default only where the merged rows x D are at most this many values (its last
 # program then folds >= 8 partials per step); a serial fold of wider rows costs more than the merge
-# launch it saves (graphed steps, docs/kernel_notes.md "Fused split-KV merge").
+# launch it saves (graphed steps, docs/kernel_notes.md "Fused merge").
 FUSED_MERGE_MAX_TILE = 1024
 WGMMA_MIN_CAPACITY_D128 = 4096  # 17-32 rows take the wgmma tile at d128 from this page-table capacity
 TREE_MIN_SPLIT_TILES = 16  # the tree-tile occupancy plan keeps >= 16 tiles per split (capacity and run time)

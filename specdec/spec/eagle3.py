@@ -169,7 +169,7 @@ class Eagle3Drafter:
     def _run(self, token_ids, hidden, positions, meta):
         """Draft layer over rows: token_ids [N] or [G, W] (target ids; < 0 reads id 0), hidden [N, H] ->
         (hidden [N, H], its rows' sums of squares or None: Eagle3Head.layer). The embedding rows are read
-        by the layer's qkv kernel where it can (kernel option gather_rows), not gathered by a launch of
+        by the layer's qkv kernel where it can (the fused path), not gathered by a launch of
         their own."""
         table = self.head.embedding_table(self.target)
         if self.head.gathers_rows(table, token_ids.numel()):
@@ -315,7 +315,7 @@ class Eagle3Drafter:
         if self.head.gathers_rows(self.head.embedding_table(self.target), B * Te, captured):
             h = self._run(out_tokens[:, :Te], self.head.fuse_rows(captured, nodes[:, :Te], T), slot_l.reshape(-1),
                           meta)[0]
-        else:  # the same rows by torch ops: 4 launches more (kernel option gather_rows false, many rows, CPU)
+        else:  # the same rows by torch ops: 4 launches more (unfused path: many rows, CPU)
             H3 = captured.shape[-1]
             path = nodes[:, :Te].clamp(min=0).long()  # [B, Te]
             feat = captured.view(B, T, H3).gather(1, path[:, :, None].expand(-1, -1, H3))  # [B, Te, H3]
