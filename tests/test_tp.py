@@ -14,7 +14,7 @@ import torch
 import tp_workers as w
 from specdec.dist.launch import check_launch, launch
 from specdec.errors import ConfigError
-from specdec.models.loading import LlamaConfig
+from specdec.models.families import ModelConfig
 from specdec.models.tp import TPLlamaModel, check_tp_shapes
 
 IDS = [1, 5, 7, 9, 11, 3, 2]
@@ -24,7 +24,16 @@ LAYOUTS = [(2, dict(heads=4, kv_heads=2)), (4, dict(heads=8, kv_heads=2, vocab=9
            (3, dict(heads=9, kv_heads=3, head_dim=8))]
 
 
-@pytest.mark.parametrize("size,shape", LAYOUTS, ids=["llama-tp2", "llama-tp4", "smollm2-layout-tp3"])
+# The new families' blocks sharded: Qwen3's q/k norms (replicated, per local head), Qwen2's bias (with the
+# heads), Qwen3-MoE's experts along their intermediate dimension (tp2: 16 of 32 columns each; tp4 with KV
+# heads replicated: 8).
+FAMILY_LAYOUTS = [(2, dict(family="qwen3", tied=False)), (2, dict(family="qwen2")), (2, dict(family="qwen3_moe")),
+                  (4, dict(family="qwen3_moe", heads=8, kv_heads=2, tied=False))]
+
+
+@pytest.mark.parametrize("size,shape", LAYOUTS + FAMILY_LAYOUTS,
+                         ids=["llama-tp2", "llama-tp4", "smollm2-layout-tp3", "qwen3-tp2", "qwen2-tp2", "qwen3_moe-tp2",
+                              "qwen3_moe-tp4"])
 def test_tp_logits_equal_tp1(size, shape):
     got = launch(w.logits_rank, size, "cpu", shape, IDS)
     assert got["shape"] == (len(IDS), shape.get("vocab", w.VOCAB))
@@ -36,10 +45,11 @@ SCENARIOS = [dict(), dict(drafter_kind="ngram", k_cycle=(0, 4, 4)), dict(drafter
              dict(kv_tokens=48, aborts=((3, 1),)), dict(temperature=1.0, drafter_kind="ngram", k_cycle=(4,))]
 
 
-def test_tp2_serving_token_identical_to_tp1():
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_tp2_serving_token_identical_to_tp1(family):
     """One launch, five engines in turn: greedy plain, n-gram and EAGLE-3 (random head) switching k,
     a pool small enough to preempt plus an abort mid-run, and seeded sampling with speculation."""
-    shape = dict(heads=4, kv_heads=2)
+    shape = dict(heads=4, kv_heads=2, family=family)
     reqs = [(p, 8) for p in w.prompts(4, seed=1, repeat=True)]
     want = [w.serve(w.tiny_llama(**shape), reqs, **kw) for kw in SCENARIOS]
     got = launch(w.serve_many_rank, 2, "cpu", shape, reqs, SCENARIOS)
@@ -79,7 +89,7 @@ def test_tp_world_size_1_is_the_model():
 def smollm2_like(**kw):
     base = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                 num_key_value_heads=3, vocab_size=49152, head_dim=64)
-    return LlamaConfig(**{**base, **kw})
+    return ModelConfig(**{**base, **kw})
 
 
 def test_bad_tp_sizes_fail_cleanly():
@@ -87,6 +97,12 @@ def test_bad_tp_sizes_fail_cleanly():
         check_tp_shapes(smollm2_like(), 2, "SmolLM2")
     with pytest.raises(ConfigError, match=r"tp.size=4 .*FFN width 1534"):
         check_tp_shapes(smollm2_like(num_attention_heads=8, num_key_value_heads=8, intermediate_size=1534), 4)
+    moe = dict(num_attention_heads=8, num_key_value_heads=8, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=100)
+    with pytest.raises(ConfigError, match=r"tp.size=8 .*expert FFN width 100; valid tp sizes.*: 1, 2, 4$"):
+        check_tp_shapes(smollm2_like(**moe, moe_layers=tuple(range(30))), 8)  # every layer MoE: F is not split
+    with pytest.raises(ConfigError, match=r"tp.size=8 .*its FFN width 1540, its expert FFN width 100"):
+        check_tp_shapes(smollm2_like(**moe, intermediate_size=1536 + 4, moe_layers=(1,)), 8)
     check_tp_shapes(smollm2_like(), 3)  # 3 query heads and one KV head per rank
     check_tp_shapes(smollm2_like(num_attention_heads=32, num_key_value_heads=8), 8)
     if torch.cuda.device_count() < 64:
@@ -200,14 +216,15 @@ def test_fused_norm_allreduce_world_size_1_is_the_norm():
         fused_norm_allreduce(parts[0], res[:, :10], weight, 1e-6)
 
 
-def test_fused_boundary_wiring_world_size_1():
-    """The model's fused-boundary branch (kernel-normed input, norm-free projections, s carried as the
-    residual) computes the model's logits; run on CPU through the kernel's world-size-1 path under the
-    interpreter (the CUDA check is what keeps users off it on CPU, so the test sets the buffer itself)."""
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_fused_boundary_wiring_world_size_1(family):
+    """The model's fused-boundary branch (kernel-normed input, norm-free projections or MoE layer, s carried
+    as the residual) computes the model's logits; run on CPU through the kernel's world-size-1 path under
+    the interpreter (the CUDA check is what keeps users off it on CPU, so the test sets the buffer itself)."""
     from kernels_triton.fused_norm_allreduce import SymmBuffer
     from specdec.dist import TPGroup
 
-    full = w.tiny_llama()
+    full = w.tiny_llama(family=family)
     want, want_cap = w.forward_logits(full, IDS)
     model = TPLlamaModel(full, TPGroup(rank=0, size=1, device=torch.device("cpu")))
     model._symm = SymmBuffer(16, full.config.hidden_size, torch.float32, "cpu")
@@ -269,28 +286,3 @@ def test_symm_kernel_compiles_for_h100_class_gpus():
     counts = dict(line.rsplit(" ", 1) for line in proc.stdout.strip().splitlines())
     assert int(counts["release.sys.cas"]) >= 6 and int(counts["acquire.sys.cas"]) >= 6
     assert counts["multimem"] == "0"
-
-
-def test_tp_policy_broadcasts_the_leaders_prefill_drafting():
-    """Under tensor parallelism rank 0's goodput holds the state: its drafts_prefill answer is what every rank
-    uses (a follower's own copy, never updated, would answer otherwise and prefill another way)."""
-    from specdec.dist.plan import TPPolicy
-    from specdec.policy import Goodput
-
-    class FakeGroup:
-        def __init__(self, leader, sent=None):
-            self.is_leader, self.sent = leader, sent
-
-        def broadcast_object(self, v):
-            if self.is_leader:
-                self.sent = v
-                return v
-            return self.sent
-
-    leader_policy = Goodput([3], probe_rows=1, ramp_hold=True)
-    follower_policy = Goodput([3], probe_rows=1, ramp_hold=True)
-    leader_policy.rows_seen[3] = 5  # the leader's copy saw k = 3's first tries; the follower's did not
-    group = FakeGroup(True)
-    assert TPPolicy(leader_policy, group).drafts_prefill() is False and group.sent is False
-    assert follower_policy.drafts_prefill() is True
-    assert TPPolicy(follower_policy, FakeGroup(False, sent=False)).drafts_prefill() is False

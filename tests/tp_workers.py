@@ -1,8 +1,9 @@
 """Rank functions for the tensor-parallel tests (spawned processes import them from here).
 
 Each takes (group, ...) as specdec.dist.launch.launch calls it and returns plain data (rank 0's result
-comes back to the test). The models are the tests' tiny random Llamas, built identically on every rank
-from their seed, so TP1 (the full model, computed on rank 0) and the shards can be compared.
+comes back to the test). The models are the tests' tiny random models (Llama, or another family's blocks),
+built identically on every rank from their seed, so TP1 (the full model, computed on rank 0) and the shards
+can be compared.
 """
 
 from __future__ import annotations
@@ -10,19 +11,26 @@ from __future__ import annotations
 import torch
 
 from specdec.engine.engine import Engine, EngineConfig
-from specdec.models.llama import LlamaModel
-from specdec.models.loading import LlamaConfig
+from specdec.models.families import ModelConfig
+from specdec.models.transformer import TransformerModel
 
 VOCAB = 96
 
 
-def tiny_llama(heads=4, kv_heads=2, layers=2, ffn=96, vocab=VOCAB, head_dim=16, seed=0, tied=True):
-    """A tiny random Llama with peaked logits (std 1/sqrt(fan_in) weights): greedy ties cannot flip
-    between the sharded and the single-device sums."""
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+# The blocks of each family at tiny sizes: Qwen2's q/k/v bias, Qwen3's q/k norms, Qwen3-MoE's MoE layer
+# (layer 1 of 2: one dense, one MoE; 4 experts of 32, top-2).
+FAMILY_FIELDS = {"llama": {}, "qwen2": dict(qkv_bias=True), "qwen3": dict(qk_norm=True),
+                 "qwen3_moe": dict(qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   norm_topk_prob=True, moe_layers=(1,))}
+
+
+def tiny_llama(heads=4, kv_heads=2, layers=2, ffn=96, vocab=VOCAB, head_dim=16, seed=0, tied=True, family="llama"):
+    """A tiny random model of ``family``'s blocks with peaked logits (std 1/sqrt(fan_in) weights): greedy
+    ties cannot flip between the sharded and the single-device sums."""
+    cfg = ModelConfig(hidden_size=64, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv_heads, vocab_size=vocab, head_dim=head_dim, max_position_embeddings=256,
-                      rope_theta=10000.0, tie_word_embeddings=tied)
-    model = LlamaModel.random(cfg, dtype="float32", seed=seed, backend="torch")
+                      rope_theta=10000.0, tie_word_embeddings=tied, model_type=family, **FAMILY_FIELDS[family])
+    model = TransformerModel.random(cfg, dtype="float32", seed=seed, backend="torch")
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

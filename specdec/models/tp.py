@@ -6,7 +6,14 @@ Sharding of each layer for world size W at rank r (HQ query heads, HKV KV heads,
   read. With HKV >= W each rank keeps HKV/W KV heads; with HKV < W (W a multiple of HKV) a KV head is
   replicated on the W/HKV ranks whose query heads share it (each rank keeps one).
 * ``wo`` row-parallel over the same query heads: its output is a partial sum, all-reduced.
+* q/k/v bias (Qwen2) sharded with the rows of ``wqkv``; q/k norms (Qwen3) replicated: one weight [D]
+  per layer shared by the heads, applied to each of the rank's own heads.
 * ``w13`` column-parallel over F (rank r's gate rows and its up rows), ``w2`` row-parallel: all-reduced.
+* MoE layers (Qwen3-MoE, Mixtral): every expert sharded along its intermediate dimension on every rank,
+  as a dense MLP is (expert e's w13 [2F, H] column-parallel, its w2 [H, F] row-parallel); the router
+  replicated, so every rank routes every token alike and runs the fused MoE kernel over its slices of
+  the experts the tokens select; the combined output is a partial sum, all-reduced like w2's. (Expert
+  parallelism, whole experts per rank, would move tokens instead: not implemented.)
 * embedding and LM head vocab-parallel: rank r owns rows r*V/W .. (V rounded up to a multiple of W, zero
   padding). Lookup: ids outside the shard read zero, then an all-reduce (exact: one term is non-zero).
   Logits: each rank's [N, V/W] block, then an all-gather of the rows into [N, V] on every rank, so the
@@ -40,7 +47,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import ops
-from .llama import ForwardOut, LlamaModel
+from .transformer import ExpertStats, ForwardOut, TransformerModel, add_rms_norm, moe, norm_qkv_rope_write_kv_
 
 ALLREDUCE = ("nccl", "fused")
 
@@ -51,28 +58,34 @@ def divisors(n: int) -> list[int]:
 
 def check_tp_shapes(config, size: int, what: str = "the target") -> None:
     """Raise ConfigError naming tp.size and the dimension it does not divide (and the valid sizes)."""
-    HQ, HKV, F = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    HQ, HKV = config.num_attention_heads, config.num_key_value_heads
+    widths = []  # (name, width) of every FFN the ranks split
+    if len(getattr(config, "moe_layers", ())) < config.num_hidden_layers:
+        widths.append(("FFN width", config.intermediate_size))
+    if getattr(config, "moe_layers", ()):
+        widths.append(("expert FFN width", config.moe_intermediate_size))
     if size < 1:
         raise ConfigError(f"tp.size={size}: must be an integer >= 1")
-    valid = [d for d in divisors(HQ) if F % d == 0 and (HKV % d == 0 or d % HKV == 0)]
+    valid = [d for d in divisors(HQ) if all(F % d == 0 for _, F in widths) and (HKV % d == 0 or d % HKV == 0)]
     problems = []
     if HQ % size:
         problems.append(f"its {HQ} query heads")
     if HKV % size and size % HKV:
         problems.append(f"its {HKV} KV heads (nor is it a multiple of them)")
-    if F % size:
-        problems.append(f"its FFN width {F}")
+    for name, F in widths:
+        if F % size:
+            problems.append(f"its {name} {F}")
     if problems:
         raise ConfigError(f"tp.size={size} does not fit {what}: it does not divide {', '.join(problems)}; "
                           f"valid tp sizes for {what}: {', '.join(map(str, valid))}")
 
 
-class TPLlamaModel(nn.Module):
-    """One rank's shard of a :class:`LlamaModel` (see the module docstring). ``config`` is the full
-    model's (drafters and the engine read the real shapes); the shard's own sizes are ``n_q_heads``,
-    ``n_kv_heads``, ``ffn``, ``vocab_shard``."""
+class TPTransformerModel(ExpertStats, nn.Module):
+    """One rank's shard of a :class:`~specdec.models.transformer.TransformerModel` (see the module
+    docstring). ``config`` is the full model's (drafters and the engine read the real shapes); the
+    shard's own sizes are ``n_q_heads``, ``n_kv_heads``, ``ffn``, ``expert_ffn``, ``vocab_shard``."""
 
-    def __init__(self, full: LlamaModel, group, *, allreduce: str = "nccl", symm_rows: int = 256):
+    def __init__(self, full: TransformerModel, group, *, allreduce: str = "nccl", symm_rows: int = 256):
         super().__init__()
         if allreduce not in ALLREDUCE:
             raise ConfigError(f"tp.allreduce={allreduce!r}; valid: {', '.join(ALLREDUCE)}")
@@ -84,10 +97,11 @@ class TPLlamaModel(nn.Module):
                               "(gloo's all-reduce)")
         self.group, self.backend, self.allreduce = group, full.backend, allreduce
         HQ, HKV, D, F, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size, c.hidden_size
-        self.n_q_heads, self.ffn = HQ // W, F // W
+        Fe = c.moe_intermediate_size
+        self.n_q_heads, self.ffn, self.expert_ffn = HQ // W, F // W, Fe // W
         self.n_kv_heads = HKV // W if HKV >= W else 1
         kv0 = r * self.n_kv_heads if HKV >= W else r // (W // HKV)  # first KV head this rank keeps
-        q0, f0 = r * self.n_q_heads, r * self.ffn
+        q0 = r * self.n_q_heads
         V = c.vocab_size
         self.vocab_shard = -(-V // W)
         self.vocab_start = r * self.vocab_shard
@@ -99,22 +113,36 @@ class TPLlamaModel(nn.Module):
             return nn.Parameter(out, requires_grad=False)
 
         frozen = lambda t: nn.Parameter(t.contiguous().clone(), requires_grad=False)  # noqa: E731
+        frozen_all = lambda ws: nn.ParameterList([frozen(w) for w in ws])  # noqa: E731
+        kv = slice(kv0 * D, (kv0 + self.n_kv_heads) * D)
+        qs = slice(q0 * D, (q0 + self.n_q_heads) * D)
+
+        def heads(t):  # wqkv [(HQ + 2 HKV) D, ...] or its bias -> this rank's q | k | v rows
+            q, k, v = t.split([HQ * D, HKV * D, HKV * D])
+            return torch.cat([q[qs], k[kv], v[kv]])
+
+        def cols(t, width, f):  # gate | up rows (dim -2) of a dense [2F, H] or experts' [E, 2F, H] w13
+            gate, up = t.split([width, width], dim=-2)
+            return torch.cat([gate[..., r * f:(r + 1) * f, :], up[..., r * f:(r + 1) * f, :]], dim=-2)
+
         self.embed = vocab_rows(full.embed)
         self.lm_head = None if full.lm_head is None else vocab_rows(full.lm_head)
         self.norm = frozen(full.norm)
-        self.attn_norm = nn.ParameterList([frozen(w) for w in full.attn_norm])
-        self.mlp_norm = nn.ParameterList([frozen(w) for w in full.mlp_norm])
-        wqkv, wo, w13, w2 = [], [], [], []
+        self.attn_norm, self.mlp_norm = frozen_all(full.attn_norm), frozen_all(full.mlp_norm)
+        self.wqkv = frozen_all(heads(w) for w in full.wqkv)
+        self.wo = frozen_all(w[:, qs] for w in full.wo)
+        self.bqkv = None if full.bqkv is None else frozen_all(heads(b) for b in full.bqkv)
+        self.q_norm = None if full.q_norm is None else frozen_all(full.q_norm)
+        self.k_norm = None if full.k_norm is None else frozen_all(full.k_norm)
+        self.moe_slot = dict(full.moe_slot)
+        w13, w2 = [], []
         for i in range(c.num_hidden_layers):
-            q, k, v = full.wqkv[i].split([HQ * D, HKV * D, HKV * D])
-            kv = slice(kv0 * D, (kv0 + self.n_kv_heads) * D)
-            wqkv.append(frozen(torch.cat([q[q0 * D:(q0 + self.n_q_heads) * D], k[kv], v[kv]])))
-            wo.append(frozen(full.wo[i][:, q0 * D:(q0 + self.n_q_heads) * D]))
-            gate, up = full.w13[i].split([F, F])
-            w13.append(frozen(torch.cat([gate[f0:f0 + self.ffn], up[f0:f0 + self.ffn]])))
-            w2.append(frozen(full.w2[i][:, f0:f0 + self.ffn]))
-        self.wqkv, self.wo = nn.ParameterList(wqkv), nn.ParameterList(wo)
-        self.w13, self.w2 = nn.ParameterList(w13), nn.ParameterList(w2)
+            width, f = (Fe, self.expert_ffn) if i in self.moe_slot else (F, self.ffn)
+            w13.append(cols(full.w13[i], width, f))
+            w2.append(full.w2[i][..., r * f:(r + 1) * f])  # [H, F/W] or the experts' [E, H, F/W]
+        self.w13, self.w2 = frozen_all(w13), frozen_all(w2)
+        self.router = frozen_all(full.router)
+        self.init_expert_stats_(len(self.moe_slot), c.num_experts, device=full.device)
         self.rope_cos, self.rope_sin = full.rope_cos, full.rope_sin
         self._symm = None
         if allreduce == "fused":
@@ -125,7 +153,7 @@ class TPLlamaModel(nn.Module):
             self._symm = SymmBuffer(symm_rows, H, self.dtype, self.device, group.group if W > 1 else None)
 
     @classmethod
-    def shard(cls, full: LlamaModel, group, *, allreduce: str = "nccl") -> "TPLlamaModel":
+    def shard(cls, full: TransformerModel, group, *, allreduce: str = "nccl") -> "TPTransformerModel":
         return cls(full, group, allreduce=allreduce)
 
     @property
@@ -136,7 +164,7 @@ class TPLlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    def init_rope(self) -> "TPLlamaModel":
+    def init_rope(self) -> "TPTransformerModel":
         return self
 
     def new_kv_cache(self, num_pages: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,10 +210,14 @@ class TPLlamaModel(nn.Module):
             return y, s, True
         return self.group.all_reduce_(h), residual, False
 
+    def attention_extras(self, i: int) -> dict:
+        return TransformerModel.attention_extras(self, i)
+
     @torch.no_grad()
     def forward(self, input_ids, positions, meta: ops.AttentionMeta, k_cache, v_cache,
                 capture_layers: tuple[int, ...] = ()) -> ForwardOut:
-        """As LlamaModel.forward, over this rank's heads; k_cache/v_cache: [L, P, PS, HKV/W, D]."""
+        """As TransformerModel.forward, over this rank's heads and FFN columns; k_cache/v_cache:
+        [L, P, PS, HKV/W, D]."""
         c, be = self.config, self.backend
         N = input_ids.shape[0]
         HQ, HKV, D, eps = self.n_q_heads, self.n_kv_heads, c.head_dim, c.rms_norm_eps
@@ -193,24 +225,31 @@ class TPLlamaModel(nn.Module):
         residual, normed = None, False
         captured = []
         for i in range(c.num_hidden_layers):
-            if normed:  # h is RMSNorm(s) already, residual = s
-                q, _ = ops.norm_qkv_rope_write_kv_(
-                    h, None, None, eps, self.wqkv[i], HQ, HKV, positions, self.rope_cos, self.rope_sin,
-                    k_cache[i], v_cache[i], meta.slot_mapping, backend=be)  # [N, HQ/W, D]
-            else:
-                q, residual = ops.norm_qkv_rope_write_kv_(
-                    h, residual, self.attn_norm[i], eps, self.wqkv[i], HQ, HKV, positions, self.rope_cos,
-                    self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping, backend=be)  # [N, HQ/W, D]
+            moe_j = self.moe_slot.get(i)
+            # normed: h is RMSNorm(s) already (the fused boundary), residual = s
+            q, s = norm_qkv_rope_write_kv_(
+                h, None if normed else residual, None if normed else self.attn_norm[i], eps, self.wqkv[i], HQ, HKV,
+                positions, self.rope_cos, self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping, backend=be,
+                **self.attention_extras(i))  # [N, HQ/W, D]
+            if not normed:
+                residual = s
             if i in capture_layers:
                 captured.append(residual)  # [N, H]: the full residual stream entering layer i
             o = ops.paged_attention(q, k_cache[i], v_cache[i], meta, backend=be)  # [N, HQ/W, D]
             h = ops.linear(o.reshape(N, HQ * D), self.wo[i], backend=be)  # [N, H] partial sum
-            h, residual, normed = self._boundary(h, residual, self.mlp_norm[i], eps, self.w13[i], swiglu=True)
-            if normed:
-                x, _ = ops.norm_swiglu(h, None, None, eps, self.w13[i], backend=be)  # [N, F/W]
+            h, residual, normed = self._boundary(h, residual, self.mlp_norm[i], eps,
+                                                 None if moe_j is not None else self.w13[i], swiglu=True)
+            if moe_j is not None:
+                if not normed:
+                    h, residual = add_rms_norm(h, residual, self.mlp_norm[i], eps, backend=be)
+                h = moe(h, self.router[moe_j], self.w13[i], self.w2[i], c.num_experts_per_tok, c.norm_topk_prob,
+                        expert_hits=self.expert_hits[moe_j], backend=be)  # [N, H] partial sum over F/W columns
             else:
-                x, residual = ops.norm_swiglu(h, residual, self.mlp_norm[i], eps, self.w13[i], backend=be)
-            h = ops.linear(x, self.w2[i], backend=be)  # [N, F/W] @ [F/W, H] -> [N, H] partial sum
+                if normed:
+                    x, _ = ops.norm_swiglu(h, None, None, eps, self.w13[i], backend=be)  # [N, F/W]
+                else:
+                    x, residual = ops.norm_swiglu(h, residual, self.mlp_norm[i], eps, self.w13[i], backend=be)
+                h = ops.linear(x, self.w2[i], backend=be)  # [N, F/W] @ [F/W, H] -> [N, H] partial sum
             last = i + 1 == c.num_hidden_layers
             h, residual, normed = self._boundary(h, residual, self.norm if last else self.attn_norm[i + 1], eps,
                                                  None if last else self.wqkv[i + 1])
@@ -218,6 +257,8 @@ class TPLlamaModel(nn.Module):
             out = h
         else:
             out, _ = ops.rms_norm(h, self.norm, eps, residual, backend=be)
+        if self.moe_slot:
+            self._count_experts_(N)
         cap = None
         if capture_layers:
             order = sorted(capture_layers)
@@ -225,6 +266,9 @@ class TPLlamaModel(nn.Module):
         return ForwardOut(out, cap)
 
 
-def shard_target(model: LlamaModel, group, allreduce: str = "nccl") -> TPLlamaModel:
+TPLlamaModel = TPTransformerModel  # the older name (the dist runner, benchmarks and tests import it)
+
+
+def shard_target(model: TransformerModel, group, allreduce: str = "nccl") -> TPTransformerModel:
     """``model`` sharded for this rank of ``group``; the full model can be dropped afterwards."""
-    return TPLlamaModel.shard(model, group, allreduce=allreduce)
+    return TPTransformerModel.shard(model, group, allreduce=allreduce)
