@@ -9,6 +9,21 @@ Per step (``StepTrace``, written as ``steps.jsonl``): decode batch size and grap
 tokens, prefill / decode milliseconds (CUDA events on the GPU, read without extra syncs), queue
 lengths, free pages, preemptions. ``StepTrace.summary()`` gives the mean running batch size and the
 step-time breakdown.
+
+Acceptance per draft depth (``acceptance_counts``), per request and summed over the run, from the
+statistics each speculative step writes on the device and the engine reads back with the committed
+tokens (kernels_triton/accept_stats.py; no extra copy or sync): for depth d = 1 .. D,
+
+    drafted[d]   speculative steps whose draft reached depth d (a node at depth d)
+    accepted[d]  of those, the steps that accepted a draft token at depth d
+    rate[d]      accepted[d] / drafted[d]  (P(accepted length >= d | drafted that deep))
+
+plus the accepted-length histogram (draft tokens accepted per step) and, for trees, the accepted
+token's rank among its siblings at each depth (0 = the first child verification tried).
+Keys: requests.jsonl ``acceptance_by_depth`` (rates), ``drafted_by_depth``, ``accepted_by_depth``,
+``accepted_histogram``, ``accepted_rank_by_depth`` (trees); metrics.json ``acceptance_by_depth``
+{rate, drafted, accepted} and ``accepted_rank_by_depth`` (trees), beside the step trace's
+``accepted_histogram``. ``scalars`` flattens them for W&B.
 """
 
 from __future__ import annotations
@@ -36,9 +51,49 @@ def _mean(values) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def acceptance_counts(stats_rows) -> dict | None:
+    """Acceptance per depth from speculative steps' statistics rows ([drafted depth, draft nodes,
+    accepted sibling rank at depth 1, 2, ..., -1 past the accepted length]; see the module
+    docstring), or None without any. {drafted, accepted (lists over depth 1 .. D), histogram
+    {accepted length: steps}, ranks ([depth][rank] counts), branched (a step drafted a tree, not a chain)}."""
+    drafted: list[int] = []
+    accepted: list[int] = []
+    ranks: list[list[int]] = []
+    hist: dict[int, int] = {}
+    branched = False
+    for row in stats_rows:
+        depth, nodes, path = int(row[0]), int(row[1]), row[2:]
+        acc = sum(1 for r in path if r >= 0)
+        need = max(depth, acc)
+        if need > len(drafted):
+            drafted += [0] * (need - len(drafted))
+            accepted += [0] * (need - len(accepted))
+            ranks += [[] for _ in range(need - len(ranks))]
+        for d in range(depth):
+            drafted[d] += 1
+        for d in range(acc):
+            accepted[d] += 1
+            r = int(path[d])
+            if r >= len(ranks[d]):
+                ranks[d] += [0] * (r + 1 - len(ranks[d]))
+            ranks[d][r] += 1
+        hist[acc] = hist.get(acc, 0) + 1
+        branched |= nodes > depth
+    if not hist:
+        return None
+    return {"drafted": drafted, "accepted": accepted, "histogram": hist, "ranks": ranks, "branched": branched}
+
+
+def _rates(drafted, accepted) -> list:
+    return [round(a / n, 6) if n else None for n, a in zip(drafted, accepted)]
+
+
 def request_record(req, prompt_text: str | None = None, output_text: str = "") -> dict:
     """The requests.jsonl record of a finished engine request."""
     rec = {"id": req.id, "prompt": prompt_text, "prompt_tokens": len(req.prompt_ids)}
+    if getattr(req, "sampling", None) is not None:  # its own parameters (temperature, top_k, top_p, min_p)
+        rec["sampling"] = dict(zip(("temperature", "top_k", "top_p", "min_p"), req.sampling))
+        rec["sampling"]["top_k"] = int(rec["sampling"]["top_k"])
     if req.error is not None:
         rec.update(error=req.error, output_ids=[], output="")
         return rec
@@ -56,7 +111,59 @@ def request_record(req, prompt_text: str | None = None, output_text: str = "") -
         num_preemptions=req.num_preemptions,
         itl_s=[round(b - a, 6) for a, b in zip(times, times[1:])],
     )
+    acc = acceptance_counts(getattr(req, "accept_stats", ()))
+    if acc is not None:
+        rec.update(acceptance_by_depth=_rates(acc["drafted"], acc["accepted"]), drafted_by_depth=acc["drafted"],
+                   accepted_by_depth=acc["accepted"],
+                   accepted_histogram={str(k): v for k, v in sorted(acc["histogram"].items())})
+        if acc["branched"]:
+            rec["accepted_rank_by_depth"] = acc["ranks"]
     return rec
+
+
+def _add(into: list, xs) -> list:
+    into += [0] * (len(xs) - len(into))
+    for i, x in enumerate(xs):
+        into[i] += x
+    return into
+
+
+def acceptance_summary(records: list[dict]) -> dict:
+    """Run-level acceptance per depth: the requests' counts summed (metrics.json keys; see the module
+    docstring); {} when no request speculated."""
+    drafted: list[int] = []
+    accepted: list[int] = []
+    ranks: list[list[int]] = []
+    branched = False
+    for r in records:
+        if "drafted_by_depth" not in r:
+            continue
+        _add(drafted, r["drafted_by_depth"])
+        _add(accepted, r["accepted_by_depth"])
+        if r.get("accepted_rank_by_depth"):
+            branched = True
+            ranks += [[] for _ in range(len(r["accepted_rank_by_depth"]) - len(ranks))]
+            for d, row in enumerate(r["accepted_rank_by_depth"]):
+                _add(ranks[d], row)
+    if not drafted:
+        return {}
+    out = {"acceptance_by_depth": {"rate": _rates(drafted, accepted), "drafted": drafted, "accepted": accepted}}
+    if branched:
+        out["accepted_rank_by_depth"] = ranks
+    return out
+
+
+def scalars(metrics: dict) -> dict:
+    """The numbers of ``metrics`` for a scalar logger (W&B): numbers as they are, and the acceptance
+    per depth flattened (``acceptance_by_depth/rate_d1``, ``.../drafted_d1``, ``.../accepted_d1``,
+    ``accepted_rank_by_depth/d1_r0``, ``accepted_histogram/3``)."""
+    out = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for key, vals in (metrics.get("acceptance_by_depth") or {}).items():
+        out.update({f"acceptance_by_depth/{key}_d{d + 1}": v for d, v in enumerate(vals) if v is not None})
+    for d, row in enumerate(metrics.get("accepted_rank_by_depth") or ()):
+        out.update({f"accepted_rank_by_depth/d{d + 1}_r{r}": c for r, c in enumerate(row)})
+    out.update({f"accepted_histogram/{k}": v for k, v in (metrics.get("accepted_histogram") or {}).items()})
+    return out
 
 
 def summarize_requests(records: list[dict], wall_s: float) -> dict:
@@ -84,6 +191,7 @@ def summarize_requests(records: list[dict], wall_s: float) -> dict:
         "p99_itl_s": percentile(itl, 99),
         "mean_latency_s": _mean(lat),
         "preemptions": sum(r.get("num_preemptions", 0) for r in ok),
+        **acceptance_summary(ok),
     }
 
 

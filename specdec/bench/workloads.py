@@ -3,6 +3,9 @@
 A workload config has ``sources`` (each ``{kind, limit}``), ``chat`` (``auto``: wrap prompts in the
 target's chat template when it has one, else send them raw; ``true``: the template, required;
 ``false``: raw) and, for ``kind: jsonl``, ``path``. Every prompt becomes a :class:`Prompt` with its token ids.
+A jsonl line may carry its own sampling parameters, ``"sampling": {"temperature": 1.0, "top_p": 0.9}``
+(any of specdec.spec.sampling.KEYS, over the run's ``sampling``); the engine checks them when the
+request arrives, so a bad value fails that request alone, with an error naming the key.
 
 ``kind: synthetic`` makes ``num_prompts`` prompts of ``prompt_len`` random token ids (seeded), each
 asking for exactly ``output_len`` tokens (set ``ignore_eos: true`` on the workload so EOS does not
@@ -38,10 +41,13 @@ class Prompt:
     messages: list[dict] | None  # chat messages, or None for a raw completion prompt
     prompt_ids: list[int]
     max_new_tokens: int | None = None  # None: the engine's max_new_tokens
+    sampling: dict | None = None  # its own sampling parameters (a jsonl line's "sampling"), as written
 
 
-def read_jsonl_prompts(path: str | Path) -> list[tuple[str, str | None, list[dict] | None]]:
-    """Lines ``{"id", "prompt"}`` or ``{"id", "messages"}`` -> (id, prompt, messages)."""
+def read_jsonl_prompts(path: str | Path) -> list[tuple[str, str | None, list[dict] | None, object]]:
+    """Lines ``{"id", "prompt"}`` or ``{"id", "messages"}``, each with an optional ``"sampling"``
+    -> (id, prompt, messages, sampling or None). The sampling value is kept as written: the engine
+    validates it per request (a bad one fails its request alone)."""
     path = Path(path)
     if path.is_dir():
         raise WorkloadError(f"workload file {path} is a directory; workload.path must name a JSONL file")
@@ -66,13 +72,13 @@ def read_jsonl_prompts(path: str | Path) -> list[tuple[str, str | None, list[dic
         if not isinstance(obj, dict):
             raise WorkloadError(f"{where}: expected a JSON object with 'id' and 'prompt' or 'messages'")
         pid = str(obj.get("id", f"{path.stem}/{lineno}"))
-        prompt, messages = obj.get("prompt"), obj.get("messages")
+        prompt, messages, sampling = obj.get("prompt"), obj.get("messages"), obj.get("sampling")
         if isinstance(prompt, str) and messages is None:
-            rows.append((pid, prompt, None))
+            rows.append((pid, prompt, None, sampling))
         elif prompt is None and isinstance(messages, list) and messages and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str) for m in messages):
-            rows.append((pid, None, messages))
+            rows.append((pid, None, messages, sampling))
         else:
             raise WorkloadError(f"{where}: needs exactly one of 'prompt' (a string) or 'messages' "
                                 "(a list of {role, content} strings)")
@@ -81,18 +87,18 @@ def read_jsonl_prompts(path: str | Path) -> list[tuple[str, str | None, list[dic
     return rows
 
 
-def _source_rows(src: dict, workload_cfg) -> list[tuple[str, str | None, list[dict] | None]]:
+def _source_rows(src: dict, workload_cfg) -> list[tuple[str, str | None, list[dict] | None, object]]:
     from ..assets import prompts_dir
 
     kind = src.get("kind")
     if kind == "mt_bench":
         lines = (prompts_dir() / "mt_bench.jsonl").read_text().splitlines()
         rows = [json.loads(line) for line in lines]
-        return [(r["id"], r["turns"][0], None) for r in rows]
+        return [(r["id"], r["turns"][0], None, None) for r in rows]
     if kind == "humaneval":
         lines = (prompts_dir() / "humaneval.jsonl").read_text().splitlines()
         rows = [json.loads(line) for line in lines]
-        return [(r["id"], r["prompt"], None) for r in rows]
+        return [(r["id"], r["prompt"], None, None) for r in rows]
     if kind == "jsonl":
         path = src.get("path") or workload_cfg.get("path")
         if not path:
@@ -199,7 +205,7 @@ def load_prompts(workload_cfg, tokenizer) -> list[Prompt]:
                                 "target (random weights) has none; use workload=synthetic")
         rows = _source_rows(src, workload_cfg)
         limit = src.get("limit")
-        for pid, text, messages in rows[:limit] if limit is not None else rows:
+        for pid, text, messages, sampling in rows[:limit] if limit is not None else rows:
             if messages is None and chat:
                 messages = [{"role": "user", "content": text}]
             if messages is not None:
@@ -207,7 +213,7 @@ def load_prompts(workload_cfg, tokenizer) -> list[Prompt]:
                 text = text if text is not None else messages[-1]["content"]
             else:
                 ids = tokenizer.encode(text)
-            prompts.append(Prompt(pid, text, messages, ids))
+            prompts.append(Prompt(pid, text, messages, ids, sampling=sampling))
     seen, dups = set(), []
     for p in prompts:
         if p.id in seen and p.id not in dups:
