@@ -141,14 +141,16 @@ def test_to_target_ids_follow_vocab_changes(target):
 # Heads as published and as other engines write them
 # ------------------------------------------------------------------------------------------------
 
-def official_rules_load(path):
+def official_rules_load(path, head_dim_from_config=False):
     """Build and load a head the way the official EAGLE code does (SafeAILab/EAGLE cnets.py /
     ea_model.py, read 2026-12-01), independently of specdec: ONE weight file (pytorch_model.bin, else
     model.safetensors; an index is not read); fc = Linear(3 * target_hidden_size -> H) when the
     config has that key (None would break it), else 3H -> H; head_dim = hidden // heads; rope_theta
     10000 and rms_norm_eps 1e-6 (LlamaConfig's default) when absent; load_state_dict(strict=False);
     when draft and target vocabularies are equal, d2t / t2d are dropped (identity). Returns (config,
-    weights) where weights holds every parameter the official module has, shaped as it builds them."""
+    weights) where weights holds every parameter the official module has, shaped as it builds them.
+    ``head_dim_from_config``: the SpecForge / SGLang rule instead (head_dim from config.json when present: a
+    Qwen3-30B-A3B head is 32 heads of 128 over hidden 2048)."""
     from transformers import LlamaConfig as HFLlamaConfig
 
     path = Path(path)
@@ -159,7 +161,7 @@ def official_rules_load(path):
     hf = HFLlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     H, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads", heads)
-    D = H // heads
+    D = cfg.get("head_dim") or H // heads if head_dim_from_config else H // heads
     TH = cfg["target_hidden_size"] if "target_hidden_size" in cfg else H
     F, V, Vd = cfg["intermediate_size"], cfg["vocab_size"], cfg.get("draft_vocab_size", cfg["vocab_size"])
     shapes = {"fc.weight": (H, 3 * TH), "embed_tokens.weight": (V, H), "norm.weight": (H,),
@@ -419,3 +421,110 @@ def test_request_past_the_heads_max_position_embeddings(tmp_path, backend):
     assert got[:2] == want[:2]  # outputs and accepted lengths
     # Draft keys carry RoPE: past position 32 they differ unless the tables reach that far.
     torch.testing.assert_close(got[2], want[2], atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Heads for Qwen3 / Qwen3-MoE targets in the SpecForge layout
+# ------------------------------------------------------------------------------------------------
+
+def specforge_head_dir(path, target, *, hidden=48, draft_vocab=40, layers=(0, 1, 1), seed=0, own_embedding=True):
+    """A head as SpecForge writes one for a Qwen3-family target, from random weights, without specdec's
+    writer: config.json with ``eagle_config.eagle_aux_hidden_state_layer_ids``, ``target_hidden_size`` (the
+    target's width, here != the head's ``hidden_size``), explicit ``head_dim`` (4 x 16 = 64 != 48, as a
+    Qwen3-30B-A3B head is 32 x 128 over 2048), rope_theta 1e6 and eps 1e-6 as Qwen3's; the head's own
+    ``embed_tokens.weight``; a draft vocabulary (d2t / t2d) of ``draft_vocab`` ids."""
+    c = target.config
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "attention_bias": False,
+           "hidden_act": "silu", "hidden_size": hidden, "intermediate_size": 80, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1, "max_position_embeddings": 2048,
+           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None, "tie_word_embeddings": False,
+           "torch_dtype": "float32", "vocab_size": c.vocab_size, "draft_vocab_size": draft_vocab,
+           "target_hidden_size": c.hidden_size, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}
+    H, TH, D, F = hidden, c.hidden_size, 16, 80
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (H, 3 * TH), "midlayer.hidden_norm.weight": (H,), "midlayer.input_layernorm.weight": (H,),
+              "midlayer.post_attention_layernorm.weight": (H,), "midlayer.self_attn.q_proj.weight": (4 * D, 2 * H),
+              "midlayer.self_attn.k_proj.weight": (2 * D, 2 * H), "midlayer.self_attn.v_proj.weight": (2 * D, 2 * H),
+              "midlayer.self_attn.o_proj.weight": (H, 4 * D), "midlayer.mlp.gate_proj.weight": (F, H),
+              "midlayer.mlp.up_proj.weight": (F, H), "midlayer.mlp.down_proj.weight": (H, F), "norm.weight": (H,),
+              "lm_head.weight": (draft_vocab, H)}
+    if own_embedding:
+        shapes["embed_tokens.weight"] = (c.vocab_size, H)
+    sd = {k: (1 + 0.1 * torch.randn(s, generator=gen)) if k.endswith("norm.weight")
+          else torch.randn(s, generator=gen) / s[-1] ** 0.5 for k, s in shapes.items()}
+    ids = torch.randperm(c.vocab_size, generator=gen)[:draft_vocab].sort().values
+    sd["d2t"] = ids - torch.arange(draft_vocab)
+    sd["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool)
+    sd["t2d"][ids] = True
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_specforge_head_for_a_qwen3_target_loads_unchanged_and_drafts(family, tmp_path):
+    """A SpecForge-layout head for a Qwen3 / Qwen3-MoE target (narrower than the target, its own embedding,
+    explicit head_dim, a 40-id draft vocabulary, capture layers in eagle_config) loads as written, computes
+    the function the SpecForge / SGLang rules give it, and drafts in the engine with greedy output equal to
+    plain decoding."""
+    from test_engine import rand_prompts, reference
+    from test_families import family_model
+
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.spec import Eagle3Drafter
+
+    model = family_model(family, seed=2)
+    L = model.config.num_hidden_layers
+    layers = (0, L // 2, L - 1)
+    specforge_head_dir(tmp_path, model, layers=layers, seed=3)
+    head = Eagle3Head.load(tmp_path, target=model.config, backend="torch")
+    c = head.config
+    assert (c.hidden_size, c.target_hidden_size, c.head_dim, c.draft_vocab_size) == (48, 64, 16, 40)
+    assert c.own_embedding and c.target_layers == layers and c.rope_theta == 1e6 and c.rms_norm_eps == 1e-6
+    assert head.w("fc.weight").shape == (48, 3 * 64)
+    conf, w = official_rules_load(tmp_path, head_dim_from_config=True)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 128, (9,), generator=gen)
+    feat = torch.randn(9, 3 * 64, generator=gen)
+    want_h, want_ids = official_forward(conf, w, w["embed_tokens.weight"][tokens], feat)
+    got_h, got_ids = specdec_block(head, head.embed(tokens, model), feat)
+    torch.testing.assert_close(got_h, want_h, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got_ids, want_ids)
+    prompts = rand_prompts([9, 14, 5], seed=4)
+    engine = Engine(model, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=64),
+                    drafter=Eagle3Drafter(head, model, topk=2, steps=3, num_draft_tokens=5), ks=(5,))
+    reqs = [engine.add_request(p, 10) for p in prompts]
+    step = 0
+    while engine.has_work():
+        engine.step(5 if step % 3 else 0)  # k switching: the draft catches up after the k = 0 steps
+        step += 1
+    assert engine.scheduler.num_preemptions > 0
+    assert [r.output_ids for r in reqs] == [reference(model, p, 10) for p in prompts]
+
+
+def test_specforge_head_drafts_through_the_fused_kernels(tmp_path):
+    """The same head layout on the Triton backend (interpreter on CPU): the draft rounds and extends that
+    read the head's own embedding rows and the target's 3 x 64-wide features inside the fused kernels give
+    the drafts of the torch backend."""
+    from test_engine import rand_prompts
+    from test_families import family_model
+
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.spec import Eagle3Drafter
+
+    outs = []
+    for be in ("torch", "triton"):
+        model = family_model("qwen3", seed=2, backend=be, head_dim=16)
+        specforge_head_dir(tmp_path / be, model, seed=5)
+        head = Eagle3Head.load(tmp_path / be, target=model.config, backend=be)
+        trace = []
+        engine = Engine(model, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=128),
+                        drafter=Eagle3Drafter(head, model, topk=2, steps=2, num_draft_tokens=3), ks=(3,),
+                        trace=trace.append)
+        req = engine.add_request(rand_prompts([7], seed=6)[0], 4)
+        while engine.has_work():
+            engine.step(3)
+        engine.flush_trace()
+        outs.append((req.output_ids, [a for rec in trace for a in rec["accepted"]]))
+    assert outs[0] == outs[1]

@@ -202,10 +202,11 @@ def repetitive_prompts(n, seed=0):
     return out
 
 
-def family_model(family, seed=0, backend="torch"):
-    """specdec's model of a family, random (peaked) weights; no transformers round trip."""
+def family_model(family, seed=0, backend="torch", **overrides):
+    """specdec's model of a family, random (peaked) weights; no transformers round trip. ``overrides``:
+    config fields (the Triton attention kernel takes power-of-two head dims: head_dim=16)."""
     cfg_cls, _, fields = FAMILIES[family]
-    hf_cfg = getattr(transformers, cfg_cls)(**{**BASE, **fields})
+    hf_cfg = getattr(transformers, cfg_cls)(**{**BASE, **fields, **overrides})
     model = TransformerModel.random(ModelConfig.from_dict(hf_cfg.to_dict()), dtype="float32", seed=seed,
                                     backend=backend)
     return peaked_(model, seed).init_rope()

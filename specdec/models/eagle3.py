@@ -23,7 +23,12 @@ recognised by its keys whatever ``architectures`` says; ``fc`` is 3 * target_hid
 (target_hidden_size when present, else H); missing fields take LlamaConfig's defaults (rms_norm_eps
 1e-6, rope_theta 10000); a draft vocabulary as large as the target's is the identity (d2t / t2d
 optional); RoPE positions reach the target's limit, whatever the head's ``max_position_embeddings``
-says. Config flags that change the function and are not implemented are refused by name.
+says. Config flags that change the function and are not implemented are refused by name. Heads written
+by SpecForge for Qwen3 / Qwen3-MoE targets load as they are: ``head_dim`` is read from config.json when
+present (as SpecForge and SGLang build the layer: a Qwen3-30B-A3B head is 32 query heads of 128 over
+hidden 2048; hidden // heads otherwise), the capture layers from
+``eagle_config.eagle_aux_hidden_state_layer_ids``, and a head narrower than its target carries
+``target_hidden_size`` and its own ``embed_tokens.weight``.
 """
 
 from __future__ import annotations
