@@ -33,28 +33,28 @@ output columns (two accumulators for swiglu: its gate and up columns; for rope a
 two D/2 halves, so the rotation pairs stay in one program) and streams them in BLOCK_K chunks. With
 fewer programs than column blocks (``programs``) each loops over blocks i, i + P, ... (a persistent
 grid). Two bodies, by the number of rows:
-- one row (GEMV, BLOCK_M = 1): fp32 products on CUDA cores into a [BLOCK_N, BLOCK_K] accumulator,
-  summed over k once at the end, so BLOCK_N may be 4 or 8 (many programs, each streaming a narrow
-  slab of the weight). The next chunk's weight tiles are loaded before the current chunk is used
-  (register double buffering) and the first chunk is requested before the norm pass, which reads the
-  whole row in one load: Triton's software pipeliner did not overlap these loads, so without the
-  explicit prefetch each iteration waited on its own load.
-- several rows (the streaming body, BLOCK_M = 16, 32, 64): where a norm, residual, second input or
-  gathered rows meet a norm, a prologue launch (``_stream_prologue_kernel``, one program per row)
-  writes s and the ready rows y = [RMSNorm(x + residual) | RMSNorm2(x2)]. The GEMM then streams only
-  weight and y tiles, swap-AB: ``acc[BLOCK_N, BLOCK_M] += w[BLOCK_N, BLOCK_K] @ y^T[BLOCK_K, BLOCK_M]``
-  (the weight is the MMA's large side, tokens the small one; transposed once for the epilogue), with
-  pipelined loads and nothing else in the K loop. Normalising between a tile's load and its dot (a
-  layout conversion and two roundings per chunk) cost each GEMM more than the prologue launch, which
-  is nearly free: under PDL the GEMM launches at the prologue's start and asks for its first weight
-  columns into L2 (prefetch.global.L2) before it waits for y. A plain linear (wo, w2, fc over gathered
-  rows) is the GEMM alone, reading x (or its gathered rows) directly. Column blocks: the widest that
-  still gives every SM a block, but no narrower than BLOCK_M / accumulators (the y tiles a program
-  reads from L2 stay no larger than its weight tiles); plain projections take STREAM_PLAIN_BLOCK_N.
-  With fewer blocks than SMs a long K loop is split over several programs per block (split-K,
-  ``_split_reduce``: fp32 partials, an arrival counter, the last split to arrive sums them in split
-  order and runs the block's epilogue); short loops run whole (SPLIT_MIN_CHUNKS). A tile table
-  (kernel option stream_tiles) overrides these rules per weight shape, rows and device.
+- one row (GEMV, BLOCK_M = 1; projections up to GEMV_MAX_COLUMNS outputs): fp32 products on CUDA cores
+  into a [BLOCK_N, BLOCK_K] accumulator, summed over k once at the end, so BLOCK_N may be 4 or 8 (many
+  programs, each streaming a narrow slab of the weight). The next chunk's weight tiles are loaded before
+  the current chunk is used (register double buffering) and the first chunk is requested before the norm
+  pass, which reads the whole row in one load: Triton's software pipeliner did not overlap these loads,
+  so without the explicit prefetch each iteration waited on its own load.
+- several rows (the streaming body, BLOCK_M = 16, 32, 64): where a norm, residual or second input is
+  involved, a prologue launch (``_stream_prologue_kernel``, one program per row) writes s and the ready
+  rows y = [RMSNorm(x + residual) | RMSNorm2(x2)]. The GEMM then streams only weight and y tiles,
+  swap-AB: ``acc[BLOCK_N, BLOCK_M] += w[BLOCK_N, BLOCK_K] @ y^T[BLOCK_K, BLOCK_M]`` (the weight is the
+  MMA's large side, tokens the small one; transposed once for the epilogue), with pipelined loads and
+  nothing else in the K loop. Normalising between a tile's load and its dot (a layout conversion and two
+  roundings per chunk) cost each GEMM more than the prologue launch, which is nearly free: under PDL the
+  GEMM launches at the prologue's start and asks for its first weight columns into L2
+  (prefetch.global.L2) before it waits for y. A plain linear (wo, w2, fc over gathered rows) is the GEMM
+  alone, reading x (or its gathered rows) directly. Column blocks: the widest that still gives every SM
+  a block, but no narrower than BLOCK_M / accumulators (the y tiles a program reads from L2 stay no
+  larger than its weight tiles); plain projections take STREAM_PLAIN_BLOCK_N. With fewer blocks than SMs
+  a long K loop is split over several programs per block (split-K, ``_split_reduce``: fp32 partials, an
+  arrival counter, the last split to arrive sums them in split order and runs the block's epilogue);
+  short loops run whole (SPLIT_MIN_CHUNKS). A tile table (kernel option stream_tiles) overrides these
+  rules per weight shape, rows and device.
 M is a runtime argument: one compile per BLOCK_M bucket (1, 16, 32, 64), no recompile per batch size.
 
 Norm statistics from the producer (``linear_residual``): the projection that closes a residual block

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.float16]
+BF16 = [torch.bfloat16] if DEVICE == "cuda" else []
+
+
+def with_dtypes(cases, gpu_cases=()):
+    """Parameters: every case (a tuple) in fp32 and fp16, and the ``gpu_cases`` also in bf16 on a GPU (the
+    ``-m gpu`` selection compiles every case's kernel variants, so it keeps a representative few)."""
+    return [(*c, dt) for c in cases for dt in DTYPES] + [(*c, dt) for c in gpu_cases for dt in BF16]
 # fp32 runs an ieee tl.dot; fp16 / bf16 round P to the input dtype before the PV product.
 TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 HEADS = [(9, 3, 64), (8, 2, 32)]  # (HQ, HKV, D): SmolLM2's 9/3 at d64, and G = 4
@@ -113,9 +120,7 @@ def check(batch, dtype, max_q_len, splits, tree_mask=None, sm_scale=None):
     return ref
 
 
-@pytest.mark.parametrize("PS", [16, 8])
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,PS,dtype", with_dtypes([(h, PS) for h in HEADS for PS in (16, 8)], [(HEADS[1], 16)]))
 def test_paged_attention_prefill(dtype, heads, PS):
     # ragged chunks: with a prefix, from scratch, a T_b = 0 padding entry; 50 queries span several
     # query blocks (42 / 32 / 21 / 8 queries each, by dtype and G), and max_q_len is a bucket bound
@@ -125,18 +130,14 @@ def test_paged_attention_prefill(dtype, heads, PS):
     check(batch, dtype, max_q_len=56, splits=[1, 3, None])
 
 
-@pytest.mark.parametrize("PS", [16, 8])
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,PS,dtype", with_dtypes([(h, PS) for h in HEADS for PS in (16, 8)], [(HEADS[0], 8)]))
 def test_paged_attention_decode(dtype, heads, PS):
     # kv_len 1, 127 and 128: a tile boundary (64 slots) one past and exactly at the last slot
     batch = make_batch(T=[1, 1, 0, 1, 1, 1], prefix=[0, 40, 3, 126, 127, 17], heads=heads, PS=PS, dtype=dtype, seed=2)
     check(batch, dtype, max_q_len=1, splits=[1, 4, None])
 
 
-@pytest.mark.parametrize("PS", [16, 8])
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,PS,dtype", with_dtypes([(h, PS) for h in HEADS for PS in (16, 8)], [(HEADS[0], 16)]))
 def test_paged_attention_tree(dtype, heads, PS):
     T = [1, 9, 0, 16]
     batch = make_batch(T=T, prefix=[30, 0, 8, 45], heads=heads, PS=PS, dtype=dtype, seed=3)
@@ -167,7 +168,7 @@ def test_tree_64_nodes():
     check(batch, torch.float16, max_q_len=64, splits=[1, 3], tree_mask=tm)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + BF16)
 def test_tree_window_sees_only_marked_earlier_slots(dtype):
     """tree_window W: the queries are the last T_b of W masked slots (a draft round's new nodes after
     earlier rounds' nodes, already cached); mask bit j is slot kv_len - W + j. Kernel (several split
@@ -468,9 +469,8 @@ def test_reference_matches_dense_sdpa():
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("PS", [16, 8])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("HKV,D", [(3, 64), (2, 24)])
+@pytest.mark.parametrize("HKV,D,PS,dtype", with_dtypes([(3, 64, 16), (3, 64, 8), (2, 24, 16), (2, 24, 8)],
+                                                      [(2, 24, 8)]))
 def test_write_kv(dtype, HKV, D, PS):
     from kernels_triton.attention import write_kv_, write_kv_ref_
 

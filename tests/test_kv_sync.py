@@ -14,7 +14,14 @@ from kernels_triton.kv_sync import kv_sync_, kv_sync_ref_
 from kernels_triton.verify_accept import verify_accept
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.float16]
+BF16 = [torch.bfloat16] if DEVICE == "cuda" else []
+
+
+def with_dtypes(cases, gpu_cases=()):
+    """Parameters: every case (a tuple) in fp32 and fp16, and the ``gpu_cases`` also in bf16 on a GPU (the
+    ``-m gpu`` selection compiles every case's kernel variants, so it keeps a representative few)."""
+    return [(*c, dt) for c in cases for dt in DTYPES] + [(*c, dt) for c in gpu_cases for dt in BF16]
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
@@ -73,8 +80,7 @@ def run_both(pools, state):
     return got_pools, new_lens, pending
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,T,PS", [(5, 9, 16), (3, 16, 5), (7, 4, 1)])
+@pytest.mark.parametrize("B,T,PS,dtype", with_dtypes([(5, 9, 16), (3, 16, 5), (7, 4, 1)], [(3, 16, 5)]))
 def test_kv_sync_matches_ref_two_pools(B, T, PS, dtype, poison):
     gen = torch.Generator().manual_seed(B * 100 + T + PS)
     MP = (T + 40) // PS + 2
@@ -213,7 +219,7 @@ def test_kv_sync_bad_inputs():
         kv_sync_([pool[0]], *state)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + BF16)
 def test_commit_into_state_with_padding_rows(dtype):
     """valid / into: the step's whole commit. Padding rows (valid False) carry a stale page table that
     shares pages with live rows and a forced full acceptance: they must move no KV, keep their

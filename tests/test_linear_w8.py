@@ -16,7 +16,14 @@ from specdec.models import ops
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.float16]
+BF16 = [torch.bfloat16] if DEVICE == "cuda" else []
+
+
+def with_dtypes(cases, gpu_cases=()):
+    """Parameters: every case (a tuple) in fp32 and fp16, and the ``gpu_cases`` also in bf16 on a GPU (the
+    ``-m gpu`` selection compiles every case's kernel variants, so it keeps a representative few)."""
+    return [(*c, dt) for c in cases for dt in DTYPES] + [(*c, dt) for c in gpu_cases for dt in BF16]
 TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
 
 
@@ -42,14 +49,16 @@ def test_quantize_error_bound_and_zero_rows():
 SMALL = dict(BLOCK_N=16, BLOCK_K=128, num_stages=2)  # other tiles than the default's
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,NOUT,K,config", [
+W8_CASES = [
     (1, 2100, 64, None), (4, 96, 160, None), (4, 96, 160, {"split": 3}), (5, 40, 300, {"split": 2}),
     (8, 70, 512, None), (4, 96, 160, SMALL), (4, 70, 512, SMALL | {"split": 2}),
     (9, 50, 520, None), (17, 300, 72, None), (33, 50, 520, {"split": 4}),
     (3, 70, 512, None), (3, 70, 768, {"split": 2}), (12, 70, 768, {"split": 2}),  # K a multiple of BLOCK_K
     (4, 150, 512, {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3}),  # the wide projections' tiles
-])
+]
+
+
+@pytest.mark.parametrize("M,NOUT,K,config,dtype", with_dtypes(W8_CASES, [W8_CASES[1], W8_CASES[3], W8_CASES[13]]))
 def test_linear_w8_matches_reference(dtype, M, NOUT, K, config, poison):
     gen = torch.Generator().manual_seed(M * 1000 + K)
     w = torch.randn(NOUT, K, generator=gen) / K**0.5

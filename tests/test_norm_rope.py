@@ -15,7 +15,14 @@ from kernels_triton.rope import rope, rope_ref, rope_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter rounds fp32 -> bf16 by truncation (FACTS.md): test bf16 on the GPU only.
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.float16]
+BF16 = [torch.bfloat16] if DEVICE == "cuda" else []
+
+
+def with_dtypes(cases, gpu_cases=()):
+    """Parameters: every case (a tuple) in fp32 and fp16, and the ``gpu_cases`` also in bf16 on a GPU (the
+    ``-m gpu`` selection compiles every case's kernel variants, so it keeps a representative few)."""
+    return [(*c, dt) for c in cases for dt in DTYPES] + [(*c, dt) for c in gpu_cases for dt in BF16]
 
 # (atol, rtol): fp32 differs only by reduction order / rsqrt ulps; half types by one or two
 # roundings of the output (relative ulp 2**-11 for fp16, 2**-8 for bf16).
@@ -47,10 +54,9 @@ def _randn(*shape, dtype=torch.float32, scale=1.0, gen=None):
 # ----------------------------------------------------------------------------------------- norm
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("H", [123, 576, 4096])
-@pytest.mark.parametrize("N", [1, 5, 123])
-@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_residual,N,H,dtype", with_dtypes([(r, N, H) for r in (False, True) for N in (1, 5, 123)
+                                                                 for H in (123, 576, 4096)],
+                                                                [(False, 123, 576), (True, 5, 4096)]))
 def test_rms_norm_matches_ref(N, H, dtype, with_residual, poison):
     gen = torch.Generator().manual_seed(N * 10007 + H)
     x = _randn(N, H, dtype=dtype, scale=2.0, gen=gen)
@@ -137,10 +143,9 @@ def _qk(N, HQ, HKV, D, dtype, gen, fused=False):
     return _randn(N, HQ, D, dtype=dtype, gen=gen), _randn(N, HKV, D, dtype=dtype, gen=gen)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)])
-@pytest.mark.parametrize("N", [5, 123])
-@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("pos_dtype,N,heads,dtype", with_dtypes([(p, N, h) for p in (torch.int32, torch.int64)
+                                                                 for N in (5, 123) for h in ((9, 3, 64), (32, 8, 128))],
+                                                                [(torch.int64, 123, (32, 8, 128))]))
 def test_rope_matches_ref(N, heads, dtype, pos_dtype, poison):
     HQ, HKV, D = heads
     P = 50  # N = 123 draws from 50 rows: positions repeat and are not sorted
@@ -304,9 +309,9 @@ def _slots(N, P, PS, gen, n_pad):
     return slots.to(device=DEVICE, dtype=torch.int64)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(9, 3, 64), (5, 1, 48)])  # D = 48: HALF = 24 is not a power of two
-@pytest.mark.parametrize("N,PS", [(5, 16), (37, 7)])
+@pytest.mark.parametrize("N,PS,heads,dtype", with_dtypes([(N, PS, h) for N, PS in ((5, 16), (37, 7))
+                                                          for h in ((9, 3, 64), (5, 1, 48))],  # D = 48: HALF = 24
+                                                         [(37, 7, (9, 3, 64))]))  # is not a power of two
 def test_rope_write_kv_matches_rope_then_write_kv(N, PS, heads, dtype, poison):
     from kernels_triton.attention import write_kv_ref_
     from kernels_triton.rope import rope_write_kv_, rope_write_kv_ref_

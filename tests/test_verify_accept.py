@@ -15,7 +15,14 @@ from kernels_triton.verify_accept import MAX_TREE_TOKENS, verify_accept, verify_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter rounds fp32 -> bf16 by truncation (FACTS.md): bf16 runs on the GPU only.
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.float16]
+BF16 = [torch.bfloat16] if DEVICE == "cuda" else []
+
+
+def with_dtypes(cases, gpu_cases=()):
+    """Parameters: every case (a tuple) in fp32 and fp16, and the ``gpu_cases`` also in bf16 on a GPU (the
+    ``-m gpu`` selection compiles every case's kernel variants, so it keeps a representative few)."""
+    return [(*c, dt) for c in cases for dt in DTYPES] + [(*c, dt) for c in gpu_cases for dt in BF16]
 INT_POISON = 0x5A5A  # not a valid output value (outputs are node indices < T, tokens < V, or -1)
 
 
@@ -171,16 +178,15 @@ def assert_matches_ref_up_to_ties(res, logits, tokens, parents, temperature, uni
 SPLITS = pytest.mark.parametrize("split", [False, True], ids=["one_program", "split_vocab"])
 
 
+GREEDY_CASES = [
+    (5, 1, 1000, ["random"]),  # plain decode
+    (9, 9, 1000, ["random", "chain", "padded"]),
+    (7, 16, 4099, ["wide", "chain", "padded", "random"]),
+]
+
+
 @SPLITS
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "B,T,V,kinds",
-    [
-        (5, 1, 1000, ["random"]),  # plain decode
-        (9, 9, 1000, ["random", "chain", "padded"]),
-        (7, 16, 4099, ["wide", "chain", "padded", "random"]),
-    ],
-)
+@pytest.mark.parametrize("B,T,V,kinds,dtype", with_dtypes(GREEDY_CASES, GREEDY_CASES[2:]))
 def test_greedy_matches_ref(B, T, V, kinds, dtype, poison, split):
     gen = torch.Generator().manual_seed(B * 1000 + T * 10 + V)
     logits, tokens, parents = make_greedy_case(B, T, V, dtype, kinds, gen)
@@ -237,16 +243,15 @@ def test_greedy_ties_pick_lowest_index(split):
 # ------------------------------------------------------------------------------------- stochastic
 
 
+STOCHASTIC_CASES = [
+    (6, 1, 1000, ["random"], 1.0),  # plain sampling
+    (9, 9, 1000, ["random", "chain", "padded"], 0.7),
+    (6, 16, 4099, ["wide", "padded", "random"], 1.3),
+]
+
+
 @pytest.mark.parametrize("with_q", [False, True], ids=["deterministic", "draft_probs"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "B,T,V,kinds,temperature",
-    [
-        (6, 1, 1000, ["random"], 1.0),  # plain sampling
-        (9, 9, 1000, ["random", "chain", "padded"], 0.7),
-        (6, 16, 4099, ["wide", "padded", "random"], 1.3),
-    ],
-)
+@pytest.mark.parametrize("B,T,V,kinds,temperature,dtype", with_dtypes(STOCHASTIC_CASES, STOCHASTIC_CASES[2:]))
 def test_stochastic_matches_ref(B, T, V, kinds, temperature, dtype, with_q, poison):
     gen = torch.Generator().manual_seed(B * 1000 + T * 10 + V + int(with_q))
     logits, tokens, parents, u, dp = make_stochastic_case(B, T, V, dtype, kinds, gen, temperature, with_q)
