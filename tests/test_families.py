@@ -18,6 +18,7 @@ from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.reference import generate_reference
 from specdec.models.families import ModelConfig
 from specdec.models.loading import CheckpointError, load_safetensors
+from specdec.models import ops
 from specdec.models.ops import AttentionMeta
 from specdec.models.transformer import TransformerModel
 
@@ -41,7 +42,8 @@ FAMILIES = {
         num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[0],
         tie_word_embeddings=False, rope_theta=1e6)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=32, num_hidden_layers=2,
-                                                            num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6)),
+                                                            num_local_experts=8, num_experts_per_tok=2,
+                                                            rope_theta=1e6)),
 }
 
 
@@ -181,9 +183,9 @@ def test_unsupported_architectures_and_features_are_refused_by_name(tmp_path):
 
 def test_qwen3_moe_layer_selection_follows_transformers():
     for step, only, layers in [(1, [], 6), (2, [], 6), (1, [0, 5], 6), (3, [2], 7)]:
-        cfg = transformers.Qwen3MoeConfig(**BASE, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=layers,
-                                          num_experts=4, num_experts_per_tok=2, decoder_sparse_step=step,
-                                          mlp_only_layers=only)
+        cfg = transformers.Qwen3MoeConfig(**BASE, intermediate_size=96, moe_intermediate_size=16,
+                                          num_hidden_layers=layers, num_experts=4, num_experts_per_tok=2,
+                                          decoder_sparse_step=step, mlp_only_layers=only)
         hf = transformers.Qwen3MoeForCausalLM(cfg)
         want = tuple(i for i, layer in enumerate(hf.model.layers)
                      if type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock")
@@ -263,9 +265,7 @@ def test_expert_counts_are_the_routed_experts():
 
     def spy(i, h, residual):
         out, s = real(i, h, residual)
-        from specdec.models.transformer import add_rms_norm
-
-        y, _ = add_rms_norm(h, residual, model.mlp_norm[i], c.rms_norm_eps)
+        y, _ = ops.add_rms_norm(h, residual, model.mlp_norm[i], c.rms_norm_eps)
         _, ids = moe_route_ref(y @ model.router[model.moe_slot[i]].t(), c.num_experts_per_tok, c.norm_topk_prob)
         seen.setdefault(i, []).append(len(set(ids.flatten().tolist())))
         return out, s

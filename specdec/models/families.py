@@ -178,7 +178,8 @@ class ModelConfig:
         gen_path = path / "generation_config.json"
         gen = read_json_object(gen_path, "generation config")
         eos = gen.get("eos_token_id")
-        if not (eos is None or isinstance(eos, int) or (isinstance(eos, list) and all(isinstance(e, int) for e in eos))):
+        ints = isinstance(eos, list) and all(isinstance(e, int) for e in eos)
+        if not (eos is None or isinstance(eos, int) or ints):
             raise CheckpointError(f"{gen_path}: expected a JSON object whose eos_token_id is an integer or a list "
                                   "of integers")
         for e in [eos] if isinstance(eos, int) else eos or []:

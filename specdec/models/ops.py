@@ -312,7 +312,7 @@ def norm_swiglu(x, residual, norm_weight, eps, w13, *, backend="auto", sumsq=Non
 
 def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
                             k_cache, v_cache, slot_mapping, x2=None, norm_weight2=None, *, backend="auto", rows=None,
-                            sumsq=None, folded=None):
+                            sumsq=None, folded=None, bias=None, q_norm=None, k_norm=None):
     """The attention block's input side: RMSNorm(x + residual) @ wqkv^T, RoPE, K/V written to the cache
     slots (in place). Returns (rotated q [N, HQ, D], s = x + residual, or x without a residual).
     norm_weight None projects x as is. With ``x2`` (and ``norm_weight2``) the projected rows are
@@ -320,9 +320,14 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     ``rows`` = (index [G, W], group): x's rows gathered as in :func:`linear` (no residual; s is then
     the gathered rows, or None when the kernel gathered them). ``sumsq``: x's rows' sums of squares
     from :func:`linear_residual` (used by the fused kernel); ``folded``: fold_norm(wqkv, norm_weight), used
-    with them."""
+    with them. A family's attention extras: ``bias`` [(HQ + 2 HKV) D] added to q|k|v (Qwen2), ``q_norm`` /
+    ``k_norm`` [D] RMSNorms over each query / key head before RoPE (Qwen3); see _qkv_extras_rope_write_kv_."""
     from kernels_triton import linear as lin
 
+    if bias is not None or q_norm is not None:
+        return _qkv_extras_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
+                                          cos, sin, k_cache, v_cache, slot_mapping, backend, sumsq, folded, bias,
+                                          q_norm, k_norm)
     if rows is not None:
         if residual is None and gathers_rows(backend, x, wqkv, rows):
             return lin.norm_qkv_rope_write_kv_(x, None, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
@@ -343,6 +348,46 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     q = rope_write_kv_(q.view(N, n_q_heads, D), k.view(N, n_kv_heads, D), v.view(N, n_kv_heads, D), positions,
                        cos, sin, k_cache, v_cache, slot_mapping, backend=backend)
     return q, s
+
+
+def _qkv_extras_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
+                               k_cache, v_cache, slot_mapping, backend, sumsq, folded, bias, q_norm, k_norm):
+    """norm_qkv_rope_write_kv_ with a bias and / or q/k norms between the projection and RoPE: the RMSNorm +
+    qkv projection stays one launch for few rows (norm_linear), then the bias add and the two per-head norm
+    launches, then the RoPE + KV write. (A Llama layer takes none of these launches.)"""
+    N, D = x.shape[0], k_cache.shape[-1]
+    qkv, s = norm_linear(x, residual, norm_weight, eps, wqkv, backend=backend, sumsq=sumsq,
+                         folded=folded)  # [N, (HQ + 2 HKV) D]
+    if bias is not None:
+        qkv = qkv + bias  # (x @ W^T) + b: nn.Linear rounds the two once (addmm), bf16 here twice
+    q, k, v = qkv.split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)  # views, no copies
+    q, k, v = q.view(N, n_q_heads, D), k.view(N, n_kv_heads, D), v.view(N, n_kv_heads, D)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps, backend=backend)  # [N, HQ, D]: each head's D channels
+        k = rms_norm(k, k_norm, eps, backend=backend)  # [N, HKV, D]
+    q = rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, backend=backend)
+    return q, s
+
+
+def add_rms_norm(x, residual, weight, eps, *, backend="auto"):
+    """(RMSNorm(x + residual), x + residual); residual None: (RMSNorm(x), x)."""
+    if residual is None:
+        return rms_norm(x, weight, eps, backend=backend), x
+    return rms_norm(x, weight, eps, residual, backend=backend)
+
+
+def moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None, backend="auto"):
+    """The MoE layer over normed rows x [T, H] -> [T, H] (kernels_triton/moe.py): the fused kernel on the
+    Triton backend, else its torch reference (a loop over experts), which counts ``expert_hits`` [E] int32
+    (pairs routed to each expert, added in place) as the kernel does."""
+    from kernels_triton import moe as moe_mod
+
+    if use_triton(backend, x):
+        return moe_mod.fused_moe(x, router_w, w13, w2, top_k, renormalize, expert_hits=expert_hits)
+    if expert_hits is not None:
+        _, ids = moe_mod.moe_route_ref(x.float() @ router_w.float().t(), top_k, renormalize)  # [T, K]
+        expert_hits.index_add_(0, ids.reshape(-1).long(), torch.ones(ids.numel(), dtype=torch.int32, device=x.device))
+    return moe_mod.fused_moe_ref(x, router_w, w13, w2, top_k, renormalize)
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, backend="auto"):

@@ -47,7 +47,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import ops
-from .transformer import ExpertStats, ForwardOut, TransformerModel, add_rms_norm, moe, norm_qkv_rope_write_kv_
+from .transformer import ExpertStats, ForwardOut, TransformerModel
 
 ALLREDUCE = ("nccl", "fused")
 
@@ -227,7 +227,7 @@ class TPTransformerModel(ExpertStats, nn.Module):
         for i in range(c.num_hidden_layers):
             moe_j = self.moe_slot.get(i)
             # normed: h is RMSNorm(s) already (the fused boundary), residual = s
-            q, s = norm_qkv_rope_write_kv_(
+            q, s = ops.norm_qkv_rope_write_kv_(
                 h, None if normed else residual, None if normed else self.attn_norm[i], eps, self.wqkv[i], HQ, HKV,
                 positions, self.rope_cos, self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping, backend=be,
                 **self.attention_extras(i))  # [N, HQ/W, D]
@@ -241,8 +241,8 @@ class TPTransformerModel(ExpertStats, nn.Module):
                                                  None if moe_j is not None else self.w13[i], swiglu=True)
             if moe_j is not None:
                 if not normed:
-                    h, residual = add_rms_norm(h, residual, self.mlp_norm[i], eps, backend=be)
-                h = moe(h, self.router[moe_j], self.w13[i], self.w2[i], c.num_experts_per_tok, c.norm_topk_prob,
+                    h, residual = ops.add_rms_norm(h, residual, self.mlp_norm[i], eps, backend=be)
+                h = ops.moe(h, self.router[moe_j], self.w13[i], self.w2[i], c.num_experts_per_tok, c.norm_topk_prob,
                         expert_hits=self.expert_hits[moe_j], backend=be)  # [N, H] partial sum over F/W columns
             else:
                 if normed:

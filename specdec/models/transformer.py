@@ -46,52 +46,6 @@ class ForwardOut:
     captured: torch.Tensor | None  # [N, len(capture_layers) * H] residual stream entering layers
 
 
-def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
-                            k_cache, v_cache, slot_mapping, *, backend="auto", sumsq=None, folded=None, bias=None,
-                            q_norm=None, k_norm=None):
-    """ops.norm_qkv_rope_write_kv_ with a family's attention extras: ``bias`` [(HQ + 2 HKV) D] added to
-    q|k|v, ``q_norm`` / ``k_norm`` [D] RMSNorms over each query / key head before RoPE. Without extras it is
-    that op (one fused launch for few rows); with them the RMSNorm + qkv projection stays one launch
-    (ops.norm_linear) and the extras run between it and the RoPE + KV write: a bias add, two norm launches."""
-    if bias is None and q_norm is None:
-        return ops.norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
-                                           cos, sin, k_cache, v_cache, slot_mapping, backend=backend, sumsq=sumsq,
-                                           folded=folded)
-    N, D = x.shape[0], k_cache.shape[-1]
-    qkv, s = ops.norm_linear(x, residual, norm_weight, eps, wqkv, backend=backend, sumsq=sumsq,
-                             folded=folded)  # [N, (HQ + 2 HKV) D]
-    if bias is not None:
-        qkv = qkv + bias  # (x @ W^T) + b: nn.Linear rounds the two once (addmm), bf16 here twice
-    q, k, v = qkv.split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)  # views, no copies
-    q, k, v = q.view(N, n_q_heads, D), k.view(N, n_kv_heads, D), v.view(N, n_kv_heads, D)
-    if q_norm is not None:
-        q = ops.rms_norm(q, q_norm, eps, backend=backend)  # [N, HQ, D], per head
-        k = ops.rms_norm(k, k_norm, eps, backend=backend)  # [N, HKV, D]
-    q = ops.rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, backend=backend)
-    return q, s
-
-
-def add_rms_norm(x, residual, weight, eps, *, backend="auto"):
-    """(RMSNorm(x + residual), x + residual); residual None: (RMSNorm(x), x)."""
-    if residual is None:
-        return ops.rms_norm(x, weight, eps, backend=backend), x
-    return ops.rms_norm(x, weight, eps, residual, backend=backend)
-
-
-def moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None, backend="auto"):
-    """The MoE layer over normed rows x [T, H] -> [T, H] (kernels_triton/moe.py): the fused Triton kernel on
-    the Triton backend, else its torch reference (a loop over experts), with ``expert_hits`` [E] int32
-    counted alike (pairs routed to each expert, added in place)."""
-    from kernels_triton import moe as moe_mod
-
-    if ops.use_triton(backend, x):
-        return moe_mod.fused_moe(x, router_w, w13, w2, top_k, renormalize, expert_hits=expert_hits)
-    if expert_hits is not None:
-        _, ids = moe_mod.moe_route_ref(x.float() @ router_w.float().t(), top_k, renormalize)  # [T, K]
-        expert_hits.index_add_(0, ids.reshape(-1).long(), torch.ones(ids.numel(), dtype=torch.int32, device=x.device))
-    return moe_mod.fused_moe_ref(x, router_w, w13, w2, top_k, renormalize)
-
-
 def frozen_list(shapes) -> nn.ParameterList:
     return nn.ParameterList([nn.Parameter(torch.empty(*s), requires_grad=False) for s in shapes])
 
@@ -143,7 +97,8 @@ class TransformerModel(ExpertStats, nn.Module):
         H, D, HQ, HKV, F = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
         L = c.num_hidden_layers
         self.embed = nn.Parameter(torch.empty(c.vocab_size, H), requires_grad=False)
-        self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, H), requires_grad=False)
+        self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, H),
+                                                                       requires_grad=False)
         self.norm = nn.Parameter(torch.empty(H), requires_grad=False)
         self.attn_norm, self.mlp_norm = frozen_list([(H,)] * L), frozen_list([(H,)] * L)
         self.wqkv, self.wo = frozen_list([((HQ + 2 * HKV) * D, H)] * L), frozen_list([(H, HQ * D)] * L)
@@ -298,8 +253,8 @@ class TransformerModel(ExpertStats, nn.Module):
     def moe_(self, i: int, h, residual):
         """MoE layer i over the attention block's output: (experts' output [N, H], s = h + residual)."""
         c, j = self.config, self.moe_slot[i]
-        y, s = add_rms_norm(h, residual, self.mlp_norm[i], c.rms_norm_eps, backend=self.backend)  # [N, H]
-        out = moe(y, self.router[j], self.w13[i], self.w2[i], c.num_experts_per_tok, c.norm_topk_prob,
+        y, s = ops.add_rms_norm(h, residual, self.mlp_norm[i], c.rms_norm_eps, backend=self.backend)  # [N, H]
+        out = ops.moe(y, self.router[j], self.w13[i], self.w2[i], c.num_experts_per_tok, c.norm_topk_prob,
                       expert_hits=self.expert_hits[j], backend=self.backend)  # [N, H]
         return out, s
 
@@ -320,7 +275,7 @@ class TransformerModel(ExpertStats, nn.Module):
             # RMSNorm(h + residual) -> qkv (+ bias, q/k norms) -> RoPE -> K/V into this layer's cache slots;
             # s = h + residual is the residual stream entering layer i. (Where the projection before added
             # the residual itself, h is s, residual None and sumsq its rows' squares: ops.linear_residual.)
-            q, residual = norm_qkv_rope_write_kv_(
+            q, residual = ops.norm_qkv_rope_write_kv_(
                 h, residual, self.attn_norm[i], c.rms_norm_eps, self.wqkv[i], HQ, HKV, positions,
                 self.rope_cos, self.rope_sin, k_cache[i], v_cache[i], meta.slot_mapping, backend=be,
                 sumsq=sumsq, folded=fq[i], **self.attention_extras(i))  # [N, HQ, D]
