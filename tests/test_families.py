@@ -295,3 +295,81 @@ def test_triton_blocks_match_torch_references(family):
     got, want = (paged_step_logits(models[be], ids, n_prefill=5) for be in ("triton", "torch"))
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_step_read_bytes_counts_the_selected_experts():
+    model = family_model("qwen3_moe", seed=3)
+    c = model.config
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    experts = nbytes([model.w13[i] for i in c.moe_layers] + [model.w2[i] for i in c.moe_layers])
+    everything = nbytes(model.parameters()) - nbytes([model.embed])  # untied: a step reads rows of the table
+    assert model.step_read_bytes()["weights"] == everything
+    got = model.step_read_bytes(distinct_experts_per_layer=2.0, kv_tokens=10)
+    assert got["weights"] == everything - experts * (c.num_experts - 2) // c.num_experts
+    assert got["kv"] == 10 * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    assert got["total"] == got["weights"] + got["kv"]
+
+
+# -- the real-shape presets -----------------------------------------------------------------------
+
+def preset_config(name):
+    import yaml
+
+    from specdec.bench.targets import config_from_dict
+
+    path = __import__("pathlib").Path(__file__).resolve().parents[1] / "conf" / "target" / f"{name}.yaml"
+    return config_from_dict(yaml.safe_load(path.read_text())["config"])
+
+
+def test_qwen3_presets_have_the_published_shapes():
+    """target=qwen3_8b_random / qwen3_30b_a3b_random: Qwen3-8B's and Qwen3-30B-A3B's config.json (FACTS.md),
+    8.19B and 30.53B parameters (61.1 GB in bf16, the experts 58.0 GB), and EAGLE-3 heads of the published
+    heads' shapes (one layer of the target; 32000 draft ids)."""
+    from specdec.models.eagle3 import Eagle3Config
+    from specdec.spec import random_draft_vocab
+
+    for name, params, family in [("qwen3_8b_random", 8_190_735_360, "qwen3"),
+                                 ("qwen3_30b_a3b_random", 30_532_122_624, "qwen3_moe")]:
+        c = preset_config(name)
+        with torch.device("meta"):
+            model = TransformerModel(c)
+        assert c.model_type == family and c.qk_norm and not c.tie_word_embeddings and c.vocab_size == 151936
+        assert c.rope_theta == 1e6 and c.head_dim == 128
+        assert sum(p.numel() for p in model.parameters()) == params
+        head = Eagle3Config.for_target(c, random_draft_vocab(c.vocab_size))
+        assert head.draft_vocab_size == 32000 and head.head_dim == 128
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (48, 2048, 32, 4)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (128, 8, 768, True)
+    assert c.moe_layers == tuple(range(48))
+    assert (head.hidden_size, head.intermediate_size, head.num_attention_heads) == (2048, 6144, 32)  # SpecForge's
+
+
+SCALED_DOWN = ["target.config.num_hidden_layers=3", "target.config.hidden_size=128", "target.config.num_attention_heads=4",
+               "target.config.num_key_value_heads=2", "target.config.head_dim=32", "target.config.intermediate_size=192",
+               "target.config.vocab_size=1024", "target.config.max_position_embeddings=1024", "engine.dtype=float32",
+               "device=cpu"]
+
+
+@pytest.mark.parametrize("target,extra", [
+    ("qwen3_8b_random", []),
+    ("qwen3_30b_a3b_random", ["target.config.moe_intermediate_size=32", "target.config.num_experts=16",
+                              "target.config.num_experts_per_tok=4"])])
+def test_qwen3_presets_serve_and_profile_scaled_down(target, extra, tmp_path):
+    """The presets' command (draft=eagle3_random, replayed acceptance, policy always) at a scaled-down copy
+    of each shape on the CPU, with the step-floor profile and the speculative step table."""
+    from hydra import compose, initialize_config_dir
+    from test_run import CONF
+
+    from specdec.run import run
+
+    overrides = [f"target={target}", "draft=eagle3_random", "acceptance=replay", "acceptance.parametric.mean=3",
+                 "workload=synthetic", "policy=always", *SCALED_DOWN, *extra, "workload.concurrency=2",
+                 "workload.sources.0.num_prompts=3", "workload.sources.0.prompt_len=16",
+                 "workload.sources.0.output_len=8", "engine.kv_cache_tokens=2048", "logger=none",
+                 "engine.profile_steps=[1,2]", "engine.profile_spec_steps=[2]", "engine.profile_steps_context=16",
+                 "engine.profile_steps_iters=2", f"run_dir={tmp_path}/run"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    m = run(cfg)
+    assert m["failed_requests"] == 0 and m["output_tokens"] == 24
+    assert m["step_floor"]["step_ms"]["1"] > 0 and m["step_breakdown"]["batches"]["2"]["k"]["48"]["step_ms"] > 0

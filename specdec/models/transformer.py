@@ -51,8 +51,10 @@ def frozen_list(shapes) -> nn.ParameterList:
 
 
 class ExpertStats:
-    """Experts read per forward (module docstring), for a model with ``config``, ``moe_slot`` (layer -> MoE
-    row), ``expert_hits`` int32 [L_moe, E] and ``moe_counts`` int64 [L_moe + 2] buffers."""
+    """Experts read per forward (module docstring) and the bytes a forward reads, for a model with ``config``,
+    its weights (``embed``, ``lm_head``, ``w13`` / ``w2`` per layer), ``moe_slot`` (layer -> MoE row),
+    ``kv_bytes_per_token()``, and ``expert_hits`` int32 [L_moe, E] and ``moe_counts`` int64 [L_moe + 2]
+    buffers (init_expert_stats_)."""
 
     def init_expert_stats_(self, n_moe_layers: int, n_experts: int, device=None) -> None:
         self.register_buffer("expert_hits", torch.zeros(n_moe_layers, n_experts, dtype=torch.int32, device=device),
@@ -80,6 +82,20 @@ class ExpertStats:
         return {"forwards": fwd, "tokens_per_forward": counts[Lm + 1] / fwd if fwd else 0.0,
                 "distinct_experts_per_layer": sum(per_layer) / Lm, "per_layer": per_layer,
                 "experts": self.config.num_experts, "top_k": self.config.num_experts_per_tok}
+
+    def step_read_bytes(self, distinct_experts_per_layer: float | None = None, kv_tokens: int = 0) -> dict:
+        """Bytes a forward must read (the step-time floor's numerator): ``weights``, every parameter once
+        except an untied embedding table (a step reads only its rows) and, of each MoE layer, only the
+        ``distinct_experts_per_layer`` experts the forward's tokens select (all of them when None); ``kv``,
+        ``kv_tokens`` slots of every layer's K and V (each row's context); and their ``total``."""
+        params = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.lm_head is not None:
+            params -= self.embed.numel() * self.embed.element_size()
+        if self.moe_slot and distinct_experts_per_layer is not None:
+            experts = sum(w[i].numel() * w[i].element_size() for i in self.moe_slot for w in (self.w13, self.w2))
+            params -= experts * (1 - float(distinct_experts_per_layer) / self.config.num_experts)
+        kv = int(kv_tokens) * self.kv_bytes_per_token()
+        return {"weights": int(params), "kv": kv, "total": int(params) + kv}
 
     def _count_experts_(self, n_tokens: int) -> None:
         Lm = len(self.moe_slot)
@@ -225,6 +241,10 @@ class TransformerModel(ExpertStats, nn.Module):
         shape = (c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim)
         return (torch.zeros(shape, device=self.device, dtype=self.dtype),
                 torch.zeros(shape, device=self.device, dtype=self.dtype))
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.embed.element_size()
 
     def norm_folded_weights(self) -> tuple[list, list]:
         """(wqkv, w13) of every layer with its norm weight folded into the input columns
