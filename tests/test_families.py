@@ -344,10 +344,10 @@ def test_qwen3_presets_have_the_published_shapes():
     assert (head.hidden_size, head.intermediate_size, head.num_attention_heads) == (2048, 6144, 32)  # SpecForge's
 
 
-SCALED_DOWN = ["target.config.num_hidden_layers=3", "target.config.hidden_size=128", "target.config.num_attention_heads=4",
-               "target.config.num_key_value_heads=2", "target.config.head_dim=32", "target.config.intermediate_size=192",
-               "target.config.vocab_size=1024", "target.config.max_position_embeddings=1024", "engine.dtype=float32",
-               "device=cpu"]
+SCALED_DOWN = [f"target.config.{k}={v}" for k, v in dict(
+    num_hidden_layers=3, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    intermediate_size=192, vocab_size=1024, max_position_embeddings=1024).items()]
+SCALED_DOWN += ["engine.dtype=float32", "device=cpu"]
 
 
 @pytest.mark.parametrize("target,extra", [
