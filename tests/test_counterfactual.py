@@ -24,7 +24,7 @@ from test_spec import repetitive_prompts, run_engine, tiny_head
 from kernels_triton import counterfactual as cfk
 from kernels_triton import tree_grow
 from kernels_triton.verify_accept import verify_accept_ref
-from specdec.policy import BatchView, Goodput, StepStats, build_policy
+from specdec.policy import BatchView, Goodput, Policy, StepStats, build_policy
 from specdec.spec import Eagle3Drafter
 from specdec.spec.tree import grow_tree, topk_of
 
@@ -226,7 +226,8 @@ def test_goodput_counterfactual_samples_replace_first_tries():
     """With counterfactual samples the first try is the largest k; its steps bring samples of the
     smaller ks covering probe_rows rows, so none of them is tried first, and the choice follows the
     table: tree16 at a(16) = 4 (4 / 1.4 per ms) beats tree32 at a(32) = 4.2 (4.2 / 2.6)."""
-    pol = Goodput([3, 8, 16, 32], margin=0.0, explore_every=0, probe_rows=4, counterfactual=True)
+    pol = Goodput([3, 8, 16, 32], margin=0.0, explore_every=0, probe_rows=4, counterfactual=True,
+                  probe_cost=float("inf"), probe_requests=0)
     assert pol.wants_counterfactual
     pol.set_table(CF_TABLE)
     pol.counterfactual_({(3, 32): "lower_bound", (8, 32): "approximate", (16, 32): "approximate",
@@ -246,8 +247,8 @@ def test_goodput_counterfactual_samples_replace_first_tries():
     d = pol.describe()
     assert d["counterfactual"] and d["counterfactual_rows"]["k=16"] == 4
     assert d["counterfactual_pairs"]["k=3<k=32"] == "lower_bound"
-    # Without them (the default): the first tries go smallest first, as before.
-    off = Goodput([3, 8, 16, 32], margin=0.0, explore_every=0, probe_rows=4)
+    # Without them: the first tries go smallest first.
+    off = Goodput([3, 8, 16, 32], margin=0.0, explore_every=0, probe_rows=4, counterfactual=False)
     off.set_table(CF_TABLE)
     assert not off.wants_counterfactual and off.choose(BatchView(num_decode=2, num_waiting=0)) == 3
 
@@ -257,7 +258,7 @@ def test_goodput_counterfactual_config():
 
     cfg = OmegaConf.load("conf/policy/goodput.yaml")
     cfg.profile_context = 512  # auto is resolved by specdec.run from the workload
-    assert cfg.counterfactual is True and build_policy(cfg, sizes=(3, 8)).wants_counterfactual
+    assert cfg.counterfactual is None and build_policy(cfg, sizes=(3, 8)).wants_counterfactual  # the default: on
     cfg.counterfactual = "false"
     assert not build_policy(cfg, sizes=(3, 8)).wants_counterfactual
     cfg.counterfactual = "true"
@@ -284,7 +285,7 @@ def test_engine_counterfactual_greedy_identical(tiny, overlap):
     trees = [(1, 3, 3), (2, 3, 6), (4, 3, 12)]
     for on in (False, True):
         drafter = Eagle3Drafter(tiny_head(tiny), tiny, trees=trees)
-        pol = Goodput([3, 6, 12], margin=0.0, explore_every=0, probe_rows=2, counterfactual=on)
+        pol = Goodput([3, 6, 12], margin=0.0, explore_every=0, probe_rows=2, counterfactual=on, probe_cost=float("inf"))
         seen = []
         real_update = pol.update
         pol.update = lambda s, _u=real_update: seen.append(s) or _u(s)
@@ -342,7 +343,7 @@ def test_engine_counterfactual_kernels_equal_references(kernel_options):
     assert samples[True] == samples[False] and sum(bool(cf) for _, cf in samples[True]) >= 4
 
 
-class ScheduledPolicy:
+class ScheduledPolicy(Policy):
     """Cycles through a k schedule, asks for counterfactual samples and records (k, samples)."""
 
     name = "scheduled"

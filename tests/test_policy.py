@@ -11,7 +11,7 @@ from test_spec import repetitive_prompts, run_engine, tiny_head
 
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.errors import ConfigError
-from specdec.policy import BatchView, Goodput, Schedule, StepStats, build_policy
+from specdec.policy import BatchView, Goodput, GoodputConfig, Policy, Schedule, StepStats, build_policy
 from specdec.spec import Eagle3Drafter, NgramDrafter
 
 # ms per step: speculation pays at small batches (cheap verify), not at 64 rows.
@@ -21,6 +21,17 @@ TABLE = {0: {1: 1.0, 8: 1.2, 64: 2.0}, 2: {1: 1.2, 8: 1.5, 64: 4.4}, 4: {1: 1.4,
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_model(layers=2)
+
+
+# goodput's model alone: none of the guards its defaults add (first tries over several rows, a step
+# cost bound on them, request probes, re-try backoff, counterfactual and shadow samples), so each
+# test switches on the one it checks
+BARE = dict(probe_rows=1, probe_cost=float("inf"), probe_requests=0, explore_backoff=1.0, counterfactual=False,
+            shadow_evals=0, shadow_rows_cap=0, profile_iters=20)
+
+
+def bare(ks, cls=Goodput, **kw):
+    return cls(ks, **{**BARE, **kw})
 
 
 def view(n):
@@ -33,7 +44,7 @@ def run_k(pol, k, committed):
 
 
 def test_goodput_tries_each_k_then_maximises_tokens_per_ms():
-    pol = Goodput([4, 2], margin=0.0, explore_every=0)
+    pol = bare([4, 2], margin=0.0, explore_every=0)
     assert pol.ks == (0, 2, 4)
     pol.set_table(TABLE)
     run_k(pol, 2, [2, 2])  # untried k first, smallest first: a(2) = 2
@@ -46,7 +57,7 @@ def test_goodput_tries_each_k_then_maximises_tokens_per_ms():
 
 def test_goodput_acceptance_prior_moves_the_choice():
     # Without request ids every row takes the prior a(k): an EMA with weight prior_ema per row and step.
-    pol = Goodput([2], prior_ema=0.5, margin=0.0, explore_every=0)
+    pol = bare([2], prior_ema=0.5, margin=0.0, explore_every=0)
     pol.set_table(TABLE)
     run_k(pol, 2, [3])  # a(2) = 3: 2.5 per ms at B=1 vs 1.0
     assert pol.accept[2] == 3.0
@@ -64,7 +75,7 @@ def test_goodput_keeps_each_requests_acceptance():
     """a(k) of a batch sums each request's own estimate; a request the draft cannot follow turns
     speculation off while it runs alone, and the next request starts from the all-requests prior
     instead of inheriting it (on the H200 a shared EMA cost a C = 1 point 235 plain steps)."""
-    pol = Goodput([2], ema=0.5, prior_ema=0.1, margin=0.0, explore_every=0)
+    pol = bare([2], ema=0.5, prior_ema=0.1, margin=0.0, explore_every=0)
     pol.set_table(TABLE)
     both = BatchView(2, 0, rows=("a", "b"))
     assert pol.choose(both) == 2  # untried
@@ -85,7 +96,7 @@ def test_goodput_keeps_each_requests_acceptance():
 def test_goodput_margin_keeps_the_previous_k():
     table = {0: {8: 1.0}, 2: {8: 2.0}}
     for margin, want in ((0.05, 0), (0.10, 2)):
-        pol = Goodput([2], prior_ema=0.1, margin=margin, explore_every=0)
+        pol = bare([2], prior_ema=0.1, margin=margin, explore_every=0)
         pol.set_table(table)
         run_k(pol, 2, [2] * 10)  # a(2) = 2: 1.0 per ms, a tie with k = 0: stays at 2
         assert pol.choose(view(8)) == 2
@@ -95,7 +106,7 @@ def test_goodput_margin_keeps_the_previous_k():
 
 
 def test_goodput_reexplores_while_off():
-    pol = Goodput([2, 4], margin=0.0, explore_every=3)
+    pol = bare([2, 4], margin=0.0, explore_every=3)
     pol.set_table(TABLE)
     run_k(pol, 2, [1] * 64)
     run_k(pol, 4, [1] * 64)  # a = 1 everywhere: k = 0 wins at every batch
@@ -105,7 +116,7 @@ def test_goodput_reexplores_while_off():
 
 
 def test_goodput_served_step_times_replace_the_startup_table():
-    pol = Goodput([2], margin=0.0, explore_every=0, time_ema=0.5)
+    pol = bare([2], margin=0.0, explore_every=0, time_ema=0.5)
     pol.set_table(TABLE)
     run_k(pol, 2, [2])  # a(2) = 2; at B=1: 2 / 1.2 > 1 / 1.0
     assert pol.choose(view(1)) == 2
@@ -121,7 +132,7 @@ def test_goodput_served_step_times_replace_the_startup_table():
     assert pol.step_ms(0, 8) == pytest.approx(1.9) and pol.step_ms(0, 1) == 1.0
     assert pol.choose(view(8)) == 2  # 2 / 1.5 > 1 / 1.9
     assert pol.describe()["served_step_ms"] == {"k=0": {8: pytest.approx(1.9)}, "k=2": {1: pytest.approx(2.15)}}
-    off = Goodput([2], time_ema=0.0)
+    off = bare([2], time_ema=0.0)
     off.set_table(TABLE)
     off.update(StepStats(k=2, num_decode=1, committed=[2], step_ms=9.0))
     assert off.observed == {} and off.step_ms(2, 1) == 1.2
@@ -130,7 +141,7 @@ def test_goodput_served_step_times_replace_the_startup_table():
 def test_goodput_one_stalled_step_does_not_turn_speculation_off():
     # On the H200 one served step of 8.1 ms (against 1.6) became a bucket's average and turned
     # speculation off there for the rest of the run.
-    pol = Goodput([2], margin=0.0, explore_every=0, time_ema=0.1)
+    pol = bare([2], margin=0.0, explore_every=0, time_ema=0.1)
     pol.set_table(TABLE)
     run_k(pol, 2, [2] * 8)  # a(2) = 2 per row; bucket 8: 2 / 1.5 > 1 / 1.2
     pol.update(StepStats(k=2, num_decode=8, committed=[2] * 8, step_ms=80.0))  # one stall
@@ -143,10 +154,10 @@ def test_goodput_config_and_errors():
                                          "explore_every": 10, "profile_context": 256}))
     assert isinstance(pol, Goodput) and pol.ks == (0, 4, 8) and pol.ema == 0.2 and pol.profile_context == 256
     with pytest.raises(ConfigError, match="ks must list"):
-        Goodput([0])
+        bare([0])
     with pytest.raises(ConfigError, match="ema"):
-        Goodput([2], ema=0.0)
-    pol = Goodput([2])
+        bare([2], ema=0.0)
+    pol = bare([2])
     with pytest.raises(RuntimeError, match="no step-time table"):
         pol.choose(view(1))
     with pytest.raises(ConfigError, match=r"no entries for k in \[2\]"):
@@ -189,13 +200,13 @@ def test_engine_calibrates_goodput_and_stays_greedy_identical(tiny):
 def test_goodput_profiles_only_the_buckets_the_pool_can_hold(tiny):
     """A small pool: the largest bucket cannot hold its rows, so it is left out of the table and
     the largest profiled bucket's times stand in for it."""
-    pol = Goodput([4], profile_context=64)
+    pol = bare([4], profile_context=64)
     engine = Engine(tiny, EngineConfig(max_batch_size=8, page_size=4, kv_cache_tokens=128, graph_buckets=(1, 2, 4, 8)),
                     drafter=NgramDrafter(), policy=pol)
     # per row: context >= 16 + 2 steps x 5 tokens + one 5-token tree ahead; 32 pages of 4 slots hold 4 such rows
     assert [b for b, _ in pol.table[0]] == [1, 2, 4] and engine.buckets == [1, 2, 4, 8]
     assert pol.step_ms(4, 8) == dict(pol.table[4])[4]
-    tiny_pool = Goodput([4])
+    tiny_pool = bare([4])
     with pytest.raises(ConfigError, match="cannot hold even one profiling row"):
         Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=24), drafter=NgramDrafter(),
                policy=tiny_pool)
@@ -228,7 +239,7 @@ def test_goodput_picks_the_best_of_several_tree_sizes_per_batch():
              16: {1: 1.2, 8: 2.0, 32: 4.0, 256: 16.0},
              32: {1: 1.3, 8: 3.0, 32: 7.0, 256: 30.0}}
     accept = {3: 2.2, 8: 2.8, 16: 3.3, 32: 3.6}  # tokens committed per row and step
-    pol = build_policy(OmegaConf.create({"name": "goodput", "ks": None, "margin": 0.0, "explore_every": 0}),
+    pol = build_policy(OmegaConf.create({"name": "goodput", "ks": None, "margin": 0.0, "explore_every": 0, **BARE}),
                        sizes=(3, 8, 16, 32))
     assert pol.ks == (0, 3, 8, 16, 32)
     pol.set_table(table)
@@ -243,7 +254,7 @@ def test_goodput_picks_the_best_of_several_tree_sizes_per_batch():
     # > 2.2 / 1.3 = 1.69 (3); B=32: 2.2 / 2.0 = 1.1 (3) > 1 / 1.5; B=256: 1 / 3.0 (0) > 2.2 / 7.0 (3).
     got = [pol.choose(view(b)) for b in (1, 8, 32, 256)]
     assert got == [best(b) for b in (1, 8, 32, 256)] == [32, 8, 3, 0]
-    slow = Goodput([3, 8, 16, 32], margin=0.0, explore_every=0)
+    slow = bare([3, 8, 16, 32], margin=0.0, explore_every=0)
     slow.set_table({k: {b: ms * (2.0 if k else 1.0) for b, ms in v.items()} for k, v in table.items()})
     for k in (3, 8, 16, 32):
         run_k(slow, k, [accept[k]] * 2)
@@ -257,7 +268,7 @@ def test_goodput_logs_each_switch_with_the_estimates_it_compared():
     from specdec.policy.goodput import SWITCH_LOG
 
     table = {0: {1: 1.0, 8: 1.1, 32: 1.5}, 3: {1: 1.1, 8: 1.3, 32: 2.0}, 32: {1: 1.3, 8: 3.0, 32: 7.0}}
-    pol = Goodput([3, 32], margin=0.0, explore_every=0)
+    pol = bare([3, 32], margin=0.0, explore_every=0)
     pol.set_table(table)
     run_k(pol, 3, [2.2, 2.2])  # first tries: the smallest k first (no counterfactual pairs)
     log = pol.describe()["switch_log"]
@@ -282,7 +293,7 @@ def test_goodput_logs_each_switch_with_the_estimates_it_compared():
 
 
 def test_goodput_rows_fast_path_matches_the_direct_sum():
-    pol = Goodput([2], ema=0.5, margin=0.0, explore_every=0)
+    pol = bare([2], ema=0.5, margin=0.0, explore_every=0)
     pol.set_table(TABLE)
     rows = tuple(f"r{i}" for i in range(40))
     pol.choose(BatchView(40, 0, rows=rows))
@@ -297,7 +308,7 @@ def test_goodput_prunes_rows_an_older_step_brought_back():
     """With overlapped steps an update can carry rows of a step launched before the last choice, some
     of which left the batch since: the next choice forgets them even when the batch did not change
     (choose skips the pruning only while no update started a row's estimate)."""
-    pol = Goodput([2], ema=0.5, margin=0.0, explore_every=0)
+    pol = bare([2], ema=0.5, margin=0.0, explore_every=0)
     pol.set_table(TABLE)
     rows = ("a", "b")
     pol.choose(BatchView(2, 0, rows=rows))
@@ -313,7 +324,7 @@ def test_goodput_prunes_rows_an_older_step_brought_back():
 
 
 def test_goodput_retries_back_off_while_speculation_keeps_losing():
-    pol = Goodput([2], margin=0.0, explore_every=2, explore_backoff=2.0, explore_max=8)
+    pol = bare([2], margin=0.0, explore_every=2, explore_backoff=2.0, explore_max=8)
     pol.set_table(TABLE)
     run_k(pol, 2, [1] * 64)  # a(2) = 1: k = 0 wins at 64 rows
     seen = [pol.choose(view(64)) for _ in range(24)]
@@ -322,34 +333,6 @@ def test_goodput_retries_back_off_while_speculation_keeps_losing():
     assert [b - a - 1 for a, b in zip(retries, retries[1:])] == [3, 7, 7][: len(retries) - 1]
     pol.accept[2] = 3.0  # speculation now wins on merit at 8 rows: the gap resets
     assert pol.choose(view(8)) == 2 and pol.explore_gap == 2.0
-
-
-@pytest.mark.parametrize("fresh", [0.0, 0.5])
-def test_goodput_explore_fresh_restarts_the_backoff_for_new_requests(fresh):
-    """While off, re-tries back off (gaps 2, 4, 8) as long as the same requests run; with explore_fresh
-    0.5 a batch whose rows mostly joined after the last re-try gets the next one after explore_every
-    steps again, without it the gap stays at the cap."""
-    pol = Goodput([2], margin=0.0, explore_every=2, explore_backoff=2.0, explore_max=8, explore_fresh=fresh)
-    pol.set_table(TABLE)
-    old = tuple(f"a{i}" for i in range(64))
-    new = tuple(f"b{i}" for i in range(64))
-
-    def step(rows):
-        return pol.choose(BatchView(num_decode=len(rows), num_waiting=0, rows=rows))
-
-    assert step(old) == 2  # the first try
-    pol.update(StepStats(k=2, num_decode=64, committed=[1] * 64, rows=list(old)))  # a(2) = 1: k = 0 wins
-    seen = [step(old) for _ in range(24)]
-    retries = [i for i, k in enumerate(seen) if k]
-    assert [b - a - 1 for a, b in zip(retries, retries[1:])] == [3, 7, 7][: len(retries) - 1]
-    assert pol.explore_gap == 8.0
-    seen = [step(new) for _ in range(3)]
-    if fresh:
-        assert pol.fresh_resets == 1 and pol.explore_gap <= 4.0 and any(seen)
-    else:
-        assert pol.fresh_resets == 0 and pol.explore_gap == 8.0
-    with pytest.raises(ConfigError, match="explore_fresh"):
-        Goodput([2], explore_fresh=1.5)
 
 
 def test_schedule_pattern_and_window_positions():
@@ -376,7 +359,7 @@ def test_schedule_pattern_and_window_positions():
     always = build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on_steps": 4, "off_steps": 0}))
     assert all(always.choose(view(1)) == 3 for _ in range(9))
     assert always.describe()["first_after_off_steps"] == 0 and always.describe()["by_position"] == []
-    with pytest.raises(ConfigError, match="on >= 1"):
+    with pytest.raises(ConfigError, match="on_steps >= 1"):
         build_policy(OmegaConf.create({"name": "schedule", "k": 3, "on_steps": 0, "off_steps": 2}))
 
 
@@ -388,7 +371,7 @@ def test_schedule_switching_stays_greedy_identical(tiny, sync):
     prompts = repetitive_prompts(3, seed=2)
     want = [reference(tiny, p, 16) for p in prompts]
     drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4, sync_while_off=sync)
-    pol = Schedule(4, on=2, off=2)
+    pol = Schedule(4, on_steps=2, off_steps=2)
     got, engine = run_engine(tiny, prompts, 16, drafter=drafter, policy=pol, max_batch=4)
     assert got == want
     st = pol.describe()
@@ -415,7 +398,7 @@ def test_goodput_shadow_samples_turn_ngram_on_at_low_batch_only():
     rng = random.Random(0)
     steps = [a for a, n in NGRAM_ACCEPTED.items() for _ in range(n)]
     mean = sum(steps) / len(steps) + 1
-    pol = Goodput([2, 4, 8], margin=0.03, explore_every=32, shadow_evals=2)
+    pol = bare([2, 4, 8], margin=0.03, explore_every=32, shadow_evals=2)
     pol.set_table(NGRAM_TABLE)
     pol.shadowed_()
     assert pol.choose(view(1)) == 0  # nothing scored yet: off, no forced try
@@ -432,7 +415,7 @@ def test_goodput_shadow_samples_turn_ngram_on_at_low_batch_only():
     pol.lookup_ms = None
     pol.shadow_min_rows = 0.0  # (300 scored drafts back a switch at up to 150 rows by default)
     assert pol.choose(view(256)) == 8
-    old = Goodput([2, 4, 8], margin=0.03, explore_every=32)
+    old = bare([2, 4, 8], margin=0.03, explore_every=32)
     old.set_table(NGRAM_TABLE)
     for k in (2, 4, 8):
         run_k(old, k, [1])  # the first try of each accepted nothing
@@ -448,7 +431,7 @@ def test_goodput_shadow_samples_keep_a_longer_memory_per_request():
     mean = sum(a * n for a, n in NGRAM_ACCEPTED.items()) / sum(NGRAM_ACCEPTED.values()) + 1
 
     def after_misses(**kw):
-        pol = Goodput([8], margin=0.03, explore_every=32, shadow_evals=2, **kw)
+        pol = bare([8], margin=0.03, explore_every=32, shadow_evals=2, **kw)
         pol.set_table(NGRAM_TABLE)
         pol.shadowed_()
         pol.update(StepStats(k=0, num_decode=1, committed=[1], rows=["r"], shadow=[(8, "r", mean)] * 2))
@@ -457,20 +440,20 @@ def test_goodput_shadow_samples_keep_a_longer_memory_per_request():
             pol.update(StepStats(k=0, num_decode=1, committed=[1], rows=["r"], shadow=[(8, "r", 1)]))
         return pol
 
-    short = after_misses(shadow_ema=None)  # null: ema (0.1)
+    short = after_misses(shadow_ema=0.1)  # as ema
     assert short.row_accept[8]["r"] == pytest.approx(1 + (mean - 1) * 0.9 ** 10)
     assert short.choose(BatchView(1, 0, rows=("r",))) == 0
     long = after_misses()
     assert long.shadow_ema == 0.03
     assert long.row_accept[8]["r"] == pytest.approx(1 + (mean - 1) * 0.97 ** 10)
     assert long.choose(BatchView(1, 0, rows=("r",))) == 8
-    served = Goodput([8], margin=0.03, explore_every=32, ema=0.1)
+    served = bare([8], margin=0.03, explore_every=32, ema=0.1)
     served.set_table(NGRAM_TABLE)
     run_k(served, 8, [3])
     served.update(StepStats(k=8, num_decode=1, committed=[1], rows=["r"]))
     assert served.row_accept[8]["r"] == pytest.approx(3 * 0.9 + 0.1)
     with pytest.raises(ConfigError, match="shadow_ema"):
-        Goodput([8], shadow_ema=0.0)
+        bare([8], shadow_ema=0.0)
 
 
 def test_goodput_switch_on_from_shadow_samples_waits_for_enough_of_them():
@@ -480,7 +463,7 @@ def test_goodput_switch_on_from_shadow_samples_waits_for_enough_of_them():
     table = {0: {1: 0.5, 128: 1.0}, 8: {1: 0.6, 128: 1.2}}
 
     def fed(n, commits, serial=True, cap=16):
-        pol = Goodput([8], margin=0.03, explore_every=32, shadow_evals=2, shadow_rows_cap=cap)
+        pol = bare([8], margin=0.03, explore_every=32, shadow_evals=2, shadow_rows_cap=cap)
         pol.set_table(table)
         pol.shadowed_()
         pol.serial_drafting = serial  # host lookups before each drafting step
@@ -495,97 +478,14 @@ def test_goodput_switch_on_from_shadow_samples_waits_for_enough_of_them():
     loose.shadow_min_rows = 0.0
     assert loose.choose(view(128)) == 8  # the rule off: the 30 drafts decide
     with pytest.raises(ConfigError, match="shadow_min_rows"):
-        Goodput([8], shadow_min_rows=-1)
+        bare([8], shadow_min_rows=-1)
     # Drafting without host work (n-gram lookups on the device): the rows counted stop at shadow_rows_cap
     assert fed(30, 9, serial=False).choose(view(128)) == 0  # 30 < 2 x 16
     assert fed(32, 9, serial=False).choose(view(128)) == 8
-    assert fed(32, 9, serial=False, cap=None).choose(view(128)) == 0  # no cap: 2 x 128
+    assert fed(32, 9, serial=False, cap=0).choose(view(128)) == 0  # no cap: 2 x 128
     assert fed(32, 9, serial=True).choose(view(128)) == 0  # host lookups: every row counts
     with pytest.raises(ConfigError, match="shadow_rows_cap"):
-        Goodput([8], shadow_rows_cap=0)
-
-
-def test_goodput_iter_median_is_robust_to_a_heavy_tail_of_wall_times():
-    """iter_median > 0: a (k, bucket)'s served iteration time is the median of the recent iterations, not
-    the EMA: chain 8 iterations of 1.6 ms with every fourth one stalled (6 ms) keep chain 8 at 1.6 ms and
-    chosen (2.2 tokens a row against k = 0's 1 in 0.76 ms), where the EMA of the same samples rises to
-    ~2.1-2.4 ms and turns speculation off; samples of other buckets or ks do not mix in."""
-    table = {0: {16: 0.76}, 8: {16: 1.6}}
-
-    def fed(**kw):
-        pol = Goodput([8], margin=0.03, explore_every=0, **kw)
-        pol.set_table(table)
-        run_k(pol, 8, [2.2] * 16)
-        for i in range(64):
-            pol.iteration_(8, 16, 6.0 if i % 4 == 3 else 1.6, 0.1)
-            pol.iteration_(0, 16, 0.76, 0.1)
-        return pol
-
-    med, ema = fed(iter_median=31), fed()
-    assert med.iter_ms(8, 16) == pytest.approx(1.6) and med.iter_ms(0, 16) == pytest.approx(0.76)
-    assert ema.iter_ms(8, 16) > 2.0
-    assert med.choose(view(16)) == 8
-    assert ema.choose(view(16)) == 0
-    with pytest.raises(ConfigError, match="iter_median"):
-        Goodput([8], iter_median=-1)
-
-
-def test_goodput_iter_min_samples_keeps_the_model_until_enough_iterations():
-    """iter_min_samples > 0: a (k, bucket)'s served iterations replace the model max(t(k, B), host ms) only
-    once there are that many; a k served in a few atypical iterations (right after a switch, a refresh)
-    keeps the model's price, so chain 8 stays chosen over k = 0 on 2.2 tokens a row at 1.6 ms against
-    0.76; with the default (0) its three 6 ms iterations price it out."""
-    table = {0: {16: 0.76}, 8: {16: 1.6}}
-
-    def fed(n, **kw):
-        pol = Goodput([8], margin=0.03, explore_every=0, **kw)
-        pol.set_table(table)
-        run_k(pol, 8, [2.2] * 16)
-        for _ in range(n):
-            pol.iteration_(8, 16, 6.0, 0.1)
-        for _ in range(8):
-            pol.iteration_(0, 16, 0.76, 0.1)
-        return pol
-
-    gated, plain = fed(3, iter_min_samples=4), fed(3)
-    assert gated.iter_ms(8, 16) == pytest.approx(1.6) and gated.choose(view(16)) == 8
-    assert plain.iter_ms(8, 16) > 3.0 and plain.choose(view(16)) == 0
-    # the fourth iteration makes the served mean the price: the same mean the default keeps
-    gated.iteration_(8, 16, 6.0, 0.1)
-    plain.iteration_(8, 16, 6.0, 0.1)
-    assert gated.iter_ms(8, 16) == pytest.approx(plain.iter_ms(8, 16)) and gated.iter_ms(8, 16) > 3.0
-    assert gated.describe()["served_iter_samples"]["k=8"] == {16: 4}
-    with pytest.raises(ConfigError, match="iter_min_samples"):
-        Goodput([8], iter_min_samples=-1)
-
-
-def test_goodput_row_sample_moves_a_window_of_rows_in_turn():
-    """row_sample > 0: a step's commits move the own a(k) of row_sample of its rows, a window that advances
-    (wrapping) from step to step, while the prior takes every row; with row_sample at least the batch it is
-    the default (every row)."""
-    rows = [f"r{i}" for i in range(10)]
-    committed = [1 + i % 3 for i in range(10)]
-
-    def step(pol, c=committed):
-        pol.update(StepStats(k=2, num_decode=10, committed=list(c), rows=list(rows),
-                             counterfactual=None))
-
-    sampled, full, wide = (Goodput([2], ema=0.5, margin=0.0, explore_every=0, row_sample=r) for r in (4, 0, 10))
-    for pol in (sampled, full, wide):
-        pol.set_table(TABLE)
-        step(pol)
-    assert set(sampled.row_accept[2]) == set(rows[:4])
-    assert set(full.row_accept[2]) == set(rows) and full.row_accept[2] == wide.row_accept[2]
-    assert sampled.accept[2] == full.accept[2] == pytest.approx(sum(committed) / 10)  # the prior: every row
-    step(sampled)
-    assert set(sampled.row_accept[2]) == set(rows[:8])
-    before = dict(sampled.row_accept[2])
-    step(sampled, [3] * 10)  # rows 8, 9, 0, 1 (wrapping)
-    moved = {r for r in rows if sampled.row_accept[2].get(r) != before.get(r)}
-    assert moved == {"r8", "r9", "r0", "r1"}
-    assert sampled.row_accept[2]["r0"] == pytest.approx(0.5 * before["r0"] + 0.5 * 3)
-    with pytest.raises(ConfigError, match="row_sample"):
-        Goodput([2], row_sample=-1)
+        bare([8], shadow_rows_cap=-1)
 
 
 def test_goodput_prices_host_bound_iterations():
@@ -598,7 +498,7 @@ def test_goodput_prices_host_bound_iterations():
     accept = {8: 2.68, 32: 3.45}
 
     def fresh():
-        pol = Goodput([8, 32], margin=0.03, explore_every=0)
+        pol = bare([8, 32], margin=0.03, explore_every=0)
         pol.set_table(table)
         for k in (8, 32):
             run_k(pol, k, [accept[k]] * 64)
@@ -618,7 +518,7 @@ def test_goodput_prices_host_bound_iterations():
     assert held[-10:] == [32] * 10 and slow.iter_ms(32, 64) == pytest.approx(3.7, rel=0.05)
     assert "served_iter_ms" in slow.describe() and slow.describe()["host_ms_per_iter"][64] == pytest.approx(3.7)
     # Speculation slower than plain decoding at every k (no host limit): k = 0.
-    off = Goodput([8, 32], margin=0.03, explore_every=0)
+    off = bare([8, 32], margin=0.03, explore_every=0)
     off.set_table({0: {64: 1.15}, 8: {64: 3.5}, 32: {64: 4.5}})
     for k in (8, 32):
         run_k(off, k, [accept[k]] * 64)
@@ -633,7 +533,7 @@ def test_goodput_leaves_out_iterations_that_also_prefilled():
     a run every iteration prefills, and the k tried first would carry the prefills' cost (H200,
     crossover_8b, C = 16: tree16 priced at 37.8 ms per iteration against 10.6 ms steps, goodput at
     0.66x of always tree16)."""
-    pol = Goodput([8, 32], margin=0.03, explore_every=0)
+    pol = bare([8, 32], margin=0.03, explore_every=0)
     pol.set_table({0: {64: 1.15}, 8: {64: 1.66}, 32: {64: 3.14}})
     for k, a in ((8, 2.68), (32, 3.45)):
         run_k(pol, k, [a] * 64)
@@ -651,11 +551,11 @@ def test_engine_reports_prefill_iterations_as_mixed(tiny):
     calls = []
 
     class Spy(Goodput):
-        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False, switched=False):
+        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False):
             calls.append((k, batch, mixed))
             super().iteration_(k, batch, wall_ms, host_ms, mixed=mixed)
 
-    pol = Spy([2], explore_every=4, profile_context=40)
+    pol = bare([2], cls=Spy, explore_every=4, profile_context=40)
     engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024), drafter=NgramDrafter(),
                     policy=pol, ks=(2,))
     prompts = repetitive_prompts(3, seed=1)
@@ -677,7 +577,7 @@ def test_overlapped_iterations_are_charged_to_the_step_they_waited_for(tiny):
     """Overlapped, an iteration queues its step and waits for the one before: its wall time is that
     step's. An iteration whose step differs in k from the step before is reported mixed, so a re-try
     at k > 0 is not charged the k = 0 step it waited for (nor the k = 0 step after it the tree)."""
-    class Alternate:
+    class Alternate(Policy):
         name = "alternate"
         ks = (0, 3)
 
@@ -695,7 +595,7 @@ def test_overlapped_iterations_are_charged_to_the_step_they_waited_for(tiny):
         def update(self, stats):
             pass
 
-        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False, switched=False):
+        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False):
             self.reports.append((k, mixed))
 
     for overlap in (True, False):
@@ -721,7 +621,7 @@ def test_overlapped_iterations_are_charged_to_the_step_they_waited_for(tiny):
 def test_goodput_probes_each_k_over_probe_rows_rows():
     """At batch 1 each k is tried for probe_rows steps before its a(k) decides: a first step that
     accepted little does not rule out the best k (the envelope at C = 2 lost 5% that way)."""
-    pol = Goodput([2, 4], margin=0.0, explore_every=0, probe_rows=3)
+    pol = bare([2, 4], margin=0.0, explore_every=0, probe_rows=3)
     pol.set_table(TABLE)
     run_k(pol, 2, [2])
     run_k(pol, 2, [2])
@@ -730,20 +630,20 @@ def test_goodput_probes_each_k_over_probe_rows_rows():
     run_k(pol, 4, [5])
     run_k(pol, 4, [5])  # ... then its real acceptance: a(4) = 11 / 3 over 3 rows
     assert pol.rows_seen == {2: 3, 4: 3} and pol.choose(view(1)) == 4  # 3.67 / 1.4 > 2 / 1.2
-    once = Goodput([2, 4], margin=0.0, explore_every=0)  # probe_rows = 1: the first step decides
+    once = bare([2, 4], margin=0.0, explore_every=0)  # probe_rows = 1: the first step decides
     once.set_table(TABLE)
     run_k(once, 2, [2])
     run_k(once, 4, [1])
     assert once.choose(view(1)) == 2
     with pytest.raises(ConfigError, match="probe_rows"):
-        Goodput([2], probe_rows=0)
+        bare([2], probe_rows=0)
 
 
 def test_goodput_learns_an_iteration_cost_from_its_first_samples():
     """A k whose iterations cost far more than its estimate (a step that cannot overlap the host)
     is priced from its first served iteration (up to 4x the estimate), then by the running mean;
     later a single stalled iteration moves the average by at most one clamped EMA step."""
-    pol = Goodput([8], margin=0.0, explore_every=0)
+    pol = bare([8], margin=0.0, explore_every=0)
     pol.set_table({0: {64: 1.2}, 8: {64: 1.9}})
     run_k(pol, 8, [2.6] * 64)
     assert pol.choose(view(64)) == 8  # estimated: 2.6 / 1.9 > 1 / 1.2
@@ -769,7 +669,7 @@ def test_goodput_prices_the_catch_up_of_a_switch_on():
         return BatchView(num_decode=64, num_waiting=0, backlog=lambda: backlog["n"])
 
     def fresh():
-        pol = Goodput([8], margin=0.0, explore_every=4, explore_backoff=2.0, switch_horizon=32, explore_budget=0.05)
+        pol = bare([8], margin=0.0, explore_every=4, explore_backoff=2.0, switch_horizon=32, explore_budget=0.05)
         pol.set_table(table)
         assert pol.choose(bview()) == 8
         pol.update(StepStats(k=8, num_decode=64, committed=[1] * 64))  # a(8) = 1: k = 0 wins
@@ -794,7 +694,7 @@ def test_goodput_prices_the_catch_up_of_a_switch_on():
     backlog["n"] = 0
     assert 8 in [pol.choose(bview()) for _ in range(5)]
     with pytest.raises(ConfigError, match="switch_horizon"):
-        Goodput([8], switch_horizon=0)
+        bare([8], switch_horizon=0)
 
 
 def test_goodput_prices_the_catch_up_by_its_timed_forwards():
@@ -806,7 +706,7 @@ def test_goodput_prices_the_catch_up_by_its_timed_forwards():
     bview = BatchView(num_decode=1, num_waiting=0, backlog=lambda: backlog["n"])
 
     def off_then_better(timed):
-        pol = Goodput([16], margin=0.0, explore_every=0, switch_horizon=32)
+        pol = bare([16], margin=0.0, explore_every=0, switch_horizon=32)
         pol.set_table({0: {1: 0.57}, 16: {1: 1.05}})
         if timed:
             pol.catch_up_table_({128: 0.6, 256: 0.8, 512: 1.0})
@@ -830,74 +730,13 @@ def test_goodput_first_tries_wait_for_a_batch_where_they_are_cheap():
     """A k's first try waits while its step costs more than probe_cost plain steps at this batch
     (tree steps at 128+ rows of an 8B target cost 10-25 plain steps): k = 0 meanwhile, the try at a
     small batch."""
-    pol = Goodput([4], margin=0.0, explore_every=0, probe_cost=3.0)
+    pol = bare([4], margin=0.0, explore_every=0, probe_cost=3.0)
     pol.set_table({0: {1: 1.0, 64: 2.0}, 4: {1: 1.4, 64: 9.0}})
     assert pol.choose(view(64)) == 0  # 9.0 > 3 x 2.0: no try at 64 rows
     assert pol.accept[4] is None
     run_k(pol, 4, [3])  # at one row: 1.4 <= 3 x 1.0
     with pytest.raises(ConfigError, match="probe_cost"):
-        Goodput([4], probe_cost=0.5)
-
-
-def test_goodput_refreshes_the_largest_k_while_a_smaller_one_runs():
-    """refresh_every: a(32) learnt low stays low while tree 8 runs (it is only sampled at k = 32); a
-    refresh step at k = 32 every refresh_every steps below it re-samples it, so goodput moves to tree 32
-    once it has become the better one, and then stays (no refresh while at the largest k). A refresh
-    that does not move the choice doubles the gap; one too dear at this batch waits."""
-    table = {0: {2: 1.0, 64: 2.0}, 8: {2: 1.1, 64: 4.0}, 32: {2: 1.3, 64: 12.0}}
-    pol = Goodput([8, 32], margin=0.0, explore_every=0, refresh_every=4, explore_backoff=2.0,
-                  explore_max=64, prior_ema=0.5, ema=0.5)
-    pol.set_table(table)
-    run_k(pol, 8, [2.5, 2.5])   # first tries: a(8) = 2.5 (2.27 per ms), a(32) = 2.0 (1.54 per ms)
-    run_k(pol, 32, [2.0, 2.0])
-    ks = []
-    for _ in range(3):  # tree 8 on its merits, then the refresh at the 4th step below 32
-        k = pol.choose(view(2))
-        ks.append(k)
-        pol.update(StepStats(k=k, num_decode=2, committed=[2.5, 2.5] if k == 8 else [2.0, 2.0]))
-    assert ks == [8, 8, 8] and pol.choose(view(2)) == 32 and pol.refreshes == 1
-    pol.update(StepStats(k=32, num_decode=2, committed=[2.0, 2.0]))  # still low: back to 8, gap 8
-    assert pol.choose(view(2)) == 8 and pol.refresh_gap == 8
-    ks = []
-    for _ in range(7):
-        pol.update(StepStats(k=8, num_decode=2, committed=[2.5, 2.5]))
-        ks.append(pol.choose(view(2)))
-    assert ks == [8] * 6 + [32] and pol.refreshes == 2  # the 8th step below 32 is the refresh
-    pol.update(StepStats(k=32, num_decode=2, committed=[4.0, 4.0]))  # the text got easier: 3.0 / 1.3 > 2.27
-    assert pol.choose(view(2)) == 32 and pol.refresh_gap == 4
-    for _ in range(10):  # at the largest k: no refreshes
-        pol.update(StepStats(k=32, num_decode=2, committed=[4.0, 4.0]))
-        assert pol.choose(view(2)) == 32
-    assert pol.refreshes == 2
-    # At 64 rows tree 32 costs 12 ms against tree 8's 4: a refresh after 4 steps would add 8 ms > 5% of
-    # 4 x 4 ms, so it waits (the gap doubles) until the steps since cover it: 8 / (0.05 x 4) = 40 steps.
-    dear = Goodput([8, 32], margin=0.0, explore_every=0, refresh_every=4, explore_backoff=2.0, explore_max=64)
-    dear.set_table(table)
-    run_k(dear, 8, [3.0] * 64)
-    run_k(dear, 32, [1.0] * 64)
-    got = []
-    for _ in range(60):
-        got.append(dear.choose(view(64)))
-        dear.update(StepStats(k=got[-1], num_decode=64, committed=[3.0] * 64 if got[-1] == 8 else [1.0] * 64))
-    assert got.index(32) == 39 and got.count(32) == 1
-    with pytest.raises(ConfigError, match="refresh_every"):
-        Goodput([8], refresh_every=-1)
-    from pathlib import Path
-
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "policy" / "goodput.yaml")
-    assert str(cfg.profile_context) == "auto"  # the default: resolved by specdec.run from the workload
-    cfg.profile_context = 512
-    assert build_policy(cfg, sizes=(8, 32)).refresh_every == 0  # off by default (no gain on the H200 at C = 1, 2)
-    cfg.refresh_every = 32
-    assert build_policy(cfg, sizes=(8, 32)).refresh_every == 32
-    # With shadow samples (n-gram) every a(k) is scored on k = 0 steps: no refresh steps.
-    shadowed = Goodput([8, 32], margin=0.0, explore_every=0, refresh_every=1, explore_budget=1.0)
-    shadowed.set_table({0: {2: 1.0}, 8: {2: 1.1}, 32: {2: 1.1}})  # a refresh would cost nothing extra
-    shadowed.shadowed_()
-    for _ in range(2):  # 4 scored drafts of each k: 2 per decode row (shadow_min_rows)
-        shadowed.update(StepStats(k=0, num_decode=2, committed=[1, 1],
-                                  shadow=[(8, "a", 3.0), (32, "a", 1.0), (8, "b", 3.0), (32, "b", 1.0)]))
-    assert [shadowed.choose(view(2)) for _ in range(5)] == [8] * 5 and shadowed.refreshes == 0
+        bare([4], probe_cost=0.5)
 
 
 def test_goodput_profile_context_auto_is_the_workloads_mean_decode_context():
@@ -939,30 +778,7 @@ def test_profile_context_auto_reaches_a_served_goodput(tmp_path):
     assert json.loads((tmp_path / "metrics.json").read_text())["policy_state"]["profile_context"] == 24
 
 
-def test_goodput_defers_first_tries_through_a_ramp_up_when_asked():
-    """defer_first_tries: no first try while the requests still prefilling outnumber the decode rows (a
-    ramp-up: 12 decode rows, 244 prompts queued); once the decode rows are the majority the try runs.
-    Off (the default): the try runs at the first decode step, as before. Known estimates are used either
-    way: a k already tried is chosen on its merits in a ramp-up too."""
-    def ramp(prefilling, decode=12):
-        return BatchView(num_decode=decode, num_waiting=0, num_prefilling=prefilling)
-
-    for flag in (False, True):
-        pol = Goodput([48], margin=0.0, explore_every=0, probe_rows=4, defer_first_tries=flag)
-        pol.set_table({0: {16: 5.0}, 48: {16: 6.0}})
-        assert pol.choose(ramp(244)) == (0 if flag else 48)
-        assert pol.choose(ramp(100)) == (0 if flag else 48)
-        assert pol.choose(ramp(12)) == 48  # as many prefilling as decoding: the first try runs
-    pol = Goodput([48], margin=0.0, explore_every=0, defer_first_tries=True)
-    pol.set_table({0: {16: 5.0}, 48: {16: 6.0}})
-    pol.accept[48], pol.rows_seen[48] = 4.0, 8  # tried already: 4 tokens in 6 ms against 1 in 5
-    assert pol.choose(ramp(244)) == 48
-    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "defer_first_tries": True})).defer_first_tries
-    with pytest.raises(ConfigError, match="defer_first_tries"):
-        build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "defer_first_tries": "maybe"}))
-
-
-class _SeesPrefilling:
+class _SeesPrefilling(Policy):
     """A k = 0 policy that records what each BatchView says, beside the engine's own counts."""
 
     name = "sees_prefilling"
@@ -998,7 +814,7 @@ def test_goodput_prices_serial_drafting_as_host_plus_device():
     """With serial_drafting (the engine's drafter drafts from the host's tokens, so its speculative
     steps wait for the step in flight and the host's work), a k > 0 iteration without served
     iteration times costs its step plus the host ms, not the larger of the two; k = 0 overlaps."""
-    pol = Goodput([8], margin=0.0, explore_every=0)
+    pol = bare([8], margin=0.0, explore_every=0)
     pol.set_table({0: {128: 1.0}, 8: {128: 1.5}})
     pol.iteration_(0, 128, wall_ms=1.6, host_ms=1.2)  # one unmixed k = 0 iteration: host 1.2 ms
     assert pol.iter_ms(8, 128) == pytest.approx(1.5) and pol.iter_ms(0, 128) == pytest.approx(1.6)
@@ -1014,7 +830,7 @@ def test_engine_tells_goodput_when_drafting_is_serial(tiny):
     """The engine sets serial_drafting for a host-context drafter (n-gram) under overlapped decoding only."""
     for drafter, overlap, want in ((NgramDrafter(chains=[2]), True, True), (NgramDrafter(chains=[2]), False, False),
                                    (Eagle3Drafter(tiny_head(tiny), tiny, trees=[(1, 2, 2)]), True, False)):
-        pol = Goodput([2], shadow_evals=0)
+        pol = bare([2], shadow_evals=0)
         Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=256, overlap=overlap),
                drafter=drafter, policy=pol)
         assert pol.serial_drafting is want
@@ -1029,7 +845,7 @@ def test_goodput_probe_requests_spreads_the_largest_ks_prior_over_requests():
     from specdec.policy.goodput import PROBE_AGE
 
     def serve(probe_requests, requests=40, steps=30):
-        pol = Goodput([32], margin=0.0, explore_every=0, probe_rows=4, probe_requests=probe_requests)
+        pol = bare([32], margin=0.0, explore_every=0, probe_rows=4, probe_requests=probe_requests)
         pol.set_table({0: {1: 0.6}, 32: {1: 1.3}})
         chosen = []
         for i in range(requests):
@@ -1052,7 +868,7 @@ def test_goodput_probe_requests_spreads_the_largest_ks_prior_over_requests():
     assert pol.accept[32] > 3.0 and chosen[-30:] == [32] * 30  # the prior moved: tree 32 on its merits
     assert pol._row_age == {}  # done probing: no bookkeeping left
     # too dear at this batch (tree 32 at 5 plain steps > probe_cost 4): no probes
-    dear = Goodput([32], margin=0.0, explore_every=0, probe_rows=4, probe_requests=16, probe_cost=4)
+    dear = bare([32], margin=0.0, explore_every=0, probe_rows=4, probe_requests=16, probe_cost=4)
     dear.set_table({0: {1: 0.6}, 32: {1: 3.0}})
     for i in range(20):
         for _ in range(12):
@@ -1060,263 +876,36 @@ def test_goodput_probe_requests_spreads_the_largest_ks_prior_over_requests():
             dear.update(StepStats(k=k, num_decode=1, committed=[1], rows=[f"q{i}"]))
     assert dear.request_probes == 0
     with pytest.raises(ConfigError):
-        Goodput([32], probe_requests=-1)
+        bare([32], probe_requests=-1)
     assert build_policy(OmegaConf.create({"name": "goodput", "probe_requests": 8}), [32]).probe_requests == 8
 
 
-def test_goodput_ramp_hold_runs_k0_through_a_ramp_up_and_drafts_prompts_until_tried():
-    """ramp_hold: k = 0 on every step while the requests prefilling outnumber the decode rows (a ramp-up), even at
-    a k already tried and faster; once the decode rows are the majority the choice is goodput's own. drafts_prefill
-    (the engine's question while off): true while a k awaits its first tries, false after (and always false
-    without ramp_hold, which leaves the engine's rule)."""
-    def view(prefilling, decode=12):
-        return BatchView(num_decode=decode, num_waiting=0, num_prefilling=prefilling)
-
-    pol = Goodput([3, 48], margin=0.0, explore_every=0, probe_rows=4, ramp_hold=True)
-    pol.set_table({0: {16: 5.0}, 3: {16: 5.5}, 48: {16: 6.0}})
-    assert pol.wants_prefill_drafting and pol.drafts_prefill()
-    assert [pol.choose(view(p)) for p in (244, 100, 13)] == [0, 0, 0] and pol.ramp_steps == 3
-    assert pol.choose(view(12)) == 3  # as many prefilling as decoding: the first try runs
-    pol.update(StepStats(k=3, num_decode=12, committed=[3] * 12, rows=None))
-    assert pol.drafts_prefill()  # k = 48 not tried yet
-    assert pol.choose(view(0)) == 48
-    pol.update(StepStats(k=48, num_decode=12, committed=[5] * 12, rows=None))
-    assert not pol.drafts_prefill()
-    assert pol.choose(view(244)) == 0 and pol.choose(view(0)) == 48  # tried and faster, yet held in a ramp-up
-    off = Goodput([3, 48], margin=0.0, explore_every=0, probe_rows=4)
-    off.set_table({0: {16: 5.0}, 3: {16: 5.5}, 48: {16: 6.0}})
-    assert not off.wants_prefill_drafting and not off.drafts_prefill()
-    assert off.choose(view(244)) == 3 and off.ramp_steps == 0
-    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "ramp_hold": True})).ramp_hold
-    with pytest.raises(ConfigError, match="ramp_hold"):
-        build_policy(OmegaConf.create({"name": "goodput", "ks": [48], "ramp_hold": "maybe"}))
-
-
-def test_goodput_host_model_prices_every_k_from_one_host_line():
-    """host_model: an iteration's host ms is fitted as a + b x (tokens committed per row) over the unmixed
-    iterations of every k (slope from a long memory, level from a short one), and iter_ms prices each k at
-    max(its device step, the line at its a(k)). Host-bound, the k with the most tokens a row wins; after the host
-    slows down while only k = 8 runs, k = 0's price follows (the served-iteration estimate of a k not served stays
-    where its last iterations left it: the default's k = 0 price does not move)."""
-    rng = random.Random(0)
-
-    def feed(pol, k, per_row, host, n=300, noise=0.05):
-        for _ in range(n):
-            c = per_row + rng.uniform(-0.4, 0.4) if k else 1.0
-            pol.update(StepStats(k=k, num_decode=128, committed=[c] * 128, rows=None,
-                                 step_ms={0: 1.2, 8: 1.9}[k]))
-            pol.iteration_(k, 128, host(c) * (1 + rng.uniform(-noise, noise)), host(c) * (1 + rng.uniform(-noise, noise)))
-
-    def fresh(**kw):
-        pol = Goodput([8], margin=0.0, explore_every=0, time_ema=0.1, **kw)
-        pol.set_table({0: {128: 1.2}, 8: {128: 1.9}})
-        pol.accept[8], pol.rows_seen[8] = 1.6, 1000
-        return pol
-
-    pol = fresh(host_model=True)
-    feed(pol, 0, 1.0, lambda c: 1.0 + 0.8 * c, n=50)
-    feed(pol, 8, 1.6, lambda c: 1.0 + 0.8 * c)
-    assert abs(pol._host_line(128, 1.0) - 1.8) < 0.1 and abs(pol._host_line(128, 2.0) - 2.6) < 0.1
-    assert abs(pol.iter_ms(8, 128) - max(1.9, 1.0 + 0.8 * pol.accept[8])) < 0.1 and abs(pol.iter_ms(0, 128) - 1.8) < 0.1
-    pol.accept[8] = 1.6
-    assert pol.choose(BatchView(num_decode=128, num_waiting=0)) == 8  # 1.6 / 2.28 > 1 / 1.8
-    # the host slows down by 1.3 while k = 8 runs: the k = 0 price follows through the line's level
-    feed(pol, 8, 1.6, lambda c: 1.3 * (1.0 + 0.8 * c))
-    assert abs(pol.iter_ms(0, 128) - 1.3 * 1.8) < 0.15
-    assert pol.describe()["host_line"][128]["per_token"] == pytest.approx(0.8 * 1.3, abs=0.25)
-    base = fresh()
-    feed(base, 0, 1.0, lambda c: 1.0 + 0.8 * c, n=50)
-    feed(base, 8, 1.6, lambda c: 1.0 + 0.8 * c)
-    before = base.iter_ms(0, 128)
-    feed(base, 8, 1.6, lambda c: 1.3 * (1.0 + 0.8 * c))
-    assert base.iter_ms(0, 128) == before and "host_line" in base.describe()
-    # device-bound (the host line far below the steps): the device steps decide, k = 0 when a(8) does not pay
-    dev = fresh(host_model=True)
-    feed(dev, 0, 1.0, lambda c: 0.2 + 0.05 * c, n=50)
-    dev.accept[8] = 1.3
-    assert dev.iter_ms(8, 128) == pytest.approx(1.9) and dev.choose(BatchView(num_decode=128, num_waiting=0)) == 0
-    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [8], "host_model": True})).host_model
-
-
-def test_goodput_calibrate_corrects_own_estimates_that_lag_rising_acceptance():
-    """calibrate: the batch's summed own a(k) times (committed / predicted) of the observed steps. Requests whose
-    acceptance grows along their answers leave every own estimate (an EMA of the request's past steps) below what
-    its next step commits: the uncalibrated sum predicts low and prices k = 8 under k = 0, the calibrated one comes
-    within 2% and picks k = 8 (mutation: without the factor in expected(), both choose 0)."""
-    life, batch = 60, 64
-
-    def commits(age):  # tokens a row commits at this age of its request: 1.0 rising to 2.6 (1.79 on average)
-        return 1.0 + 1.6 * age / life
-
-    def run(calibrate):
-        pol = Goodput([8], margin=0.0, explore_every=0, ema=0.03, calibrate=calibrate)
-        pol.set_table({0: {batch: 1.0}, 8: {batch: 1.7}})
-        born = {f"r{i}": -(i * life) // batch for i in range(batch)}  # staggered ages
-        ratios = []
-        for step in range(400):
-            for r, b in list(born.items()):  # a finished request is replaced by a new one
-                if step - b >= life:
-                    del born[r]
-                    born[f"{r}+"] = step
-            rows = tuple(born)
-            got = [commits(step - born[r]) for r in rows]
-            if step >= 200:
-                ratios.append(sum(got) / pol.expected(8, batch, rows))
-            pol.update(StepStats(k=8, num_decode=batch, committed=got, rows=list(rows)))
-        return pol, rows, sum(ratios) / len(ratios)
-
-    off, rows, bias_off = run(0.0)
-    on, rows_on, bias_on = run(0.002)
-    assert bias_off > 1.05 and abs(bias_on - 1.0) < 0.02
-    assert off.calibration(8) == 1.0 and on.calibration(8) == pytest.approx(bias_off, rel=0.03)
-    # true rate at k = 8: 1.79 / 1.7 = 1.05 tokens per row per ms against 1.0 at k = 0 (uncalibrated: 0.99)
-    assert off.choose(BatchView(num_decode=batch, num_waiting=0, rows=rows)) == 0
-    assert on.choose(BatchView(num_decode=batch, num_waiting=0, rows=rows_on)) == 8
-    assert on.describe()["calibration"]["k=8"] == on.calibration(8)
-    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [8], "calibrate": 0.002})).calibrate == 0.002
-    with pytest.raises(ConfigError, match="calibrate"):
-        Goodput([8], calibrate=1.5)
-
-
-def test_goodput_mixed_pricing_counts_the_prefilling_iterations():
-    """mixed_pricing: most iterations of a prefill-heavy loop also prefill, and there the larger k costs about what
-    the smaller does (the prefill overlaps its extra device time). Priced from unmixed iterations alone, chain 4
-    wins; blended in the mixed share a step committing a(k) tokens sees, chain 8 does (mutation: without the blend in
-    rate(), both choose 4). The mixed iterations per token and each k's mixed average reach describe()."""
-    def run(mixed_pricing):
-        pol = Goodput([4, 8], margin=0.0, explore_every=0, time_ema=0.1, mixed_pricing=mixed_pricing)
-        pol.set_table({0: {64: 1.0}, 4: {64: 1.2}, 8: {64: 1.5}})
-        pol.accept.update({4: 1.45, 8: 1.55})
-        pol.rows_seen.update({4: 1000, 8: 1000})
-        clean, mixed = {4: 1.5, 8: 1.8}, {4: 2.36, 8: 2.36}
-        for i in range(400):
-            k = 4 if i % 2 else 8
-            pol.update(StepStats(k=k, num_decode=64, committed=[pol.accept[k]] * 64, rows=None))
-            m = i % 5 != 0  # 80% of the iterations prefill
-            wall = mixed[k] if m else clean[k]
-            pol.iteration_(k, 64, wall, wall, mixed=m)
-        return pol
-
-    off, on = run(False), run(True)
-    view = BatchView(num_decode=64, num_waiting=0)
-    assert off.choose(view) == 4  # 1.45 / 1.5 against 1.55 / 1.8
-    assert on.choose(view) == 8
-    f = on.mixed_per_token()
-    assert f == pytest.approx(0.8 / (64 * 1.5), rel=0.05) and off.mixed_per_token() is None
-    d = on.describe()
-    assert d["mixed_iter_ms"]["k=8"][64] == pytest.approx(2.36) and d["mixed_per_token"] == f
-    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [8], "mixed_pricing": True})).mixed_pricing
-
-
-def test_goodput_mixed_pricing_leaves_out_switch_iterations():
-    """mixed_pricing prices k from its prefilling iterations, not from the ones that switched (a resume's catch-up):
-    H200 at 11ce6bda, n-gram MT-bench C = 64, the resume iteration's 6.7 ms became chain 8's mixed price and goodput
-    held k = 0 for the rest of the run (mutation: counting switched iterations as prefilling ones, k = 8 is priced
-    from the 40 ms switches and 4 wins)."""
-    pol = Goodput([4, 8], margin=0.0, explore_every=0, time_ema=0.1, mixed_pricing=True)
-    pol.set_table({0: {64: 1.0}, 4: {64: 1.2}, 8: {64: 1.5}})
-    pol.accept.update({4: 1.45, 8: 1.55})
-    pol.rows_seen.update({4: 1000, 8: 1000})
-    for i in range(400):
-        k = 4 if i % 2 else 8
-        pol.update(StepStats(k=k, num_decode=64, committed=[pol.accept[k]] * 64, rows=None))
-        m = i % 5 != 0
-        switch = k == 8 and i % 10 == 2  # every fifth chain-8 iteration was a resume: 40 ms
-        wall = 40.0 if switch else (2.36 if m else {4: 1.5, 8: 1.8}[k])
-        pol.iteration_(k, 64, wall, wall, mixed=m or switch, switched=switch)
-    assert pol.describe()["mixed_iter_ms"]["k=8"][64] == pytest.approx(2.36)
-    assert pol.choose(BatchView(num_decode=64, num_waiting=0)) == 8
-    first = Goodput([8], margin=0.0, explore_every=0, time_ema=0.1, mixed_pricing=True)
-    first.set_table({0: {64: 1.0}, 8: {64: 1.5}})
-    first.update(StepStats(k=8, num_decode=64, committed=[2] * 64, rows=None))
-    first.iteration_(8, 64, 40.0, 40.0, mixed=True)  # a first prefilling sample counts at most 4x the clean price
-    assert first.describe()["mixed_iter_ms"]["k=8"][64] == pytest.approx(4 * first.iter_ms(8, 64))
-
-
-def test_engine_reports_resume_iterations_as_switched(tiny):
-    """The engine tells the policy which mixed iterations switched (a resume after k = 0 steps catches the draft up)
-    and which only prefilled."""
+def test_engine_reports_resume_iterations_as_mixed(tiny):
+    """A resume after k = 0 steps catches the draft up before its step: the engine reports that iteration
+    mixed (its wall time is not a steady step's), steady speculative iterations unmixed."""
     calls = []
 
-    class Spy(Goodput):
-        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False, switched=False):
-            calls.append((k, mixed, switched))
-
-    class Script(Spy):
+    class Script(Goodput):
         def choose(self, view):
             return (0, 0, 0, 3, 3, 3)[len(calls) % 6] if view.num_decode else 0
 
+        def iteration_(self, k, batch, wall_ms, host_ms, mixed=False):
+            calls.append((k, mixed))
+
     for overlap in (True, False):
         calls.clear()
-        pol = Script([3], explore_every=0, profile_context=40)
+        pol = bare([3], cls=Script, explore_every=0, profile_context=40)
         drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=1, steps=3, num_draft_tokens=3)
         engine = Engine(tiny, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=1024, overlap=overlap),
                         drafter=drafter, policy=pol, ks=(3,))
         engine.add_request(rand_prompts([7], seed=2)[0], 60)
         for _ in range(30):
             engine.step()
-        assert calls[0][1] and not calls[0][2]  # the prefill iteration: mixed, not switched
+        assert calls[0][1]  # the prefill iteration
         resumes = [i for i in range(1, len(calls)) if calls[i][0] == 3 and calls[i - 1][0] == 0]
-        assert resumes and all(calls[i][1] and calls[i][2] for i in resumes)
+        assert resumes and all(calls[i][1] for i in resumes)
         steady = [c for i, c in enumerate(calls[1:], 1) if c[0] == calls[i - 1][0] == 3 and i - 1 not in resumes]
-        assert steady and any(not m and not s for _, m, s in steady)
-        assert all(m for _, m, s in calls if s)  # switched is a kind of mixed
-
-
-def test_goodput_time_every_times_one_step_in_n(tiny):
-    """policy.time_every = N: the engine times one decode step in N for the policy (the others carry no step_ms and
-    leave the served step-time EMA alone); 1 times every step (mutation: timing every step, both counts match)."""
-    prompts = repetitive_prompts(3, seed=1)
-    want = [reference(tiny, p, 14) for p in prompts]
-    counts = {}
-    for every in (1, 4):
-        seen = []
-
-        class Spy(Goodput):
-            def update(self, stats):
-                seen.append(stats.step_ms is not None)
-                super().update(stats)
-
-        pol = Spy([2, 4], explore_every=4, profile_context=40, time_every=every)
-        got, _ = run_engine(tiny, prompts, 14, drafter=NgramDrafter(), policy=pol, max_batch=4)
-        assert got == want
-        counts[every] = (sum(seen), len(seen))
-        assert pol.observed and pol.describe()["time_every"] == every
-    timed, total = counts[1]
-    assert timed == total > 8
-    timed, total = counts[4]
-    assert (total + 3) // 4 == timed
-    assert build_policy(OmegaConf.create({"name": "goodput", "ks": [2], "time_every": 8})).time_every == 8
-    with pytest.raises(ConfigError, match="time_every"):
-        build_policy(OmegaConf.create({"name": "goodput", "ks": [2], "time_every": 0}))
-
-
-def test_goodput_ramp_hold_in_the_engine_drafts_prompts_until_tried_and_stays_greedy(tiny):
-    """goodput ramp_hold on an engine with an EAGLE-3 drafter, requests arriving while others decode: prompts
-    prefilled at k = 0 run the draft while k = 4 awaits its first tries (no catch-up over them when it comes), and
-    the outputs equal plain greedy whatever it chooses (host_model on too: its pricing changes choices, not tokens)."""
-    prompts = rand_prompts([14, 15, 16, 17, 18, 19], seed=3)
-    want = [reference(tiny, p, 12) for p in prompts]
-
-    def serve(asks: bool):
-        drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
-        pol = Goodput([4], explore_every=4, profile_context=40, probe_rows=1000, ramp_hold=True, host_model=True)
-        pol.wants_prefill_drafting = asks
-        # 8 prompt tokens a forward: 4 prompts of 14-17 tokens take several iterations (a ramp-up)
-        engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=2048, prefill_chunk=8),
-                        drafter=drafter, policy=pol, ks=(4,))
-        reqs = [engine.add_request(p, 12) for p in prompts]
-        while engine.has_work():
-            engine.step()
-            engine.check()
-        assert [r.output_ids for r in reqs] == want
-        return pol, engine
-
-    pol, engine = serve(True)
-    assert pol.ramp_steps > 0 and pol.rows_seen[4] < pol.probe_rows  # held in the ramp-up; k = 4 untried throughout
-    assert engine.undrafted_prefill_tokens == 0
-    pol, engine = serve(False)  # the engine's own rule: prompts prefilled after a held step skip the draft
-    assert pol.ramp_steps > 0 and engine.undrafted_prefill_tokens > 0
+        assert steady and any(not m for _, m in steady)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf/policy").glob("*.yaml")))
@@ -1330,7 +919,33 @@ def test_every_policy_config_composes_and_builds(name):
     if "profile_context" in cfg.policy:  # auto: the workload's prompts, which specdec.run resolves
         cfg.policy.profile_context = 512
     pol = build_policy(cfg.policy, sizes=(3, 16, 48))
-    assert pol.name == cfg.policy.get("name", "never") or cfg.policy.get("name") == "schedule"
-    if cfg.policy.get("name") == "goodput":
-        for key in ("time_every", "calibrate", "mixed_pricing", "host_model", "ramp_hold"):
-            assert getattr(pol, key) == cfg.policy[key], key
+    assert pol.name == cfg.policy.get("name", "never")
+    if pol.name == "goodput":  # a null in the file takes the one default, GoodputConfig's
+        assert pol.config == GoodputConfig(profile_context=512)
+        assert pol.config == bare([3], **{k: getattr(GoodputConfig(), k) for k in BARE}, profile_context=512).config
+
+
+def test_policy_options_have_one_default_and_unknown_keys_are_named():
+    """build_policy: a null takes the policy's own default, a value its type (the strings a command line gives
+    included), a key no policy has is an error naming it and the policy's valid keys; a key of another policy is
+    ignored (an experiment may set goodput's profile_context whatever the policy)."""
+    from specdec.policy import BatchThreshold, Bandit
+
+    pol = build_policy(OmegaConf.create({"name": "batch_threshold", "k": None, "off_above": None, "on_at_or_below": 2}),
+                       sizes=(3, 5))
+    assert isinstance(pol, BatchThreshold) and (pol.k, pol.off_above, pol.on_at_or_below) == (5, 16, 2)
+    pol = build_policy(OmegaConf.create({"name": "goodput", "ks": [3], "margin": "0.25", "counterfactual": "false",
+                                         "probe_cost": "inf"}))
+    assert pol.margin == 0.25 and pol.wants_counterfactual is False and pol.probe_cost == float("inf")
+    assert pol.ema == GoodputConfig.ema and Goodput([3]).config == GoodputConfig()
+    assert build_policy(OmegaConf.create({"name": "never", "profile_context": 64})).ks == (0,)
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) marg; valid: .*margin"):
+        build_policy(OmegaConf.create({"name": "goodput", "marg": 0.1}), sizes=(3,))
+    with pytest.raises(ConfigError, match=r"policy always: unknown option\(s\) bogus; valid: k"):
+        build_policy(OmegaConf.create({"name": "always", "bogus": 1}), sizes=(3,))
+    with pytest.raises(ConfigError, match="unknown option"):
+        Goodput([3], time_every=8)  # an option that no longer exists
+    with pytest.raises(ConfigError, match="policy.probe_rows='many': must be an integer"):
+        Goodput([3], probe_rows="many")
+    with pytest.raises(ConfigError, match="unknown option"):
+        Bandit(Goodput([3]), block_size=4)

@@ -12,6 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import specdec  # noqa: F401  (registers the config resolvers)
+from specdec.policy import build_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,9 @@ def test_full_study_composes_to_the_sweep_it_promises():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=policy_envelope", "policy=goodput", "draft=ngram_chains",
                                            "workload=mt_bench"])
-    assert list(cfg.draft.chains) == [2, 4, 8] and cfg.policy.shadow_evals == 2 and cfg.policy.profile_iters == 8
+    cfg.policy.profile_context = 512  # auto: resolved by specdec.run from the prompts
+    pol = build_policy(cfg.policy, sizes=tuple(cfg.draft.chains))
+    assert list(cfg.draft.chains) == [2, 4, 8] and pol.shadow_evals == 2 and pol.profile_iters == 8
     assert cfg.engine.profile_iters == 1
 
 

@@ -15,7 +15,7 @@ from test_spec import repetitive_prompts, tiny_head
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.errors import ConfigError
 from specdec.engine import step_ops as ops
-from specdec.policy import StepStats
+from specdec.policy import Policy, StepStats
 from specdec.spec import Eagle3Drafter, NgramDrafter
 
 
@@ -184,7 +184,7 @@ def test_unattributable_fault_commits_no_row_and_the_step_retries(tiny, point, o
     if point in ("verify", "commit"):
         refs = [reference(tiny, p, n) for p, n in zip(rand_prompts(PROMPT_LENS, seed=13), MAX_NEW)]
     if point == "policy":
-        class Flaky:
+        class Flaky(Policy):
             name, ks = "flaky", (0,)
 
             def choose(self, view):

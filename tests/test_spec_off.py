@@ -441,7 +441,7 @@ def test_goodput_with_shadow_scores_turns_ngram_speculation_on(tiny):
 
     prompts = repetitive_prompts(3, seed=4)
     want = [reference(tiny, p, 24) for p in prompts]
-    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2)
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2, counterfactual=False)
     trace = []
     engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
                     drafter=NgramDrafter(chains=[2, 5]), policy=pol, trace=trace.append)
@@ -464,7 +464,7 @@ def test_shadow_scoring_runs_on_speculative_steps_too(tiny):
     low). Every step here is speculative (the table makes speculation nearly free), yet samples arrive."""
     from specdec.policy import Goodput
 
-    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2)
+    pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2, counterfactual=False)
     fed = []
     update = pol.update
     pol.update = lambda stats: (fed.append((stats.k, len(stats.shadow or ()))), update(stats))
@@ -581,7 +581,8 @@ def test_goodput_spaces_shadow_scoring_out_while_speculation_trails(tiny):
     pol = Goodput([2, 5], margin=0.0, explore_every=0, shadow_evals=2, explore_backoff=2.0)
     engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024),
                     drafter=NgramDrafter(chains=[2, 5]), policy=pol)
-    pol.set_table({0: {4: 1.0}, 2: {4: 50.0}, 5: {4: 100.0}})  # speculation far too dear at any batch
+    # speculation far too dear at any batch, also beside the host time of a loaded CPU's iterations
+    pol.set_table({0: {4: 1.0}, 2: {4: 5000.0}, 5: {4: 10000.0}})
     reqs = [engine.add_request(p, 40) for p in prompts]
     steps = 0
     while engine.has_work():
@@ -641,63 +642,3 @@ def test_speculative_ngram_steps_shadow_score_only_the_larger_chains(tiny):
         by_k.setdefault(k, set()).update(scored)
     assert by_k[5] == set() and by_k[2] == {5} and by_k[0] == {2, 5}
     assert [r.output_ids for r in reqs] == want
-
-
-class _PrefillDraftingPolicy:
-    """k = 0 on every step, and drafts_prefill answering ``flag`` (what goodput's ramp_hold asks of the engine)."""
-
-    name = "prefill_drafting"
-    wants_prefill_drafting = True
-
-    def __init__(self, flag: bool, ks=(4,)):
-        self.flag, self.ks, self.asked = flag, tuple(ks), 0
-
-    def drafts_prefill(self) -> bool:
-        self.asked += 1
-        return self.flag
-
-    def choose(self, view) -> int:
-        return 0
-
-    def update(self, stats) -> None:
-        pass
-
-
-def test_policy_asks_for_drafted_prefills_while_off(tiny):
-    """A policy with wants_prefill_drafting decides whether prompts prefilled at k = 0 run the draft: asked, yes
-    (every row's draft KV covers its prompt: equal to a from-scratch draft prefill, no backlog but the k = 0 steps'
-    tokens), no (the engine's rule: undrafted). Without the attribute the policy is not asked."""
-    first, later = rand_prompts([7], seed=5)[0], rand_prompts([9, 12], seed=6)
-
-    def serve(policy):
-        drafter = Eagle3Drafter(tiny_head(tiny), tiny, topk=2, steps=2, num_draft_tokens=4)
-        engine = Engine(tiny, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=1024,
-                                           prefill_buckets=(32,), graph_buckets=(1, 2, 4)),
-                        drafter=drafter, policy=policy, ks=(4,))
-        engine.add_request(first, 8)
-        engine.step()
-        engine.step()
-        for p in later:
-            engine.add_request(p, 8)
-        engine.step()
-        return engine
-
-    engine = serve(_PrefillDraftingPolicy(True))
-    assert engine.policy.asked >= 1 and engine.undrafted_prefill_tokens == 0
-    st = engine.state
-    assert st.draft_lens_host[1:] == [len(p) - 1 for p in later]  # drafted over the prompt, behind by its k = 0 step
-    assert st.seq_lens_host[1:] == [len(p) for p in later]
-    drafter = engine.drafter
-    for req in engine.scheduler.rows[1:]:  # the draft KV over each prompt equals a from-scratch draft prefill
-        n = len(req.prompt_ids) - 1
-        pages = engine.kv.pages(req)
-        slots = torch.tensor([pages[j // 4] * 4 + j % 4 for j in range(n)])
-        live = drafter.k_cache[0].reshape(-1, *drafter.k_cache.shape[-2:])[slots]
-        torch.testing.assert_close(live, draft_prefill_kv(drafter, tiny, req.tokens[: n + 1]), atol=1e-4, rtol=1e-4)
-    engine = serve(_PrefillDraftingPolicy(False))
-    assert engine.policy.asked >= 1 and engine.undrafted_prefill_tokens == sum(len(p) - 1 for p in later)
-    assert engine.state.draft_lens_host[1:] == [0, 0]
-    silent = _PrefillDraftingPolicy(True)
-    silent.wants_prefill_drafting = False
-    engine = serve(silent)
-    assert silent.asked == 0 and engine.undrafted_prefill_tokens == sum(len(p) - 1 for p in later)

@@ -21,15 +21,15 @@ only lags one step in what it knows: a row holds pages for two steps ahead, a re
 finishes is seen one iteration late (the extra step computed for it is dropped), and tokens of a
 request that left the batch (finish, abort, preemption) after a launch are dropped by its row
 epoch. Greedy output is the same either way.
-H200, random weights (experiments/results/serving/exp_overlap_6464618.txt): time per output token
-SmolLM2 batch 1 0.621 -> 0.594 ms (graphed step 0.583), batch 8 0.971 -> 0.928; Llama-3.1-8B
-batch 1 4.39 -> 4.326 ms (step 4.317), batch 8 4.94 -> 4.83 ms.
+
+Start-up builds everything a run needs (specdec.engine.build): the KV pool, CUDA graphs for every k
+the policy may pick at every batch bucket, the prefill paths the policy can reach, and the policy's
+own start-up measurements; a step then only selects graphs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import operator
 import time
@@ -39,17 +39,16 @@ from typing import Callable, Iterable
 import torch
 
 from ..errors import ConfigError, config_flag
-from ..policy.base import (BatchView, StepStats, choices, prefill_drafting, shadow_evals, wants_counterfactual,
-                           wants_rows, wants_step_ms)
-from ..spec.base import RowTokens, capturable, catches_up, extends_at_k0, prefills
+from ..policy.base import BatchView, StepStats
+from ..spec.base import RowTokens, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
-from . import profiling
-from .graphs import EagerDecode, GraphedDecode, PaddedPrefill, bucket_for, make_buckets, prefill_request_buckets
+from . import build, profiling
+from .graphs import bucket_for, make_buckets
 from .kv_cache import KVCache, pages_for, size_pool
 from .scheduler import Request, Scheduler
 from .shadow import ShadowAcceptance
 from .state import DecodeState
-from .step import Counterfactual, PhaseTimer, PrefillChunk, Stepper, catch_up_body_, prefill_body_, step_body_
+from .step import PhaseTimer, PrefillChunk, Stepper
 
 
 @dataclass
@@ -178,6 +177,7 @@ def _use_overlap(setting, graphed: bool, drafter) -> bool:
     return bool(setting)
 
 
+
 class Engine:
     """Continuous-batching engine over one target model (see the module docstring).
 
@@ -187,6 +187,9 @@ class Engine:
         eos_ids: tokens that finish a request (unless it sets ignore_eos).
         detokenize: ids -> text, for stop strings.
         trace: called with one dict per iteration once its GPU timings are known.
+        drafter, policy, ks: speculation: the drafter, the Policy that picks k per step (None: the
+            caller passes k to step()), and further ks to prepare besides the policy's.
+        acceptance: replayed acceptance (specdec.acceptance): each speculative row accepts a drawn length.
     """
 
     def __init__(self, model, config: EngineConfig | None = None, *, eos_ids: Iterable[int] = (),
@@ -195,21 +198,48 @@ class Engine:
                  ks: Iterable[int] = (0,), acceptance=None):
         cfg = self.config = dataclasses.replace(config or EngineConfig())  # a copy: adjusted below
         cfg.validate()
+        self.model, self.drafter, self.policy, self.acceptance, self.trace = model, drafter, policy, acceptance, trace
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
         # Every k a policy may pick is known up front: its tree size is reserved and graphed now.
-        self.policy = policy
         self.ks = sorted({0, *(int(k) for k in ks), *(policy.ks if policy is not None else ())})
         if drafter is None and self.ks != [0]:
             raise ConfigError(f"speculation lengths {self.ks} need a drafter (draft=none)")
+        if acceptance is not None and drafter is None:
+            raise ConfigError("acceptance=replay replays what a drafter's trees accept, but draft=none")
         # The ks the policy's choose() can return (without a policy: any of ks): whether steps ever
-        # speculate (k > 0) and ever rest (k = 0) decides which prefill paths are captured below.
-        reach = choices(policy, self.ks) if policy is not None else frozenset(self.ks)
+        # speculate (k > 0) and ever rest (k = 0) decides which prefill paths are captured.
+        reach = frozenset(self.ks if policy is None or policy.choices is None else policy.choices)
         self._speculates, self._rests = any(k > 0 for k in reach), 0 in reach
         tree_sizes = sorted({1} | {drafter.num_nodes(k) for k in self.ks if k > 0})
         cfg.max_tree_tokens = max(cfg.max_tree_tokens, tree_sizes[-1])
-        self.drafter = drafter
-        self.model = model
-        self.eos_ids = frozenset(int(e) for e in eos_ids)
-        self.trace = trace
+        use_graphs = _use_graphs(cfg.cuda_graphs, model)
+        self.overlap = _use_overlap(cfg.overlap, use_graphs, drafter)
+        max_pages, ahead = self._init_cache_()
+        self.scheduler = Scheduler(self.kv, self.state, max_batch_size=cfg.max_batch_size,
+                                   prefill_chunk=cfg.prefill_chunk, max_seq_len=self.max_seq_len,
+                                   max_tree_tokens=ahead, detokenize=detokenize, **self._vocab())
+        self.buckets = make_buckets(cfg.max_batch_size, cfg.graph_buckets)
+        # Counterfactual acceptance: {T: Counterfactual} (empty: off) and the ks whose commits the host derives
+        self._counterfactual, self._host_cf = build.plan_counterfactual(policy, drafter, acceptance, self.state)
+        t0 = time.perf_counter()
+        runner = build.decode_runner(model, self.state, self.kv, cfg, drafter, acceptance, self._counterfactual,
+                                     self.buckets, tree_sizes, use_graphs)
+        self.graphed = runner.graphed
+        self.stepper = Stepper(model, self.kv, self.state, runner, temperature=cfg.temperature, drafter=drafter)
+        build.attach_prefill_runners_(self.stepper, model, self.kv, cfg, drafter, max_pages,
+                                      speculates=self._speculates, rests=self._rests,
+                                      timed_catch_up=policy is not None and policy.wants_catch_up_ms)
+        self.startup_s = time.perf_counter() - t0  # graph capture (incl. kernel compiles)
+        self._init_iterations_()
+        self._init_policy_()
+        self.startup_graph_captures = self.graph_captures()
+        self.t0 = time.perf_counter()
+
+    def _init_cache_(self) -> tuple[int, int]:
+        """The KV pool, the DecodeState and the drafter's and replay's views of them. Returns the
+        page-table width and the slots each decode row holds beyond its committed tokens: one step's
+        tree, or two when overlapped (a step in flight, not yet read back, plus the one being launched)."""
+        cfg, model = self.config, self.model
         max_pos = model.config.max_position_embeddings
         self.max_seq_len = max_pos if cfg.max_seq_len is None else int(cfg.max_seq_len)
         if not 1 <= self.max_seq_len <= max_pos:
@@ -218,97 +248,31 @@ class Engine:
         num_pages = size_pool(model, page_size=cfg.page_size, kv_cache_tokens=cfg.kv_cache_tokens,
                               kv_memory_fraction=cfg.kv_memory_fraction)
         self.kv = KVCache(model, num_pages, cfg.page_size)
-        use_graphs = _use_graphs(cfg.cuda_graphs, model)
-        self.overlap = _use_overlap(cfg.overlap, use_graphs, drafter)
-        # Slots each decode row holds beyond its committed tokens: one step's tree, or two when
-        # overlapped (a step in flight, not yet read back, plus the one being launched).
         ahead = cfg.max_tree_tokens * (2 if self.overlap else 1)
         # Page-table width: enough for the longest request the scheduler admits.
         max_pages = min(pages_for(self.max_seq_len + ahead, cfg.page_size), num_pages)
         self.state = DecodeState(cfg.max_batch_size, max_pages, cfg.page_size, model.device, cfg.seed,
                                  max_tree_nodes=cfg.max_tree_tokens)
-        if drafter is not None:  # its KV pool mirrors the target's pages; its row state follows rows
-            drafter.bind_(self.state, num_pages, cfg.page_size)
-        # Replayed acceptance (specdec.acceptance): each speculative row accepts a drawn length.
-        self.acceptance = acceptance
-        if acceptance is not None:
-            if drafter is None:
-                raise ConfigError("acceptance=replay replays what a drafter's trees accept, but draft=none")
-            acceptance.bind_(self.state, drafter, self.ks)
-        # Prompt ids are checked at admission against the target's vocabulary (and a draft head's,
-        # which embeds target ids: a smaller one would read past its table).
-        vocab, vocab_name = int(model.config.vocab_size), "the target's"
-        head_cfg = getattr(getattr(drafter, "head", None), "config", None)
+        if self.drafter is not None:  # its KV pool mirrors the target's pages; its row state follows rows
+            self.drafter.bind_(self.state, num_pages, cfg.page_size)
+        if self.acceptance is not None:
+            self.acceptance.bind_(self.state, self.drafter, self.ks)
+        return max_pages, ahead
+
+    def _vocab(self) -> dict:
+        """The vocabulary prompt ids are checked against at admission: the target's, or a draft head's
+        when smaller (it embeds target ids: a smaller one would read past its table)."""
+        vocab, name = int(self.model.config.vocab_size), "the target's"
+        head_cfg = getattr(getattr(self.drafter, "head", None), "config", None)
         if head_cfg is not None and int(getattr(head_cfg, "vocab_size", vocab)) < vocab:
-            vocab, vocab_name = int(head_cfg.vocab_size), "the draft head's"
-        self.scheduler = Scheduler(self.kv, self.state, max_batch_size=cfg.max_batch_size,
-                                   prefill_chunk=cfg.prefill_chunk, max_seq_len=self.max_seq_len,
-                                   max_tree_tokens=ahead, detokenize=detokenize,
-                                   vocab_size=vocab, vocab_name=vocab_name)
-        buckets = make_buckets(cfg.max_batch_size, cfg.graph_buckets)
+            vocab, name = int(head_cfg.vocab_size), "the draft head's"
+        return {"vocab_size": vocab, "vocab_name": name}
 
-        state, kv = self.state, self.kv  # not self: a closure over the engine would make a reference
-        # cycle (engine -> stepper -> runner -> body -> engine) that keeps its KV pool and CUDA graphs
-        # alive after `del engine` until the cyclic garbage collector runs
-
-        # A k = 0 step runs the drafter only if it extends at k = 0; else it never sees it (decided
-        # once here, not per step).
-        k0_drafter = drafter if extends_at_k0(drafter) else None
-        # Counterfactual acceptance: a speculative step at k also scores every smaller k' of the
-        # policy's ks on its verified path (EAGLE-3; real acceptance only: a replayed verdict is
-        # drawn per k, not a path the smaller trees share). {T: Counterfactual}; empty: off.
-        self._host_cf: tuple[int, ...] = ()  # nested chains: the ks whose commits the host derives
-        counterfactual = self._counterfactual = self._plan_counterfactual(policy, drafter, acceptance)
-
-        def body(B: int, T: int, context) -> None:
-            step_body_(model, state, kv, B, T, cfg.temperature, drafter if T > 1 else k0_drafter, context,
-                       acceptance=acceptance, counterfactual=counterfactual)
-
-        t0 = time.perf_counter()
-        if use_graphs:
-            eager_T = [t for t in tree_sizes if t > 1 and not capturable(drafter)]
-            runner = GraphedDecode(body, self.state, buckets, tree_sizes, eager_T)
-        else:
-            runner = EagerDecode(body, pad_to=buckets if cfg.pad_eager else None)
-        self.startup_s = time.perf_counter() - t0  # graph capture (incl. kernel compiles)
-        self.buckets = buckets
-        self.graphed = runner.graphed
-        self.stepper = Stepper(model, self.kv, self.state, runner, temperature=cfg.temperature,
-                               drafter=drafter)
-        prefill_buckets = [b for b in cfg.prefill_buckets if 1 <= b < cfg.prefill_chunk]
-        if cfg.prefill_buckets:  # and a full chunk, the largest prefill forward
-            prefill_buckets.append(cfg.prefill_chunk)
-        request_buckets = prefill_request_buckets(cfg.prefill_requests, cfg.max_batch_size)
-        if prefill_buckets and (runner.graphed or cfg.pad_eager):
-            t0 = time.perf_counter()
-            # The body closes over the model, KV and drafter, not the stepper that will hold the runner
-            # (no reference cycle: see `body` above).
-            # Only the paths the policy can reach: with a drafter that catches up, prefill drafts only
-            # while speculating (never: not at all) and runs the target alone only while off (always:
-            # never), and the catch-up runs only on a switch back on. A path not captured runs eagerly
-            # if ever taken (e.g. engine.step(0) called by hand under always). H200, 8B shapes at
-            # 533a1d2: each prefill runner is ~15-18 captured shapes of up to 2048 tokens.
-            split = catches_up(drafter) and prefills(drafter)  # drafted and plain prefill differ
-            if not split or self._speculates:
-                prefill = functools.partial(prefill_body_, model, self.kv, drafter if prefills(drafter) else None)
-                self.stepper.prefill_runner = PaddedPrefill(prefill, model.device, prefill_buckets,
-                                                            max_pages, graphed=runner.graphed,
-                                                            request_buckets=request_buckets, timed=cfg.prefill_fit)
-            if split and self._rests:  # prefill while speculation is off: the target's alone
-                plain = functools.partial(prefill_body_, model, self.kv, None)
-                self.stepper.plain_prefill_runner = PaddedPrefill(plain, model.device, prefill_buckets,
-                                                                  max_pages, graphed=runner.graphed,
-                                                                  request_buckets=request_buckets,
-                                                                  timed=cfg.prefill_fit)
-            if catches_up(drafter) and self._speculates and self._rests:  # a switch back on replays these shapes
-                catch_up = functools.partial(catch_up_body_, model, self.kv, drafter)
-                # timed (graphed) for a policy that prices a switch back on by its catch-up
-                self.stepper.catch_up_runner = PaddedPrefill(catch_up, model.device, prefill_buckets,
-                                                             max_pages, graphed=runner.graphed,
-                                                             request_buckets=request_buckets,
-                                                             timed=hasattr(policy, "catch_up_table_"))
-            self.startup_s += time.perf_counter() - t0
-        self._timer = PhaseTimer(model.device)
+    def _init_iterations_(self) -> None:
+        """What the iterations keep between them: launched steps, trace records, the last iteration's
+        times for the policy, catch-up counters."""
+        drafter = self.drafter
+        self._timer = PhaseTimer(self.model.device)
         self._pending_trace: dict[int, dict] = {}
         self._trace_shadow: dict[int, list[int]] = {}  # shadow samples {k: commits} of the iteration's commits (trace)
         self._step_no = 0
@@ -316,19 +280,13 @@ class Engine:
         # flight; a step stays here until its commit has succeeded (see step()).
         self._unread: list = []
         self._ids = itertools.count()
-        # A policy that learns from step times gets each decode step's duration in its StepStats;
-        # only a policy that reads request ids gets them (a tuple of B ids per step is host work).
-        self._policy_times = wants_step_ms(policy)
-        self._time_every = max(1, int(getattr(policy, "time_every", 1) or 1))  # one timed step in this many
-        self._launches = 0  # decode steps launched (which of them the policy times)
-        self._policy_rows = wants_rows(policy)
-        self._drafts_prefill = prefill_drafting(policy)  # None: prompts prefilled at k = 0 skip the draft
-        # optional: per-iteration wall / host ms, iteration_(k, rows, wall_ms, host_ms, mixed=, switched=)
-        self._policy_iters = getattr(policy, "iteration_", None)
+        # Only a policy that learns from step times gets each decode step's duration, only one that
+        # reads request ids gets them (a tuple of B ids per step is host work).
+        self._policy_times = self.policy is not None and self.policy.wants_step_ms
+        self._policy_rows = self.policy is not None and self.policy.wants_rows
         self._waited_s = 0.0  # this iteration's time blocked on the device (reading a step's tokens)
-        self._iter_prev = None  # (k, rows, start, waited, mixed, switched) of the last iteration that decoded
+        self._iter_prev = None  # (k, rows, start, waited, mixed) of the last iteration that decoded
         self._extra_prev = False  # that iteration also prefilled or switched speculation on
-        self._switch_prev = False  # ... switched (a resume, a catch-up, another k or bucket than the step before)
         self._shape_prev = None  # (k, batch bucket) of the last step launched
         self._catches_up = catches_up(drafter)
         self._stages_rows = prefills(drafter)  # new decode rows take the draft state of their prefill
@@ -337,72 +295,29 @@ class Engine:
         self.catch_up_tokens = 0  # backlog tokens caught up
         # Prefill while speculation is off (the last decode step ran k = 0) skips the draft of a
         # drafter that catches up: the prompt joins the row's backlog, caught up if and when the row
-        # drafts (H200, C = 256, policy=never: the EAGLE-3 draft prefill cost 0.87x of no drafter).
+        # drafts (the draft's prefill would cost every request, speculating or not).
         # k of the last decode step (None: none yet: prefill drafts, unless the policy never speculates)
         self._last_k: int | None = None if self._speculates else 0
-        # Drafts scored from the committed tokens while off (n-gram, for a policy that asks for it).
-        self._shadow = None
-        if shadow_evals(policy) and hasattr(drafter, "shadow_commits") and len(self.ks) > 1:
-            self._shadow = ShadowAcceptance(drafter, self.ks, shadow_evals(policy),
-                                            max_lag=getattr(policy, "shadow_max_lag", None))
-            # the policy may space the scorings out (goodput: while speculation trails far behind)
-            self._shadow_due = getattr(policy, "shadow_due", None) or (lambda: True)
-            if hasattr(policy, "shadowed_"):
-                policy.shadowed_()
-        if policy is not None and hasattr(policy, "serial_drafting"):
-            # A drafter that drafts from the host's committed tokens runs its speculative steps
-            # synchronously under overlapped decoding (see step()): their host work does not overlap.
-            policy.serial_drafting = self.overlap and drafter_needs_context(drafter)
-        if policy is not None:
-            profiling.calibrate_policy_(self)
-            catch_up = self.stepper.catch_up_runner
-            if catch_up is not None and catch_up.forward_ms and hasattr(policy, "catch_up_table_"):
-                policy.catch_up_table_(catch_up.forward_ms)
-        self.startup_graph_captures = self.graph_captures()
-        self.t0 = time.perf_counter()
 
-    def _plan_counterfactual(self, policy, drafter, acceptance) -> dict:
-        """{T: Counterfactual} for the policy's speculative ks that have smaller ones (reserving their
-        output columns, asking the drafter for candidate ids, telling the policy the pairs), or {}
-        when the policy does not ask, the drafter cannot score (no ``counterfactual_commits_``), its
-        chains nest (n-gram: the host derives the smaller chains' commits, ``_host_cf``; no device
-        plan), or acceptance is replayed (then the replay scores the smaller sizes itself)."""
-        if policy is None or not wants_counterfactual(policy):
-            return {}
-        if acceptance is not None:
-            if hasattr(acceptance, "counterfactual_"):
-                ks = sorted(k for k in policy.ks if k > 0)
-                acceptance.counterfactual_({k: tuple(j for j in ks if j < k) for k in ks})
-                if hasattr(policy, "counterfactual_"):
-                    policy.counterfactual_({(j, k): "replayed" for k in ks for j in ks if j < k})
-            return {}
-        ks = sorted(k for k in policy.ks if k > 0)
-        if getattr(drafter, "nested_chains", False):
-            # Chains that nest (n-gram): the host reads a smaller chain's commits off each row's
-            # committed count (min(committed, k' + 1)) when the step is fed to the policy
-            self._host_cf = tuple(ks)
-            if hasattr(policy, "counterfactual_") and len(ks) > 1:
-                policy.counterfactual_({(j, k): "exact" for k in ks for j in ks if j < k})
-            return {}
-        if not hasattr(drafter, "counterfactual_commits_"):
-            return {}
-        plan, pairs = {}, {}
-        dev = self.state.device
-        for k in ks:
-            small = [j for j in ks if j < k]
-            if not small:
-                continue
-            shapes = [list(drafter.shape_for(j)) for j in small]
-            plan[drafter.num_nodes(k)] = Counterfactual(tuple(small), torch.tensor(shapes, dtype=torch.int32,
-                                                                                     device=dev), shapes)
-            drafter.counterfactual_sizes.add(k)
-            pairs.update({(j, k): drafter.counterfactual_label(j, k) for j in small})
-        if not plan:
-            return {}
-        self.state.set_cf_widths_({T: len(c.ks) for T, c in plan.items()})
-        if hasattr(policy, "counterfactual_"):
-            policy.counterfactual_(pairs)
-        return plan
+    def _init_policy_(self) -> None:
+        """Give the policy what it asked for: shadow samples (a drafter that scores drafts from the
+        committed tokens), whether drafting is serial, its start-up step-time table and the catch-up
+        forwards' times."""
+        policy, drafter = self.policy, self.drafter
+        self._shadow = None
+        if policy is None:
+            return
+        if policy.shadow_evals and hasattr(drafter, "shadow_commits") and len(self.ks) > 1:
+            self._shadow = ShadowAcceptance(drafter, self.ks, policy.shadow_evals)
+            policy.shadowed_()
+        # A drafter that drafts from the host's committed tokens runs its speculative steps
+        # synchronously under overlapped decoding (see step()): their host work does not overlap.
+        policy.serial_drafting_(self.overlap and drafter_needs_context(drafter))
+        profiling.calibrate_policy_(self)
+        catch_up = self.stepper.catch_up_runner
+        if catch_up is not None and catch_up.forward_ms and policy.wants_catch_up_ms:
+            policy.catch_up_table_(catch_up.forward_ms)
+
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], max_new_tokens: int, *, request_id: str | None = None,
@@ -453,6 +368,7 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+
     # -- iterations -----------------------------------------------------------------------------
     def step(self, k: int | None = None) -> list[Request]:
         """One iteration (prefill chunks + one decode step with k draft tokens); returns requests
@@ -466,76 +382,35 @@ class Engine:
         finished. Only a failure inside the device commit (kv_sync, the drafter's extend) leaves
         the device ahead of the host: a device error; stop then. A request whose own stop-string
         check raises fails alone (finish_reason "error")."""
-        sched, no = self.scheduler, self._step_no
-        self._step_no += 1
-        timed = self.trace is not None  # CUDA events only when someone reads them
         if k is not None and k not in self.ks:  # before anything changes
             raise ConfigError(f"k={k} was not configured for this engine (ks={self.ks}); every "
                               "speculation length must be known at start-up so its graphs exist")
+        sched, no = self.scheduler, self._step_no
+        self._step_no += 1
         t_start = time.perf_counter()
-        if self._iter_prev is not None:
-            # The previous iteration, start to start: its wall time includes what the caller did
-            # between steps (a closed-loop client's finishes and submits), which throughput pays
-            # too; its host work is that wall time less the waits for the device.
-            k_p, n_p, t_p, waited_p, mixed_p, switched_p = self._iter_prev
-            wall_ms = (t_start - t_p) * 1e3
-            self._policy_iters(k_p, n_p, wall_ms, wall_ms - waited_p * 1e3, mixed=mixed_p, switched=switched_p)
-            self._iter_prev = None
-        self._waited_s = 0.0
-        committed: list[tuple[int, list[list[int]], list[str]]] = []  # (k, token lists, request ids) of the steps committed here
+        self._report_iteration_(t_start)
         # A step whose commit raised in an earlier call commits first (the host catches up with the
         # device before anything else changes); with overlapped decoding the newest stays in flight.
-        while len(self._unread) > (1 if self.overlap else 0):
-            committed.append(self._commit_oldest_())
+        committed = self._commit_until_(1 if self.overlap else 0)
         # Pages for a k = 0 step (plus what a step in flight may still write); a speculative step tops
         # them up below, so rows hold no tree's slots while speculation is off.
         preempted = sched.ensure_decode_capacity_(self._ahead(0))
         sched.admit_(t_start)
-        # While off, prompts skip the draft (it catches them up if speculation resumes), unless the policy asks
-        # otherwise (goodput's ramp_hold while a k awaits its first tries)
-        draft_prefill = (not (self._catches_up and self._last_k == 0)
-                         or (self._drafts_prefill is not None and self._drafts_prefill()))
-        plan = sched.plan_prefill(self.stepper.prefill_fit(draft_prefill) if self.config.prefill_fit else None)
-        if plan:
-            if timed:
-                self._timer.start(no, "prefill")
-            roots = self.stepper.prefill_(sched.prefill_chunks(plan), draft=draft_prefill)
-            if timed:
-                self._timer.stop(no, "prefill")
-        else:
-            roots = None
-        ready = sched.finish_prefill_(plan, drafted=draft_prefill)
-        if k is None:
-            k = 0 if self.policy is None else self.policy.choose(
-                BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting),
-                          num_prefilling=max(0, len(sched.admitted) - self.state.num_rows),
-                          rows=tuple(r.id for r in sched.rows) if self._policy_rows else None,
-                          backlog=self._backlog if self._catches_up else None))
-            if k not in self.ks:
-                raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
+        plan, roots, ready = self._prefill_(no)
+        k = self._choose() if k is None else k
         needs_context = k > 0 and drafter_needs_context(self.drafter)
         # A drafter that catches up needs the exact backlog of every row before its first drafting
         # step after k = 0 steps: the host knows it once the k = 0 step in flight is committed
         # (one synchronous step per switch back on; steady speculation stays overlapped).
         resume = k > 0 and self._catches_up and self._inflight is not None and self._inflight.k == 0
         if self._unread and (needs_context or resume):
-            # This drafter drafts from the host's committed tokens: commit the step in flight first,
-            # so it sees them (a speculative step of such a drafter runs synchronously; its k = 0
-            # steps stay overlapped). Evictions may move rows: look the new rows up again.
-            while self._unread:
-                committed.append(self._commit_oldest_())
+            # A drafter that drafts from the host's committed tokens sees them: the step in flight
+            # commits first (its speculative steps run synchronously; its k = 0 steps stay
+            # overlapped). Evictions may move rows: look the new rows up again.
+            committed += self._commit_until_(0)
             row_of = {id(r): i for i, r in enumerate(sched.rows)}
             ready = [(r, row_of[id(r)]) for r, _ in ready]
-        if self._stages_rows and ready:
-            # Each new decode row takes the draft state of its request's last prefill chunk. A row whose
-            # draft is behind (a drafter that catches up: prefilled while off) needs none: the catch-up
-            # stages it before it drafts. While off that is every new row but a 1-token prompt's.
-            if self._catches_up:
-                ready = [(r, row) for r, row in ready if r.draft_len == r.seq_len]
-            if ready:
-                chunk_of = {id(req): i for i, (req, _) in enumerate(plan)}
-                self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready],
-                                         [row for _, row in ready])
+        self._stage_new_rows_(ready, plan, roots)
         caught_up = self.num_catch_ups
         if k > 0:  # the tree's slots (may preempt: rows are looked up afresh below)
             preempted += sched.ensure_decode_capacity_(self._ahead(k))
@@ -544,74 +419,132 @@ class Engine:
         n = self.state.num_rows
         if n:
             self._last_k = k
-        # Each row's committed tokens, named by request id (a drafter may keep per-request state: the
-        # n-gram index)
-        context = (RowTokens(keys=[r.id for r in sched.rows], parts=[(r.prompt_ids, r.output_ids) for r in sched.rows])
-                   if n and needs_context else None)
-        launched = (lambda: self._timer.stop(no, "decode")) if timed else None
-        if n:
-            if timed:
-                self._timer.start(no, "decode")
-            replay_cf = None
-            if k > 0 and self.acceptance is not None:  # the rows' replayed lengths, before the launch
-                self.acceptance.prepare_(self.state, n, k, [r.id for r in sched.rows])
-                replay_cf = self.acceptance.last_cf
-            # If the launch raises, nothing is queued and the step in flight stays queued.
-            timed_step = self._policy_times and self._launches % self._time_every == 0
-            self._launches += 1
-            step = self.stepper.launch_(k, launched, context, timed=timed_step)
-            if replay_cf:  # the replay's counterfactual commits, per smaller size, rows in launch order
-                step.cf_by_k = replay_cf
-            step.rows = [(r, r.row_epoch) for r in sched.rows]
-            self._unread.append(step)
+            self._launch_(no, k, n, needs_context)
         # The steps whose tokens this iteration commits: this one, or with overlapped decoding the
         # previous one, read while the GPU runs this one (with no rows launched: all of them).
-        while len(self._unread) > (1 if self.overlap and n else 0):
-            committed.append(self._commit_oldest_())
-        now = time.perf_counter()
-        if n and self._policy_iters is not None:
-            # Reported to the policy when the next iteration starts (see above): what throughput pays
-            # per step at this k and batch (device time when the host keeps up, host time when not).
-            # An iteration that also prefilled, or switched speculation back on (waited for the step
-            # in flight, caught the draft up) is ``mixed``: its wall time is not what a steady step
-            # at k costs (prefill costs the same whatever k the decode step runs). With overlapped
-            # decoding the next iteration is too: it waits for the step launched behind that work.
-            # Overlapped, an iteration queues its step and then waits for the one before, so its wall
-            # time is that step's: an iteration whose step differs in k or batch bucket from the one
-            # it waited for is mixed too. H200 crossover_8b at 778ebbe (parametric,
-            # C = 64): charged the other way, every re-try of tree16 after k = 0 steps cost a k = 0
-            # iteration (6 ms) and the k = 0 step after it the tree16 one (31 ms), so goodput estimated
-            # k = 0 at 9.4 ms an iteration against its 6.0 ms steps and tree16 at 10.1 ms against 17.8
-            # (C = 32), and speculated on 94% of its steps at 0.82x of never.
-            shape = (k, self._bucket(n))
-            switched = self.overlap and self._shape_prev is not None and self._shape_prev != shape
-            self._shape_prev = shape
-            # ``switched`` (a subset of mixed): the extra work was a switch, not (only) a prefill. The H200
-            # envelope at 11ce6bda (n-gram, MT-bench, C = 64): goodput_mixed priced chain 8 from its resume
-            # iteration (6.7 ms of catch-up against 2.1 ms prefilling ones) and held k = 0 for the rest of the run.
-            resumed = resume or self.num_catch_ups != caught_up
-            extra = bool(plan) or resumed
-            self._iter_prev = (k, n, t_start, self._waited_s,
-                               extra or switched or (self.overlap and self._extra_prev),
-                               resumed or switched or (self.overlap and self._switch_prev))
-            self._extra_prev = extra
-            self._switch_prev = resumed
+        committed += self._commit_until_(1 if self.overlap and n else 0)
+        t_end = time.perf_counter()
+        if n and self.policy is not None:
+            self._note_iteration_(k, n, t_start, extra=bool(plan) or resume or self.num_catch_ups != caught_up)
         finished = sched.pop_finished()
-        if timed:
-            self._pending_trace[no] = dict(
-                step=no, t_s=t_start - self.t0, step_ms=(now - t_start) * 1e3,
-                decode_bs=n, bucket=self._bucket(n), k=k,
-                prefill_tokens=sum(c for _, c in plan), prefill_reqs=len(plan),
-                committed=sum(len(t) for _, toks, _ in committed for t in toks), finished=len(finished),
-                preempted=preempted, accepted=[len(t) - 1 for kc, toks, _ in committed if kc > 0 for t in toks],
-                accepted_ids=[i for kc, _, ids in committed if kc > 0 for i in ids],
-                running=len(sched.admitted), waiting=len(sched.waiting), free_pages=self.kv.num_free,
-                prefill_ms=0.0, decode_ms=0.0)
-            if self._trace_shadow:  # what each k would have committed, scored in the shadow this iteration
-                self._pending_trace[no]["shadow"] = {str(j): c for j, c in sorted(self._trace_shadow.items())}
-                self._trace_shadow = {}
-            self._emit_trace(wait=False)
+        if self.trace is not None:
+            self._trace_(no, k, n, t_start, t_end, plan, committed, finished, preempted)
         return finished
+
+    def _report_iteration_(self, t_start: float) -> None:
+        """Tell the policy the previous decoding iteration's times, start to start: its wall time
+        includes what the caller did between steps (a closed-loop client's finishes and submits),
+        which throughput pays too; its host work is that wall time less the waits for the device."""
+        if self._iter_prev is not None:
+            k, n, t_prev, waited_s, mixed = self._iter_prev
+            wall_ms = (t_start - t_prev) * 1e3
+            self.policy.iteration_(k, n, wall_ms, wall_ms - waited_s * 1e3, mixed=mixed)
+            self._iter_prev = None
+        self._waited_s = 0.0
+
+    def _note_iteration_(self, k: int, n: int, t_start: float, extra: bool) -> None:
+        """Keep this iteration's times for the policy (reported when the next one starts: see
+        ``_report_iteration_``). An iteration that also prefilled, or switched speculation back on
+        (waited for the step in flight, caught the draft up: ``extra``) is ``mixed``: its wall time is
+        not what a steady step at k costs (prefill costs the same whatever k the decode step runs).
+        Overlapped, an iteration queues its step and then waits for the one before, so its wall time
+        is that step's: the next iteration after extra work is mixed too, and so is one whose step
+        differs in k or batch bucket from the one it waited for (charged the other way, a re-try's
+        speculative step would be priced at a plain iteration and the plain step after it at the
+        speculative one)."""
+        shape = (k, self._bucket(n))
+        switched = self.overlap and self._shape_prev is not None and self._shape_prev != shape
+        self._shape_prev = shape
+        self._iter_prev = (k, n, t_start, self._waited_s, extra or switched or (self.overlap and self._extra_prev))
+        self._extra_prev = extra
+
+    def _choose(self) -> int:
+        """The policy's k for this iteration's decode rows (0 without a policy)."""
+        if self.policy is None:
+            return 0
+        sched = self.scheduler
+        k = self.policy.choose(BatchView(num_decode=self.state.num_rows, num_waiting=len(sched.waiting),
+                                         num_prefilling=max(0, len(sched.admitted) - self.state.num_rows),
+                                         rows=tuple(r.id for r in sched.rows) if self._policy_rows else None,
+                                         backlog=self._backlog if self._catches_up else None))
+        if k not in self.ks:
+            raise ConfigError(f"policy {self.policy.name} chose k={k}, not in its ks {self.ks}")
+        return k
+
+    def _prefill_(self, no: int):
+        """This iteration's prefill chunks in one forward. While off, prompts skip the draft of a
+        drafter that catches up (it catches them up if speculation resumes). Returns (the plan, the
+        drafter's roots, the requests that became decode rows with their rows)."""
+        sched = self.scheduler
+        draft = not (self._catches_up and self._last_k == 0)
+        plan = sched.plan_prefill(self.stepper.prefill_fit(draft) if self.config.prefill_fit else None)
+        roots = None
+        if plan:
+            if self.trace is not None:
+                self._timer.start(no, "prefill")
+            roots = self.stepper.prefill_(sched.prefill_chunks(plan), draft=draft)
+            if self.trace is not None:
+                self._timer.stop(no, "prefill")
+        return plan, roots, sched.finish_prefill_(plan, drafted=draft)
+
+    def _stage_new_rows_(self, ready, plan, roots) -> None:
+        """Each new decode row takes the draft state of its request's last prefill chunk. A row whose
+        draft is behind (a drafter that catches up: prefilled while off) needs none: the catch-up
+        stages it before it drafts. While off that is every new row but a 1-token prompt's."""
+        if not (self._stages_rows and ready):
+            return
+        if self._catches_up:
+            ready = [(r, row) for r, row in ready if r.draft_len == r.seq_len]
+        if ready:
+            chunk_of = {id(req): i for i, (req, _) in enumerate(plan)}
+            self.drafter.stage_rows_(roots, [chunk_of.get(id(r), -1) for r, _ in ready], [row for _, row in ready])
+
+    def _launch_(self, no: int, k: int, n: int, needs_context: bool) -> None:
+        """Queue the decode step with k draft tokens over the n decode rows. If the launch raises,
+        nothing is queued and the step in flight stays queued."""
+        rows = self.scheduler.rows
+        # Each row's committed tokens, named by request id (a drafter may keep per-request state: the
+        # n-gram index)
+        context = RowTokens(keys=[r.id for r in rows], parts=[(r.prompt_ids, r.output_ids) for r in rows]) \
+            if needs_context else None
+        launched = None
+        if self.trace is not None:
+            launched = lambda: self._timer.stop(no, "decode")  # noqa: E731
+            self._timer.start(no, "decode")
+        replay_cf = None
+        if k > 0 and self.acceptance is not None:  # the rows' replayed lengths, before the launch
+            self.acceptance.prepare_(self.state, n, k, [r.id for r in rows])
+            replay_cf = self.acceptance.last_cf
+        step = self.stepper.launch_(k, launched, context, timed=self._policy_times)
+        if replay_cf:  # the replay's counterfactual commits, per smaller size, rows in launch order
+            step.cf_by_k = replay_cf
+        step.rows = [(r, r.row_epoch) for r in rows]
+        self._unread.append(step)
+
+    def _trace_(self, no, k, n, t_start, t_end, plan, committed, finished, preempted) -> None:
+        """The iteration's step-trace record, emitted once its GPU timings are known."""
+        sched = self.scheduler
+        self._pending_trace[no] = dict(
+            step=no, t_s=t_start - self.t0, step_ms=(t_end - t_start) * 1e3,
+            decode_bs=n, bucket=self._bucket(n), k=k,
+            prefill_tokens=sum(c for _, c in plan), prefill_reqs=len(plan),
+            committed=sum(len(t) for _, toks, _ in committed for t in toks), finished=len(finished),
+            preempted=preempted, accepted=[len(t) - 1 for kc, toks, _ in committed if kc > 0 for t in toks],
+            accepted_ids=[i for kc, _, ids in committed if kc > 0 for i in ids],
+            running=len(sched.admitted), waiting=len(sched.waiting), free_pages=self.kv.num_free,
+            prefill_ms=0.0, decode_ms=0.0)
+        if self._trace_shadow:  # what each k would have committed, scored in the shadow this iteration
+            self._pending_trace[no]["shadow"] = {str(j): c for j, c in sorted(self._trace_shadow.items())}
+            self._trace_shadow = {}
+        self._emit_trace(wait=False)
+
+    def _commit_until_(self, in_flight: int) -> list[tuple[int, list[list[int]], list[str]]]:
+        """The commit point: commit launched steps, oldest first, until ``in_flight`` remain queued;
+        returns (k, token lists, request ids) of each step committed."""
+        done = []
+        while len(self._unread) > in_flight:
+            done.append(self._commit_oldest_())
+        return done
 
     def _commit_oldest_(self) -> tuple[int, list[list[int]], list[str]]:
         """Read the oldest launched step's tokens (waits for it), feed the policy, commit them, and
@@ -622,48 +555,52 @@ class Engine:
             w0 = time.perf_counter()
             step.tokens = self.stepper.collect_(step)
             self._waited_s += time.perf_counter() - w0  # blocked on the device, not host work
-        tokens = step.tokens
         if self.policy is not None and not step.policy_fed:
-            shadow = shadow_ms = None
-            # Scored on every step, speculative ones too (there the ks above the step's): a policy that
-            # speculates while a request's text repeats and stops where it does not would otherwise
-            # score only the stretches it left speculation off in (a biased prior; see specdec.engine.shadow)
-            if self._shadow is not None and step.rows and self._shadow_due():
-                sh, rows, n0, s0 = self._shadow, step.rows, self._shadow.lookups, self._shadow.lookup_s
-                # A speculative step's commits are exact samples of its k, and with chains that nest of
-                # every smaller one (_host_cf): it scores only the larger ks (its host work is serial)
-                above = 0 if step.k == 0 else (step.k if self._host_cf else 0)
-                shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i], above=above)
-                if sh.lookups > n0:
-                    # What a drafting step's host work costs per row: the drafter's own measure where it
-                    # keeps one (n-gram: its indexed drafting, far cheaper than the scans that score
-                    # shadow drafts at past positions), else the shadow scoring's time per draft
-                    shadow_ms = getattr(self.drafter, "host_ms_per_row", None)
-                    if shadow_ms is None:
-                        shadow_ms = (sh.lookup_s - s0) * 1e3 / (sh.lookups - n0)
-                    if self.trace is not None:
-                        for j, _, c in shadow:
-                            self._trace_shadow.setdefault(j, []).append(c)
-            cf = None
-            if step.cf is not None:  # columns in the order of the plan's smaller ks
-                ks = self._counterfactual[self.stepper.num_nodes(step.k)].ks
-                cf = {j: [row[i] for row in step.cf] for i, j in enumerate(ks)}
-            elif step.cf_by_k is not None:
-                cf = step.cf_by_k
-            elif self._host_cf and step.k > 0:
-                cf = {j: [min(len(t), j + 1) for t in tokens] for j in self._host_cf if j < step.k} or None
-            self.policy.update(StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
-                                         rows=[r.id for r, _ in step.rows] if self._policy_rows else None,
-                                         step_ms=self.stepper.step_ms(step), shadow=shadow, shadow_ms=shadow_ms,
-                                         counterfactual=cf))
+            self.policy.update(self._step_stats(step))
             step.policy_fed = True
         # The rows commit_tokens_ keeps (still in the batch, same epoch): their ids go to the step trace.
         live = {id(r) for r in self.scheduler.rows} if self.trace is not None and step.k > 0 else ()
         ids = [r.id for r, e in step.rows if id(r) in live and r.row_epoch == e]
-        kept = self.scheduler.commit_tokens_(step.rows, tokens, time.perf_counter(),
+        kept = self.scheduler.commit_tokens_(step.rows, step.tokens, time.perf_counter(),
                                              drafted=step.k > 0 or self._synced_at_k0)
         self._unread.pop(0)
         return step.k, kept, ids
+
+    def _step_stats(self, step) -> StepStats:
+        """What the policy learns from a step read back: its commits, duration, and the shadow and
+        counterfactual samples it asked for."""
+        tokens = step.tokens
+        shadow = shadow_ms = None
+        # Scored on every step, speculative ones too (there the ks above the step's): a policy that
+        # speculates while a request's text repeats and stops where it does not would otherwise
+        # score only the stretches it left speculation off in (a biased prior; see specdec.engine.shadow)
+        if self._shadow is not None and step.rows and self.policy.shadow_due():
+            sh, rows, n0, s0 = self._shadow, step.rows, self._shadow.lookups, self._shadow.lookup_s
+            # A speculative step's commits are exact samples of its k, and with chains that nest of
+            # every smaller one (_host_cf): it scores only the larger ks (its host work is serial)
+            above = 0 if step.k == 0 else (step.k if self._host_cf else 0)
+            shadow = sh.samples_([r.id for r, _ in rows], lambda i: rows[i][0].tokens + tokens[i], above=above)
+            if sh.lookups > n0:
+                # What a drafting step's host work costs per row: the drafter's own measure where it
+                # keeps one (n-gram: its indexed drafting, far cheaper than the scans that score
+                # shadow drafts at past positions), else the shadow scoring's time per draft
+                shadow_ms = getattr(self.drafter, "host_ms_per_row", None)
+                if shadow_ms is None:
+                    shadow_ms = (sh.lookup_s - s0) * 1e3 / (sh.lookups - n0)
+                if self.trace is not None:
+                    for j, _, c in shadow:
+                        self._trace_shadow.setdefault(j, []).append(c)
+        cf = None
+        if step.cf is not None:  # columns in the order of the plan's smaller ks
+            ks = self._counterfactual[self.stepper.num_nodes(step.k)].ks
+            cf = {j: [row[i] for row in step.cf] for i, j in enumerate(ks)}
+        elif step.cf_by_k is not None:
+            cf = step.cf_by_k
+        elif self._host_cf and step.k > 0:
+            cf = {j: [min(len(t), j + 1) for t in tokens] for j in self._host_cf if j < step.k} or None
+        return StepStats(k=step.k, num_decode=step.n, committed=[len(t) for t in tokens],
+                         rows=[r.id for r, _ in step.rows] if self._policy_rows else None,
+                         step_ms=self.stepper.step_ms(step), shadow=shadow, shadow_ms=shadow_ms, counterfactual=cf)
 
     def run_until_done(self) -> list[Request]:
         """Step until every queued request has finished; returns them in finishing order."""

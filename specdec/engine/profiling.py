@@ -23,7 +23,6 @@ import time
 import torch
 
 from ..errors import ConfigError
-from ..policy.base import calibrator
 from ..spec.base import needs_context, preparer
 from .kv_cache import pages_for
 from .step import step_body_
@@ -81,7 +80,7 @@ def decode_step_ms(engine, batch_size: int, context_len: int, iters: int = 50, w
     context = [[7] * context_len for _ in range(batch_size)] if T > 1 and needs_context(drafter) else None
 
     with borrowed_rows(engine, batch_size, context_len, total, "profile_decode_step") as st:
-        if T > 1 and getattr(engine, "acceptance", None) is not None:
+        if T > 1 and engine.acceptance is not None:
             engine.acceptance.fill_(batch_size, k)  # replayed: rows commit the trace's mean length
 
         def run():
@@ -171,11 +170,11 @@ def step_phases(engine, batch_size: int, context_len: int, k: int, iters: int = 
             mark("start")
             if T > 1 and prepare is not None:
                 prepare(st, B, T, context)
-            acceptance = getattr(engine, "acceptance", None) if T > 1 else None
+            acceptance = engine.acceptance if T > 1 else None
             if acceptance is not None:
                 acceptance.fill_(B, k)  # replayed: rows commit the trace's mean length
             step_body_(engine.model, st, engine.kv, B, T, engine.config.temperature, engine.drafter, context, mark,
-                       acceptance=acceptance, counterfactual=getattr(engine, "_counterfactual", None))
+                       acceptance=acceptance, counterfactual=engine._counterfactual)
             if cuda:
                 marks[-1][1].synchronize()
             if it == 0:
@@ -215,7 +214,7 @@ def graphed_phases(engine, batch_size: int, context_len: int, k: int, iters: int
         if prepare is not None:
             prepare(st, B, T, context)
         step_body_(engine.model, st, engine.kv, B, T, temp, drafter, context, mark,
-                   counterfactual=getattr(engine, "_counterfactual", None) if drafter is engine.drafter else None)
+                   counterfactual=engine._counterfactual if drafter is engine.drafter else None)
 
     has_marks = drafter is not None and hasattr(drafter, "phase_marks")
     with borrowed_rows(engine, B, context_len, total, "graphed_phases") as st:
@@ -330,22 +329,20 @@ def _top_kernels(evs, reps: int, n: int = 6) -> list:
 
 
 # Timed steps per start-up table entry: profile_iters, or as many as fit in about this many ms (at
-# least 2). H200, crossover_8b at f079697, C = 256: goodput's start-up took 20.0 s against never's
-# 5.8 s; 11 steps (3 warm-up, 8 timed) of each entry of its table were ~9 s of the difference
-# (tree48 at 256 rows: 334 ms a step).
+# least 2): the largest trees at the largest buckets take hundreds of ms a step on an 8B target, and
+# the table's start-up cost would otherwise rival a short run's.
 CALIBRATE_BUDGET_MS = 100.0
 
 
 def calibrate_policy_(engine) -> None:
-    """Give a policy that wants one (``calibrate_``) its step-time table: graphed steps for every k
-    of its ks at every graph bucket, at its profile_context tokens of context (less where the pool
+    """Give a policy that wants one (``wants_step_table``) its step-time table: graphed steps for every
+    k of its ks at every graph bucket, at its profile_context tokens of context (less where the pool
     or max_seq_len cannot hold that many rows of it). Adds the time to ``engine.startup_s``."""
     policy = engine.policy
-    calibrate = calibrator(policy)
-    if calibrate is None:
+    if policy is None or not policy.wants_step_table:
         return
     cuda = engine.model.device.type == "cuda"
-    iters, warmup = (int(getattr(policy, "profile_iters", 20)), 3) if cuda else (1, 1)
+    iters, warmup = (int(policy.profile_iters), 3) if cuda else (1, 1)
     budget = CALIBRATE_BUDGET_MS if cuda else None
     T_max = max(engine.stepper.num_nodes(k) for k in engine.ks)
 
@@ -365,7 +362,7 @@ def calibrate_policy_(engine) -> None:
                           f"max_seq_len ({engine.max_seq_len}) cannot hold even one profiling row; raise "
                           "engine.kv_cache_tokens")
     t0 = time.perf_counter()
-    calibrate(profile, batches)
+    policy.calibrate_(profile, batches)
     engine.startup_s += time.perf_counter() - t0
 
 
@@ -413,7 +410,7 @@ def _prefix_ms(engine, B: int, T: int, stop: str, iters: int) -> float:
     that prefix replayed ``iters`` times when the engine is graphed (the capture ends where the mark
     raises, so the graph holds exactly the prefix's kernels), else eager wall time. A prefix commits
     nothing (no seq_lens advance), so replays repeat the same work on the same rows."""
-    acceptance = getattr(engine, "acceptance", None)
+    acceptance = engine.acceptance
 
     def mark(phase):
         if phase == stop:
@@ -422,7 +419,7 @@ def _prefix_ms(engine, B: int, T: int, stop: str, iters: int) -> float:
     def body():
         try:
             step_body_(engine.model, engine.state, engine.kv, B, T, engine.config.temperature, engine.drafter,
-                       None, mark, acceptance=acceptance, counterfactual=getattr(engine, "_counterfactual", None))
+                       None, mark, acceptance=acceptance, counterfactual=engine._counterfactual)
         except _StopStep:
             pass
 
@@ -447,7 +444,7 @@ def step_breakdown(engine, batches, context_len: int, iters: int = 50) -> dict:
     acceptance the speed-up it implies: mean accepted length x plain ms / step ms (batch 1 is the
     latency speed-up; above it an upper bound, ignoring scheduling). On the CPU the numbers only keep
     smoke runs going."""
-    acceptance = getattr(engine, "acceptance", None)
+    acceptance = engine.acceptance
     out = {"context": context_len, "iters": iters, "graphed": engine.graphed, "batches": {}}
     ks = [k for k in engine.ks if k > 0]
     for b in (int(x) for x in batches):

@@ -1,32 +1,34 @@
 """Speculation policies: choose k (draft tokens per step) from the decode batch, learn from results.
 
-One file per policy (never, always, batch_threshold, goodput, schedule) over the types and protocol in
-:mod:`.base`. A new policy is a new file plus one line in ``build_policy``.
+One file per policy (never, always, batch_threshold, goodput, bandit, schedule), each a subclass of
+:class:`.base.Policy` whose options are dataclass fields with their one default (the policy class
+itself, or goodput's GoodputConfig and bandit's BanditConfig). conf/policy/<name>.yaml lists the
+keys; a null there takes that default. A new policy is a new file plus one entry in ``BUILDERS``.
 """
 
 from __future__ import annotations
 
-from ..errors import ConfigError, config_flag
+import dataclasses
+
+from ..errors import ConfigError
 from .always import Always
-from .bandit import Bandit
-from .base import BatchView, Policy, StepStats
+from .bandit import Bandit, BanditConfig
+from .base import BatchView, Policy, StepStats, options
 from .batch_threshold import BatchThreshold
-from .goodput import SERVED_OUTLIER, Goodput
+from .goodput import SERVED_OUTLIER, Goodput, GoodputConfig
 from .never import Never
 from .schedule import Schedule
 
-__all__ = ["Always", "Bandit", "BatchThreshold", "BatchView", "Goodput", "Never", "Policy", "SERVED_OUTLIER",
-           "Schedule", "StepStats", "build_policy"]
+__all__ = ["Always", "Bandit", "BanditConfig", "BatchThreshold", "BatchView", "Goodput", "GoodputConfig", "Never",
+           "Policy", "SERVED_OUTLIER", "Schedule", "StepStats", "build_policy"]
 
 
-def _size(cfg, key: str, sizes) -> int:
-    """policy.<key> (a draft length): null -> the drafter's largest configured size; an explicit one
+def _size(k, sizes, key: str = "k") -> int:
+    """policy.<key> (a draft length): None -> the drafter's largest configured size; an explicit one
     must be a configured size."""
-    k = cfg.get(key)
     if k is None:
         if not sizes:
-            raise ConfigError(f"policy {cfg.name}: policy.{key} is null and the drafter lists no sizes; "
-                              f"set policy.{key}")
+            raise ConfigError(f"policy.{key} is null and the drafter lists no sizes; set policy.{key}")
         return max(sizes)
     k = int(k)
     if sizes is not None and k not in sizes:
@@ -35,70 +37,66 @@ def _size(cfg, key: str, sizes) -> int:
     return k
 
 
-def build_policy(cfg, sizes=None):
-    """From the Hydra ``policy`` group. ``sizes``: the drafter's configured draft lengths (None: any)
-    -- always / batch_threshold default to the largest, goodput's ks to all of them."""
-    name = cfg.get("name", "never")
-    if name == "never":
-        return Never()
-    if name == "always":
-        return Always(_size(cfg, "k", sizes))
-    if name == "batch_threshold":
-        on = cfg.get("on_at_or_below")
-        return BatchThreshold(_size(cfg, "k", sizes), int(cfg.off_above), None if on is None else int(on))
-    if name == "goodput":
-        return _goodput(cfg, sizes)
-    if name == "bandit":
-        arms = cfg.get("arms") or ["goodput", "always", "never"]
-        return Bandit(_goodput(cfg, sizes), list(arms), block_iters=int(cfg.get("block_iters", 8)),
-                      block_rows=int(cfg.get("block_rows", 256)), settle=int(cfg.get("settle", 2)),
-                      memory=float(cfg.get("memory", 0.2)), explore_cost=float(cfg.get("explore_cost", 0.01)))
-    if name == "schedule":
-        return Schedule(_size(cfg, "k", sizes), int(cfg.on_steps), int(cfg.off_steps))
-    raise ConfigError(f"unknown policy {name!r}; valid: never, always, batch_threshold, goodput, bandit, schedule")
-
-
-def _goodput(cfg, sizes) -> Goodput:
-    """goodput from its config keys (policy=goodput, and the model of policy=bandit)."""
-    ks = cfg.get("ks")
+def _ks(ks, sizes) -> list[int]:
+    """goodput's policy.ks: None -> every size the drafter is configured for; else configured sizes."""
     if ks is None:
         if not sizes:
             raise ConfigError("policy goodput: policy.ks is null and the drafter lists no sizes; set policy.ks")
-        ks = list(sizes)
+        return list(sizes)
     ks = [int(k) for k in ks]
     bad = [k for k in ks if sizes is not None and k not in sizes]
     if bad:
         raise ConfigError(f"policy.ks={ks}: {bad} not sizes the drafter is configured for; configured sizes: "
                           f"{list(sizes)} (EAGLE-3: draft.trees num_draft_tokens; n-gram: draft.chains)")
-    return Goodput(ks, ema=float(cfg.get("ema", 0.1)),
-                   margin=float(cfg.get("margin", 0.03)), explore_every=int(cfg.get("explore_every", 32)),
-                   profile_context=_profile_context(cfg.get("profile_context", 512)),
-                   time_ema=float(cfg.get("time_ema", 0.1)), time_every=int(cfg.get("time_every", 1)),
-                   prior_ema=float(cfg.get("prior_ema", 0.01)),
-                   explore_backoff=float(cfg.get("explore_backoff", 1.0)),
-                   explore_max=int(cfg.get("explore_max", 1024)),
-                   shadow_evals=int(cfg.get("shadow_evals", 0)),
-                   profile_iters=int(cfg.get("profile_iters", 20)),
-                   probe_rows=int(cfg.get("probe_rows", 1)),
-                   switch_horizon=int(cfg.get("switch_horizon", 32)),
-                   explore_budget=float(cfg.get("explore_budget", 0.05)),
-                   probe_cost=float("inf") if cfg.get("probe_cost") is None else float(cfg.probe_cost),
-                   counterfactual=config_flag("policy.counterfactual", cfg.get("counterfactual", False)),
-                   refresh_every=int(cfg.get("refresh_every", 0) or 0),
-                   defer_first_tries=config_flag("policy.defer_first_tries", cfg.get("defer_first_tries", False)),
-                   ramp_hold=config_flag("policy.ramp_hold", cfg.get("ramp_hold", False)),
-                   host_model=config_flag("policy.host_model", cfg.get("host_model", False)),
-                   calibrate=float(cfg.get("calibrate", 0.0) or 0.0),
-                   mixed_pricing=config_flag("policy.mixed_pricing", cfg.get("mixed_pricing", False)),
-                   shadow_min_rows=float(cfg.get("shadow_min_rows", 2.0)),
-                   probe_requests=int(cfg.get("probe_requests", 0) or 0),
-                   shadow_ema=cfg.get("shadow_ema", 0.03),
-                   iter_median=int(cfg.get("iter_median", 0) or 0),
-                   iter_min_samples=int(cfg.get("iter_min_samples", 0) or 0),
-                   row_sample=int(cfg.get("row_sample", 0) or 0),
-                   shadow_max_lag=None if cfg.get("shadow_max_lag") is None else int(cfg.shadow_max_lag),
-                   explore_fresh=float(cfg.get("explore_fresh", 0.0) or 0.0),
-                   shadow_rows_cap=None if cfg.get("shadow_rows_cap") is None else int(cfg.get("shadow_rows_cap")))
+    return ks
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _fixed_k(cls):
+    """Build a policy whose options are its own dataclass fields, k among them."""
+    return lambda o, sizes: options(cls, {**o, "k": _size(o.get("k"), sizes)}, cls.name)
+
+
+def _goodput(o: dict, sizes) -> Goodput:
+    if "profile_context" in o:
+        o["profile_context"] = _profile_context(o["profile_context"])
+    return Goodput(_ks(o.pop("ks", None), sizes), options(GoodputConfig, o, "goodput"))
+
+
+def _bandit(o: dict, sizes) -> Bandit:
+    own = {k: o.pop(k) for k in list(o) if k in _fields(BanditConfig)}
+    return Bandit(_goodput(o, sizes), **own)
+
+
+# name -> (its keys, build(its options, the drafter's sizes))
+BUILDERS = {
+    "never": (set(), lambda o, sizes: Never()),
+    "always": ({"k"}, _fixed_k(Always)),
+    "batch_threshold": (_fields(BatchThreshold), _fixed_k(BatchThreshold)),
+    "schedule": (_fields(Schedule), _fixed_k(Schedule)),
+    "goodput": ({"ks"} | _fields(GoodputConfig), _goodput),
+    "bandit": ({"ks"} | _fields(GoodputConfig) | _fields(BanditConfig), _bandit),
+}
+ALL_KEYS = set().union(*(keys for keys, _ in BUILDERS.values()))
+
+
+def build_policy(cfg, sizes=None) -> Policy:
+    """From the Hydra ``policy`` group. ``sizes``: the drafter's configured draft lengths (None: any)
+    -- always / batch_threshold / schedule default to the largest, goodput's ks to all of them. A null
+    value takes the policy's default; a key no policy has is a ConfigError naming it and the valid ones
+    (a key of another policy is ignored: an experiment may set goodput's keys whatever the policy)."""
+    given = {str(k): v for k, v in cfg.items() if v is not None}
+    name = given.pop("name", "never")
+    if name not in BUILDERS:
+        raise ConfigError(f"unknown policy {name!r}; valid: {', '.join(BUILDERS)}")
+    keys, build = BUILDERS[name]
+    unknown = sorted(set(given) - ALL_KEYS)
+    if unknown:
+        raise ConfigError(f"policy {name}: unknown option(s) {', '.join(unknown)}; valid: {', '.join(sorted(keys))}")
+    return build({k: v for k, v in given.items() if k in keys}, sizes)
 
 
 def profile_context_auto(cfg) -> bool:

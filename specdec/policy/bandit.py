@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .base import BatchView, StepStats
+from .base import BatchView, Policy, StepStats, options
 from .goodput import Goodput
 
 
@@ -50,7 +51,19 @@ class _Block:
         self.pending = 0  # measured steps launched but not yet fed back
 
 
-class Bandit:
+@dataclass
+class BanditConfig:
+    """bandit's own options (it takes goodput's too: its model arm is goodput with them)."""
+
+    arms: tuple = ("goodput", "always", "never")  # goodput (the model), always (the largest k of ks), never, a k
+    block_iters: int = 8  # a block: at least this many decode iterations ...
+    block_rows: int = 256  # ... and this many decode rows
+    settle: int = 2  # iterations at a block's start not measured (a switch's catch-up, the step in flight)
+    memory: float = 0.2  # an arm's rate: decayed sums of tokens and ms, the newest block at this weight
+    explore_cost: float = 0.01  # share of the time re-measuring arms that trail the best may cost
+
+
+class Bandit(Policy):
     """Per load bucket, run the arm with the most committed tokens per second, measured.
 
     Arms: ``goodput`` (the model policy this wraps: it picks k per step), ``always`` (the largest k
@@ -77,21 +90,22 @@ class Bandit:
 
     The model learns from every step whichever arm ran it (its acceptance and time estimates,
     counterfactual and shadow samples), and gets every engine hook (start-up table, catch-up table,
-    iteration times); it is asked for a k only while its arm runs.
-
-    H200 policy envelope at d13a983 (n-gram on HumanEval, staggered; experiments/results/spec/
-    policy_f8cc0a4/bandit_*): 0.82 .. 0.989 of max(never, always) over C = 1 .. 256, below goodput
-    from C = 32 on. Short blocks of a closed loop do not resolve the arms (C = 128: never measured
-    66k tok/s, goodput at k = 0 39k), long ones make every re-measurement dear.
+    iteration times); it is asked for a k only while its arm runs. Short blocks of a closed loop's
+    iterations may not resolve the arms, and long ones make every re-measurement dear.
     """
 
     name = "bandit"
-
     wants_step_ms = True
     wants_rows = True
+    wants_step_table = True
+    wants_catch_up_ms = True
 
-    def __init__(self, model: Goodput, arms=("goodput", "always", "never"), *, block_iters: int = 8,
-                 block_rows: int = 256, settle: int = 2, memory: float = 0.2, explore_cost: float = 0.01):
+    def __init__(self, model: Goodput, arms=None, **given):
+        if arms is not None:
+            given["arms"] = arms
+        cfg = options(BanditConfig, given, "bandit")
+        arms, block_iters, block_rows, settle = cfg.arms, cfg.block_iters, cfg.block_rows, cfg.settle
+        memory, explore_cost = cfg.memory, cfg.explore_cost
         self.model = model
         self.ks = model.ks
         top = max(model.ks)
@@ -127,8 +141,8 @@ class Bandit:
         if not 0.0 < memory <= 1.0 or explore_cost <= 0.0:
             raise ConfigError(f"policy bandit: need 0 < memory <= 1 and explore_cost > 0 (got memory={memory}, "
                               f"explore_cost={explore_cost})")
-        self.block_iters, self.block_rows, self.settle = int(block_iters), int(block_rows), int(settle)
-        self.memory, self.explore_cost = float(memory), float(explore_cost)
+        self.block_iters, self.block_rows, self.settle = block_iters, block_rows, settle
+        self.memory, self.explore_cost = memory, explore_cost
         fixed = {k for k in self.arm_k.values() if k is not None}
         self.choices = tuple(sorted(fixed | (set(model.ks) if None in self.arm_k.values() else set())))
         self.arms: dict[int, dict[str, _Arm]] = {}  # bucket -> arm label -> measurements
@@ -141,26 +155,14 @@ class Bandit:
         self._tags: deque = deque()  # (block or None, k) per launched decode step, in launch order
         self.clock = time.perf_counter  # replaceable in tests
 
-    # -- engine hooks, forwarded to the model --------------------------------------------------
+    # -- engine hooks and requests, the model's -------------------------------------------------
     @property
-    def serial_drafting(self) -> bool:
-        return self.model.serial_drafting
-
-    @serial_drafting.setter
-    def serial_drafting(self, value: bool) -> None:
-        self.model.serial_drafting = value
+    def wants_counterfactual(self) -> bool:
+        return self.model.wants_counterfactual
 
     @property
     def shadow_evals(self) -> int:
         return self.model.shadow_evals
-
-    @property
-    def shadow_max_lag(self) -> int | None:
-        return self.model.shadow_max_lag
-
-    @property
-    def wants_counterfactual(self) -> bool:
-        return self.model.wants_counterfactual
 
     @property
     def profile_context(self) -> int:
@@ -182,15 +184,14 @@ class Bandit:
     def shadowed_(self) -> None:
         self.model.shadowed_()
 
+    def serial_drafting_(self, serial: bool) -> None:
+        self.model.serial_drafting_(serial)
+
     def shadow_due(self) -> bool:
         return self.model.shadow_due()
 
-    @property
-    def time_every(self) -> int:  # the engine times one step in this many (the model's setting)
-        return self.model.time_every
-
-    def iteration_(self, k, batch, wall_ms, host_ms, mixed=False, switched=False) -> None:
-        self.model.iteration_(k, batch, wall_ms, host_ms, mixed=mixed, switched=switched)
+    def iteration_(self, k, batch, wall_ms, host_ms, mixed=False) -> None:
+        self.model.iteration_(k, batch, wall_ms, host_ms, mixed=mixed)
 
     # -- the policy ----------------------------------------------------------------------------
     @staticmethod

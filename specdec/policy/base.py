@@ -1,4 +1,4 @@
-"""Policy types and protocol: what the engine shows a policy and what it tells it back.
+"""The policy interface: what the engine shows a policy, what it tells it back, and the base class.
 
     k = policy.choose(view)        view: BatchView (decode rows only; prefills never count)
     policy.update(stats)           stats: StepStats of the step just run
@@ -9,8 +9,12 @@ captures CUDA graphs for all of them at start-up: switching k selects another gr
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, runtime_checkable
+from typing import Callable, Iterable
+
+from ..errors import ConfigError, config_flag
 
 
 @dataclass
@@ -43,73 +47,114 @@ class StepStats:
     counterfactual: dict | None = None
 
 
-@runtime_checkable
-class Policy(Protocol):
-    """What the engine needs of a policy.
+class Policy:
+    """Base class of every policy: a subclass sets ``name`` and ``ks`` and implements ``choose`` and
+    ``update``. Everything else below is optional; the defaults ask the engine for nothing and ignore
+    what it reports, so the engine calls every hook directly.
 
-    Optional hooks, used when a policy has them (the engine looks them up once at start-up):
-      wants_step_ms: bool       True: the engine times every step and fills StepStats.step_ms
-      wants_rows: bool          True: BatchView.rows / StepStats.rows carry the rows' request ids
-                                (else None: building B ids per step is host work nobody reads)
-      calibrate_(profile, batches)
-                                called once at start-up with the engine's graphed-step profiler
-                                ``profile(batch, k) -> ms`` and its decode graph buckets
-      describe() -> dict        what the choices rest on, written into the run's metrics
-      shadow_evals: int         > 0: with a drafter that has ``shadow_commits`` (n-gram), every k = 0
-                                step scores up to this many drafts on the host (StepStats.shadow);
-                                ``shadowed_()`` is called once at start-up when that will happen
-      wants_counterfactual: bool
-                                True: with a drafter that has ``counterfactual_commits_`` (EAGLE-3),
-                                every step at k also brings, per row, what each smaller k' of
-                                ``ks`` would have committed (StepStats.counterfactual); at start-up
-                                ``counterfactual_(pairs)`` is called with {(k', k): label} (exact /
-                                lower_bound / approximate) when that will happen
+    What a policy asks of the engine (read once at start-up):
+      choices               the ks choose() can return (None: every k of ks); the engine captures
+                            only the prefill paths these reach (never: plain; always: drafted)
+      wants_step_ms         the engine times every decode step and fills StepStats.step_ms
+      wants_rows            BatchView.rows / StepStats.rows carry the rows' request ids (else None:
+                            building B ids per step is host work nobody reads)
+      wants_step_table      calibrate_() is called at start-up with the engine's graphed-step
+                            profiler, at ``profile_context`` tokens of context, ``profile_iters``
+                            timed steps per entry
+      wants_catch_up_ms     the engine times its catch-up forwards at start-up: catch_up_table_()
+      wants_counterfactual  with a drafter that scores its smaller trees on the verified path of a
+                            larger one (EAGLE-3), or chains that nest (n-gram), or replayed
+                            acceptance: every step at k also brings, per row, what each smaller k'
+                            of ks would have committed (StepStats.counterfactual); counterfactual_()
+      shadow_evals          > 0: with a drafter that scores drafts from committed tokens (n-gram),
+                            steps score up to this many drafts on the host (StepStats.shadow);
+                            shadowed_() is called at start-up, shadow_due() before each scoring
+
+    What the engine tells it (hooks; the defaults do nothing):
+      calibrate_(profile, batches)   ``profile(batch, k) -> ms`` over the engine's graph buckets
+      catch_up_table_(forward_ms)    {tokens: device ms} of one catch-up forward per token bucket
+      counterfactual_(pairs)         {(k', k): exact | lower_bound | approximate | replayed}
+      shadowed_()                    shadow samples will come with the steps
+      serial_drafting_(serial)       True: speculative steps run after the host's work (a drafter
+                                     that drafts from the host's tokens under overlapped decoding)
+      shadow_due() -> bool           whether this step scores shadow drafts (default: every step)
+      iteration_(k, batch, wall_ms, host_ms, mixed)
+                                     one iteration's wall time, start to start, and its host part;
+                                     ``mixed``: it also prefilled or switched speculation back on
+      describe() -> dict | None      what the choices rest on, written into the run's metrics
     """
 
-    name: str
-    ks: tuple[int, ...]  # every k choose() may return, 0 included
+    name: str = "policy"
+    ks: tuple[int, ...] = (0,)  # every k choose() may return, 0 included
+    choices: tuple[int, ...] | None = None
+    wants_step_ms = False
+    wants_rows = False
+    wants_step_table = False
+    profile_context = 512
+    profile_iters = 20
+    wants_catch_up_ms = False
+    wants_counterfactual = False
+    shadow_evals = 0
 
-    def choose(self, view: BatchView) -> int: ...
+    def choose(self, view: BatchView) -> int:
+        raise NotImplementedError
 
-    def update(self, stats: StepStats) -> None: ...
+    def update(self, stats: StepStats) -> None:
+        raise NotImplementedError
 
+    def calibrate_(self, profile: Callable[[int, int], float], batches: Iterable[int]) -> None:
+        pass
 
-def choices(policy, ks) -> frozenset[int]:
-    """The ks ``choose()`` can return: the policy's ``choices`` where it declares them (never: 0;
-    always: its k), else every k of ``ks``. The engine captures only the prefill paths these reach."""
-    declared = getattr(policy, "choices", None)
-    return frozenset(int(k) for k in (ks if declared is None else declared))
+    def catch_up_table_(self, forward_ms: dict[int, float]) -> None:
+        pass
 
+    def counterfactual_(self, pairs: dict) -> None:
+        pass
 
-def wants_step_ms(policy) -> bool:
-    return bool(getattr(policy, "wants_step_ms", False))
+    def shadowed_(self) -> None:
+        pass
 
+    def serial_drafting_(self, serial: bool) -> None:
+        pass
 
-def wants_rows(policy) -> bool:
-    return bool(getattr(policy, "wants_rows", False))
+    def shadow_due(self) -> bool:
+        return True
 
+    def iteration_(self, k: int, batch: int, wall_ms: float, host_ms: float, mixed: bool = False) -> None:
+        pass
 
-def prefill_drafting(policy) -> Callable[[], bool] | None:
-    """The policy's say on whether prompts prefilled at k = 0 run the draft too (``drafts_prefill``, asked only
-    where the policy sets ``wants_prefill_drafting``; goodput's ramp_hold), or None: the engine's own rule."""
-    return getattr(policy, "drafts_prefill", None) if getattr(policy, "wants_prefill_drafting", False) else None
-
-
-def calibrator(policy) -> Callable[[Callable[[int, int], float], Iterable[int]], None] | None:
-    """The policy's start-up calibration hook, or None."""
-    return getattr(policy, "calibrate_", None)
+    def describe(self) -> dict | None:
+        return None
 
 
 def describe(policy) -> dict | None:
-    """The policy's own account of its state (for run logs), or None."""
-    fn = getattr(policy, "describe", None)
-    return fn() if fn is not None else None
+    """The policy's own account of its state (for run logs), or None (no policy)."""
+    return None if policy is None else policy.describe()
 
 
-def wants_counterfactual(policy) -> bool:
-    return bool(getattr(policy, "wants_counterfactual", False))
+def options(config_class, given: dict, policy: str, ignored: Iterable[str] = ()):
+    """``config_class(**given)``, each value of the type of its field's default (bool, int, float; a
+    field without one: an int). A key the class does not have is a ConfigError naming the key and the
+    valid ones, unless listed in ``ignored`` (keys of other policies' configs: an experiment may set
+    goodput's profile_context whatever the policy)."""
+    fields = {f.name: f for f in dataclasses.fields(config_class) if f.init}
+    unknown = sorted(set(given) - set(fields) - set(ignored))
+    if unknown:
+        raise ConfigError(f"policy {policy}: unknown option(s) {', '.join(unknown)}; valid: {', '.join(fields)}")
+    return config_class(**{k: _typed(k, v, fields[k].default) for k, v in given.items() if k in fields})
 
 
-def shadow_evals(policy) -> int:
-    """Drafts per step the policy wants scored from the committed tokens (0: none)."""
-    return int(getattr(policy, "shadow_evals", 0) or 0)
+def _typed(key: str, value, default):
+    if isinstance(default, bool):
+        return config_flag(f"policy.{key}", value)
+    if default is not dataclasses.MISSING and not isinstance(default, (int, float)):
+        return value  # e.g. bandit's arms: checked by the policy
+    kind = float if isinstance(default, float) else int
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        if kind is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        return kind(value) if kind is float or isinstance(value, str) else operator.index(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"policy.{key}={value!r}: must be {'a number' if kind is float else 'an integer'}") from None

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import ConfigError
-from .base import BatchView, StepStats
+from .base import BatchView, Policy, StepStats
 
 
-class BatchThreshold:
+@dataclass(eq=False)
+class BatchThreshold(Policy):
     """Speculate (k) while the decode batch is small; off above ``off_above`` rows, back on at or
-    below ``on_at_or_below`` (hysteresis: a batch hovering at the threshold does not flip each step)."""
+    below ``on_at_or_below`` (hysteresis: a batch hovering at the threshold does not flip each step).
+    Decode rows only: prefills never flip the decision."""
+
+    k: int  # draft tokens of a speculative step (policy.k null: the drafter's largest configured size)
+    off_above: int = 16
+    on_at_or_below: int = 8
 
     name = "batch_threshold"
 
-    def __init__(self, k: int, off_above: int, on_at_or_below: int | None = None):
-        on = off_above if on_at_or_below is None else on_at_or_below
-        if k < 1 or off_above < 1 or not 0 <= on <= off_above:
+    def __post_init__(self):
+        k, off, on = self.k, self.off_above, self.on_at_or_below
+        if k < 1 or off < 1 or not 0 <= on <= off:
             raise ConfigError(f"policy batch_threshold: need k >= 1, off_above >= 1 and "
-                              f"0 <= on_at_or_below <= off_above (got k={k}, off_above={off_above}, "
+                              f"0 <= on_at_or_below <= off_above (got k={k}, off_above={off}, "
                               f"on_at_or_below={on})")
-        self.k, self.off_above, self.on_at_or_below = k, off_above, on
         self.ks = (0, k)
         self.active = True
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from .base import BatchView, StepStats
+from dataclasses import dataclass
+
+from .base import BatchView, Policy, StepStats
 
 
-class Never:
+@dataclass(eq=False)
+class Never(Policy):
     """Baseline: plain decoding every step (k = 0)."""
 
     name = "never"

@@ -11,28 +11,34 @@ true``) or left behind (``false``)?
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .base import BatchView, StepStats
+from .base import BatchView, Policy, StepStats
 
 
-class Schedule:
-    """k for ``on`` decode steps, then 0 for ``off`` decode steps, repeated (config: on_steps,
-    off_steps; ``on`` / ``off`` as YAML keys would read as booleans).
+@dataclass(eq=False)
+class Schedule(Policy):
+    """k for ``on_steps`` decode steps, then 0 for ``off_steps`` decode steps, repeated.
 
     Records, for every speculative step, its position in the on-window (0: the first step after an
     off period) and the tokens it committed per row (accepted drafts + 1); ``describe()`` gives the
     means by position, which is what the run's metrics.json keeps (``policy_state``).
     """
 
+    k: int  # draft tokens of a speculative step (policy.k null: the drafter's largest configured size)
+    on_steps: int = 4
+    off_steps: int = 6
+
     name = "schedule"
 
-    def __init__(self, k: int, on: int, off: int):
+    def __post_init__(self):
+        k, on, off = self.k, self.on_steps, self.off_steps
         if k < 1 or on < 1 or off < 0:
-            raise ConfigError(f"policy schedule: need k >= 1, on >= 1 and off >= 0 "
-                              f"(got k={k}, on={on}, off={off})")
-        self.k, self.on, self.off = int(k), int(on), int(off)
-        self.ks = (0, self.k)
+            raise ConfigError(f"policy schedule: need k >= 1, on_steps >= 1 and off_steps >= 0 "
+                              f"(got k={k}, on_steps={on}, off_steps={off})")
+        self.on, self.off = on, off
+        self.ks = (0, k)
         self.i = 0  # decode steps chosen so far
         # On-window position of each launched speculative step, oldest first: update() comes one
         # step late with overlapped decoding, in launch order.
