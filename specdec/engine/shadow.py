@@ -6,25 +6,18 @@ draft tokens at ``start`` would have committed under greedy verification, read o
 steps committed since. Walking each (request, k) the way an always-k run would step (start +=
 committed) gives samples from the same distribution a policy sees when it speculates at k (per step,
 not per token: a long accepted run counts once), so an adaptive policy can keep a(k) of every k
-current while it runs k = 0, without re-trying speculation. The engine scores on every step,
-speculative ones too (there only the ks above the step's own: its commits are exact samples of its k
-and, with chains that nest, of every smaller one): scored on k = 0 steps only, the samples come from
-the stretches a policy left speculation off in, which goodput picks where a request's text stops
-repeating (H200 envelope at a93dbd1, n-gram on HumanEval, C = 1: prior a(8) 1.44 where always chain
-8 accepted 2.15; experiments/sim_shadow_bias.py over greedy SmolLM2 answers: shadow mean of chain 8
-1.26 scored at k = 0 only, 2.01 on every step, 2.10 for the always-8 walk over the same text).
+current while it runs k = 0, without re-trying speculation: re-tries cannot estimate an acceptance
+whose mean rests on rare long runs (most n-gram drafts accept nothing, a few accept every token).
+
+The engine scores on every step, speculative ones too (there only the ks above the step's own: its
+commits are exact samples of its k and, with chains that nest, of every smaller one). Scored on
+k = 0 steps only, the samples would come from the stretches a policy left speculation off in, which
+it picks where a request's text stops repeating: a prior biased low.
 
 Host work is bounded: at most ``evals_per_step`` lookups per step, round-robin over the rows and the
-ks (a (request, k) walk that falls behind stays exact; it samples older text, unless ``max_lag``
-restarts it at the newest position). The n-gram drafter finds each suffix with ``bytes.rfind`` over
-the packed tokens (``NgramDrafter.follow_at``): on this CPU two lookups in 300-token histories cost
-~20 us a step against ~200 us for the Python scan, which under goodput at k = 0 (scoring every step
-once its drafting was priced by the index) was 7-10% of a SmolLM2 iteration at C = 64 (H200 at
-ca37d2e, staggered: goodput at k = 0 on 99-100% of its steps served 0.90x of never with random
-weights, 0.91x on MT-bench; spec/policy_ca37d2e). H200 policy envelope at 41d1e6b: n-gram goodput
-ran 98% of its C = 1 steps at k = 0 where chain 8 won 1.18x, because its few re-tries (22 steps)
-could not estimate an acceptance whose mean rests on rare long runs (597 of 893 steps accept
-nothing, 70 accept all 8)."""
+ks (a (request, k) walk that falls behind stays exact; it samples older text). The n-gram drafter
+finds each suffix with ``bytes.rfind`` over the packed tokens (``NgramDrafter.follow_at``), an order
+of magnitude cheaper than a Python scan: the lookups run between steps, on the host's time."""
 
 from __future__ import annotations
 
@@ -35,14 +28,10 @@ from typing import Callable
 class ShadowAcceptance:
     """Samples (k, request id, committed) of the always-k walk over rows' committed tokens."""
 
-    def __init__(self, drafter, ks, evals_per_step: int = 2, max_lag: int | None = None):
+    def __init__(self, drafter, ks, evals_per_step: int = 2):
         self.score = drafter.shadow_commits
         self.ks = tuple(k for k in sorted(ks) if k > 0)
         self.evals_per_step = int(evals_per_step)
-        # A walk more than this many tokens behind the newest position it can score restarts there
-        # (None: walks never skip)
-        self.max_lag = None if max_lag is None else int(max_lag)
-        self.restarts = 0
         self.next_start: dict[tuple[str, int], int] = {}  # (request id, k) -> the walk's next start
         self._cursor = 0  # round-robin position over rows x ks
         self.lookups = 0
@@ -75,9 +64,6 @@ class ShadowAcceptance:
             start = self.next_start.get((rid, k))
             if start is None:  # a new walk starts at the newest draft the tokens can score
                 start = len(hist) - k
-            elif self.max_lag is not None and len(hist) - k - start > self.max_lag:
-                start = len(hist) - k  # fallen behind: score the recent text
-                self.restarts += 1
             if start < 1 or start + k > len(hist):
                 continue
             c = self.score(hist, start, k)
