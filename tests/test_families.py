@@ -372,4 +372,14 @@ def test_qwen3_presets_serve_and_profile_scaled_down(target, extra, tmp_path):
         cfg = compose("config", overrides=overrides)
     m = run(cfg)
     assert m["failed_requests"] == 0 and m["output_tokens"] == 24
-    assert m["step_floor"]["step_ms"]["1"] > 0 and m["step_breakdown"]["batches"]["2"]["k"]["48"]["step_ms"] > 0
+    floor, table = m["step_floor"], m["step_breakdown"]["batches"]["2"]
+    assert floor["step_ms"]["1"] > 0 and table["k"]["48"]["step_ms"] > 0
+    assert floor["bytes_touched"]["2"] > floor["bytes_touched"]["1"]  # the second row's context KV, its experts
+    if target == "qwen3_8b_random":
+        assert "distinct_experts_per_layer" not in floor and "plain_distinct_experts_per_layer" not in table
+        return
+    # One token selects top-k = 4 distinct experts of 16; two tokens 4..8; a 49-token verify per row more.
+    experts = floor["distinct_experts_per_layer"]
+    assert experts["1"] == 4 and 4 <= experts["2"] <= 8
+    assert 4 <= table["plain_distinct_experts_per_layer"] <= 8
+    assert table["plain_distinct_experts_per_layer"] < table["k"]["48"]["distinct_experts_per_layer"] <= 16

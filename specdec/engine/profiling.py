@@ -12,6 +12,8 @@ so the engine is exactly as it was afterwards (tests check the page accounting).
     calibrate_policy_(engine)             fill the policy's table: decode_step_ms per k and bucket
     step_time_vs_floor(engine, batches, ctx)  graphed k = 0 step ms per batch beside the target's
                                           weight-bandwidth floor (the run option engine.profile_steps)
+                                          and the floor of the bytes the step must read (an MoE
+                                          target's selected experts, the KV)
 """
 
 from __future__ import annotations
@@ -374,14 +376,26 @@ def weight_bytes(model) -> dict:
     return {"all": total, "read": total - (embed if model.lm_head is not None else 0)}
 
 
+def with_distinct_experts(model, measure):
+    """(measure(), the distinct experts per MoE layer its target forwards read on average), counted on the
+    device while it runs (the model's moe_stats); the second is None for a dense target."""
+    if not getattr(model, "moe_slot", None):
+        return measure(), None
+    model.reset_moe_stats_()
+    out = measure()
+    return out, model.moe_stats()["distinct_experts_per_layer"]
+
+
 def step_time_vs_floor(engine, batches, context_len: int, iters: int = 100, copy_gbps: float | None = None) -> dict:
     """Device ms of the graphed plain (k = 0) step at each decode batch in ``batches``, at
     ``context_len`` tokens of context, beside the weight-bandwidth floor: the time to stream the
     target's weights once at the device's copy bandwidth (bytes read + written per second of a large
     device-to-device copy, measured here unless given), the bound a memory-bound decode step cannot
     beat. ``floor_ms_all`` counts every parameter (as gpt-fast's published fraction does),
-    ``floor_ms_read`` what a step reads (see weight_bytes). Batches above the engine's
-    max_batch_size are an error. On the CPU the numbers only keep smoke runs going."""
+    ``floor_ms_read`` what a step reads (see weight_bytes). ``floor_ms_touched`` per batch: the bytes
+    the step must read (model.step_read_bytes: attention and dense weights, of each MoE layer only the
+    ``distinct_experts_per_layer`` its tokens select, and the rows' context KV). Batches above the
+    engine's max_batch_size are an error. On the CPU the numbers only keep smoke runs going."""
     from ..bench.timing import copy_bandwidth_gbps
 
     batches = [int(b) for b in batches]
@@ -393,12 +407,22 @@ def step_time_vs_floor(engine, batches, context_len: int, iters: int = 100, copy
     nbytes = weight_bytes(engine.model)
     floor_all = nbytes["all"] / (gbps * 1e9) * 1e3
     floor_read = nbytes["read"] / (gbps * 1e9) * 1e3
-    step_ms = {str(b): decode_step_ms(engine, b, context_len, iters=iters) for b in batches}
-    return {"step_ms": step_ms, "context": context_len, "iters": iters, "graphed": engine.graphed,
-            "copy_gbps": gbps, "weight_bytes": nbytes["all"], "weight_bytes_read": nbytes["read"],
-            "floor_ms_all": floor_all, "floor_ms_read": floor_read,
-            "floor_fraction_all": {b: floor_all / ms for b, ms in step_ms.items()},
-            "floor_fraction_read": {b: floor_read / ms for b, ms in step_ms.items()}}
+    step_ms, experts = {}, {}
+    for b in batches:
+        step_ms[str(b)], experts[str(b)] = with_distinct_experts(
+            engine.model, lambda: decode_step_ms(engine, b, context_len, iters=iters))
+    touched = {b: engine.model.step_read_bytes(experts[b], int(b) * context_len)["total"] for b in step_ms}
+    floor_touched = {b: n / (gbps * 1e9) * 1e3 for b, n in touched.items()}
+    out = {"step_ms": step_ms, "context": context_len, "iters": iters, "graphed": engine.graphed,
+           "copy_gbps": gbps, "weight_bytes": nbytes["all"], "weight_bytes_read": nbytes["read"],
+           "floor_ms_all": floor_all, "floor_ms_read": floor_read,
+           "floor_fraction_all": {b: floor_all / ms for b, ms in step_ms.items()},
+           "floor_fraction_read": {b: floor_read / ms for b, ms in step_ms.items()},
+           "bytes_touched": touched, "floor_ms_touched": floor_touched,
+           "floor_fraction_touched": {b: floor_touched[b] / ms for b, ms in step_ms.items()}}
+    if getattr(engine.model, "moe_slot", None):
+        out["distinct_experts_per_layer"] = experts
+    return out
 
 
 class _StopStep(Exception):
@@ -442,8 +466,9 @@ def step_breakdown(engine, batches, context_len: int, iters: int = 50) -> dict:
     draft rounds; verify = target forward over the tree + verify_accept; commit = the rest: kv_sync
     and the draft extend), draft ms per round, the step's cost in plain steps, and with replayed
     acceptance the speed-up it implies: mean accepted length x plain ms / step ms (batch 1 is the
-    latency speed-up; above it an upper bound, ignoring scheduling). On the CPU the numbers only keep
-    smoke runs going."""
+    latency speed-up; above it an upper bound, ignoring scheduling). An MoE target adds the distinct
+    experts per layer each full step reads (``plain_distinct_experts_per_layer``, and per k). On the CPU
+    the numbers only keep smoke runs going."""
     acceptance = engine.acceptance
     out = {"context": context_len, "iters": iters, "graphed": engine.graphed, "batches": {}}
     ks = [k for k in engine.ks if k > 0]
@@ -451,11 +476,15 @@ def step_breakdown(engine, batches, context_len: int, iters: int = 50) -> dict:
         if not 1 <= b <= engine.config.max_batch_size:
             raise ConfigError(f"engine.profile_spec_steps: batch {b} must be in 1..engine.max_batch_size "
                               f"({engine.config.max_batch_size})")
-        plain = decode_step_ms(engine, b, context_len, iters=iters)
+        plain, experts = with_distinct_experts(engine.model,
+                                               lambda: decode_step_ms(engine, b, context_len, iters=iters))
         row = {"plain_ms": plain, "k": {}}
+        if experts is not None:
+            row["plain_distinct_experts_per_layer"] = experts
         for k in ks:
             T = engine.stepper.num_nodes(k)
-            full = decode_step_ms(engine, b, context_len, iters=iters, k=k)
+            full, experts = with_distinct_experts(
+                engine.model, lambda: decode_step_ms(engine, b, context_len, iters=iters, k=k))
             slots = profile_slots(engine, context_len, 1, T)
             with borrowed_rows(engine, b, context_len, slots, "step_breakdown") as st:
                 if acceptance is not None:
@@ -468,6 +497,8 @@ def step_breakdown(engine, batches, context_len: int, iters: int = 50) -> dict:
             entry = {"step_ms": full, "draft_ms": draft, "draft_round_ms": draft / rounds, "draft_rounds": rounds,
                      "verify_ms": upto_verify - draft, "commit_ms": full - upto_verify,
                      "step_over_plain": full / plain if plain else None}
+            if experts is not None:
+                entry["distinct_experts_per_layer"] = experts
             if acceptance is not None:
                 tau = acceptance._mean_length(k)
                 entry.update(mean_accepted_length=tau, implied_speedup=tau * plain / full if full else None)

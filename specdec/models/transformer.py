@@ -99,7 +99,7 @@ class ExpertStats:
 
     def _count_experts_(self, n_tokens: int) -> None:
         Lm = len(self.moe_slot)
-        self.moe_counts[:Lm] += (self.expert_hits > 0).sum(-1)
+        self.moe_counts[:Lm] += torch.count_nonzero(self.expert_hits, dim=-1)  # [L_moe] distinct experts
         self.moe_counts[Lm] += 1
         self.moe_counts[Lm + 1] += n_tokens
         self.expert_hits.zero_()
