@@ -59,6 +59,12 @@ shapes only; ``fused_moe(..., config=)`` overrides it. The table's tiles are fir
 compile for sm_90 with cp.async pipelining, no spills), not yet measured: experiments/bench_moe.py
 --sweep prints the best per token count to set it from.
 
+Exact mode (kernel option ``exact``): a token's output must not depend on how many tokens share the
+layer, so the plan takes no T: one GEMM tile set (``EXACT_TILES``, decode's), routing rows per block
+and router tiles fixed per (E, H). A pair's GEMM rows then reduce in the same order in any expert block
+(an MMA row depends on its own inputs only), the router's logits and each row's softmax / top-k
+reductions run on the same layout, and the combine is the fixed slot-order sum it always is.
+
 Invariants: x [T, H] and the weights share one float dtype; last dims contiguous; 1 <= top_k <= E;
 expert_hits (optional) int32 [E] on x's device, added to in place. fp32 inputs run ieee dots (exact-path
 tests), half precision ones tensor-core dots with fp32 accumulation.
@@ -382,13 +388,27 @@ _TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # this many programs (two per SM of a 132-SM H100 / H200): a Mixtral decode step (2 experts, H 4096) would
 # otherwise stream its down projection with 128 programs, fewer than the SMs.
 MIN_PROGRAMS = 256
+# Exact mode: decode's tiles at every token count (no narrowing by the experts a step touches), 16
+# routing rows per block (fewer for wide expert counts, from E only) and 16 x 16 router tiles.
+EXACT_TILES = _PLANS[0][1:]
+EXACT_ROUTE_ROWS = 16
+EXACT_ROUTER_ROWS = 16
 
 
-def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None) -> dict:
-    """The launch plan, from shapes only: {"gate_up": tiles, "down": tiles} (keys _TILE_KEYS), and the
-    routing's rows per block. ``config`` overrides entries ({"gate_up": {"BLOCK_N": 64}, ...})."""
+def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None, exact: bool | None = None) -> dict:
+    """The launch plan, from shapes only: {"gate_up": tiles, "down": tiles} (keys _TILE_KEYS), the
+    routing's rows per block and the router kernel's tiles ({"BLOCK_T", "BLOCK_E", "BLOCK_K"}).
+    ``config`` overrides entries ({"gate_up": {"BLOCK_N": 64}, ...}). ``exact`` (None: the kernel option):
+    the exact-mode plan, the same for every T (module docstring)."""
+    from . import options
+
+    if exact is None:
+        exact = options.get().exact
     mean = T * top_k / E
-    gate_up, down = next((dict(g), dict(d)) for bound, g, d in _PLANS if mean <= bound)
+    if exact:
+        gate_up, down = (dict(t) for t in EXACT_TILES)
+    else:
+        gate_up, down = next((dict(g), dict(d)) for bound, g, d in _PLANS if mean <= bound)
     config = config or {}
     unknown = set(config) - {"gate_up", "down"}
     if unknown:
@@ -402,7 +422,7 @@ def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None) -> dict:
         tiles.update(over)
         # tl.dot needs >= 16 along every dim; no tile wider than the (power-of-two padded) dim it covers.
         tiles["BLOCK_N"] = max(16, min(int(tiles["BLOCK_N"]), triton.next_power_of_2(n_out)))
-        while "BLOCK_N" not in over and tiles["BLOCK_N"] > 16 and \
+        while not exact and "BLOCK_N" not in over and tiles["BLOCK_N"] > 16 and \
                 min(E, T * top_k) * triton.cdiv(n_out, tiles["BLOCK_N"]) < MIN_PROGRAMS:
             tiles["BLOCK_N"] //= 2
         tiles["BLOCK_K"] = max(16, min(int(tiles["BLOCK_K"]), triton.next_power_of_2(k_in)))
@@ -411,7 +431,17 @@ def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None) -> dict:
     e_pad = triton.next_power_of_2(E)
     # Routing rows per block: the whole batch in one block (routing and sort in one program) up to a
     # [64, 128] tile; wider expert counts take fewer rows.
-    plan["route_rows"] = min(triton.next_power_of_2(max(T, 1)), max(1, 8192 // e_pad))
+    plan["route_rows"] = min(EXACT_ROUTE_ROWS if exact else triton.next_power_of_2(max(T, 1)), max(1, 8192 // e_pad))
+    # Router GEMM tiles: up to 64 token rows and, past 64 tokens, 64 expert columns per program.
+    if exact:
+        bt, be = EXACT_ROUTER_ROWS, 16
+    else:
+        bt = min(64, max(16, triton.next_power_of_2(T)))
+        be = min(64 if T > 64 else 16, max(16, triton.next_power_of_2(E)))
+    plan["router"] = dict(BLOCK_T=bt, BLOCK_E=be, BLOCK_K=min(128, max(16, triton.next_power_of_2(H))))
+    # A single routing block sorts in the top-k program; exact mode always launches the sort kernel, so the
+    # top-k kernel is one compiled variant at every T.
+    plan["fused_sort"] = not exact
     return plan
 
 
@@ -449,8 +479,9 @@ def _check(x, router_w, w13, w2, top_k, expert_hits):
                          f"{expert_hits.dtype} {tuple(expert_hits.shape)} on {expert_hits.device}")
 
 
-def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False):
-    """Launch the top-k (and, with ``sort``, the grouping): (w, ids, sorted_pairs, expert_counts)."""
+def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False, fused_sort=True):
+    """Launch the top-k (and, with ``sort``, the grouping: in the top-k program when there is one block
+    and ``fused_sort``, else the sort kernel): (w, ids, sorted_pairs, expert_counts)."""
     T, E = logits.shape
     dev = logits.device
     e_pad, k_pad = triton.next_power_of_2(E), triton.next_power_of_2(top_k)
@@ -466,10 +497,10 @@ def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False)
     _moe_topk_kernel[(nb,)](
         logits, w, ids, counts, expert_hits if expert_hits is not None else counts, sorted_pairs, ecnt,
         T, E, logits.stride(0),
-        TOP_K=top_k, RENORM=bool(renormalize), HITS=expert_hits is not None, SORT=sort and nb == 1,
+        TOP_K=top_k, RENORM=bool(renormalize), HITS=expert_hits is not None, SORT=sort and nb == 1 and fused_sort,
         BLOCK_R=route_rows, E_PAD=e_pad, K_PAD=k_pad, num_warps=warps,
     )  # fmt: skip
-    if sort and nb > 1:
+    if sort and (nb > 1 or not fused_sort):
         _moe_sort_kernel[(nb,)](
             ids, counts, sorted_pairs, ecnt, T, E, nb,
             TOP_K=top_k, BLOCK_R=route_rows, E_PAD=e_pad, K_PAD=k_pad,
@@ -512,13 +543,12 @@ def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hit
     e_pad = triton.next_power_of_2(E)
 
     logits = torch.empty((T, E), dtype=torch.float32, device=dev)
-    bt = min(64, max(16, triton.next_power_of_2(T)))
-    be = min(64 if T > 64 else 16, max(16, triton.next_power_of_2(E)))
-    _moe_router_kernel[(triton.cdiv(T, bt), triton.cdiv(E, be))](
-        x, router_w, logits, T, E, H, x.stride(0), router_w.stride(0),
-        BLOCK_T=bt, BLOCK_E=be, BLOCK_K=min(128, max(16, triton.next_power_of_2(H))), DOT_PREC=prec, num_warps=4,
+    rt = plan["router"]
+    _moe_router_kernel[(triton.cdiv(T, rt["BLOCK_T"]), triton.cdiv(E, rt["BLOCK_E"]))](
+        x, router_w, logits, T, E, H, x.stride(0), router_w.stride(0), **rt, DOT_PREC=prec, num_warps=4,
     )  # fmt: skip
-    w, _, sorted_pairs, ecnt = _route(logits, K, renormalize, plan["route_rows"], expert_hits, sort=True)
+    w, _, sorted_pairs, ecnt = _route(logits, K, renormalize, plan["route_rows"], expert_hits, sort=True,
+                                      fused_sort=plan["fused_sort"])
 
     a = torch.empty((P, F), dtype=x.dtype, device=dev)  # SwiGLU activations, rows by pair id
     tg = dict(plan["gate_up"])

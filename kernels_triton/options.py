@@ -11,8 +11,10 @@ compiles one variant per constexpr value and caches each). Launches already reco
 keep the options they were captured with: set the options before building an engine.
 
 specdec applies the ``kernels`` config group (conf/kernels/default.yaml) through ``set_`` at the
-start of every run and records ``as_dict()`` in the run's metrics.json; the experiment scripts take
-the same switches as flags (``add_flags`` / ``set_from_flags_``: ``--pdl off``, ``--fused-linear false``).
+start of every run, with ``exact`` from ``engine.exact`` (conf/engine/default.yaml: a guarantee of the
+engine, not a research switch), and records ``as_dict()`` in the run's metrics.json; the experiment
+scripts take the same switches as flags (``add_flags`` / ``set_from_flags_``: ``--pdl off``,
+``--fused-linear false``, ``--exact true``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ class KernelOptions:
         applied on its own device only; None: the rules alone. Open because every new device or model
         shape is tuned by measuring (``experiments/kernels/bench_linear.py --write-tiles``), writing a
         table and A/B-ing it against the rules in the graphed step.
+    exact: batch-invariant target kernels (``engine.exact``): every launch that computes a value a
+        committed token depends on (projections, LM head, attention, MoE, norms) takes a plan that is a
+        function of the weight shape / head shape only, never of the rows M, the batch, the tree or the
+        prefill chunk, so a token's logits and KV are bit-identical however it was computed and bf16
+        greedy speculative output equals plain greedy output. It replaces the fused small-M layers and
+        cuBLAS with one tl.dot GEMM body (kernels_triton/linear_exact.py) and the split-count attention
+        with a fixed-order one (kernels_triton/attention_exact.py); specdec.models.ops routes. Off (the
+        default): every launch exactly as without the switch. Its cost is measured, not assumed
+        (conf/experiment/exact_cost.yaml).
     """
 
     pdl: bool = True
@@ -57,13 +68,14 @@ class KernelOptions:
     step_kernels: bool | None = None
     fused_rows: int | None = None
     stream_tiles: str | None = "builtin"
+    exact: bool = False
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_BOOL = ("pdl", "fused_linear")
+_BOOL = ("pdl", "fused_linear", "exact")
 _TRISTATE = ("step_kernels",)
 _ROWS = ("fused_rows",)
 _PATHS = ("stream_tiles",)
@@ -253,12 +265,13 @@ def parse_value(name: str, text: str):
 
 
 _FLAG_DOC = {"pdl": "true | false", "fused_linear": "true | false", "step_kernels": "null | true | false",
-             "fused_rows": "null | 1..64", "stream_tiles": "null | builtin | PATH of a tile table (JSON)"}
+             "fused_rows": "null | 1..64", "stream_tiles": "null | builtin | PATH of a tile table (JSON)",
+             "exact": "true | false"}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per option (``--pdl``, ``--fused-linear``, ``--step-kernels``, ``--fused-rows``,
-    ``--stream-tiles``); unset flags keep the defaults."""
+    ``--stream-tiles``, ``--exact``); unset flags keep the defaults."""
     group = parser.add_argument_group("kernel options (kernels_triton/options.py)")
     for name in FIELDS:
         group.add_argument("--" + name.replace("_", "-"), dest="kernel_" + name, metavar="VALUE", default=None,

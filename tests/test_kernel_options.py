@@ -16,7 +16,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def test_defaults_and_validation(kernel_options):
     o = kernel_options.get()
     assert o.as_dict() == dict(pdl=True, fused_linear=True, step_kernels=None, fused_rows=None,
-                               stream_tiles="builtin")
+                               stream_tiles="builtin", exact=False)
     for name, bad, needle in (("fused_linear", "yes", "true, false"), ("pdl", None, "true, false"),
                               ("pdl", "late", "true, false"),
                               ("fused_rows", 65, "1..64"), ("fused_rows", 0, "1..64"), ("fused_rows", True, "1..64"),
@@ -162,11 +162,20 @@ def test_run_applies_the_kernels_group(kernel_options):
         apply_kernel_options(OmegaConf.create({"kernels": {"fused_linear": "no"}}))
     with pytest.raises(ConfigError, match="kernels: unknown kernel option.*wide_topk"):
         apply_kernel_options(OmegaConf.create({"kernels": {"wide_topk": True}}))
-    # conf/kernels/default.yaml names every switch at its default
+    # conf/kernels/default.yaml names every switch at its default; exact is engine.exact (conf/engine/)
     import pathlib
 
-    conf = OmegaConf.load(pathlib.Path(__file__).parents[1] / "conf" / "kernels" / "default.yaml")
-    assert OmegaConf.to_container(conf) == kernel_options.KernelOptions().as_dict()
+    root = pathlib.Path(__file__).parents[1] / "conf"
+    conf = OmegaConf.load(root / "kernels" / "default.yaml")
+    defaults = kernel_options.KernelOptions().as_dict()
+    assert OmegaConf.to_container(conf) == {k: v for k, v in defaults.items() if k != "exact"}
+    assert OmegaConf.load(root / "engine" / "default.yaml").exact is defaults["exact"] is False
+    # engine.exact reaches the options with the kernels group, and a multirun's next job resets it
+    cfg = {"kernels": {}, "engine": {"exact": True}}
+    assert apply_kernel_options(OmegaConf.create(cfg))["exact"] is True and kernel_options.get().exact
+    assert apply_kernel_options(OmegaConf.create({"kernels": {}}))["exact"] is False
+    with pytest.raises(ConfigError, match="engine.exact"):
+        apply_kernel_options(OmegaConf.create({"kernels": {}, "engine": {"exact": "maybe"}}))
 
 
 def test_stream_tiles_builtin_tables(kernel_options):

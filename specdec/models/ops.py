@@ -6,10 +6,21 @@ tree's in ``specdec/spec/tree_ops.py``; both choose their backend with :func:`us
 ``backend="auto"`` uses the Triton kernels on CUDA tensors and the torch references on CPU;
 ``"triton"`` forces the kernels (on CPU that needs ``TRITON_INTERPRET=1``: slow, for tests);
 ``"torch"`` forces the references (a baseline for benchmarks and a debugging aid).
+
+Exact mode (kernel option ``exact``, ``engine.exact``; :func:`exact`): on the Triton backend every op
+takes one path at every row count -- RMSNorm, RoPE + KV write and SwiGLU kernels (per row already)
+around the batch-invariant GEMM (kernels_triton/linear_exact.py) for every projection and the LM head,
+the fixed-order attention (kernels_triton/attention_exact.py), the MoE kernel's fixed plan -- instead of
+the fused small-M kernels at a few rows and cuBLAS at many, which sum in other orders. A token's
+logits, KV and hidden states are then the same bits in a decode step, a verified tree, any batch and
+any prefill chunk. The torch references (``backend="torch"``, the CPU default) are not row-invariant
+(BLAS picks kernels by shape) and are left as they are. Inside :func:`approximate` (the draft model,
+whose tokens verification only proposes) ops keep their default kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -82,7 +93,8 @@ W8_MAX_ROWS = 16
 
 def mm(x, w, add=None, *, backend="auto"):
     """x [N, K] @ w^T (+ add, rounded once like torch.addmm) for a dense weight or a :class:`W8` (its
-    int8 weight for up to W8_MAX_ROWS rows, the dense original above)."""
+    int8 weight for up to W8_MAX_ROWS rows, the dense original above). In exact mode a dense weight
+    multiplies through the batch-invariant GEMM (kernels_triton/linear_exact.py), never cuBLAS."""
     if isinstance(w, W8):
         from kernels_triton import linear_w8
 
@@ -90,6 +102,10 @@ def mm(x, w, add=None, *, backend="auto"):
             fn = linear_w8.linear_w8 if use_triton(backend, x) else linear_w8.linear_w8_ref
             return fn(x, w.q, w.scale, add)
         w = w.dense
+    if exact(backend, x):
+        from kernels_triton import linear_exact
+
+        return linear_exact.linear_exact(x, w, add)
     return x @ w.t() if add is None else torch.addmm(add, x, w.t())
 
 
@@ -109,6 +125,31 @@ def use_triton(backend: str, t: torch.Tensor) -> bool:
                                "before kernels_triton is imported")
         return True
     return False
+
+
+# > 0 inside approximate(): exact mode leaves these ops on their default kernels.
+_approximate_depth = 0
+
+
+def exact(backend: str, x: torch.Tensor) -> bool:
+    """Whether an op over x runs exact mode's batch-invariant kernels (module docstring): the kernel
+    option exact is on, the op runs on the Triton backend, and it is not inside :func:`approximate`."""
+    from kernels_triton import options
+
+    return options.get().exact and _approximate_depth == 0 and use_triton(backend, x)
+
+
+@contextlib.contextmanager
+def approximate():
+    """``with approximate():`` (or ``@approximate()`` on a method): ops inside take their default
+    kernels even in exact mode. For the draft model: its tokens are proposals that verification
+    accepts or not, so it need not be exact, and its rounds keep the fused small-M kernels."""
+    global _approximate_depth
+    _approximate_depth += 1
+    try:
+        yield
+    finally:
+        _approximate_depth -= 1
 
 
 def rms_norm(x, weight, eps, residual=None, *, backend="auto"):
@@ -174,8 +215,8 @@ def _fused(backend: str, x: torch.Tensor, w: torch.Tensor, one_row_any_size: boo
     from kernels_triton import options
 
     opts = options.get()
-    if isinstance(w, W8) or not use_triton(backend, x) or not opts.fused_linear:
-        return False
+    if isinstance(w, W8) or not use_triton(backend, x) or not opts.fused_linear or exact(backend, x):
+        return False  # exact mode: one path at every M, the unfused kernels around linear_exact
     M = x.shape[0] if m is None else m  # m: the rows a gathered input yields
     projection = w.shape[0] // (2 if swiglu else 1) <= lin.GEMV_MAX_COLUMNS  # not an LM head
     if one_row_any_size and M == 1 and projection:
@@ -391,8 +432,15 @@ def moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, backend="auto"):
+    """Attention of q [N, HQ, D] over the paged KV per ``meta``; in exact mode the fixed-order kernel
+    (kernels_triton/attention_exact.py; a windowed draft round keeps the default one)."""
     from kernels_triton import attention
 
+    if exact(backend, q) and meta.tree_window is None:
+        from kernels_triton import attention_exact
+
+        return attention_exact.paged_attention_exact(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
+                                                     meta.kv_lens, meta.tree_mask, sm_scale, max_q_len=meta.max_q_len)
     if use_triton(backend, q):
         return attention.paged_attention(q, k_cache, v_cache, meta.page_table, meta.cu_q_lens,
                                          meta.kv_lens, meta.tree_mask, sm_scale,
