@@ -177,12 +177,18 @@ class FrozenHeap:
 
 def apply_kernel_options(cfg: DictConfig) -> dict:
     """Set the kernel research switches of ``cfg.kernels`` (conf/kernels/; fields it lacks take their
-    defaults) for this process, before any model or engine is built (CUDA graphs keep the options
-    they were captured with); returns them."""
+    defaults) and ``engine.exact`` (the batch-invariant kernels, kernels_triton/options.py) for this
+    process, before any model or engine is built (CUDA graphs keep the options they were captured
+    with); returns them."""
     from kernels_triton import options
+
+    from .errors import config_flag
 
     group = cfg.get("kernels")
     fields = OmegaConf.to_container(group, resolve=True) if group is not None else {}
+    engine = cfg.get("engine")
+    if engine is not None and engine.get("exact") is not None:
+        fields["exact"] = config_flag("engine.exact", engine.get("exact"))
     try:  # every field set: an earlier job of a --multirun in this process leaves nothing behind
         options.set_(**{**options.KernelOptions().as_dict(), **fields})
     except ValueError as e:
