@@ -2,6 +2,11 @@
 
 Local files (config, metrics.json, requests.jsonl) are written by the run itself whatever the
 logger; a logger only mirrors config and metrics to an experiment tracker.
+
+W&B runs quietly: its own console lines (the offline preamble, "sync with wandb sync ...", the run
+summary) stay out of the terminal, and it does not capture the terminal's output (console="off"),
+so the run's progress display and tables are the console. Its files (``RUN_DIR/wandb/``) are
+written as before. ``WANDB_SILENT=false`` brings its console lines back.
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ class WandbLogger(NullLogger):
         self._wandb = wandb
         # The user's WANDB_MODE wins; otherwise the config's mode (offline by default: no network).
         mode = os.environ.get("WANDB_MODE", mode)
+        silent = os.environ.get("WANDB_SILENT", "true").strip().lower() not in ("false", "0", "no")
+        settings = wandb.Settings(silent=True, quiet=True, show_info=False, show_warnings=False,
+                                  console="off") if silent else None
         self.run = wandb.init(project=project, dir=str(run_dir), name=name, mode=mode,
-                              config=config, reinit="finish_previous")
+                              config=config, reinit="finish_previous", settings=settings)
 
     def log_config(self, config: dict) -> None:
         self.run.config.update(config, allow_val_change=True)

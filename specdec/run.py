@@ -1,18 +1,24 @@
 """Entry point: ``python -m specdec.run +experiment=NAME [overrides]``.
 
-Reads top to bottom: compose the config, build target + tokenizer + workload, generate every
-request, write ``metrics.json`` and ``requests.jsonl`` into the run directory, mirror them to the
-logger, print a short table, return the headline metric.
+Reads top to bottom (``run``): check the config, build target + tokenizer + workload + logger,
+write and log the config, serve every request (``serve``: build the engine, ``serve_requests``, then
+``profile_after_serving``), write ``metrics.json`` and ``requests.jsonl`` into the run directory,
+mirror them to the logger, print the tables, return the headline metric. A progress display (rich)
+shows requests done and tok/s while serving when stdout is a terminal.
 
 Results survive interruption: each request's record is appended to ``requests.jsonl`` (flushed) as
 it finishes, and the file is rewritten in prompt order once all have. On Ctrl-C or SIGTERM, or if
 the engine stops on a failure no request can be blamed for, ``metrics.json`` is written for the
 requests that finished, marked ``"partial": true``, and the exit code says why: 130 (SIGINT), 143
-(SIGTERM), 1 (engine failure), 2 (bad input, with a message naming it).
+(SIGTERM), 1 (engine failure), 2 (bad input, with a message naming it). A request that fails is
+recorded (its ``error`` in requests.jsonl, ``failed_requests`` in metrics.json) and the others go on;
+the run still exits 0 unless ``run.fail_on_error=true``, which makes it exit 3 when any request of the
+run (or of its plain baseline) failed. Under ``--multirun`` that stops the sweep at that job.
 
 Run options beyond serving: ``compare_plain: true`` first serves the same prompts with plain
 decoding (into ``RUN_DIR/plain/``, a run directory of its own) and adds the comparison (speed-up,
-tokens per step, outputs identical) to metrics.json and the printed table; ``engine.profile_steps``
+tokens per step, outputs identical) to metrics.json and the printed table, followed by a line or two
+on what the policy decided and why (``explain_policy``); ``engine.profile_steps``
 records the graphed plain step time at those decode batches beside the weight-bandwidth floor
 (metrics.json ``step_floor``).
 """
@@ -34,11 +40,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue
 
+from .bench.metrics import scalars
 from .bench.provenance import provenance
 from .bench.workloads import load_prompts, resolve_chat
 from .errors import ConfigError, SpecdecError
 from .loggers import make_logger
-from .policy.base import describe
 
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -89,6 +95,10 @@ def check_config_keys(cfg: DictConfig, conf_dir: Path = CONF_DIR) -> None:
         for key in node.keys():
             if key not in known[g]:
                 raise ConfigError(f"unknown config key {g}.{key}; known {g} keys: {', '.join(sorted(known[g]))}")
+    run_keys = set((OmegaConf.load(conf_dir / "config.yaml").get("run") or {}).keys())
+    for key in (cfg.get("run") or {}).keys():
+        if key not in run_keys:
+            raise ConfigError(f"unknown config key run.{key}; known run keys: {', '.join(sorted(run_keys))}")
 
 
 def check_serving_config(cfg: DictConfig) -> None:
@@ -96,7 +106,7 @@ def check_serving_config(cfg: DictConfig) -> None:
     from .engine.engine import EngineConfig, config_number
 
     config_number("engine.max_new_tokens", cfg.engine.get("max_new_tokens"), int, 1)
-    EngineConfig.from_cfg(cfg.engine, temperature=cfg.sampling.temperature, seed=cfg.seed).validate()
+    EngineConfig.from_cfg(cfg.engine, sampling=cfg.sampling, seed=cfg.seed).validate()
     wl = cfg.workload
     mode = wl.get("mode", "closed")
     if mode not in ("closed", "open"):
@@ -257,7 +267,7 @@ def build_engine(model, tokenizer, cfg, trace=None):
 
     # Every rank seeds the same replay stream, so replayed accepted lengths agree across ranks.
     acceptance = build_acceptance(cfg.get("acceptance"), seed=int(cfg.seed))
-    ecfg = EngineConfig.from_cfg(cfg.engine, temperature=float(cfg.sampling.temperature), seed=int(cfg.seed))
+    ecfg = EngineConfig.from_cfg(cfg.engine, sampling=cfg.sampling, seed=int(cfg.seed))
     engine = Engine(model, tp.agree_engine_config(ecfg, model), eos_ids=eos,
                     detokenize=None if ids_only else tokenizer.decode, trace=trace, drafter=drafter, policy=policy,
                     acceptance=acceptance)
@@ -289,8 +299,7 @@ def stagger_rows(wl) -> int:
     so the clients' requests finish spread over a request's lifetime from the start instead of
     together: without it every request of a closed loop at fixed output lengths (ignore_eos) starts
     and ends in the same few iterations, and tok/s over a window of a few such waves depends on
-    where the window cuts them (H200, crossover_8b at 6ac62a3, C = 256, one never run: 15622 /
-    15083 / 12328 tok/s over 1-4 / 1.5-4 / 2-4 s). Needs a timed closed loop (duration_s)."""
+    where the window cuts them. Needs a timed closed loop (duration_s)."""
     v = wl.get("stagger", False)
     if v in (None, False):
         return 0
@@ -306,9 +315,8 @@ def stagger_rows(wl) -> int:
 def serve_warmup(engine, prompts, wl, max_new: int, trace=None, *, stop=(), ignore_eos=False) -> int:
     """Serve ``workload.warmup_requests`` requests (the workload's first prompts, cycled, at most
     ``workload.warmup_new_tokens`` new tokens each, all at once) to the end before the measured run,
-    untimed and unrecorded: whatever a process pays once (first-use loads, the first EAGLE-3 step;
-    experiments/results/eagle3/tiles_order_7fbff8e/first_steps.md) lands here instead of in the
-    first measured configuration of a sweep. The trace does not see these steps and the engine's
+    untimed and unrecorded: whatever a process pays once (first-use loads, the first EAGLE-3 step)
+    lands here instead of in the first measured configuration of a sweep. The trace does not see these steps and the engine's
     catch-up counters are put back; a policy keeps what it learned. Returns the requests served."""
     n = wl.get("warmup_requests", 0) or 0
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -323,56 +331,71 @@ def serve_warmup(engine, prompts, wl, max_new: int, trace=None, *, stop=(), igno
         for i in range(n):
             p = prompts[i % len(prompts)]
             engine.add_request(p.prompt_ids, min(new_tokens, p.max_new_tokens or max_new),
-                               request_id=f"{p.id}@warmup{i}", stop=stop, ignore_eos=ignore_eos)
+                               request_id=f"{p.id}@warmup{i}", stop=stop, ignore_eos=ignore_eos,
+                               sampling=getattr(p, "sampling", None))
         while engine.has_work():
             engine.step()
     engine.num_catch_ups, engine.catch_up_tokens, engine.scheduler.undrafted_prefill_tokens = counters
     return n
 
 
-def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, profile=True) -> list[dict]:
-    """Serve every prompt through the engine; records come back in prompt order.
+def build_serving_engine(model, tokenizer, prompts, cfg, trace=None):
+    """The engine for one serve of ``cfg`` and the config it was built from: whatever an engine served
+    before in this process (compare_plain's plain run) is released first, so this one sizes its KV pool
+    from the same free memory; goodput's ``profile_context: auto`` is resolved from the prompts here,
+    so every rank builds the same policy."""
+    from .engine.engine import config_number
+    from .policy import profile_context_auto
+
+    max_new = config_number("engine.max_new_tokens", cfg.engine.max_new_tokens, int, 1)
+    release_device_memory(model.device.type)
+    if profile_context_auto(cfg.policy):
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            cfg.policy.profile_context = max(16, workload_context(prompts, max_new) or 512)
+    if str(cfg.sampling.get("per_request", "auto")) == "auto":  # per-row sampling iff a request brings its own
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            cfg.sampling.per_request = any(getattr(p, "sampling", None) is not None for p in prompts)
+    return build_engine(model, tokenizer, cfg, trace), cfg
+
+
+def serve_requests(engine, tokenizer, prompts, cfg, on_request=None, trace=None) -> list[dict]:
+    """Serve every prompt through ``engine`` (after ``workload.warmup_requests``, untimed); records come
+    back in prompt order.
 
     Load shape from ``cfg.workload``: ``mode: closed`` keeps ``concurrency`` requests in flight
     (null: all at once), ``mode: open`` sends Poisson arrivals at ``rate`` per second. A request that
-    cannot run is reported in its record (``error``), never fatal to the others. ``trace`` (a
-    bench.metrics.StepTrace) receives one record per engine step, plus run-level facts in ``meta``;
-    with ``profile`` also the step-time profiles the run asks for (``engine.profile_steps``).
+    cannot run is reported in its record (``error``), never fatal to the others; ``on_request(record)``
+    sees each as it finishes. ``trace`` (a bench.metrics.StepTrace) receives one record per engine
+    step, and in ``meta`` the serve's facts: wall time, steady window, the engine's and the policy's.
     """
     from .bench.clients import closed_loop, open_loop, steady_window
     from .bench.metrics import request_record
-    from .dist.plan import run_everywhere
-
     from .engine.engine import config_number
-    from .policy import profile_context_auto
 
     max_new = config_number("engine.max_new_tokens", cfg.engine.max_new_tokens, int, 1)
     wl = cfg.workload
     ignore_eos = bool(wl.get("ignore_eos", False))
     stop = list(cfg.engine.get("stop") or [])
-    # An engine served before in this process (compare_plain's plain run) is gone before this one
-    # sizes its KV pool.
-    release_device_memory(model.device.type)
-    if profile_context_auto(cfg.policy):  # resolved here, so every rank builds the same policy
-        cfg = copy.deepcopy(cfg)
-        with open_dict(cfg):
-            cfg.policy.profile_context = max(16, workload_context(prompts, max_new) or 512)
-    engine = build_engine(model, tokenizer, cfg, trace)
+    mode = wl.get("mode", "closed")
+    if mode not in ("closed", "open"):
+        raise ConfigError(f"workload.mode={mode!r}; valid: closed, open")
+    duration_s, warmup_s = steady_settings(wl)
+    staggered = stagger_rows(wl)
     serve_warmup(engine, prompts, wl, max_new, trace, stop=stop, ignore_eos=ignore_eos)
-    order: dict[int, int] = {}  # id(request) -> prompt index
-    by_index: dict[int, dict] = {}
 
+    order: dict[int, int] = {}  # id(request) -> submit index
+    by_index: dict[int, dict] = {}
     sent: list = []  # prompts in submit order (a timed closed loop sends them again under new ids)
     token_times: list = []  # each finished request's commit times: the steady window's tokens
-
-    staggered = stagger_rows(wl)
 
     def submit(p, arrival_s):
         n = p.max_new_tokens or max_new
         if len(order) < staggered:  # a staggered loop's first round: client i stops after (i + 1) / C
             n = max(1, -(-n * (len(order) + 1) // staggered))
         req = engine.add_request(p.prompt_ids, n, request_id=p.id, stop=stop,
-                                 ignore_eos=ignore_eos, arrival_s=arrival_s)
+                                 ignore_eos=ignore_eos, arrival_s=arrival_s, sampling=getattr(p, "sampling", None))
         order[id(req)] = len(order)
         sent.append(p)
         return req
@@ -384,13 +407,9 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
         by_index[i] = rec
         if not req.error:
             token_times.append(req.token_times)
-        if progress_cb:
-            progress_cb(rec)
+        if on_request:
+            on_request(rec)
 
-    mode = wl.get("mode", "closed")
-    if mode not in ("closed", "open"):
-        raise ConfigError(f"workload.mode={mode!r}; valid: closed, open")
-    duration_s, warmup_s = steady_settings(wl)
     window: dict = {}
     with FrozenHeap() as heap:
         t0 = time.perf_counter()
@@ -410,49 +429,80 @@ def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, p
                               steady_tok_per_s=n / span if span > 0 else None,
                               steady_warmup_s=warmup_s or 0.0, duration_s=duration_s,
                               prompt_rounds=window.get("rounds", 1), staggered_requests=staggered)
-        trace.meta.update(serve_wall_s=serve_s, serve_gc_collections=heap.collections,
-                          engine_startup_s=engine.startup_s,
-                          cuda_graphs=engine.graphed, kv_pages=engine.kv.num_pages,
-                          graph_captures=engine.startup_graph_captures,
-                          graph_recaptures=engine.graph_captures() - engine.startup_graph_captures,
-                          undrafted_prefill_tokens=engine.undrafted_prefill_tokens,
-                          catch_up_tokens=engine.catch_up_tokens, catch_up_forwards=engine.num_catch_ups,
-                          page_size=engine.kv.page_size, max_batch_size=engine.config.max_batch_size)
-        head = getattr(engine.drafter, "head", None)
-        if head is not None and hasattr(head, "weight_dtype"):  # draft.weight_dtype as resolved (auto: int8 or model)
-            trace.meta.update(draft_weight_dtype=head.weight_dtype)
-        acceptance = getattr(engine, "acceptance", None)
-        if acceptance is not None:  # replayed: the label, the trace and the sizes it drew from
-            trace.meta.update(acceptance.describe())
-        # Draft / verify / commit split of one step per configured k, measured after serving
-        # (served steps run as whole CUDA graphs) at the run's mean decode batch and 256 tokens.
-        mean_bs = max(1, round(trace.summary().get("mean_batch_size") or 1))
-        ctx = min(256, engine.max_seq_len // 2, engine.kv.num_pages * engine.kv.page_size // 4)
-        iters = config_number("engine.profile_iters", cfg.engine.get("profile_iters", 3), int, 0)  # 0: no split
-        if iters > 0:
-            trace.meta["step_phase_ms"] = {f"k={k}": engine.profile_step_phases(mean_bs, ctx, k, iters=iters)
-                                           for k in engine.ks}
-        state = describe(engine.policy)  # e.g. goodput: its step-time table and acceptance
-        if state is not None:
-            trace.meta["policy_state"] = state
-        batches = list(cfg.engine.get("profile_steps") or [])
-        if batches and profile:
-            # Graphed plain step at the asked batches beside the weight-bandwidth floor (after serving:
-            # the kernels are compiled and the engine is idle).
-            from .engine import profiling
-
-            ctx = min(int(cfg.engine.get("profile_steps_context", 512)), engine.max_seq_len // 2)
-            trace.meta["step_floor"] = run_everywhere(
-                engine, profiling.step_time_vs_floor, batches, ctx, iters=int(cfg.engine.get("profile_steps_iters", 100)))
-        spec_batches = list(cfg.engine.get("profile_spec_steps") or [])
-        if spec_batches and profile:
-            # Each configured k's graphed step split into draft / verify / commit beside the plain step.
-            from .engine import profiling
-
-            ctx = min(int(cfg.engine.get("profile_steps_context", 512)), engine.max_seq_len // 2)
-            trace.meta["step_breakdown"] = run_everywhere(
-                engine, profiling.step_breakdown, spec_batches, ctx, iters=int(cfg.engine.get("profile_steps_iters", 100)))
+        trace.meta.update(serve_wall_s=serve_s, serve_gc_collections=heap.collections, **engine_facts(engine))
     return [by_index[i] for i in range(len(by_index))]
+
+
+def engine_facts(engine) -> dict:
+    """What the engine was and did, for metrics.json: start-up time, CUDA graphs, KV pages, catch-up
+    work, the draft head's resolved weight dtype, replayed acceptance's source, the policy's own account
+    of its state (goodput: its step-time table, a(k) estimates and switch log)."""
+    facts = dict(engine_startup_s=engine.startup_s, cuda_graphs=engine.graphed, kv_pages=engine.kv.num_pages,
+                 graph_captures=engine.startup_graph_captures,
+                 graph_recaptures=engine.graph_captures() - engine.startup_graph_captures,
+                 undrafted_prefill_tokens=engine.undrafted_prefill_tokens,
+                 catch_up_tokens=engine.catch_up_tokens, catch_up_forwards=engine.num_catch_ups,
+                 page_size=engine.kv.page_size, max_batch_size=engine.config.max_batch_size)
+    head = getattr(engine.drafter, "head", None)
+    if head is not None and hasattr(head, "weight_dtype"):  # draft.weight_dtype as resolved (auto: int8 or model)
+        facts["draft_weight_dtype"] = head.weight_dtype
+    acceptance = getattr(engine, "acceptance", None)
+    if acceptance is not None:  # replayed: the label, the trace and the sizes it drew from
+        facts.update(acceptance.describe())
+    describe = getattr(engine.policy, "describe", None)
+    state = describe() if describe is not None else None
+    if state is not None:
+        facts["policy_state"] = state
+    return facts
+
+
+def profile_after_serving(engine, cfg, trace, profile: bool = True) -> bool:
+    """Post-serve profiling into ``trace.meta`` (the kernels are compiled and the engine is idle; served
+    steps run as whole CUDA graphs, so their parts are timed here): each configured k's step split into
+    draft / verify / commit at the run's mean decode batch (``engine.profile_iters`` steps; 0: none), the
+    graphed plain step beside the weight-bandwidth floor (``engine.profile_steps``) and each k's graphed
+    step beside the plain one (``engine.profile_spec_steps``); nothing without ``profile`` (compare_plain's
+    baseline). Returns whether it profiled anything."""
+    from .dist.plan import run_everywhere
+    from .engine.engine import config_number
+
+    if not profile:
+        return False
+    done = False
+    mean_bs = max(1, round(trace.summary().get("mean_batch_size") or 1))
+    ctx = min(256, engine.max_seq_len // 2, engine.kv.num_pages * engine.kv.page_size // 4)
+    iters = config_number("engine.profile_iters", cfg.engine.get("profile_iters", 3), int, 0)
+    if iters > 0:
+        trace.meta["step_phase_ms"] = {f"k={k}": engine.profile_step_phases(mean_bs, ctx, k, iters=iters)
+                                       for k in engine.ks}
+        done = True
+    ctx = min(int(cfg.engine.get("profile_steps_context", 512)), engine.max_seq_len // 2)
+    steps_iters = int(cfg.engine.get("profile_steps_iters", 100))
+    batches = list(cfg.engine.get("profile_steps") or [])
+    if batches:
+        from .engine import profiling
+
+        trace.meta["step_floor"] = run_everywhere(engine, profiling.step_time_vs_floor, batches, ctx, iters=steps_iters)
+        done = True
+    spec_batches = list(cfg.engine.get("profile_spec_steps") or [])
+    if spec_batches:
+        from .engine import profiling
+
+        trace.meta["step_breakdown"] = run_everywhere(engine, profiling.step_breakdown, spec_batches, ctx,
+                                                      iters=steps_iters)
+        done = True
+    return done
+
+
+def generate_all(model, tokenizer, prompts, cfg, progress_cb=None, trace=None, profile=True) -> list[dict]:
+    """Build the engine, serve every prompt (``serve_requests``), then profile (``profile_after_serving``,
+    which needs a trace); records in prompt order."""
+    engine, cfg = build_serving_engine(model, tokenizer, prompts, cfg, trace)
+    records = serve_requests(engine, tokenizer, prompts, cfg, progress_cb, trace)
+    if trace is not None:
+        with trace.paused():
+            profile_after_serving(engine, cfg, trace, profile)
+    return records
 
 
 def summarize(records: list[dict], wall_s: float, trace=None) -> dict:
@@ -469,10 +519,13 @@ def summarize(records: list[dict], wall_s: float, trace=None) -> dict:
 
 
 def print_table(records: list[dict], metrics: dict, max_rows: int = 20) -> None:
+    """The per-request table (the first ``max_rows`` requests) and a summary line."""
     from rich.console import Console
     from rich.table import Table
 
-    title = f"specdec run: {metrics.get('target', '')}"
+    shown = min(len(records), max_rows)
+    title = (f"Requests{'' if shown == len(records) else f' (first {shown} of {len(records)})'}: "
+             f"{metrics.get('target', '')}")
     if metrics.get("weights") not in (None, "pretrained"):
         title += f" ({metrics['weights']})"
     table = Table(title=title, show_lines=False)
@@ -508,39 +561,58 @@ def plain_config(resolved: dict, run_dir: Path) -> dict:
     return plain
 
 
+def plain_overrides(overrides: list[str] | None) -> list[str] | None:
+    """The Hydra overrides of ``compare_plain``'s baseline: the run's, draft / policy / acceptance
+    replaced by plain decoding."""
+    if overrides is None:
+        return None
+    keep = [o for o in overrides if not o.lstrip("+~").startswith(("draft", "policy", "acceptance"))]
+    return keep + ["draft=none", "policy=never"]
+
+
 def serve(cfg: DictConfig, model, tokenizer, prompts, device: str, run_dir: Path, title: str, facts,
           profile: bool = True) -> tuple[list[dict], dict]:
     """Serve the workload once into ``run_dir``: steps.jsonl (flushed as it goes), requests.jsonl
     (one line per request as it finishes, rewritten in prompt order at the end) and metrics.json
-    (``facts`` adds the run's provenance). If serving stops early (Ctrl-C, SIGTERM, an engine
-    failure), metrics.json is written for what finished, marked ``"partial": true``, and the
-    exception propagates."""
-    from .bench.metrics import LiveProgress, StepTrace
+    (``facts`` adds the run's provenance), written once serving ends and again with what the
+    post-serve profiling adds. If serving stops early (Ctrl-C, SIGTERM, an engine failure),
+    metrics.json is written for what finished, marked ``"partial": true``, and the exception
+    propagates; if the profiling after it stops, the serving numbers stay whole and
+    ``profile_stopped_by`` says why."""
+    from .bench.console import ServeProgress, status
+    from .bench.metrics import StepTrace
 
     t0 = time.perf_counter()
     trace = StepTrace(run_dir / "steps.jsonl")  # one line per engine step
     stream = RecordStream(run_dir / "requests.jsonl")
+
+    def write_metrics(records: list[dict], **extra) -> dict:
+        metrics = facts(summarize(records, time.perf_counter() - t0, trace))
+        metrics.update(extra)
+        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        return metrics
+
     try:
-        timed = cfg.workload.get("duration_s") is not None  # a timed loop: as many requests as fit
-        with LiveProgress(None if timed else len(prompts), f"{title} ({device})") as live:
+        with status(f"{title}: starting the engine"):
+            engine, cfg = build_serving_engine(model, tokenizer, prompts, cfg, trace)
+        duration_s = cfg.workload.get("duration_s")  # a timed loop: as many requests as fit
+        with ServeProgress(len(prompts), f"{title} ({device})", duration_s=duration_s) as live:
             trace.listeners.append(live.on_step)
 
             def on_request(rec):
                 stream.write_(rec)
                 live.on_request(rec)
 
-            records = generate_all(model, tokenizer, prompts, cfg, on_request, trace=trace, profile=profile)
+            records = serve_requests(engine, tokenizer, prompts, cfg, on_request, trace)
+        trace.listeners.remove(live.on_step)
     except BaseException as e:
         # Interrupted, or the engine stopped: keep what finished, say so, exit non-zero.
         trace.close()
         stream.close()
         if isinstance(e, SpecdecError) and not stream.records:
             raise  # bad input found before any request ran: its message is the whole story
-        why = "SIGINT" if type(e) is KeyboardInterrupt else (
-            e.args[0] if isinstance(e, Interrupted) else f"{type(e).__name__}: {e}")
-        metrics = facts(summarize(stream.records, time.perf_counter() - t0, trace))
-        metrics.update(partial=True, stopped_by=why, prompts=len(prompts))
-        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        why = _stopped_by(e)
+        write_metrics(stream.records, partial=True, stopped_by=why, prompts=len(prompts))
         if not isinstance(e, SpecdecError):
             print(f"stopped ({why}) after {len(stream.records)} of {len(prompts)} requests; their "
                   f"records are in {run_dir / 'requests.jsonl'}, partial metrics in metrics.json",
@@ -550,10 +622,24 @@ def serve(cfg: DictConfig, model, tokenizer, prompts, device: str, run_dir: Path
         trace.close()
         stream.close()
     stream.finalize_(records)
-    metrics = facts(summarize(records, time.perf_counter() - t0, trace))
-    metrics["partial"] = False
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    metrics = write_metrics(records, partial=False)  # serving's numbers are safe before profiling starts
+    try:
+        with status(f"{title}: profiling steps after serving"), trace.paused():
+            profiled = profile_after_serving(engine, cfg, trace, profile)
+    except BaseException as e:
+        metrics = write_metrics(records, partial=False, profile_stopped_by=_stopped_by(e))
+        print(f"profiling after serving stopped ({_stopped_by(e)}); the serving metrics in "
+              f"{run_dir / 'metrics.json'} are complete", file=sys.stderr)
+        raise
+    if profiled:
+        metrics = write_metrics(records, partial=False)
     return records, metrics
+
+
+def _stopped_by(e: BaseException) -> str:
+    if type(e) is KeyboardInterrupt:
+        return "SIGINT"
+    return e.args[0] if isinstance(e, Interrupted) else f"{type(e).__name__}: {e}"
 
 
 def compare(plain: tuple[list[dict], dict], spec: tuple[list[dict], dict]) -> dict:
@@ -564,6 +650,7 @@ def compare(plain: tuple[list[dict], dict], spec: tuple[list[dict], dict]) -> di
                for a, b in zip(p_rec, s_rec))
     p_tps, s_tps = p_met["output_tok_per_s"], s_met["output_tok_per_s"]
     return {"plain_output_tok_per_s": p_tps, "plain_tokens_per_row_step": p_met.get("tokens_per_row_step"),
+            "plain_failed_requests": p_met.get("failed_requests", 0),
             "speedup_over_plain": s_tps / p_tps if p_tps else None,
             "outputs_identical_to_plain": same / len(s_rec) if s_rec else None,
             "outputs_identical_count": same}
@@ -573,7 +660,7 @@ def print_comparison(cfg: DictConfig, plain: dict, spec: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"plain decoding vs {cfg.draft.name} + policy {cfg.policy.name}, same prompts")
+    table = Table(title=f"Plain decoding vs {cfg.draft.name} + policy {cfg.policy.name}, same prompts")
     for col in ("decoding", "tok/s", "tokens per step", "speed-up", "steps speculating", "outputs identical"):
         table.add_column(col, justify="left" if col == "decoding" else "right")
     n = spec["requests"]
@@ -587,18 +674,126 @@ def print_comparison(cfg: DictConfig, plain: dict, spec: dict) -> None:
     greedy = float(cfg.sampling.temperature) == 0.0
     same = f"{spec['outputs_identical_count']}/{n}" + ("" if greedy else " (sampling: need not match)")
     row(f"{cfg.draft.name} + {cfg.policy.name}", spec, spec["speedup_over_plain"] or 0.0, same)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for line in explain_policy(cfg.policy.name, spec):
+        console.print(line, highlight=False)
 
 
-def run(cfg: DictConfig) -> dict:
-    from .bench.targets import RANDOM_WEIGHTS_LABEL
+def _ms_at(row: dict, batch: int) -> tuple[int, float] | None:
+    """(bucket, ms) of a step-time row {bucket: ms} at ``batch``: the smallest bucket holding it, else
+    the largest."""
+    got = sorted((int(b), ms) for b, ms in (row or {}).items() if isinstance(ms, (int, float)))
+    if not got:
+        return None
+    return next(((b, ms) for b, ms in got if b >= batch), got[-1])
 
+
+def _policy_decision(state: dict, metrics: dict) -> dict | None:
+    """What an estimating policy (goodput) compared when it last chose between speculating and not:
+    {k, batch, cost (step time at k in plain steps), a (tokens committed per request at k), probes
+    (switches on from k = 0)}; from its switch log, else its start-up step-time table and a(k) prior.
+    None without either."""
+    log = [e for e in state.get("switch_log") or [] if isinstance(e, dict)]
+    probes = sum(1 for e in log if e.get("from") == 0 and (e.get("to") or 0) > 0)
+    for e in reversed(log):
+        if e.get("why") != "estimates":
+            continue
+        k = max(int(e.get("from") or 0), int(e.get("to") or 0))
+        est = e.get("k") or {}
+        on, off = est.get(str(k)) or {}, est.get("0") or {}
+        if k > 0 and on.get("iter_ms") and off.get("iter_ms") and on.get("a") is not None:
+            return {"k": k, "batch": e.get("batch"), "cost": on["iter_ms"] / off["iter_ms"], "a": on["a"],
+                    "probes": probes}
+    table = state.get("step_ms") or {}
+    ks = sorted(int(key.split("=", 1)[1]) for key in table if key.startswith("k=") and key != "k=0")
+    if not ks or "k=0" not in table:
+        return None
+    k = ks[-1]
+    batch = max(1, round(metrics.get("mean_batch_size") or 1))
+    on, off = _ms_at(table.get(f"k={k}"), batch), _ms_at(table["k=0"], batch)
+    a = (state.get("accept") or {}).get(f"k={k}")
+    if on is None or off is None or not off[1] or a is None:
+        return None
+    return {"k": k, "batch": off[0], "cost": on[1] / off[1], "a": a, "probes": probes}
+
+
+def explain_policy(policy: str, metrics: dict) -> list[str]:
+    """One or two lines on what the policy decided and why, from what metrics.json holds: an estimating
+    policy's own comparison (goodput: step time at k in plain steps against the tokens a step at k
+    commits, from its switch log or step-time table and a(k)), else the served steps' times."""
+    frac = metrics.get("speculating_step_fraction") or 0.0
+    where = "this CPU" if metrics.get("device") == "cpu" else (metrics.get("device_name") or "this device")
+    decision = _policy_decision(metrics.get("policy_state") or {}, metrics)
+    if decision is not None:
+        d = decision
+        pays = d["a"] > d["cost"]
+        head = (f"Why: on {where} a {d['k']}-token draft step at batch {d['batch']} costs {d['cost']:.1f} plain steps "
+                f"and commits {d['a']:.1f} tokens per request")
+        if frac < 0.5:
+            n = d["probes"]
+            verdict = (f"the {policy} policy kept speculation off after {n} probe{'s' * (n != 1)} "
+                       f"({100 * frac:.0f}% of decode steps speculated)")
+        else:
+            verdict = f"the {policy} policy speculated on {100 * frac:.0f}% of decode steps"
+        lines = [f"{head}: {verdict}."]
+        if not pays:
+            lines.append("Speculation pays where a drafted step costs fewer plain steps than the tokens it commits: "
+                         "a GPU's memory-bound decode step, not a CPU's compute-bound one.")
+        return lines
+    spec_ms, plain_ms = metrics.get("mean_spec_step_ms"), metrics.get("mean_plain_step_ms")
+    acc = metrics.get("mean_accepted_length")
+    if spec_ms and plain_ms and acc:
+        return [f"Why: on {where} a speculative step took {spec_ms / plain_ms:.1f} plain steps and committed "
+                f"{acc:.1f} tokens per request; the {policy} policy speculated on {100 * frac:.0f}% of decode steps."]
+    return []
+
+
+def hydra_overrides() -> list[str] | None:
+    """The Hydra overrides of this run (``python -m specdec.run`` and its sweeps), None outside Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return [str(o) for o in HydraConfig.get().overrides.task] if HydraConfig.initialized() else None
+    except Exception:  # not under Hydra's main (a direct call, a tensor-parallel rank)
+        return None
+
+
+def sweep_position() -> str:
+    """"job 3/12" for a job of a ``--multirun`` sweep (the total when its swept values can be counted:
+    the command line's and ``hydra.sweeper.params``), "" for a single run."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return ""
+        hc = HydraConfig.get()
+        num = int(hc.job.num) + 1
+    except Exception:
+        return ""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        params = dict(hc.sweeper.get("params") or {})
+        specs = [f"{k}={v}" for k, v in params.items()] + [a for a in sys.argv[1:] if not a.startswith("-")]
+        counts = {}
+        for o in OverridesParser.create().parse_overrides(specs):
+            if o.is_sweep_override():
+                counts[o.get_key_element()] = len(list(o.sweep_string_iterator()))
+        total = 1
+        for n in counts.values():
+            total *= n
+        return f"job {num}/{total}" if total >= num else f"job {num}"
+    except Exception:
+        return f"job {num}"
+
+
+def check_run_config(cfg: DictConfig) -> None:
+    """Every value a run would only trip over later, named before the model loads."""
     check_config_keys(cfg)
     check_serving_config(cfg)
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(int(cfg.seed))
-    device = resolve_device(cfg.device)
+    resolve_device(cfg.device)
     if cfg.draft.name == "none" and cfg.policy.name != "never":
         raise ConfigError(f"policy={cfg.policy.name} speculates but draft=none; choose a drafter "
                           "(draft=ngram or draft=eagle3_smollm2 / eagle3) or policy=never")
@@ -606,17 +801,59 @@ def run(cfg: DictConfig) -> dict:
     if compare_plain and cfg.draft.name == "none":
         raise ConfigError("compare_plain=true compares a drafter with plain decoding, but draft=none; "
                           "choose a drafter (draft=ngram, eagle3_smollm2, eagle3) or compare_plain=false")
-    duration_s, _ = steady_settings(cfg.workload)  # bad values fail before the model loads
+    duration_s, _ = steady_settings(cfg.workload)
     stagger_rows(cfg.workload)
     if compare_plain and duration_s is not None:
         raise ConfigError(f"compare_plain=true compares the same prompts request by request, but "
                           f"workload.duration_s={duration_s} serves as many as fit in the time; set one of them")
+    fail = OmegaConf.select(cfg, "run.fail_on_error", default=False)
+    if not isinstance(fail, bool):
+        raise ConfigError(f"run.fail_on_error={fail!r}: must be true or false")
+
+
+def run_facts(cfg: DictConfig, model, device: str, prompt_format: dict, stamp: dict, overrides):
+    """``facts(metrics)``: the run's provenance added to a serve's metrics (target, device, dtype,
+    workload, prompt format, weights, commit / date / device name / versions, the Hydra overrides)."""
+    from .bench.targets import RANDOM_WEIGHTS_LABEL
+
+    def facts(metrics: dict) -> dict:
+        metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
+                       workload=cfg.workload.name, **prompt_format,
+                       weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained",
+                       **stamp, overrides=overrides)
+        metrics.setdefault("acceptance", "real")  # replayed runs carry "replayed" from the engine's trace meta
+        return metrics
+
+    return facts
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM raises Interrupted while serving (records kept, exit 143), as Ctrl-C raises KeyboardInterrupt."""
+    def on_signal(signum, frame):
+        raise Interrupted(signum)
+
+    old = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def run(cfg: DictConfig) -> dict:
+    """One run: check the config, build the target, prompts and logger, write and log the config,
+    serve (plain decoding first with ``compare_plain``), log and print the results, return metrics."""
+    check_run_config(cfg)
     from .dist import current as tp_group
     from .dist.runner import run_tp, tp_settings
 
     if tp_settings(cfg)[0] > 1 and tp_group() is None:
         return run_tp(cfg)  # starts tp.size ranks; rank 0 comes back here with its group set
 
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(int(cfg.seed))
+    device = resolve_device(cfg.device)
     release_device_memory(device)  # nothing an earlier job of this process left shrinks this one's pool
     apply_kernel_options(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -632,46 +869,44 @@ def run(cfg: DictConfig) -> dict:
     replayed = (cfg.get("acceptance") or {}).get("name", "real") == "replay"
     logger = make_logger(cfg.logger, run_dir, run_dir.name,
                          {**resolved, "provenance": stamp, "acceptance_label": "replayed" if replayed else "real"})
-
-    def run_facts(metrics: dict) -> dict:
-        metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
-                       workload=cfg.workload.name, **prompt_format,
-                       weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained",
-                       **stamp)
-        metrics.setdefault("acceptance", "real")  # replayed runs carry "replayed" from the engine's trace meta
-        return metrics
-
-    def on_signal(signum, frame):
-        raise Interrupted(signum)
-
-    old_term = signal.signal(signal.SIGTERM, on_signal)
+    overrides = hydra_overrides()
+    job = sweep_position()
+    title = f"[{job}] " if job else ""
     plain = None
-    try:
-        if compare_plain:
-            # Plain decoding first, as its own run directory inside this one (config.json +
-            # metrics.json: specdec.report finds it and matches it as this run's baseline).
-            plain_dir = run_dir / "plain"
-            plain_dir.mkdir(exist_ok=True)
-            pcfg = plain_config(resolved, plain_dir)
-            (plain_dir / "config.json").write_text(json.dumps(pcfg, indent=2))
-            plain = serve(OmegaConf.create(pcfg), model, tokenizer, prompts, device, plain_dir,
-                          "plain decoding", run_facts, profile=False)
-        records, metrics = serve(cfg, model, tokenizer, prompts, device, run_dir, "generating", run_facts)
-        if plain is not None:
-            metrics.update(compare(plain, (records, metrics)))
-            (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        logger.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-        logger.log_summary(stamp)
-        logger.log_table("requests", ["id", "output_tokens", "output"],
-                         [[r["id"], r.get("output_tokens", 0), r.get("output", "")] for r in records])
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-        logger.finish()
+    with sigterm_raises():
+        try:
+            if cfg.get("compare_plain", False):
+                # Plain decoding first, as its own run directory inside this one (config.json +
+                # metrics.json: specdec.report finds it and matches it as this run's baseline).
+                plain_dir = run_dir / "plain"
+                plain_dir.mkdir(exist_ok=True)
+                pcfg = plain_config(resolved, plain_dir)
+                (plain_dir / "config.json").write_text(json.dumps(pcfg, indent=2))
+                plain = serve(OmegaConf.create(pcfg), model, tokenizer, prompts, device, plain_dir,
+                              f"{title}plain decoding",
+                              run_facts(cfg, model, device, prompt_format, stamp, plain_overrides(overrides)),
+                              profile=False)
+            records, metrics = serve(cfg, model, tokenizer, prompts, device, run_dir, f"{title}serving",
+                                     run_facts(cfg, model, device, prompt_format, stamp, overrides))
+            if plain is not None:
+                metrics.update(compare(plain, (records, metrics)))
+                (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+            logger.log_metrics(scalars(metrics))  # numbers, and acceptance per depth flattened
+            logger.log_summary(stamp)
+            logger.log_table("requests", ["id", "output_tokens", "output"],
+                             [[r["id"], r.get("output_tokens", 0), r.get("output", "")] for r in records])
+        finally:
+            logger.finish()
     print_table(records, metrics)
     if plain is not None:
         print_comparison(cfg, plain[1], metrics)
     print(f"run directory: {run_dir}")
     return metrics
+
+
+def failed_requests(metrics: dict) -> int:
+    """Requests that failed in the run, and in its plain baseline when it served one."""
+    return int(metrics.get("failed_requests") or 0) + int(metrics.get("plain_failed_requests") or 0)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -685,6 +920,10 @@ def main(cfg: DictConfig) -> float:
         sys.exit(128 + e.signum)  # 143 for SIGTERM, the shell's convention
     except KeyboardInterrupt:
         sys.exit(130)
+    if OmegaConf.select(cfg, "run.fail_on_error", default=False) and failed_requests(metrics):
+        print(f"error: {failed_requests(metrics)} request(s) failed (run.fail_on_error=true); their records in "
+              f"{cfg.run_dir}/requests.jsonl say why", file=sys.stderr)
+        sys.exit(3)
     return metrics["output_tok_per_s"]
 
 

@@ -66,7 +66,14 @@ def test_quickstart_writes_real_outputs(tmp_path):
     assert metrics["outputs_identical_to_plain"] == 1.0  # greedy: speculation changes no token
     assert metrics["speedup_over_plain"] == pytest.approx(metrics["output_tok_per_s"] / plain["output_tok_per_s"])
     assert metrics["speculating_step_fraction"] > 0 and metrics["tokens_per_row_step"] >= 1.0
-    assert "plain decoding vs eagle3 + policy goodput" in proc.stdout and "4/4" in proc.stdout
+    assert "Plain decoding vs eagle3 + policy goodput" in proc.stdout and "4/4" in proc.stdout
+    # ... and says what the policy decided, from its own estimates
+    assert "Why: on this CPU a 16-token draft step at batch" in proc.stdout
+    assert "Requests: smollm2-135m-instruct" in proc.stdout  # the per-request table has its title
+    assert metrics["overrides"] == ["+experiment=quickstart", "engine.max_new_tokens=12", "logger=wandb"]
+    assert plain["overrides"] == ["+experiment=quickstart", "engine.max_new_tokens=12", "logger=wandb",
+                                  "draft=none", "policy=never"]
+    assert "wandb:" not in proc.stdout + proc.stderr  # W&B's console lines stay out of the terminal
 
 
 def test_run_records_provenance_and_kernel_options(tmp_path):
@@ -223,3 +230,52 @@ def test_compare_plain_and_profile_steps(tmp_path):
 
 def test_compare_plain_needs_a_drafter(tmp_path):
     _assert_clean_error(run_cli("compare_plain=true", "logger=none", tmp_path=tmp_path), "compare_plain", "draft=none")
+
+
+def test_explain_policy_from_the_switch_log_and_from_the_table():
+    """The quickstart's last lines: what goodput decided and why, from its own state in metrics.json."""
+    from specdec.run import explain_policy
+
+    log = [{"batch": 4, "from": 0, "to": 16, "why": "first_try",
+            "k": {"0": {"a": 1.0, "iter_ms": 100.0}, "16": {"a": None, "iter_ms": 250.0}}},
+           {"batch": 4, "from": 16, "to": 0, "why": "estimates",
+            "k": {"0": {"a": 1.0, "iter_ms": 100.0}, "16": {"a": 2.2, "iter_ms": 250.0}}}]
+    m = {"device": "cpu", "speculating_step_fraction": 0.02, "policy_state": {"switch_log": log}}
+    lines = explain_policy("goodput", m)
+    assert lines[0] == ("Why: on this CPU a 16-token draft step at batch 4 costs 2.5 plain steps and commits 2.2 "
+                        "tokens per request: the goodput policy kept speculation off after 1 probe (2% of decode "
+                        "steps speculated).")
+    assert len(lines) == 2 and "memory-bound" in lines[1]
+    # no switch log: the start-up table at the run's batch and the a(k) prior
+    m = {"device": "cuda", "device_name": "NVIDIA H100", "speculating_step_fraction": 0.97, "mean_batch_size": 3.2,
+         "policy_state": {"step_ms": {"k=0": {"1": 10.0, "4": 12.0}, "k=8": {"1": 11.0, "4": 14.4}},
+                          "accept": {"k=8": 3.5}}}
+    assert explain_policy("goodput", m) == [
+        "Why: on NVIDIA H100 a 8-token draft step at batch 4 costs 1.2 plain steps and commits 3.5 tokens per "
+        "request: the goodput policy speculated on 97% of decode steps."]
+    # a policy without estimates: the served steps
+    m = {"device": "cpu", "speculating_step_fraction": 1.0, "mean_spec_step_ms": 30.0, "mean_plain_step_ms": 10.0,
+         "mean_accepted_length": 2.0}
+    assert explain_policy("always", m) == [
+        "Why: on this CPU a speculative step took 3.0 plain steps and committed 2.0 tokens per request; the always "
+        "policy speculated on 100% of decode steps."]
+    assert explain_policy("never", {"speculating_step_fraction": 0.0}) == []
+
+
+def test_serve_progress_counts_and_stays_off_without_a_terminal():
+    from specdec.bench.console import ServeProgress
+
+    with ServeProgress(3, "serving", enabled=False) as p:
+        p.on_step({"committed": 4, "decode_bs": 2})
+        p.on_request({})
+    assert p.tokens == 4 and p.done == 1 and p._progress is None
+    with ServeProgress(None, "serving", duration_s=5.0, enabled=True, refresh_s=0.0) as p:
+        p.on_step({"committed": 2, "decode_bs": 1})
+        assert "/5 s, 0 requests" in p._count()
+    assert p.tok_per_s() > 0
+
+
+def test_sweep_position_outside_hydra_is_empty():
+    from specdec.run import hydra_overrides, sweep_position
+
+    assert sweep_position() == "" and hydra_overrides() is None

@@ -209,3 +209,50 @@ def test_steps_jsonl_flushed_while_running(tmp_path):
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1]
     trace.close()
+
+
+# -- failed requests, profiling after serving ---------------------------------------------------------
+
+def test_fail_on_error_exits_nonzero_when_a_request_failed(tmp_path):
+    """A request too long for the KV cache fails alone (recorded, the run exits 0 by default);
+    run.fail_on_error=true turns it into exit 3 naming the count; a bad value is named."""
+    too_long = [*TINY, "workload.concurrency=1", "workload.sources.0.num_prompts=2", "workload.sources.0.prompt_len=200",
+                "workload.sources.0.output_len=2", "engine.kv_cache_tokens=128"]
+    proc = cli(*too_long, tmp_path=tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "a" / "run" / "metrics.json").read_text())
+    assert metrics["failed_requests"] == 2
+    assert "workload.sources.0.prompt_len=200" in metrics["overrides"]  # the Hydra overrides, for the ledger
+    proc = cli(*too_long, "run.fail_on_error=true", tmp_path=tmp_path / "b")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "2 request(s) failed (run.fail_on_error=true)" in proc.stderr and "Traceback" not in proc.stderr
+    proc = cli(*too_long, "run.fail_on_error=maybe", tmp_path=tmp_path / "c")
+    assert proc.returncode == 2 and "run.fail_on_error='maybe'" in proc.stderr, proc.stderr[-3000:]
+    proc = cli(*too_long, "+run.fail_on_errors=true", tmp_path=tmp_path / "d")
+    assert proc.returncode == 2 and "unknown config key run.fail_on_errors" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_profiling_stopped_after_serving_keeps_whole_serving_metrics(monkeypatch, tmp_path):
+    """Serving and the profiling after it are apart: a stop during profiling leaves metrics.json whole
+    (partial false, every request) with profile_stopped_by saying why, and the run still stops."""
+    from specdec import run as run_mod
+
+    def stop(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "profile_after_serving", stop)
+    cfg = compose_cfg([*TINY, *workload(3, 4)], tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt):
+        run_mod.run(cfg)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["partial"] is False and metrics["requests"] == 3 and metrics["profile_stopped_by"] == "SIGINT"
+    assert len(read_records(tmp_path / "run")) == 3
+
+
+def test_piped_run_prints_titled_tables_and_no_progress(tmp_path):
+    """stdout not a terminal: no progress display or spinner, the tables with titles and headers."""
+    proc = cli(*TINY, *workload(3, 4), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "Requests:" in proc.stdout and "prompt tok" in proc.stdout
+    assert "tok/s  batch" not in out and "starting the engine" not in out and "\x1b[" not in out
