@@ -27,17 +27,18 @@ dropped together. For top-k that is Hugging Face's rule (``scores < topk(scores)
 top-p HF and vLLM cut a group of tied values wherever their sort happens to put it, so their kept
 set depends on the sort's order among ties, and this one does not.
 
-Sorting-free threshold search. theta_k and theta_p are found by bisection over the row's own values.
-Each x maps to an int32 key that orders exactly as x does (``_key``: the fp32 bits with the lower
-31 flipped for negatives; -0.0 reads as +0.0). For a monotone F (top-k: count of kept keys >= t;
-top-p: their e-mass) and a target (k; P * kept mass), the search returns theta = the largest key
-present in the row with F(theta) >= target. Invariant: lo is a present key with F(lo) >= target;
-every key >= hi has F < target. One pass over the row per step: for mid = lo + (hi - lo) // 2 it
-sums F(mid) and finds the smallest key >= mid and the largest key < mid; F(mid) >= target moves lo
-to the former, else hi to the latter + 1. Both snap to keys present in the row, so (hi - lo) at
-least halves per pass and collapses where values are sparse; the search stops at hi = lo + 1. At
-most 33 passes (32-bit keys); on real rows about log2(V) + a few (values near theta lie a few
-hundred ulps apart).
+Sorting-free threshold search. theta_k and theta_p are found by searching the row's own values,
+never by sorting. Each x maps to an int32 key that orders exactly as x does (``_key``: the fp32
+bits with the lower 31 flipped for negatives; -0.0 reads as +0.0). For a non-increasing F (top-k:
+the count of kept keys >= t; top-p: their e-mass) and a target (k; P * kept mass), the search
+returns theta = the largest key present in the row with F(theta) >= target. Invariant: lo is a
+present key with F(lo) >= target; every key >= hi has F < target. Each step is one pass over the
+row evaluating NPIV = 8 pivots spread evenly over (lo, hi) at once ([NPIV, BLOCK_S] tiles): per
+pivot F, the smallest key >= it and the largest key < it. With n pivots reaching the target, lo
+moves to the smallest key >= pivot n and hi to the largest key < pivot n + 1, plus 1. Both snap to
+keys present in the row, so (hi - lo) shrinks at least 9-fold per pass and collapses where the
+row's values are sparse; the search stops at hi = lo + 1, theta = lo. At most 11 passes (32-bit
+keys); on rows of 1000 to 128K random logits 5-8 (15-20 for plain bisection).
 
 Passes over a row: 1 (max and min key), the top-k search (if on), 1 for the kept mass and the top-p
 search (if on), 1 write (probabilities: 1 more for their sum). Greedy rows: 1 argmax pass + 1 write.
@@ -215,9 +216,10 @@ def _warp_kernel(
             lo = _threshold(p_row, V, temperature, m, lo, hi, top_k, False, NPIV, BLOCK_S)
         if top_p < 1.0:
             # The kept mass, summed exactly as the search sums F (so F(lo) >= P * total holds as computed).
-            b_f, _a, _b = _pivot_pass(p_row, V, temperature, m, lo.to(tl.int32), tl.full([NPIV], lo.to(tl.int32), tl.int32),
-                                      True, NPIV, BLOCK_S)
-            total = tl.max(b_f, 0)
+            kept = lo.to(tl.int32)
+            b_f, _a, _b = _pivot_pass(p_row, V, temperature, m, kept, kept + tl.zeros([NPIV], tl.int32), True, NPIV,
+                                      BLOCK_S)
+            total = tl.max(b_f, 0)  # every pivot is ``kept``: all NPIV entries are the kept mass
             lo = _threshold(p_row, V, temperature, m, lo, hi, top_p * total, True, NPIV, BLOCK_S)
         theta = lo.to(tl.int32)
         s = tl.full([], 1.0, tl.float32)

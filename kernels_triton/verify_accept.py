@@ -37,7 +37,9 @@ Stochastic (temperature > 0), exact multi-draft rejection sampling (SpecInfer / 
         the first v with cumsum(r)[v] > u * sum(r) (rounding fallback: the last v with r(v) > 0)
 The committed tokens are then distributed exactly as sampling from the target one token at a time,
 provided siblings' tokens are drawn as draft_probs says (i.i.d. from q, or q_c conditioned on the
-earlier siblings). With deterministic drafts (draft_probs None) q_c = one-hot(x), so a rejection
+earlier siblings). Top-k / top-p / min-p (per request): pass the warped logits of every node
+(kernels_triton/sampling.py: kept tokens x = l / t, the rest -inf) at temperature 1; p is then the
+warped target, and the rule above keeps speculative sampling exact under the warpers. With deterministic drafts (draft_probs None) q_c = one-hot(x), so a rejection
 just removes x from r: the rule is "sample x ~ p, accept if x is a child". A threshold shortcut
 (e.g. always accepting when p(x) is large) is lossy and not offered.
 Edge cases: p(x) = 0 rejects; q_c(x) = 0 (impossible if x ~ q_c) rejects; a token outside [0, V)

@@ -81,12 +81,12 @@ class LeaderEngine:
         self._inputs = []
 
     def add_request(self, prompt_ids, max_new_tokens, *, request_id=None, stop=(), ignore_eos=False,
-                    arrival_s=None):
+                    arrival_s=None, sampling=None):
         req = self._engine.add_request(prompt_ids, max_new_tokens, request_id=request_id, stop=stop,
-                                       ignore_eos=ignore_eos, arrival_s=arrival_s)
+                                       ignore_eos=ignore_eos, arrival_s=arrival_s, sampling=sampling)
         self._inputs.append(("add", dict(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                                          request_id=req.id, stop=tuple(stop), ignore_eos=ignore_eos,
-                                         arrival_s=req.arrival_s)))
+                                         arrival_s=req.arrival_s, sampling=sampling)))
         return req
 
     def abort(self, request_id) -> bool:

@@ -25,7 +25,7 @@ def decode_runner(model, state, kv, cfg, drafter, acceptance, counterfactual: di
     k0_drafter = drafter if extends_at_k0(drafter) else None
 
     def body(B: int, T: int, context) -> None:
-        step_body_(model, state, kv, B, T, cfg.temperature, drafter if T > 1 else k0_drafter, context,
+        step_body_(model, state, kv, B, T, cfg.step_temperature, drafter if T > 1 else k0_drafter, context,
                    acceptance=acceptance, counterfactual=counterfactual)
 
     if graphed:

@@ -42,6 +42,7 @@ from ..errors import ConfigError, config_flag
 from ..policy.base import BatchView, StepStats
 from ..spec.base import RowTokens, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
+from ..spec.sampling import SamplingParams
 from . import build, profiling
 from .graphs import bucket_for, make_buckets
 from .kv_cache import KVCache, pages_for, size_pool
@@ -62,6 +63,13 @@ class EngineConfig:
     graph_buckets: tuple[int, ...] | None = None  # None: 1, 2, 4, ..., 256 (capped at max_batch_size)
     max_seq_len: int | None = None  # prompt + output bound; None: the model's max_position_embeddings
     temperature: float = 0.0  # 0 = greedy
+    # Sampling warpers after temperature (specdec.spec.sampling): top-k, top-p, min-p; 0 / 1 / 0 = off
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    # Requests may bring their own sampling parameters (add_request(sampling=...)): steps then sample
+    # every row through the warper kernel (a greedy row one-hot: still token-identical to argmax)
+    per_request_sampling: bool = False
     seed: int = 0  # sampling generator seed
     max_tree_tokens: int = 1  # slots one step writes per request (k = 0: the pending token); the
     # engine raises it to the drafter's largest tree
@@ -79,10 +87,17 @@ class EngineConfig:
     overlap: bool | str = "auto"
 
     @classmethod
-    def from_cfg(cls, engine_cfg, *, temperature: float = 0.0, seed: int = 0) -> "EngineConfig":
-        """From the Hydra ``engine`` group (keys this class lacks, e.g. max_new_tokens, are skipped).
-        A value of the wrong type is a ConfigError naming the key."""
+    def from_cfg(cls, engine_cfg, *, temperature: float = 0.0, seed: int = 0, sampling=None,
+                 per_request_sampling: bool = False) -> "EngineConfig":
+        """From the Hydra ``engine`` group (keys this class lacks, e.g. max_new_tokens, are skipped)
+        and the ``sampling`` group (specdec.spec.sampling.KEYS, and ``per_request``: true, false or
+        auto, which the run resolves from its requests and reads false here; None: ``temperature``
+        alone). A value of the wrong type is a ConfigError naming the key."""
         get = engine_cfg.get
+        sampling = {"temperature": temperature} if sampling is None else dict(sampling)
+        per_request = sampling.pop("per_request", False)
+        per_request = per_request_sampling or (per_request != "auto" and config_flag("sampling.per_request", per_request))
+        params = SamplingParams.from_mapping(sampling)
 
         def num(key, default, kind=int, minimum=None):
             return config_number(f"engine.{key}", get(key, default), kind, minimum)
@@ -110,9 +125,23 @@ class EngineConfig:
             prefill_requests=ints("prefill_graph_requests", cls.prefill_requests) or (1,),
             prefill_fit=config_flag("engine.prefill_fit", get("prefill_fit", True)),
             overlap=get("overlap", "auto"),
-            temperature=config_number("sampling.temperature", temperature, float, 0),
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+            per_request_sampling=per_request,
             seed=config_number("seed", seed, int),
         )
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The run's sampling parameters (what a request without its own samples with)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    @property
+    def step_temperature(self) -> float | None:
+        """How steps sample (specdec.engine.step.step_body_): one temperature for every row, no
+        warper (0 = greedy: the argmax kernels), or None: each row its own parameters through the
+        warper kernel (a warper is on, or requests may bring their own)."""
+        s = self.sampling
+        return None if self.per_request_sampling or (s.warps and not s.greedy) else s.temperature
 
     def validate(self) -> None:
         """Raise ConfigError naming the first field out of range (the engine calls this)."""
@@ -121,6 +150,7 @@ class EngineConfig:
             config_number(f"engine.{key}", getattr(self, key), int, minimum)
         if not 0 < float(self.kv_memory_fraction) <= 1:
             raise ConfigError(f"engine.kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
+        SamplingParams.from_mapping(dataclasses.asdict(self.sampling))
 
 
 def config_number(key: str, value, kind=int, minimum=None):
@@ -225,7 +255,8 @@ class Engine:
         runner = build.decode_runner(model, self.state, self.kv, cfg, drafter, acceptance, self._counterfactual,
                                      self.buckets, tree_sizes, use_graphs)
         self.graphed = runner.graphed
-        self.stepper = Stepper(model, self.kv, self.state, runner, temperature=cfg.temperature, drafter=drafter)
+        self.stepper = Stepper(model, self.kv, self.state, runner, temperature=cfg.step_temperature, drafter=drafter,
+                               sampling=cfg.sampling.row())
         build.attach_prefill_runners_(self.stepper, model, self.kv, cfg, drafter, max_pages,
                                       speculates=self._speculates, rests=self._rests,
                                       timed_catch_up=policy is not None and policy.wants_catch_up_ms)
@@ -322,11 +353,15 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], max_new_tokens: int, *, request_id: str | None = None,
                     stop: Iterable[str] = (), ignore_eos: bool = False,
-                    arrival_s: float | None = None) -> Request:
+                    arrival_s: float | None = None, sampling=None) -> Request:
         """Queue a request. One that can never run (a token id that is not an integer of the
-        vocabulary, a duplicate id, too long for the cache) comes back finished with ``error`` set
-        naming the bad input (and is also returned by the next ``step()``); it never reaches a
-        forward, and the others are unaffected.
+        vocabulary, a duplicate id, too long for the cache, bad sampling parameters) comes back
+        finished with ``error`` set naming the bad input (and is also returned by the next
+        ``step()``); it never reaches a forward, and the others are unaffected.
+
+        ``sampling``: this request's own parameters (a mapping of some of specdec.spec.sampling.KEYS
+        over the engine's, or a SamplingParams); other than the engine's needs
+        EngineConfig.per_request_sampling (steps then sample per row).
 
         ``arrival_s`` (a time.perf_counter() value, default now) is when the request is deemed to
         have arrived: open-loop drivers pass the scheduled arrival time, so queueing counts in TTFT.
@@ -339,8 +374,26 @@ class Engine:
                       prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
                       eos_ids=self.eos_ids, stop=tuple(stop), ignore_eos=bool(ignore_eos),
                       arrival_s=time.perf_counter() if arrival_s is None else float(arrival_s))
-        self.scheduler.add_(req)
+        req.sampling, why = self._request_sampling(sampling)
+        self.scheduler.add_(req, error=why)
         return req
+
+    def _request_sampling(self, sampling) -> tuple[tuple | None, str | None]:
+        """(the request's parameter row or None for the engine's, why they are refused or None)."""
+        if sampling is None:
+            return None, None
+        cfg = self.config
+        try:
+            params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_mapping(
+                sampling, "sampling", base=cfg.sampling)
+        except ConfigError as e:
+            return None, str(e)
+        if params == cfg.sampling:
+            return None, None
+        if cfg.step_temperature is not None:
+            return None, (f"sampling {params.as_dict()} differs from the engine's {cfg.sampling.as_dict()}, and "
+                          "this engine samples every row alike: build it with per_request_sampling=True")
+        return params.row(), None
 
     def abort(self, request_id: str) -> bool:
         """Stop a queued or running request now (finish_reason "abort"); False if not found."""
@@ -562,7 +615,7 @@ class Engine:
         live = {id(r) for r in self.scheduler.rows} if self.trace is not None and step.k > 0 else ()
         ids = [r.id for r, e in step.rows if id(r) in live and r.row_epoch == e]
         kept = self.scheduler.commit_tokens_(step.rows, step.tokens, time.perf_counter(),
-                                             drafted=step.k > 0 or self._synced_at_k0)
+                                             drafted=step.k > 0 or self._synced_at_k0, stats=step.stats)
         self._unread.pop(0)
         return step.k, kept, ids
 

@@ -86,7 +86,7 @@ def decode_step_ms(engine, batch_size: int, context_len: int, iters: int = 50, w
             engine.acceptance.fill_(batch_size, k)  # replayed: rows commit the trace's mean length
 
         def run():
-            if engine.config.temperature > 0:
+            if engine.stepper.sampled:
                 st.uniform[:batch_size, :T].uniform_(generator=st.generator)
             if prepare is not None:
                 prepare(st, batch_size, T, context)
@@ -175,7 +175,7 @@ def step_phases(engine, batch_size: int, context_len: int, k: int, iters: int = 
             acceptance = engine.acceptance if T > 1 else None
             if acceptance is not None:
                 acceptance.fill_(B, k)  # replayed: rows commit the trace's mean length
-            step_body_(engine.model, st, engine.kv, B, T, engine.config.temperature, engine.drafter, context, mark,
+            step_body_(engine.model, st, engine.kv, B, T, engine.config.step_temperature, engine.drafter, context, mark,
                        acceptance=acceptance, counterfactual=engine._counterfactual)
             if cuda:
                 marks[-1][1].synchronize()
@@ -207,11 +207,11 @@ def graphed_phases(engine, batch_size: int, context_len: int, k: int, iters: int
     cuda = engine.model.device.type == "cuda"
     prepare = preparer(drafter) if drafter is not None else None
     context = [[7] * context_len for _ in range(batch_size)] if drafter is not None and needs_context(drafter) else None
-    temp = engine.config.temperature
+    temp = engine.config.step_temperature
     B = batch_size
 
     def body(mark):
-        if temp > 0:
+        if engine.stepper.sampled:
             st.uniform[:B, :T].uniform_(generator=st.generator)
         if prepare is not None:
             prepare(st, B, T, context)
@@ -442,7 +442,7 @@ def _prefix_ms(engine, B: int, T: int, stop: str, iters: int) -> float:
 
     def body():
         try:
-            step_body_(engine.model, engine.state, engine.kv, B, T, engine.config.temperature, engine.drafter,
+            step_body_(engine.model, engine.state, engine.kv, B, T, engine.config.step_temperature, engine.drafter,
                        None, mark, acceptance=acceptance, counterfactual=engine._counterfactual)
         except _StopStep:
             pass
