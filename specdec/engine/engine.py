@@ -207,7 +207,6 @@ def _use_overlap(setting, graphed: bool, drafter) -> bool:
     return bool(setting)
 
 
-
 class Engine:
     """Continuous-batching engine over one target model (see the module docstring).
 
