@@ -439,9 +439,9 @@ def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None, exact: boo
         bt = min(64, max(16, triton.next_power_of_2(T)))
         be = min(64 if T > 64 else 16, max(16, triton.next_power_of_2(E)))
     plan["router"] = dict(BLOCK_T=bt, BLOCK_E=be, BLOCK_K=min(128, max(16, triton.next_power_of_2(H))))
-    # A single routing block sorts in the top-k program; exact mode always launches the sort kernel, so the
-    # top-k kernel is one compiled variant at every T.
-    plan["fused_sort"] = not exact
+    # Exact mode: the sort kernel runs even for a single routing block (which the top-k program sorts
+    # otherwise) with a fixed tile, so every kernel is one compiled variant at every T.
+    plan["exact"] = bool(exact)
     return plan
 
 
@@ -479,9 +479,9 @@ def _check(x, router_w, w13, w2, top_k, expert_hits):
                          f"{expert_hits.dtype} {tuple(expert_hits.shape)} on {expert_hits.device}")
 
 
-def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False, fused_sort=True):
-    """Launch the top-k (and, with ``sort``, the grouping: in the top-k program when there is one block
-    and ``fused_sort``, else the sort kernel): (w, ids, sorted_pairs, expert_counts)."""
+def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False, exact=False):
+    """Launch the top-k (and, with ``sort``, the grouping: in the top-k program when there is one block,
+    except in ``exact`` mode, else the sort kernel): (w, ids, sorted_pairs, expert_counts)."""
     T, E = logits.shape
     dev = logits.device
     e_pad, k_pad = triton.next_power_of_2(E), triton.next_power_of_2(top_k)
@@ -497,14 +497,15 @@ def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False,
     _moe_topk_kernel[(nb,)](
         logits, w, ids, counts, expert_hits if expert_hits is not None else counts, sorted_pairs, ecnt,
         T, E, logits.stride(0),
-        TOP_K=top_k, RENORM=bool(renormalize), HITS=expert_hits is not None, SORT=sort and nb == 1 and fused_sort,
+        TOP_K=top_k, RENORM=bool(renormalize), HITS=expert_hits is not None, SORT=sort and nb == 1 and not exact,
         BLOCK_R=route_rows, E_PAD=e_pad, K_PAD=k_pad, num_warps=warps,
     )  # fmt: skip
-    if sort and (nb > 1 or not fused_sort):
+    if sort and (nb > 1 or exact):
         _moe_sort_kernel[(nb,)](
             ids, counts, sorted_pairs, ecnt, T, E, nb,
             TOP_K=top_k, BLOCK_R=route_rows, E_PAD=e_pad, K_PAD=k_pad,
-            BLOCK_B=min(triton.next_power_of_2(nb), max(1, 4096 // e_pad)), num_warps=warps,
+            BLOCK_B=max(1, 4096 // e_pad) if exact else min(triton.next_power_of_2(nb), max(1, 4096 // e_pad)),
+            num_warps=warps,
         )  # fmt: skip
     return w, ids, sorted_pairs, ecnt
 
@@ -548,7 +549,7 @@ def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hit
         x, router_w, logits, T, E, H, x.stride(0), router_w.stride(0), **rt, DOT_PREC=prec, num_warps=4,
     )  # fmt: skip
     w, _, sorted_pairs, ecnt = _route(logits, K, renormalize, plan["route_rows"], expert_hits, sort=True,
-                                      fused_sort=plan["fused_sort"])
+                                      exact=plan["exact"])
 
     a = torch.empty((P, F), dtype=x.dtype, device=dev)  # SwiGLU activations, rows by pair id
     tg = dict(plan["gate_up"])

@@ -400,10 +400,12 @@ class Eagle3Head(nn.Module):
             return None
         return table
 
+    @ops.approximate()  # the draft need not be exact (engine.exact): its ops keep the default kernels
     def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
         """[N, 3H] captured target features -> [N, H] draft input hidden."""
         return ops.mm(target_features, self.proj("fc.weight"), backend=self.backend)
 
+    @ops.approximate()
     def fuse_rows(self, target_features: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
         """``fuse`` of the rows ``index`` [G, W] picks from [G * group, 3H] features (row g * group +
         max(index[g, j], 0)) -> [G * W, H], the fc reading them itself: one launch for the gather, clamp
@@ -411,6 +413,7 @@ class Eagle3Head(nn.Module):
         w = self.proj("fc.weight")
         return ops.linear(target_features.to(w.dtype), w, backend=self.backend, rows=(index, group))
 
+    @ops.approximate()
     def gathers_rows(self, table: torch.Tensor, n: int, fc_features: torch.Tensor | None = None) -> bool:
         """Whether the draft layer reads n token rows of the embedding ``table`` inside its qkv kernel
         (and, with ``fc_features``, the fc its n feature rows): the fused path runs for n rows and the
@@ -435,6 +438,7 @@ class Eagle3Head(nn.Module):
         out, sumsq = self.layer(token_embeds, hidden, positions, meta, k_cache, v_cache, token_rows)
         return out, (self.logits(out, sumsq) if with_logits else None)
 
+    @ops.approximate()
     def layer(self, token_embeds, hidden, positions, meta: ops.AttentionMeta, k_cache, v_cache, token_rows=None):
         """The draft layer of :meth:`forward`: (draft hidden [N, H] pre-norm, its rows' sums of squares or
         None). Where the down projection runs on the streaming body with the kernel option norm_stats
@@ -472,6 +476,7 @@ class Eagle3Head(nn.Module):
             return out, sumsq
         return ops.linear(act, w_down, residual, backend=be), None  # [N, H]
 
+    @ops.approximate()
     def logits(self, hidden: torch.Tensor, sumsq: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] pre-norm draft hidden -> [N, draft_vocab] logits (final norm + lm_head). ``sumsq``: the
         rows' sums of squares from :meth:`layer` (the norm then needs no prologue launch)."""
