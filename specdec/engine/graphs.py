@@ -6,7 +6,7 @@ DecodeState's persistent buffers (pending, seq_lens, page_table, num_active, uni
 (T_b = 0, kv_len 0, slot -1), selected on the device by ``row_ids < num_active``.
 
 Why graphs: SmolLM2-135M's step is ~350 small kernels (30 layers x ~11); launched eagerly the host
-cannot keep up (Hugging Face eager: ~75 ms/step on the lent H200), replayed as one graph the GPU
+cannot keep up (Hugging Face eager runs ~75 ms a step, FACTS), replayed as one graph the GPU
 runs them back to back. All buckets share one memory pool, captured largest first so the smaller
 ones reuse its blocks. Every tree size a policy may choose (T = 1 for k = 0, T = num_nodes(k) for
 each configured k) has its graphs captured up front: switching k selects another graph, never a

@@ -110,8 +110,8 @@ def available_device_bytes(device) -> int:
     this process's caching allocator holds reserved but unallocated (blocks freed by an earlier
     engine, a finished job of a ``--multirun``, that torch keeps cached instead of returning them to
     the driver). ``torch.cuda.mem_get_info`` alone misses the second part, so a pool sized from it
-    shrank by whatever the previous run's pool left in the cache (H200, one process,
-    experiments/results/spec/k0_cost_8ef8fbb: 202k, 99k, 150k, 112k pages for consecutive runs).
+    shrank by whatever the previous run's pool left in the cache (consecutive jobs of one process got pools
+    differing by 2x).
     Only live tensors count as used."""
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

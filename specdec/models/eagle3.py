@@ -56,9 +56,9 @@ HF_LLAMA_RMS_NORM_EPS = 1e-6
 ROPE_SLACK = 64
 # draft.weight_dtype: the head's own dtype, weight-only int8 projections for few rows, or auto (set_weight_dtype_)
 WEIGHT_DTYPES = ("model", "int8", "auto")
-# weight_dtype auto: int8 on a CUDA device for heads at least this wide, else the head's dtype. H200: at hidden 4096
-# (Llama-3.1-8B shape) int8 cut the graphed batch-1 tree16 step from 1.38 to 1.29-1.31 plain steps (e8eb008); at
-# SmolLM2's 576 it was slower (tree16 4274 vs 4596 tok/s on HumanEval). Between them: not measured.
+# weight_dtype auto: int8 on a CUDA device for heads at least this wide, else the head's dtype: at hidden 4096 the
+# draft rounds read the weights and halving their bytes shortens the tree step; at SmolLM2's 576 the rounds are
+# launch-bound and the dequantising body is slower (measured verdicts: the results ledger).
 AUTO_INT8_HIDDEN = 2048
 
 
@@ -416,8 +416,8 @@ class Eagle3Head(nn.Module):
     @ops.approximate()
     def gathers_rows(self, table: torch.Tensor, n: int, fc_features: torch.Tensor | None = None) -> bool:
         """Whether the draft layer reads n token rows of the embedding ``table`` inside its qkv kernel
-        (and, with ``fc_features``, the fc its n feature rows): the fused path runs for n rows and the
-        kernel option gather_rows is on (specdec.models.ops.gathers_rows)."""
+        (and, with ``fc_features``, the fc its n feature rows): the fused path runs for n rows
+        (specdec.models.ops.gathers_rows)."""
         if table is None:
             return False
         ids = torch.empty(1, n, dtype=torch.int32, device="meta")  # only its size is read
@@ -441,7 +441,7 @@ class Eagle3Head(nn.Module):
     @ops.approximate()
     def layer(self, token_embeds, hidden, positions, meta: ops.AttentionMeta, k_cache, v_cache, token_rows=None):
         """The draft layer of :meth:`forward`: (draft hidden [N, H] pre-norm, its rows' sums of squares or
-        None). Where the down projection runs on the streaming body with the kernel option norm_stats
+        None). Where the down projection runs on the streaming body
         (several rows: tree rounds, extends), it adds the residual in its epilogue (two roundings, as
         the training step computes) and hands :meth:`logits` the sums (``sumsq``), sparing the final
         norm's prologue launch; elsewhere the residual add is the projection's (one rounding) and the
@@ -494,7 +494,7 @@ class Eagle3Head(nn.Module):
         return ops.derived(self, "fused", ws, lambda: (torch.cat(ws[:3]).contiguous(), torch.cat(ws[3:]).contiguous()))
 
     def folded_weight(self, name: str, w: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-        """w with the norm weight before it folded in (ops.fold_norm; kernel option norm_stats "fold"):
+        """w with the norm weight before it folded in (ops.fold_norm):
         gate|up with the post-attention norm, lm_head with the final norm; rebuilt when either changes."""
         return ops.derived(self, "folded_" + name, (w, norm_weight),
                            lambda: ops.fold_norm(w, norm_weight))

@@ -288,7 +288,7 @@ class TransformerModel(ExpertStats, nn.Module):
         h = self.embed_tokens(input_ids)  # [N, H]
         residual = sumsq = None
         fq = f13 = [None] * c.num_hidden_layers
-        if ops.norm_folding(be, h, self.wo[0]):  # norm_stats "fold" on these rows: norm weights in wqkv / w13
+        if ops.norm_folding(be, h, self.wo[0]):  # folded norms on these rows: norm weights in wqkv / w13
             fq, f13 = self.norm_folded_weights()
         captured = []
         for i in range(c.num_hidden_layers):
