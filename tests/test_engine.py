@@ -409,9 +409,12 @@ def test_padded_prefill_shapes():
 # whatever the buffer held; the layers after it may overflow on them (never read, rows independent).
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter path; CUDA runs test_cuda_graphs_match_eager")
-def test_triton_kernels_with_bucket_padding(tiny):
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_triton_kernels_with_bucket_padding(tiny, exact, kernel_options):
     """The Triton kernels (interpreter on the CPU) through the padded shapes a CUDA graph replays:
-    padding rows with T_b = 0, kv_len 0 and slot -1 must not disturb the real rows."""
+    padding rows with T_b = 0, kv_len 0 and slot -1 must not disturb the real rows; also with
+    engine.exact's kernels."""
+    kernel_options.set_(exact=exact)
     model = tiny_model(layers=1, backend="triton")
     ref_model = tiny_model(layers=1, backend="torch")
     prompts = rand_prompts([3, 20, 7], seed=1)

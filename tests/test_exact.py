@@ -475,3 +475,68 @@ def test_model_token_bits_independent_of_how_it_is_computed(family, kernel_optio
     for way, got in ways.items():
         for name, a, b in zip(("logits", "captured", "K", "V"), got, ref):
             assert torch.equal(a, b), f"{way}: {name} differs by {(a - b).abs().max():.2e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine end to end (CPU interpreter, fp32)
+# ------------------------------------------------------------------------------------------------
+
+
+class Counted:
+    """Counts the calls of kernels_triton functions on the engine's path (monkeypatched wrappers)."""
+
+    def __init__(self, monkeypatch):
+        from kernels_triton import linear as lin
+
+        self.calls = {"exact_gemm": 0, "exact_attention": 0, "fused": 0}
+        for key, mod, name in (("exact_gemm", linear_exact, "linear_exact"),
+                               ("exact_attention", attention_exact, "paged_attention_exact"),
+                               ("fused", lin, "norm_qkv_rope_write_kv_")):
+            monkeypatch.setattr(mod, name, self.wrap(key, getattr(mod, name)))
+
+    def wrap(self, key, fn):
+        def wrapper(*a, **kw):
+            self.calls[key] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+
+@cpu_only
+def test_engine_plain_greedy_alone_equals_batched_in_exact_mode(kernel_options, monkeypatch):
+    """Plain greedy decoding one request at a time and all at once (other batches, other prefill chunks)
+    gives the reference's tokens with exact on, the target running only the exact GEMM and attention."""
+    from test_engine import reference, tiny_model
+    from test_spec import repetitive_prompts, run_engine
+
+    counted = Counted(monkeypatch)
+    kernel_options.set_(exact=True)
+    model = tiny_model(layers=2, backend="triton")
+    prompts = repetitive_prompts(2, seed=4)
+    want = [reference(tiny_model(layers=2), p, 6) for p in prompts]
+    alone = [run_engine(model, [p], 6)[0][0] for p in prompts]
+    together, _ = run_engine(model, prompts, 6)
+    assert alone == together == want
+    assert counted.calls["exact_gemm"] > 0 and counted.calls["exact_attention"] > 0 and counted.calls["fused"] == 0
+
+
+@cpu_only
+@pytest.mark.parametrize("exact", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["exact", "default"])
+def test_engine_speculative_greedy_identity_in_both_modes(exact, kernel_options, monkeypatch):
+    """n-gram chains and EAGLE-3 trees (k switching on and off) give plain greedy's tokens with exact on and
+    off; the EAGLE-3 head runs its default fused kernels in both (a draft need not be exact)."""
+    from test_engine import reference, tiny_model
+    from test_spec import repetitive_prompts, run_engine, tiny_head
+
+    from specdec.spec import Eagle3Drafter, NgramDrafter
+
+    counted = Counted(monkeypatch)
+    kernel_options.set_(exact=exact)
+    model = tiny_model(layers=2, backend="triton")
+    prompts = repetitive_prompts(2, seed=4)
+    want = [reference(tiny_model(layers=2), p, 6) for p in prompts]
+    ngram, engine = run_engine(model, prompts, 6, drafter=NgramDrafter(), ks=(3,), k_of_step=lambda i: 3)
+    assert ngram == want and max(engine.accepted) >= 1
+    drafter = Eagle3Drafter(tiny_head(model), model, topk=2, steps=2, num_draft_tokens=4)
+    eagle, _ = run_engine(model, prompts, 6, drafter=drafter, ks=(4,), k_of_step=lambda i: 4 if i % 3 else 0)
+    assert eagle == want
+    assert counted.calls["fused"] > 0 and (counted.calls["exact_attention"] > 0) == exact
