@@ -2,7 +2,7 @@
 
     specdec run +experiment=NAME [overrides]     serve a workload (= python -m specdec.run)
     specdec train +experiment=NAME [overrides]   train an EAGLE-3 head (= python -m specdec.train)
-    specdec report RUN_DIRS... [--out DIR]       tables and plots from run directories
+    specdec report RUN_DIRS... [--out DIR]       tables and plots from run directories (figures to the ledger)
     specdec fetch                                fill the asset cache (model, prompt sets)
 
 Hydra reads its overrides from ``sys.argv``, so ``run`` and ``train`` hand over the rest of the
@@ -16,7 +16,8 @@ import sys
 COMMANDS = {
     "run": "serve a workload: specdec run +experiment=NAME [overrides]",
     "train": "train an EAGLE-3 head: specdec train +experiment=train_eagle3_smollm2",
-    "report": "tables and plots from run directories: specdec report RUN_DIRS... --out DIR",
+    "report": "tables and plots from run directories, each figure appended to experiments/results/ledger.csv: "
+              "specdec report RUN_DIRS... --out DIR [--no-ledger]",
     "fetch": "fill the asset cache (SmolLM2-135M-Instruct, HumanEval, MT-bench)",
 }
 
