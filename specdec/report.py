@@ -37,6 +37,10 @@ Default report, each part only when the runs hold it:
   same C (experiment=k0_cost interleaves them): each drafter run's tok/s (and decode-only tok/s) over
   the mean of the draft=none runs adjacent to it in run order, per C and drafter, with the spread of
   the draft=none runs beside it; and every run in order (see ``paired_off_cost``).
+- Exact mode's cost (paired): runs with ``engine.exact=true`` beside their twins (the same settings with
+  ``engine.exact=false``, same sweep folder; experiment=exact_cost): tok/s of each, their ratio, each mode's
+  speed-up over its own plain run, and how many outputs equal plain greedy's at C = 1 of the same mode
+  (requests.jsonl, by request id).
 - Step time vs weight-bandwidth floor: runs with ``engine.profile_steps`` (metrics ``step_floor``):
   one row per target x decode batch: graphed step ms, the floor (weight bytes / measured copy
   bandwidth) and the fraction of it reached.
@@ -1245,6 +1249,111 @@ def off_cost_tables(runs: list[Run]) -> list[Table]:
     return tables
 
 
+EXACT = "engine.exact"  # the batch-invariant kernels (kernels_triton/options.py); exact_cost_table pairs on it
+
+
+def _request_outputs(run: Run) -> dict | None:
+    """{request id: output token ids} of the run's requests.jsonl (failed requests left out), the ids of
+    cycled repeats (``ID#n``, ``ID@n``) reduced to the prompt's; None without the file."""
+    path = run.path / "requests.jsonl"
+    if not path.is_file():
+        return None
+    out: dict = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "error" not in rec and "id" in rec:
+            out.setdefault(re.split(r"[#@]", str(rec["id"]))[0], []).append(rec.get("output_ids"))
+    return out
+
+
+def _same_outputs(run: Run, ref: Run) -> tuple[int, int] | None:
+    """(requests of ``run`` whose output ids equal ``ref``'s for the same prompt, requests compared)."""
+    a, b = _request_outputs(run), _request_outputs(ref)
+    if not a or not b:
+        return None
+    pairs = [(x, b[k][0]) for k, xs in a.items() if k in b for x in xs]
+    return sum(x == y for x, y in pairs), len(pairs)
+
+
+def _plain_at_one(run: Run, runs: list[Run]) -> Run | None:
+    """The plain run at C = 1 that ``run``'s outputs are checked against: same origin and settings apart
+    from draft, policy, the concurrency and what follows it (engine.max_batch_size); else the run's own
+    plain baseline."""
+    skip = ("workload.concurrency", "engine.max_batch_size")
+
+    def key(r: Run) -> str:
+        return _h({k: v for k, v in r.settings.items() if not k.startswith(SPEC_ONLY) and k not in skip})
+
+    k = key(run)
+    at_one = [b for b in runs if is_baseline(b) and _concurrency(b) == 1 and key(b) == k]
+    return (at_one or baselines(run, runs) or [None])[0]
+
+
+def exact_cost_table(runs: list[Run]) -> Table | None:
+    """Exact mode against the default kernels, paired (experiment=exact_cost): each run with
+    engine.exact=true beside its twin(s), the runs of the same origin with the same settings but
+    engine.exact=false; per row (repeats averaged) both modes' tok/s, exact / default, each mode's
+    speed-up over its own plain run, and the share of outputs equal to plain greedy at C = 1 of the same
+    mode (:func:`_plain_at_one`). None without such a pair."""
+    def twin(r: Run) -> str:
+        return _h({k: v for k, v in r.settings.items() if k != EXACT})
+
+    modes: dict[str, dict[bool, list[Run]]] = {}
+    for r in runs:
+        if isinstance(r.get(EXACT), bool):
+            modes.setdefault(twin(r), {}).setdefault(r.get(EXACT), []).append(r)
+    paired = [r for m in modes.values() if m.get(True) and m.get(False) for r in m[True] + m[False]]
+    if not paired:
+        return None
+    desc = ["Workload", "Target", "Drafter", "Policy", "T"]
+    extras = [k for k in distinguishing_keys(paired, ignore=(EXACT, *REPEAT_KEYS))
+              if k == "workload.concurrency" or not follows_concurrency(paired, k)]
+    groups = _merge(paired, lambda r: _label_values(r, desc, extras))
+    rows, figures = [], []
+    for key, rs in groups:
+        cells = []
+        for mode in (False, True):
+            mine = [r for r in rs if r.get(EXACT) is mode]
+            same = []
+            for r in mine:
+                ref = _plain_at_one(r, runs)
+                got = _same_outputs(r, ref) if ref is not None and ref is not r else None
+                if got is not None:
+                    same.append(got)
+            n_same, n_all = sum(s[0] for s in same), sum(s[1] for s in same)
+            cells.append((_mean(r.metrics.get("output_tok_per_s") for r in mine),
+                          _mean(speedup(r, runs) for r in mine) if is_spec(rs[0]) else None,
+                          f"{n_same}/{n_all}" if n_all else "-", len(mine)))
+            if n_all:
+                figures += [(r, "outputs_identical_to_plain_c1", n_same / n_all) for r in mine]
+        ratio = cells[1][0] / cells[0][0] if cells[0][0] and cells[1][0] is not None else None
+        for r in rs:
+            if r.get(EXACT) is True and ratio is not None:
+                figures.append((r, "exact_over_default_tok_per_s", ratio))
+        tok = format_column([cells[0][0], cells[1][0]])
+        rows.append([_show(v) for v in key] + [f"{cells[0][3]} + {cells[1][3]}", tok[0], tok[1],
+                                               "-" if ratio is None else f"{ratio:.3f}",
+                                               *format_column([cells[0][1], cells[1][1]], "speedup"),
+                                               cells[0][2], cells[1][2]])
+    columns = _label_columns(desc, extras) + [
+        Column("runs", None, "r"), Column("default tok/s", None, "r"), Column("exact tok/s", None, "r"),
+        Column("exact / default", None, "r"), Column("speed-up default", None, "r"),
+        Column("speed-up exact", None, "r"), Column("= plain C=1, default", None, "r"),
+        Column("= plain C=1, exact", None, "r")]
+    caption = ("Exact mode's cost (engine.exact: batch-invariant kernels, so bf16 greedy speculative output is "
+               "plain greedy's bit for bit): each row's exact runs and their default twins (same settings and "
+               "sweep folder, engine.exact=false), output tok/s of each mode (mean of repeats), their ratio, each "
+               "mode's speed-up over its own plain run, and how many requests' outputs equal the same mode's "
+               "plain greedy run at C = 1 (requests.jsonl, by prompt; a C = 1 plain run is compared with itself "
+               "out, \"-\"). Targets: exact / default >= 0.90 at C = 1 and >= 0.85 under load; every exact "
+               "output equal to plain C = 1.")
+    return Table("Exact mode: cost against the default kernels", caption, "exactcost", columns, rows,
+                 figures=figures)
+
+
 def step_breakdown_table(runs: list[Run]) -> Table | None:
     """The speculative step per k split into draft / verify / commit beside the plain step (runs with
     ``engine.profile_spec_steps``; experiment=step_8b), with the speed-up replayed acceptance implies."""
@@ -1789,7 +1898,7 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
                 figures.append((f"Crossover, replayed acceptance: {label}", names[0]))
                 plot_files += names
         tables += off_cost_tables(runs)
-        for extra in (step_breakdown_table(runs), step_floor_table(runs), switch_table(runs),
+        for extra in (exact_cost_table(runs), step_breakdown_table(runs), step_floor_table(runs), switch_table(runs),
                       policy_switch_table(runs)):
             if extra is not None:
                 tables.append(extra)

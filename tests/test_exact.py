@@ -76,6 +76,7 @@ def test_linear_exact_launch_is_the_same_at_every_m(monkeypatch, dtype):
         assert dict(rec.calls[0][1])["BLOCK_M"] == cfg["BLOCK_M"]  # a 1-row launch pads to the same row block
 
 
+@cpu_only  # CPU tensors on the "triton" backend: the interpreter
 def test_ops_route_every_projection_through_linear_exact(kernel_options):
     """Exact mode on the Triton backend: no fused small-M body at any M, no norm folding, no cuBLAS; inside
     ops.approximate() (the draft) and with exact off, the default routing."""
@@ -148,6 +149,7 @@ def test_attention_exact_launch_is_the_same_for_every_query_count_batch_and_tree
         assert {kw["PARALLEL"] for _, kw in fwd.calls} <= {True, False}
 
 
+@cpu_only  # CPU tensors on the "triton" backend: the interpreter
 def test_ops_attention_routes_exact_except_windowed_draft_rounds(monkeypatch, kernel_options):
     rec = record(monkeypatch, attention_exact, "_attention_exact_kernel", "_attention_exact_merge_kernel")
     from kernels_triton import attention
@@ -203,7 +205,8 @@ def test_linear_exact_rows_are_bit_identical_at_any_m_and_position(dtype):
     full = linear_exact.linear_exact(x, w, add)
     torch.testing.assert_close(full.float(), linear_exact.linear_exact_ref(x, w, add).float(), atol=2e-3, rtol=2e-3)
     for M, start in ((1, 0), (1, 37), (3, 5), (7, 60), (17, 2), (64, 6)):
-        assert torch.equal(linear_exact.linear_exact(x[start:start + M], w, add[start:start + M]), full[start:start + M])
+        rows = slice(start, start + M)
+        assert torch.equal(linear_exact.linear_exact(x[rows], w, add[rows]), full[rows])
 
 
 def _ancestors(parents):
@@ -305,7 +308,8 @@ def test_moe_exact_token_bits_independent_of_token_count(kernel_options):
     g = torch.Generator().manual_seed(5)
     E, K, H, F = 6, 2, 40, 24
     x = torch.randn(40, H, generator=g)
-    rw, w13, w2 = torch.randn(E, H, generator=g), torch.randn(E, 2 * F, H, generator=g) / 6, torch.randn(E, H, F, generator=g) / 5
+    rw = torch.randn(E, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * F, H, generator=g) / 6, torch.randn(E, H, F, generator=g) / 5
     with kernel_options.use(exact=True):
         full = moe.fused_moe(x, rw, w13, w2, K, True)
         for start, T in ((0, 1), (9, 1), (3, 5), (17, 20)):
@@ -343,11 +347,13 @@ TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
 
 
 class Pool:
-    """A KV pool whose requests get pages in scrambled order."""
+    """A KV pool of random values (stand-ins for other requests' keys) whose requests get pages in
+    scrambled order."""
 
     def __init__(self, model, n_pages=160, PS=4, seed=0):
         self.PS, self.dev = PS, model.device
-        self.k, self.v = model.new_kv_cache(n_pages, PS)
+        g = torch.Generator(device=model.device).manual_seed(seed)
+        self.k, self.v = (t.normal_(generator=g) for t in model.new_kv_cache(n_pages, PS))
         self.free = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed)).tolist()
 
     def pages(self, n_slots):
@@ -356,22 +362,19 @@ class Pool:
     def slot(self, pages, s):
         return pages[s // self.PS] * self.PS + s % self.PS
 
+    def slots(self, pages, n):
+        return torch.tensor([self.slot(pages, s) for s in range(n)], device=self.dev)
+
     def kv(self, pages, s):
+        """(K, V) [L, HKV, D] of logical slot s of a request."""
         sl = self.slot(pages, s)
         return self.k[:, sl // self.PS, sl % self.PS].clone(), self.v[:, sl // self.PS, sl % self.PS].clone()
 
     def copy_(self, src, src_pages, pages, n):
-        """Slots 0 .. n-1 of a request of ``src`` into ``pages`` of this pool (bit copies)."""
-        for s in range(n):
-            a, b = src.slot(src_pages, s), self.slot(pages, s)
-            for mine, theirs in ((self.k, src.k), (self.v, src.v)):
-                mine[:, b // self.PS, b % self.PS] = theirs[:, a // src.PS, a % src.PS]
-
-    def fill_(self, pages, n, g):
-        for s in range(n):
-            b = self.slot(pages, s)
-            for t in (self.k, self.v):
-                t[:, b // self.PS, b % self.PS] = torch.randn(t.shape[0], *t.shape[3:], generator=g)
+        """Slots 0 .. n-1 of a request of pool ``src`` into ``pages`` of this pool (bit copies)."""
+        a, b = src.slots(src_pages, n), self.slots(pages, n)
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
+            mine.flatten(1, 2)[:, b] = theirs.flatten(1, 2)[:, a]
 
 
 def forward(model, pool, reqs, capture=(0, 1)):
@@ -399,66 +402,73 @@ def forward(model, pool, reqs, capture=(0, 1)):
     return model.logits(out.hidden), out.captured, rows
 
 
-def _token_ways(model, n=29, L0=22, seed=1):
-    """Token n - 1 of a random sequence computed as: the last row of one prefill chunk (the reference), the
-    last row of a second chunk, a decode step, a decode row of batches of 3 and 7, the deepest path node of a
-    12-node tree alone and in a batch of 3. Returns {way: (logits, captured, K, V)} and the reference."""
+def _token_ways(model, n, chunk_from, batches, trees, PS=4, n_pages=160, seed=1):
+    """Token n - 1 of a random sequence computed as: the last row of one prefill chunk of all n tokens (the
+    reference), the last row of a chunk from ``chunk_from``, a decode row of batches (B, our row) of other
+    requests' decode rows, and the deepest path node of trees (T, path, B, our row) in batches of trees
+    (path d holds token n - len(path) + d; the other nodes sit between and after its ancestors).
+    Returns {way: (logits, captured, K, V)} and the reference's."""
     g = torch.Generator().manual_seed(seed)
-    toks = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+    V = model.config.vocab_size
+    toks = torch.randint(0, V, (n,), generator=g).tolist()
     p = n - 1
 
-    def causal(pages, lo, hi):
-        return dict(pages=pages, ids=toks[lo:hi], pos=list(range(lo, hi)), slots=list(range(lo, hi)), kv_len=hi)
+    def rand_ids(k):
+        return torch.randint(0, V, (k,), generator=g).tolist()
 
-    ref_pool = Pool(model, seed=0)
-    ref_pages = ref_pool.pages(n + 16)
-    lg, cap, _ = forward(model, ref_pool, [causal(ref_pages, 0, n)])
+    ref_pool = Pool(model, n_pages, PS, seed=0)
+    ref_pages = ref_pool.pages(n)
+    lg, cap, _ = forward(model, ref_pool, [dict(pages=ref_pages, ids=toks, pos=list(range(n)), slots=list(range(n)),
+                                                kv_len=n)])
     ref = (lg[p], cap[p], *ref_pool.kv(ref_pages, p))
     ways = {}
-    pool = Pool(model, seed=1)
-    pages = pool.pages(n + 16)
-    pool.copy_(ref_pool, ref_pages, pages, 9)
-    lg, cap, _ = forward(model, pool, [causal(pages, 9, n)])
-    ways["prefill chunk 9..28"] = (lg[-1], cap[-1], *pool.kv(pages, p))
-    for B, me in ((1, 0), (3, 1), (7, 5)):
-        pool = Pool(model, seed=2 + B)
+    pool = Pool(model, n_pages, PS, seed=1)
+    pages = pool.pages(n)
+    pool.copy_(ref_pool, ref_pages, pages, chunk_from)
+    lg, cap, _ = forward(model, pool, [dict(pages=pages, ids=toks[chunk_from:], pos=list(range(chunk_from, n)),
+                                            slots=list(range(chunk_from, n)), kv_len=n)])
+    ways[f"prefill chunk {chunk_from}..{p}"] = (lg[-1], cap[-1], *pool.kv(pages, p))
+    for B, me in batches:
+        pool = Pool(model, n_pages, PS, seed=2 + B)
         reqs = []
         for b in range(B):
+            m = n if b == me else int(torch.randint(2, n + 40, (1,), generator=g))
+            pg = pool.pages(m)
             if b == me:
-                mine = pool.pages(n + 16)
-                pool.copy_(ref_pool, ref_pages, mine, p)
-                reqs.append(causal(mine, p, n))
-            else:
-                m = int(torch.randint(2, 40, (1,), generator=g))
-                pg = pool.pages(m + 1)
-                pool.fill_(pg, m, g)
-                reqs.append(dict(pages=pg, ids=[int(torch.randint(0, 128, (1,), generator=g))], pos=[m], slots=[m],
-                                 kv_len=m + 1))
+                pool.copy_(ref_pool, ref_pages, pg, p)
+                mine = pg
+            reqs.append(dict(pages=pg, ids=toks[p:] if b == me else rand_ids(1), pos=[m - 1], slots=[m - 1], kv_len=m))
         lg, cap, rows = forward(model, pool, reqs)
         r = rows[me][0]
-        ways[f"decode, batch of {B}"] = (lg[r], cap[r], *pool.kv(mine, p))
-    T, path = 12, [0, 2, 3, 6, 8, 9, 11]  # path node d holds token L0 + d
-    masks = _ancestors(_tree_with_path(T, path, g))
-    depth = [bin(m).count("1") - 1 for m in masks]
-    for B, me in ((1, 0), (3, 2)):
-        pool = Pool(model, seed=20 + B)
+        ways[f"decode, row {me} of {B}"] = (lg[r], cap[r], *pool.kv(mine, p))
+    for T, path, B, me in trees:
+        L0 = n - len(path)
+        masks = _ancestors(_tree_with_path(T, path, g))
+        depth = [bin(m).count("1") - 1 for m in masks]
+        pool = Pool(model, n_pages, PS, seed=20 + T + B)
         reqs = []
         for b in range(B):
-            pg = pool.pages(L0 + T + 16)
-            tt = torch.randint(0, 128, (T,), generator=g).tolist()
+            pg = pool.pages(L0 + T)
+            tt = rand_ids(T)
             if b == me:
                 pool.copy_(ref_pool, ref_pages, pg, L0)
                 for d, node in enumerate(path):
                     tt[node] = toks[L0 + d]
                 mine = pg
-            else:
-                pool.fill_(pg, L0, g)
             reqs.append(dict(pages=pg, ids=tt, pos=[L0 + d for d in depth], slots=[L0 + i for i in range(T)],
                              kv_len=L0 + T, mask=masks))
         lg, cap, rows = forward(model, pool, reqs)
         r = rows[me][path[-1]]
-        ways[f"tree of {T}, batch of {B}"] = (lg[r], cap[r], *pool.kv(mine, L0 + path[-1]))
+        ways[f"tree of {T}, node {path[-1]} at depth {len(path) - 1}, request {me} of {B}"] = (
+            lg[r], cap[r], *pool.kv(mine, L0 + path[-1]))
     return ways, ref
+
+
+def assert_same_bits(ways, ref):
+    bad = [f"{way}: {name} differs by {(a.float() - b.float()).abs().max():.2e}"
+           for way, got in ways.items() for name, a, b in zip(("logits", "captured", "K", "V"), got, ref)
+           if not torch.equal(a, b)]
+    assert not bad, "\n".join(bad)
 
 
 @cpu_only
@@ -471,10 +481,10 @@ def test_model_token_bits_independent_of_how_it_is_computed(family, kernel_optio
                                              num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=(1,))
     kernel_options.set_(exact=True)
     model = TransformerModel.random(ModelConfig(**{**TINY, **over}), dtype="float32", seed=0, backend="triton")
-    ways, ref = _token_ways(model)
-    for way, got in ways.items():
-        for name, a, b in zip(("logits", "captured", "K", "V"), got, ref):
-            assert torch.equal(a, b), f"{way}: {name} differs by {(a - b).abs().max():.2e}"
+    ways, ref = _token_ways(model, n=29, chunk_from=9, batches=((1, 0), (3, 1), (7, 5)),
+                            trees=((12, [0, 2, 3, 6, 8, 9, 11], 1, 0), (12, [0, 2, 3, 6, 8, 9, 11], 3, 2)))
+    assert len(ways) == 6
+    assert_same_bits(ways, ref)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -540,3 +550,137 @@ def test_engine_speculative_greedy_identity_in_both_modes(exact, kernel_options,
     eagle, _ = run_engine(model, prompts, 6, drafter=drafter, ks=(4,), k_of_step=lambda i: 4 if i % 3 else 0)
     assert eagle == want
     assert counted.calls["fused"] > 0 and (counted.calls["exact_attention"] > 0) == exact
+
+
+# ------------------------------------------------------------------------------------------------
+# On the GPU (bf16)
+# ------------------------------------------------------------------------------------------------
+
+LLAMA8B_2L = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, head_dim=128, rope_theta=500000.0,
+                  max_position_embeddings=8192)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_llama8b_shape_bf16_token_bits_independent_of_how_it_is_computed(kernel_options):
+    """Llama-3.1-8B widths (2 of its 32 layers, random weights), bf16, exact on, graphless: token 699's logits,
+    captured residual streams and K / V are torch.equal between a prefill chunk, a decode step in batches of
+    1, 7 and 64 rows, and the deepest node of a 16- and a 48-node tree, alone and in a batch of 4 trees. Its
+    prefix spans two attention splits (512 keys each)."""
+    kernel_options.set_(exact=True)
+    model = TransformerModel.random(ModelConfig(**LLAMA8B_2L), device="cuda", dtype="bfloat16", seed=0)
+    path16 = [0, 1, 4, 5, 9, 12, 15]  # depth 6
+    path48 = [0, 2, 3, 7, 11, 12, 18, 25, 26, 33, 40, 41, 47]  # depth 12
+    ways, ref = _token_ways(model, n=700, chunk_from=300, PS=16, n_pages=4096,
+                            batches=((1, 0), (7, 3), (64, 41)),
+                            trees=((16, path16, 1, 0), (48, path48, 1, 0), (16, path16, 4, 1), (48, path48, 4, 3)))
+    assert_same_bits(ways, ref)
+    # the default mode is what it was (the fused 1-row GEMV, split-count attention, cuBLAS) and differs
+    kernel_options.set_(exact=False)
+    ways, ref = _token_ways(model, n=700, chunk_from=300, PS=16, n_pages=4096, batches=((1, 0),),
+                            trees=((16, path16, 1, 0),))
+    assert any(not torch.equal(a, b) for got in ways.values() for a, b in zip(got, ref)), \
+        "the default kernels were expected to round some of these differently"
+
+
+SMOLLM2_PROMPTS = (
+    "Write a Python function that returns the sum of a list of numbers.",
+    "def is_palindrome(s: str) -> bool:\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about speculative decoding.",
+    "from typing import List\n\ndef running_max(xs: List[int]) -> List[int]:\n",
+    "List three prime numbers greater than 100 and say why each is prime.",
+    "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat",
+    "Write a SQL query that counts the orders per customer in a table orders(id, customer_id).",
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_smollm2_bf16_speculative_greedy_equals_plain_in_exact_mode(smollm2_path, smollm2_tokenizer, kernel_options):
+    """SmolLM2 in bf16 with CUDA graphs, exact on: plain greedy at batch 1 is the reference; plain greedy with
+    16 requests in flight (24 requests, so batches and their padding keep changing), the committed EAGLE-3
+    head's tree16 and n-gram chains, each at batch 1 and at 16 in flight, give the same tokens bit for bit."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.models.llama import LlamaModel
+    from specdec.policy import Always
+    from specdec.spec import NgramDrafter, build_drafter
+
+    ckpt = Path(__file__).resolve().parents[1] / "checkpoints" / "eagle3-smollm2-135m"
+    if not (ckpt / "config.json").exists():
+        pytest.skip(f"the committed EAGLE-3 head is not staged at {ckpt}")
+    kernel_options.set_(exact=True)
+    model = LlamaModel.from_pretrained(smollm2_path, device="cuda", dtype="bfloat16", backend="auto")
+    prompts = [smollm2_tokenizer.encode_chat([{"role": "user", "content": c}]) for c in SMOLLM2_PROMPTS]
+    max_new = 64
+
+    def serve(requests, max_batch, drafter=None, policy=None):
+        cfg = EngineConfig(max_batch_size=max_batch, kv_cache_tokens=16384, graph_buckets=(1, 4, 16),
+                           prefill_buckets=(), prefill_fit=False)
+        engine = Engine(model, cfg, eos_ids=[2], drafter=drafter, policy=policy)
+        reqs = [engine.add_request(p, max_new) for p in requests]
+        engine.run_until_done()
+        return [r.output_ids for r in reqs]
+
+    want = serve(prompts, 1)
+    loaded = prompts * 3
+    got = {"plain, 16 in flight": serve(loaded, 16)}
+    eagle = OmegaConf.create({"name": "eagle3", "path": str(ckpt), "topk": 4, "steps": 5, "num_draft_tokens": 16})
+    for B, requests in ((1, prompts), (16, loaded)):
+        drafter = build_drafter(eagle, model, device=model.device, dtype=torch.bfloat16, backend=model.backend)
+        got[f"EAGLE-3 tree16, {B} in flight"] = serve(requests, B, drafter, Always(16))
+        got[f"n-gram, {B} in flight"] = serve(requests, B, NgramDrafter(), Always(4))
+    for name, outs in got.items():
+        expect = want * (len(outs) // len(want))
+        diff = [i for i, (a, b) in enumerate(zip(outs, expect)) if a != b]
+        assert not diff, f"{name}: {len(diff)} of {len(outs)} outputs differ from plain greedy at batch 1 ({diff})"
+
+
+# ------------------------------------------------------------------------------------------------
+# The report pairs each exact run with its default twin
+# ------------------------------------------------------------------------------------------------
+
+
+def test_report_pairs_exact_runs_with_their_default_twins(tmp_path):
+    """experiment=exact_cost's report: per method and C, default and exact tok/s, their ratio, speed-ups, and
+    how many outputs equal plain greedy at C = 1 of the same mode (here the default EAGLE-3 runs differ on
+    one request, the exact ones on none); config engine.exact is what pairs them."""
+    import json
+
+    from test_report import _edit_config, make_run, table
+
+    from specdec import report
+
+    outs = {"a": [1, 2, 3], "b": [4, 5], "c": [6]}
+    n = 0
+    for C in (1, 16):
+        for method in ("plain", "eagle3"):
+            for exact in (False, True):
+                spec = method == "eagle3"
+                tok = (100.0 if C == 1 else 900.0) * (2.5 if spec else 1.0) * (0.9 if exact else 1.0)
+                path = make_run(tmp_path / "exact_cost" / str(n), tok_s=tok, draft=method if spec else "none",
+                                policy="always" if spec else "never", concurrency=C, k=16)
+                n += 1
+                _edit_config(path, engine={"exact": exact, "max_batch_size": C})
+                ids = ["a", "b", "c"] + (["a#1", "b#1"] if C == 16 else [])
+                with open(path / "requests.jsonl", "w") as f:
+                    for i in ids:
+                        wrong = spec and not exact and i == "b#1"  # a default-mode near-tie flipped under load
+                        f.write(json.dumps({"id": i, "output_ids": [9] if wrong else outs[i.split("#")[0]]}) + "\n")
+    md, _ = report.build_report(report.load_runs([tmp_path / "exact_cost"]), tmp_path / "out")
+    rows = table(md, "Exact mode: cost against the default kernels")
+    assert len(rows) == 1 + 4  # plain and EAGLE-3 at C = 1 and 16
+    assert set(map(float, report_col(rows, "exact / default"))) == {0.9}
+    assert report_col(rows, "runs") == ["1 + 1"] * 4
+    same_default, same_exact = report_col(rows, "= plain C=1, default"), report_col(rows, "= plain C=1, exact")
+    assert sorted(same_exact) == ["-", "3/3", "5/5", "5/5"] and sorted(same_default) == ["-", "3/3", "4/5", "5/5"]
+    assert report_col(rows, "speed-up exact").count("2.50×") == 2  # each mode over its own plain run
+
+
+def report_col(rows, header):
+    return [r[rows[0].index(header)] for r in rows[1:]]
