@@ -1347,9 +1347,8 @@ def exact_cost_table(runs: list[Run]) -> Table | None:
                "plain greedy's bit for bit): each row's exact runs and their default twins (same settings and "
                "sweep folder, engine.exact=false), output tok/s of each mode (mean of repeats), their ratio, each "
                "mode's speed-up over its own plain run, and how many requests' outputs equal the same mode's "
-               "plain greedy run at C = 1 (requests.jsonl, by prompt; a C = 1 plain run is compared with itself "
-               "out, \"-\"). Targets: exact / default >= 0.90 at C = 1 and >= 0.85 under load; every exact "
-               "output equal to plain C = 1.")
+               "plain greedy run at C = 1 (requests.jsonl, by prompt; \"-\" for that plain run itself). Targets: "
+               "exact / default >= 0.90 at C = 1 and >= 0.85 under load; every exact output equal to plain C = 1.")
     return Table("Exact mode: cost against the default kernels", caption, "exactcost", columns, rows,
                  figures=figures)
 
