@@ -25,6 +25,11 @@ Experts read: every MoE layer adds the number of (token, slot) pairs routed to e
 count of distinct experts per layer (hits > 0) is added to ``moe_counts`` and the hits are zeroed, on
 the device and inside whatever graph replays the forward (no host sync). :meth:`moe_stats` reads the
 means (one sync: at the end of a run or a profile), :meth:`reset_moe_stats_` starts a window.
+
+Routing: a random-weight MoE target may route by a stated model instead of its random router
+(``routing``, an ExpertSteering of specdec/models/routing.py, set by apply_routing_; None: the router's
+own choice): each forward selects its tokens' experts once, and every MoE layer's router input is
+steered to them.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ class ExpertStats:
     its weights (``embed``, ``lm_head``, ``w13`` / ``w2`` per layer), ``moe_slot`` (layer -> MoE row),
     ``kv_bytes_per_token()``, and ``expert_hits`` int32 [L_moe, E] and ``moe_counts`` int64 [L_moe + 2]
     buffers (init_expert_stats_)."""
+
+    routing = None  # ExpertSteering (specdec/models/routing.py) or None: the router's own choice
+    _selection = None  # the steered routing's [N, E] selection of the forward under way
 
     def init_expert_stats_(self, n_moe_layers: int, n_experts: int, device=None) -> None:
         self.register_buffer("expert_hits", torch.zeros(n_moe_layers, n_experts, dtype=torch.int32, device=device),
@@ -274,6 +282,8 @@ class TransformerModel(ExpertStats, nn.Module):
         """MoE layer i over the attention block's output: (experts' output [N, H], s = h + residual)."""
         c, j = self.config, self.moe_slot[i]
         y, s = ops.add_rms_norm(h, residual, self.mlp_norm[i], c.rms_norm_eps, backend=self.backend)  # [N, H]
+        if self._selection is not None:
+            y = self.routing.steer(j, y, self._selection)  # [N, H] the router input raised toward the selection
         out = ops.moe(y, self.router[j], self.w13[i], self.w2[i], c.num_experts_per_tok, c.norm_topk_prob,
                       expert_hits=self.expert_hits[j], backend=self.backend)  # [N, H]
         return out, s
@@ -286,6 +296,8 @@ class TransformerModel(ExpertStats, nn.Module):
         N = input_ids.shape[0]
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         h = self.embed_tokens(input_ids)  # [N, H]
+        if self.routing is not None:
+            self._selection = self.routing.selection(input_ids, positions, meta)  # [N, E] steered routing
         residual = sumsq = None
         fq = f13 = [None] * c.num_hidden_layers
         if ops.norm_folding(be, h, self.wo[0]):  # folded norms on these rows: norm weights in wqkv / w13

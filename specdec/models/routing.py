@@ -1,0 +1,297 @@
+"""Expert routing of a random-weight MoE target that is not only uniform: ``target.routing``.
+
+Random router weights send every token to K experts about uniformly and independently of its
+neighbours. Trained routers are skewed (some experts are picked far more often than others) and a
+request's consecutive tokens share experts. Both shrink the number of distinct experts a batch reads,
+which is what an MoE verify of B x (k + 1) tokens pays for, so a study under uniform routing overstates
+the cost of speculation at small batches. ``target.routing: {kind: zipf, skew: s, reuse: r, seed}``
+routes a random target's tokens by a stated model instead (``kind: uniform``, the default: the random
+router's own choice, and nothing below runs):
+
+  popularity   the expert of popularity rank i (1-based) has weight i^-s; each MoE layer ranks its
+               experts by its own fixed random permutation.
+  working set  each request holds K experts per layer, drawn from the popularity without replacement
+               (Gumbel-top-K), keyed by the request (the first KV page of its row).
+  a token      keeps each expert of its request's working set with probability ``keep`` and fills the
+               rest of its K from the popularity without replacement.
+  reuse r      what ``reuse`` means, measurably: the mean fraction of a token's K experts that the
+               request's previous token also selected. ``keep`` is solved at build time (bisection over
+               the selection below, on a fixed sample of requests) so that consecutive tokens reuse r of
+               their experts. Popular experts recur by chance alone, so the smallest r a skew allows is
+               that chance overlap (keep = 0; ``reuse: null`` takes it); r = 1 routes every token of a
+               request to its working set.
+
+Every draw is a hash of (seed, request, position, token id): a token routes the same way in a prefill
+chunk, a decode step or a verify tree, whatever else the forward holds, and a tree's siblings (different
+tokens at one position) route apart. A token's previous token is the one before it at position p - 1 in
+the request; overlap beyond consecutive tokens is the same as between them (the working set does not
+drift), which the reuse test measures on a tiny model.
+
+How the fused kernel is made to route so (kernels_triton/moe.py computes the logits from its input x,
+x @ W^T for router W [E, H]): the layer's input becomes x + v with v = sum over the selected experts e of
+M P[e], P = (W W^T)^-1 W, whose row e raises expert e's logit by exactly 1 and no other's (it needs
+hidden_size > num_experts, so W has full row rank). The selected experts gain M = MARGIN x the largest
+logit std max_e ||g * w_e|| (g: the layer's RMSNorm weight; a normed row has RMS 1 before it) and win the
+top-K; their routing weights come from the router's own logits. The experts then compute on x + v:
+random weights make the values meaningless anyway, and an MoE layer's cost depends on the routing and the
+shapes only. All layers take one selection per forward, each through its own expert permutation (so the
+distinct experts per layer are the same in every layer).
+
+Cost (a zipf target only): per forward a few dozen small launches on [N, E] (hashing, two top-Ks), per
+MoE layer one [N, E] x [E, H] GEMM; graph-capturable (fixed shapes, constants on the device), no host
+sync. The GEMM rows depend on the batch's shape, so engine.exact refuses it. Real checkpoints and dense
+targets refuse any routing but uniform, as does tensor parallelism (the shard's forward does not steer).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+KINDS = ("uniform", "zipf")
+KEYS = ("kind", "skew", "reuse", "seed")
+P31 = 2**31 - 1  # hashes live in [0, 2^31 - 1): a product with a multiplier < 2^31 fits int64
+MARGIN = 16.0  # logit gain of a selected expert, in units of the largest logit std (the spread of E logits ~ 6)
+BIG = 1.0e4  # a kept working-set expert's lead in the selection score over any drawn one
+# The sample keep is solved on: CALIBRATE_REQUESTS requests of CALIBRATE_TOKENS consecutive tokens
+# (~2,000 token pairs: the measured reuse is within ~0.005 of its expectation at K = 8).
+CALIBRATE_REQUESTS = 128
+CALIBRATE_TOKENS = 17
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """``target.routing``: kind uniform | zipf; skew s >= 0 (zipf: weight of rank i is i^-s); reuse r in
+    [chance, 1] or None (zipf: the chance overlap); seed of the hashes and permutations."""
+
+    kind: str = "uniform"
+    skew: float = 0.0
+    reuse: float | None = None
+    seed: int = 0
+
+    @classmethod
+    def of(cls, conf) -> "RoutingConfig":
+        """From a ``target.routing`` mapping (None: uniform); unknown keys and bad values are named."""
+        if conf is None:
+            return cls()
+        d = dict(conf)
+        unknown = sorted(set(d) - set(KEYS))
+        if unknown:
+            raise ConfigError(f"target.routing: unknown keys {unknown}; valid: {', '.join(KEYS)}")
+        kind = str(d.get("kind") or "uniform")
+        if kind not in KINDS:
+            raise ConfigError(f"target.routing.kind={kind!r}; valid: {', '.join(KINDS)}")
+        try:
+            skew = float(d.get("skew") or 0.0)
+            reuse = None if d.get("reuse") is None else float(d["reuse"])
+            seed = int(d.get("seed") or 0)
+        except (TypeError, ValueError):
+            raise ConfigError(f"target.routing: skew and reuse must be numbers, seed an integer; got {d}") from None
+        if not (skew >= 0 and math.isfinite(skew)):
+            raise ConfigError(f"target.routing.skew={skew}: must be a finite number >= 0")
+        if reuse is not None and not 0 <= reuse <= 1:
+            raise ConfigError(f"target.routing.reuse={reuse}: must be in [0, 1] (or null: the chance overlap)")
+        return cls(kind, skew, reuse, seed)
+
+    @property
+    def uniform(self) -> bool:
+        return self.kind == "uniform"
+
+    def label(self) -> str:
+        """"uniform", or "zipf s=1.2 reuse 0.5" (reuse "chance" when null)."""
+        if self.uniform:
+            return "uniform"
+        return f"zipf s={self.skew:g} reuse {'chance' if self.reuse is None else f'{self.reuse:g}'}"
+
+
+# -- hashing (int64 tensors in [0, P31); every op exact, so CPU and GPU draw the same) ---------------
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = (x * 1103515245 + 12345) % P31
+    x = x ^ (x >> 13)
+    x = (x * 1664525 + 1013904223) % P31
+    return x ^ (x >> 11)
+
+
+def _hash(h: torch.Tensor, v) -> torch.Tensor:
+    """h (a hash) combined with v (ints >= 0; the low 31 bits count)."""
+    return _mix(h ^ (v & 0x7FFFFFFF))
+
+
+def _uniform(x: torch.Tensor) -> torch.Tensor:
+    """Hashes -> float32 uniforms in (0, 1) from their top 24 bits (never 0 or 1)."""
+    return (x >> 7).to(torch.float32) * (2.0 ** -24) + 2.0 ** -25
+
+
+def _gumbel(x: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(_uniform(x)))
+
+
+class Selector:
+    """The selection model of the module docstring for E experts, K per token: ``ids(keys, positions,
+    tokens)`` -> [N, K] experts of the base ranking (expert b has popularity rank b + 1). ``keep``: the
+    probability a token keeps each expert of its request's working set."""
+
+    def __init__(self, E: int, K: int, skew: float, seed: int, keep: float = 0.0, device=None):
+        self.E, self.K, self.keep = int(E), int(K), float(keep)
+        rank = torch.arange(1, self.E + 1, dtype=torch.float32, device=device)
+        self.log_pop = -float(skew) * torch.log(rank)  # [E] unnormalised log weights (top-K ignores the sum)
+        e = torch.arange(self.E, dtype=torch.int64, device=device)
+        self.salt_ws = _mix(_mix(e + 1_000_003))  # [E] per-expert salts of the three draws
+        self.salt_tok = _mix(_mix(e + 2_000_003))
+        self.seed = _mix(torch.tensor(int(seed) % P31, dtype=torch.int64, device=device))
+
+    def ids(self, keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """keys, positions, tokens: int64 [N] (request key, position, token id) -> int64 [N, K]."""
+        h_req = _hash(self.seed, keys)  # [N]
+        h_tok = _hash(_hash(h_req, positions), tokens)  # [N]
+        r = _hash(h_tok[:, None], self.salt_tok)  # [N, E]
+        score = self.log_pop + _gumbel(r)  # [N, E] the token's draw
+        if self.keep > 0:
+            ws = self.log_pop + _gumbel(_hash(h_req[:, None], self.salt_ws))  # [N, E] the request's draw
+            member = torch.zeros_like(score).scatter_(1, ws.topk(self.K, dim=-1).indices, 1.0)  # [N, E] 0 / 1
+            kept = (_uniform(_mix(r ^ 0x2545F491)) < self.keep).to(score.dtype) * member  # [N, E]
+            score = score + BIG * kept
+        return score.topk(self.K, dim=-1).indices  # [N, K]
+
+
+def consecutive_reuse(ids: torch.Tensor) -> float:
+    """Mean fraction of a token's experts the previous token also selected, over ids [R, T, K] (R
+    requests of T consecutive tokens)."""
+    R, T, K = ids.shape
+    a, b = ids[:, 1:, :, None], ids[:, :-1, None, :]  # [R, T-1, K, 1], [R, T-1, 1, K]
+    return (a == b).any(-1).float().mean().item()
+
+
+def _sample(E: int, seed: int):
+    """The calibration sample: keys, positions, token ids of CALIBRATE_REQUESTS requests x CALIBRATE_TOKENS
+    consecutive positions (random token ids; keys apart from any a serving engine's pages take)."""
+    R, T = CALIBRATE_REQUESTS, CALIBRATE_TOKENS
+    keys = (torch.arange(R, dtype=torch.int64) + 7_000_000)[:, None].expand(R, T).reshape(-1)
+    pos = (torch.arange(T, dtype=torch.int64) + 100)[None, :].expand(R, T).reshape(-1)
+    tok = _mix(_mix(torch.arange(R * T, dtype=torch.int64) + int(seed) % P31)) % 100_000
+    return keys, pos, tok
+
+
+def measured_reuse(E: int, K: int, skew: float, seed: int, keep: float) -> float:
+    """Consecutive-token reuse of the selection with ``keep`` on the calibration sample."""
+    keys, pos, tok = _sample(E, seed)
+    ids = Selector(E, K, skew, seed, keep).ids(keys, pos, tok)
+    return consecutive_reuse(ids.view(CALIBRATE_REQUESTS, CALIBRATE_TOKENS, K))
+
+
+@functools.lru_cache(maxsize=32)
+def solve_keep(E: int, K: int, skew: float, reuse: float | None, seed: int) -> tuple[float, float, float]:
+    """(keep, the reuse it gives, the chance reuse at keep = 0) for a target ``reuse`` (None: keep 0).
+    The reuse grows with keep (a kept expert is the previous token's too, with probability keep); 16
+    bisection steps on the fixed sample (keep to within 2e-5)."""
+    chance = measured_reuse(E, K, skew, seed, 0.0)
+    if reuse is None:
+        return 0.0, chance, chance
+    if reuse < chance - 0.01:
+        raise ConfigError(f"target.routing.reuse={reuse:g}: below the chance overlap {chance:.3f} of consecutive "
+                          f"tokens at skew {skew:g} ({K} of {E} experts); valid: {chance:.3f} .. 1, or null (chance)")
+    lo, hi = 0.0, 1.0
+    for _ in range(16):
+        mid = (lo + hi) / 2
+        if measured_reuse(E, K, skew, seed, mid) < reuse:
+            lo = mid
+        else:
+            hi = mid
+    keep = (lo + hi) / 2
+    return keep, measured_reuse(E, K, skew, seed, keep), chance
+
+
+class ExpertSteering:
+    """The routing of ``config`` on ``model`` (a TransformerModel with MoE layers): ``selection(input_ids,
+    positions, meta)`` -> the forward's one-hot [N, E] selection in the model dtype (base experts);
+    ``steer(j, y, sel)`` -> MoE layer j's input with the selected experts' logits raised (module docstring)."""
+
+    def __init__(self, model, config: RoutingConfig):
+        c = model.config
+        E, K, H = c.num_experts, c.num_experts_per_tok, c.hidden_size
+        if H <= E:
+            raise ConfigError(f"target.routing.kind={config.kind} steers the router through its input, which needs "
+                              f"hidden_size > num_experts; got {H} <= {E}")
+        self.config = config
+        self.keep, self.reuse, self.chance = solve_keep(E, K, config.skew, config.reuse, config.seed)
+        dev, dtype = model.device, model.dtype
+        self.selector = Selector(E, K, config.skew, config.seed, self.keep, device=dev)
+        gen = torch.Generator().manual_seed(int(config.seed))
+        q, perms, margins = [], [], []
+        with torch.no_grad():
+            for layer in c.moe_layers:
+                j = model.moe_slot[layer]
+                W = model.router[j].detach().float()  # [E, H]
+                g = model.mlp_norm[layer].detach().float()  # [H]
+                M = MARGIN * (W * g).norm(dim=-1).max().item()
+                P = torch.linalg.solve(W @ W.t(), W)  # [E, H]: row e raises logit e by 1, no other
+                perm = torch.randperm(E, generator=gen).to(dev)  # base expert b -> this layer's expert perm[b]
+                q.append((M * P[perm]).to(dtype))
+                perms.append(perm)
+                margins.append(M)
+        self.Q = torch.stack(q)  # [L_moe, E, H]
+        self.perm = torch.stack(perms)  # [L_moe, E]: MoE layer j routes base expert b to its expert perm[j, b]
+        self.margins = margins
+        self.E = E
+
+    def selection(self, input_ids, positions, meta) -> torch.Tensor:
+        """One-hot [N, E] (model dtype) of the experts each token of the forward selects (base ranking)."""
+        N = input_ids.shape[0]
+        rows = meta.page_table.shape[0]
+        tok_row = torch.searchsorted(meta.cu_q_lens[1:].to(torch.int64),
+                                     torch.arange(N, device=input_ids.device), right=True).clamp_(max=rows - 1)  # [N]
+        if meta.page_table.shape[1]:
+            keys = meta.page_table[:, 0].to(torch.int64)[tok_row]  # [N] the row's first page: the request
+        else:
+            keys = tok_row
+        ids = self.selector.ids(keys, positions.to(torch.int64), input_ids.to(torch.int64))  # [N, K]
+        return torch.zeros((N, self.E), dtype=self.Q.dtype, device=input_ids.device).scatter_(1, ids, 1.0)
+
+    def steer(self, j: int, y: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """y [N, H] + sel [N, E] @ Q[j] [E, H]: MoE layer j's router input with the selection's logits raised."""
+        return torch.addmm(y, sel, self.Q[j])
+
+    def describe(self) -> dict:
+        return {"label": self.config.label(), "kind": self.config.kind, "skew": self.config.skew,
+                "reuse": self.reuse, "reuse_asked": self.config.reuse, "keep": self.keep,
+                "chance_reuse": self.chance, "seed": self.config.seed, "margin_logits": max(self.margins)}
+
+
+def apply_routing_(model, target_conf, *, tp_size: int = 1, exact: bool = False) -> None:
+    """Set ``model.routing`` from ``target_conf.routing`` (a random-weight MoE target only; uniform: None,
+    the model untouched). Errors name what does not fit: a real checkpoint, a dense target, tensor
+    parallelism, engine.exact."""
+    config = RoutingConfig.of(target_conf.get("routing"))
+    model.routing = None
+    if config.uniform:
+        return
+    name = target_conf.get("name", "?")
+    if not target_conf.get("random_weights"):
+        raise ConfigError(f"target.routing.kind={config.kind}: routing is a model of a trained router for "
+                          f"random-weight targets; target {name!r} has real weights (its router routes): "
+                          "drop target.routing or set its kind to uniform")
+    if not model.config.moe_layers:
+        raise ConfigError(f"target.routing.kind={config.kind}: target {name!r} has no MoE layers")
+    if tp_size > 1:
+        raise ConfigError(f"target.routing.kind={config.kind} with tp.size={tp_size}: not implemented (the shard's "
+                          "forward does not steer); run it at tp.size=1")
+    if exact:
+        raise ConfigError(f"target.routing.kind={config.kind} with engine.exact=true: the steering GEMM is not "
+                          "batch-invariant; use uniform routing or engine.exact=false")
+    model.routing = ExpertSteering(model, config)
+
+
+def routing_facts(target_conf, model) -> dict:
+    """metrics.json's ``routing`` for a random-weight MoE target ({} otherwise: a dense target, or a real
+    router): the label and, when steered, the solved keep, the reuse it gives and the chance reuse."""
+    if not getattr(model.config, "moe_layers", ()) or not target_conf.get("random_weights"):
+        return {}
+    steering = getattr(model, "routing", None)
+    if steering is not None:
+        return {"routing": steering.describe()}
+    return {"routing": {"label": RoutingConfig.of(target_conf.get("routing")).label(), "kind": "uniform"}}
