@@ -60,7 +60,9 @@ class KernelOptions:
         cuBLAS with one tl.dot GEMM body (kernels_triton/linear_exact.py) and the split-count attention
         with a fixed-order one (kernels_triton/attention_exact.py); specdec.models.ops routes. Off (the
         default): every launch exactly as without the switch. Its cost is measured, not assumed
-        (conf/experiment/exact_cost.yaml).
+        (conf/experiment/exact_cost.yaml). The guarantee is the Triton backend's at one rank: the torch
+        references (the CPU default) use BLAS, and tensor parallelism's NCCL all-reduce picks its algorithm
+        by message size, so neither is row-invariant.
     """
 
     pdl: bool = True
