@@ -104,7 +104,8 @@ CONTEXT_METRICS = ("device", "dtype")
 # nothing else, and part of the key that pairs a run with its baseline.
 ORIGIN = "origin"
 # Keys shown by the descriptor columns (Workload, Target, Drafter, Policy, T) of every table.
-DESCRIBED = ("workload.name", "target.name", "sampling.temperature", "policy.", "draft.name", "acceptance.")
+DESCRIBED = ("workload.name", "target.name", "sampling.temperature", "policy.", "draft.name", "acceptance.",
+             "target.routing.")
 
 # key -> (markdown header, LaTeX header, scale, kind); kind picks the number format.
 METRICS = {
@@ -376,14 +377,30 @@ def is_random(run: Run) -> bool:
 
 
 def target_label(run: Run) -> str:
+    label = target_shape_label(run)
+    route = routing_label(run)
+    if route:
+        label += f", routing: {route}"
+    acc = acceptance_label(run)
+    return f"{label}, {acc}" if acc else label
+
+
+def target_shape_label(run: Run) -> str:
+    """The target's name (its checkpoint folder's) and "(random weights)" where they are."""
     t = run.config.get("target") or {}
     label = Path(t["path"]).name if t.get("path") else str(t.get("name", "?"))
     if is_random(run):
         tag = run.metrics.get("weights") or "random weights"
         if tag not in label:  # llama31_8b_random already says it in its name
             label += f" ({tag})"
-    acc = acceptance_label(run)
-    return f"{label}, {acc}" if acc else label
+    return label
+
+
+def routing_label(run: Run) -> str:
+    """How a random-weight MoE target's tokens picked experts (metrics.json ``routing``, specdec/models/routing.py):
+    "uniform" (the random router's) or e.g. "zipf s=1.2 reuse 0.5"; "" for a dense target or a real router."""
+    r = run.metrics.get("routing")
+    return str(r.get("label") or "") if isinstance(r, dict) else ""
 
 
 def is_replayed(run: Run) -> bool:
@@ -1432,6 +1449,160 @@ def step_floor_table(runs: list[Run]) -> Table | None:
     return Table("Step time vs weight-bandwidth floor", caption, "step-floor", columns, rows)
 
 
+def _is_moe_profile(run: Run) -> bool:
+    sb = run.metrics.get("step_breakdown") or {}
+    return bool(routing_label(run)) or any("plain_distinct_experts_per_layer" in row
+                                           for row in (sb.get("batches") or {}).values())
+
+
+def _step_cost_rows(runs: list[Run]) -> dict:
+    """{(target, routing): {batch: {k: (plain ms, step ms, step / plain, experts plain, experts at k)}}} from the
+    runs' step_breakdown, repeats (and runs split over batches) merged by the mean."""
+    acc: dict = {}
+    for r in runs:
+        sb = r.metrics.get("step_breakdown")
+        if not isinstance(sb, dict):
+            continue
+        key = (target_shape_label(r), routing_label(r))
+        for b, row in (sb.get("batches") or {}).items():
+            for k, e in (row.get("k") or {}).items():
+                acc.setdefault(key, {}).setdefault(int(b), {}).setdefault(int(k), []).append(
+                    (row.get("plain_ms"), e.get("step_ms"), e.get("step_over_plain"),
+                     row.get("plain_distinct_experts_per_layer"), e.get("distinct_experts_per_layer")))
+    return {key: {b: {k: tuple(_mean(v[i] for v in vals) for i in range(5)) for k, vals in ks.items()}
+                  for b, ks in bs.items()} for key, bs in acc.items()}
+
+
+def moe_step_cost_table(runs: list[Run]) -> Table | None:
+    """"MoE step cost" (experiment=step_moe): per target shape and routing, decode batch B and k, the graphed
+    speculative step over the plain one (the accepted length it must beat) and the distinct experts per MoE
+    layer the plain step and the step at k read; dense targets beside (no experts). Only when some profiled
+    run's target is MoE."""
+    prof = [r for r in runs if isinstance(r.metrics.get("step_breakdown"), dict)]
+    if not any(_is_moe_profile(r) for r in prof):
+        return None
+    data = _step_cost_rows(prof)
+    cols = [Column("Target", None, "l"), Column("routing", None, "l"), Column("B", "$B$", "r"), Column("k", None, "r"),
+            Column("plain ms", None, "r"), Column("step ms", None, "r"), Column("step / plain", None, "r"),
+            Column("experts / layer, plain", None, "r"), Column("experts / layer, at k", None, "r")]
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    rows = []
+    for (target, route), bs in sorted(data.items()):
+        for b in sorted(bs):
+            for k in sorted(bs[b]):
+                plain, step, ratio, ep, ek = bs[b][k]
+                rows.append([target, route or "(dense)", str(b), str(k), num(plain, ".2f"), num(step, ".2f"),
+                             num(ratio, ".2f"), num(ep, ".1f"), num(ek, ".1f")])
+    figures = []
+    for r in prof:
+        for b, row in (r.metrics["step_breakdown"].get("batches") or {}).items():
+            for k, e in (row.get("k") or {}).items():
+                figures.append((r, f"step_over_plain_b{b}_k{k}", e.get("step_over_plain")))
+                if e.get("distinct_experts_per_layer") is not None:
+                    figures.append((r, f"distinct_experts_per_layer_b{b}_k{k}", e["distinct_experts_per_layer"]))
+            if row.get("plain_distinct_experts_per_layer") is not None:
+                figures.append((r, f"distinct_experts_per_layer_b{b}_k0", row["plain_distinct_experts_per_layer"]))
+    ctx = sorted({str(r.metrics["step_breakdown"].get("context")) for r in prof})
+    graphed = all(r.metrics["step_breakdown"].get("graphed") for r in prof)
+    caption = (f"MoE step cost ({'graphed' if graphed else 'EAGER (not graphed)'}, context {', '.join(ctx)}): the "
+               "speculative step at k draft tokens over the plain step at the same decode batch B (the accepted "
+               "length it must beat), and the distinct experts per MoE layer each reads (mean over layers and "
+               "steps; a verify of B x (k + 1) tokens against B). Routing: uniform = the random router's, zipf = a "
+               "stated model of a trained router's skew and reuse (specdec/models/routing.py). Random weights.")
+    return Table("MoE step cost", caption, "moe-step-cost", cols, rows, figures=figures)
+
+
+def plot_moe_step_cost(runs: list[Run], out: Path) -> list[str] | None:
+    """Step / plain vs B per k, one panel per target and routing (dense beside MoE); [] without MoE profiles."""
+    prof = [r for r in runs if isinstance(r.metrics.get("step_breakdown"), dict)]
+    if not any(_is_moe_profile(r) for r in prof):
+        return []
+    data = _step_cost_rows(prof)
+    fig = _figure()
+    if fig is None:
+        return None
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    keys = sorted(data, key=lambda t: (t[1] != "", t[1] != "uniform", t))  # dense, MoE uniform, then skewed
+    fig.set_size_inches(3.4 * len(keys), 3.2)
+    axes = fig.subplots(1, len(keys), sharey=True, squeeze=False)[0]
+    for ax, key in zip(axes, keys):
+        bs = sorted(data[key])
+        for k in sorted({k for b in bs for k in data[key][b]}):
+            pts = [(b, data[key][b][k][2]) for b in bs if k in data[key][b] and data[key][b][k][2] is not None]
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", markersize=3, label=f"k = {k}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(bs))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([str(b) for b in bs], fontsize=6)
+        ax.set_xlabel("decode batch B")
+        ax.grid(alpha=0.3)
+        title = textwrap.wrap(key[0], 45) + [f"routing: {key[1]}" if key[1] else "(dense)"]
+        ax.set_title("\n".join(title), fontsize=7)
+    axes[0].set_ylabel("speculative step / plain step")
+    axes[0].legend(fontsize=6)
+    return _save(fig, out, "moe_step_cost")
+
+
+def plot_crossover_shapes(runs: list[Run], out: Path) -> list[tuple[str, list[str]]] | None:
+    """"Crossover, dense vs MoE" (experiment=crossover_moe): per drafter x workload x replayed acceptance whose
+    crossover runs (never and always, two or more C) span two or more targets, one of them MoE, policy tok/s vs C
+    with one panel per target
+    (uniform routing solid, others dashed; repeats averaged). Returns (caption, files) per figure; None without
+    matplotlib."""
+    swept = [r for r in runs if _concurrency(r) is not None and is_replayed(r)
+             and r.get("draft.name", "none") != "none"]
+    out_figs = []
+    for key, rs in _merge(swept, lambda r: (descriptors(r)["Workload"], descriptors(r)["Drafter"],
+                                            acceptance_label(r), descriptors(r)["T"])):
+        moe = {target_shape_label(r) for r in rs if routing_label(r)}
+        shapes = sorted({target_shape_label(r) for r in rs}, key=lambda t: (t in moe, t))  # dense first
+        pols = {r.get("policy.name", "never") for r in rs}
+        if (len(shapes) < 2 or not any(routing_label(r) for r in rs) or len({_concurrency(r) for r in rs}) < 2
+                or not {"never", "always"} <= pols):
+            continue
+        fig = _figure()
+        if fig is None:
+            return None
+        from matplotlib.ticker import FixedLocator, NullLocator
+
+        tkey = _tok_key(rs)
+        fig.set_size_inches(3.6 * len(shapes), 3.4)
+        axes = fig.subplots(1, len(shapes), sharey=True, squeeze=False)[0]
+        colors = {p: f"C{i}" for i, p in enumerate(sorted({policy_label(r) for r in rs}))}
+        for ax, shape in zip(axes, shapes):
+            mine = [r for r in rs if target_shape_label(r) == shape]
+            cs = sorted({_concurrency(r) for r in mine})
+            for route in sorted({routing_label(r) for r in mine}, key=lambda x: (x not in ("", "uniform"), x)):
+                for pol in sorted({policy_label(r) for r in mine}):
+                    pts = [(c, _mean(r.metrics.get(tkey) for r in mine if _concurrency(r) == c
+                                     and routing_label(r) == route and policy_label(r) == pol)) for c in cs]
+                    pts = [(c, v) for c, v in pts if v is not None]
+                    if pts:
+                        ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", markersize=3, color=colors[pol],
+                                linestyle="-" if route in ("", "uniform") else "--",
+                                label=pol + (f" ({route})" if route else ""))
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.xaxis.set_major_locator(FixedLocator(cs))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xticklabels([str(c) for c in cs], fontsize=6)
+            ax.set_xlabel("concurrency C (requests in flight)")
+            ax.grid(alpha=0.3)
+            ax.set_title("\n".join(textwrap.wrap(shape, 45)), fontsize=7)
+            ax.legend(fontsize=5)
+        axes[0].set_ylabel("steady-window output tok/s" if tkey == "steady_tok_per_s" else "output tok/s")
+        label = f"{key[0]}, {key[1]}, {key[2]}" + (f", T = {key[3]}" if key[3] not in ("0.0", "0") else "")
+        fig.suptitle("\n".join(textwrap.wrap(f"Crossover, dense vs MoE: {label}", 110)), fontsize=8)
+        files = _save(fig, out, f"crossover_dense_vs_moe_{len(out_figs) + 1:02d}_" + _slug(label))
+        out_figs.append((f"Crossover, dense vs MoE: {label}", files))
+    return out_figs
+
+
 def switch_table(runs: list[Run]) -> Table | None:
     """Acceptance after switching speculation back on (``policy=schedule`` runs): tokens committed per
     row on the first speculative step after an off period, on the other speculative steps, and by
@@ -1896,11 +2067,23 @@ def build_report(runs: list[Run], out: Path, group_by: list[str] | None = None,
             else:
                 figures.append((f"Crossover, replayed acceptance: {label}", names[0]))
                 plot_files += names
+        shapes = plot_crossover_shapes(runs, out)
+        if shapes is None:
+            plots_skipped = True
+        for caption, names in shapes or []:
+            figures.append((caption, names[0]))
+            plot_files += names
         tables += off_cost_tables(runs)
-        for extra in (exact_cost_table(runs), step_breakdown_table(runs), step_floor_table(runs), switch_table(runs),
-                      policy_switch_table(runs)):
+        for extra in (exact_cost_table(runs), step_breakdown_table(runs), moe_step_cost_table(runs),
+                      step_floor_table(runs), switch_table(runs), policy_switch_table(runs)):
             if extra is not None:
                 tables.append(extra)
+        names = plot_moe_step_cost(runs, out)
+        if names is None:
+            plots_skipped = True
+        elif names:
+            figures.append(("MoE step cost: step / plain vs B per k", names[0]))
+            plot_files += names
         tables.append(overview_table(runs))
         for i, (label, run) in enumerate(spec[1] if spec else [], 1):
             c = _concurrency(run)

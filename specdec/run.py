@@ -221,6 +221,7 @@ def build_target(cfg: DictConfig, device: str):
         config = llama_config_from_dict(OmegaConf.to_container(cfg.target.config, resolve=True))
         model = LlamaModel.random(config, device=device, dtype=cfg.engine.dtype, seed=int(cfg.seed),
                                   backend=cfg.engine.kernels)
+        _apply_routing(model, cfg)
         return shard_for_run(model, cfg), IdsOnlyTokenizer(config.vocab_size)
     path = cfg.target.path
     if path is None:
@@ -228,7 +229,19 @@ def build_target(cfg: DictConfig, device: str):
             raise ConfigError(f"target {cfg.target.name!r} needs target.path=DIR")
         path = smollm2_dir()
     model = load_target(path, device=device, dtype=cfg.engine.dtype, backend=cfg.engine.kernels)
+    _apply_routing(model, cfg)  # refuses any routing but uniform: a real router routes
     return shard_for_run(model, cfg), Tokenizer(path)
+
+
+def _apply_routing(model, cfg: DictConfig) -> None:
+    """target.routing (specdec/models/routing.py): a random-weight MoE target's routing model."""
+    from .dist.runner import tp_settings
+    from .errors import config_flag
+    from .models.routing import apply_routing_
+
+    exact = cfg.engine.get("exact")
+    apply_routing_(model, cfg.target, tp_size=tp_settings(cfg)[0],
+                   exact=exact is not None and config_flag("engine.exact", exact))
 
 
 def _truncate_at_stop(text: str, stop) -> str:
@@ -815,12 +828,13 @@ def run_facts(cfg: DictConfig, model, device: str, prompt_format: dict, stamp: d
     """``facts(metrics)``: the run's provenance added to a serve's metrics (target, device, dtype,
     workload, prompt format, weights, commit / date / device name / versions, the Hydra overrides)."""
     from .bench.targets import RANDOM_WEIGHTS_LABEL
+    from .models.routing import routing_facts
 
     def facts(metrics: dict) -> dict:
         metrics.update(target=cfg.target.name, device=device, dtype=str(model.dtype),
                        workload=cfg.workload.name, **prompt_format,
                        weights=RANDOM_WEIGHTS_LABEL if cfg.target.get("random_weights") else "pretrained",
-                       **stamp, overrides=overrides)
+                       **routing_facts(cfg.target, model), **stamp, overrides=overrides)
         metrics.setdefault("acceptance", "real")  # replayed runs carry "replayed" from the engine's trace meta
         return metrics
 

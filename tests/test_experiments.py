@@ -31,10 +31,14 @@ SHELL_SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "experiments").
 # The swept value a smoke run takes where the first one would cover less (a drafter over plain).
 PICK = {"policy_sweep": {"policy": "goodput"}, "eagle3_table": {"+method": "eagle3_tree16"},
         "eagle3_humaneval_full": {"+method": "eagle3_tree16"},
-        "switch_acceptance": {"policy.off_steps": "2", "draft.sync_while_off": "false"}}
+        "switch_acceptance": {"policy.off_steps": "2", "draft.sync_while_off": "false"},
+        "step_moe": {"target": "qwen3_30b_a3b_random_zipf"},  # the MoE target with its routing steered
+        "crossover_moe": {"target": "qwen3_30b_a3b_random_zipf", "policy": "goodput"}}
 # Llama-3.1-8B structure at tiny sizes (random-weight targets).
 TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096}
+# ... and of an MoE target's experts (steered routing needs hidden_size > num_experts)
+TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
 def _env():
@@ -64,6 +68,8 @@ def smoke_overrides(name: str) -> list[str]:
             out.append(f"workload.sources.{i}.limit=1")
     if cfg.target.get("random_weights"):
         out += [f"target.config.{k}={v}" for k, v in TINY_SHAPES.items()] + ["engine.dtype=float32"]
+        if cfg.target.config.get("num_experts"):
+            out += [f"target.config.{k}={v}" for k, v in TINY_EXPERTS.items()]
     out += ["engine.max_new_tokens=4", "engine.profile_iters=1", "engine.profile_steps_iters=2",
             "engine.profile_steps_context=32", "device=cpu"]
     if cfg.engine.get("profile_steps"):

@@ -208,7 +208,7 @@ BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 def moe_table(ks):
-    return {k: {b: moe_step_ms(b, k + 1, **MOE) for b in BUCKETS} for k in (0, *ks)}  # a step of k drafts: k + 1 tokens a row
+    return {k: {b: moe_step_ms(b, k + 1, **MOE) for b in BUCKETS} for k in (0, *ks)}  # k drafts: k + 1 tokens a row
 
 
 def test_moe_cost_model_is_non_monotonic():
@@ -259,6 +259,7 @@ def test_goodput_table_covers_every_bucket_of_a_routed_moe_engine():
     engine.check()
     assert all(len(r.output_ids) == 6 for r in reqs)
     assert engine.buckets == [1, 2, 4, 8]
-    assert {k: [b for b, _ in rows] for k, rows in pol.table.items()} == {k: [1, 2, 4, 8] for k in (0, *sorted(drafter.trees))}
+    ks = (0, *sorted(drafter.trees))
+    assert {k: [b for b, _ in rows] for k, rows in pol.table.items()} == {k: [1, 2, 4, 8] for k in ks}
     assert pol.observed and all(b in (1, 2, 4, 8) for _, b in pol.observed)
     assert math.isfinite(model.moe_stats()["distinct_experts_per_layer"])
