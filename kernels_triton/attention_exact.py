@@ -56,6 +56,8 @@ from . import attention
 from .attention_launch import sm_count
 
 MAX_TREE_TOKENS = attention.MAX_TREE_TOKENS
+# the kernels read it as a compile-time constant (a plain global is refused by the GPU compiler, not the interpreter)
+_MAX_TREE_TOKENS = tl.constexpr(MAX_TREE_TOKENS)
 SPLIT_KEYS = 512  # keys per split in half precision (fp32: FP32_SPLIT_KEYS); a query of n keys folds ceil(n / 512)
 FP32_SPLIT_KEYS = 128  # fp32 plans (CPU tests) split early, so short test contexts exercise the fold
 PARALLEL_MAX_WORKSPACE = 64 << 20  # bytes of fp32 partials the parallel split programs may use
@@ -149,7 +151,7 @@ def _attention_exact_kernel(
     m_r = (o_r < BLOCK_T * G) & (o_i < T)
     o_n = (bos + o_i).to(tl.int64)  # [BM] row of q / out
     o_d = tl.arange(0, D)
-    o_bit = tl.arange(0, MAX_TREE_TOKENS)
+    o_bit = tl.arange(0, _MAX_TREE_TOKENS)
     if IS_TREE:
         b_tm = tl.load(tree_mask + o_n, mask=m_r, other=0)  # [BM] int64 ancestor bits
         b_bits = (b_tm[:, None] >> o_bit[None, :].to(tl.int64)) & 1  # [BM, 64]
