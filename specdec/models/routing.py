@@ -11,7 +11,11 @@ router's own choice, and nothing below runs):
   popularity   the expert of popularity rank i (1-based) has weight i^-s; each MoE layer ranks its
                experts by its own fixed random permutation.
   working set  each request holds K experts per layer, drawn from the popularity without replacement
-               (Gumbel-top-K), keyed by the request (the first KV page of its row).
+               (Gumbel-top-K), keyed by the request: the first KV page of its row, the one per-request
+               value a forward sees (the engine keeps no request id on the device). So a request routes by
+               where the engine placed it: two runs that page it differently (plain and speculative, or
+               after a preemption) route it differently, with the same statistics; the outputs of a
+               random-weight target carry no meaning either way.
   a token      keeps each expert of its request's working set with probability ``keep`` and fills the
                rest of its K from the popularity without replacement.
   reuse r      what ``reuse`` means, measurably: the mean fraction of a token's K experts that the
@@ -167,7 +171,7 @@ def consecutive_reuse(ids: torch.Tensor) -> float:
     return (a == b).any(-1).float().mean().item()
 
 
-def _sample(E: int, seed: int):
+def _sample(seed: int):
     """The calibration sample: keys, positions, token ids of CALIBRATE_REQUESTS requests x CALIBRATE_TOKENS
     consecutive positions (random token ids; keys apart from any a serving engine's pages take)."""
     R, T = CALIBRATE_REQUESTS, CALIBRATE_TOKENS
@@ -179,7 +183,7 @@ def _sample(E: int, seed: int):
 
 def measured_reuse(E: int, K: int, skew: float, seed: int, keep: float) -> float:
     """Consecutive-token reuse of the selection with ``keep`` on the calibration sample."""
-    keys, pos, tok = _sample(E, seed)
+    keys, pos, tok = _sample(seed)
     ids = Selector(E, K, skew, seed, keep).ids(keys, pos, tok)
     return consecutive_reuse(ids.view(CALIBRATE_REQUESTS, CALIBRATE_TOKENS, K))
 
