@@ -704,11 +704,14 @@ def _ms_at(row: dict, batch: int) -> tuple[int, float] | None:
 
 def _policy_decision(state: dict, metrics: dict) -> dict | None:
     """What an estimating policy (goodput) compared when it last chose between speculating and not:
-    {k, batch, cost (step time at k in plain steps), a (tokens committed per request at k), probes
-    (switches on from k = 0)}; from its switch log, else its start-up step-time table and a(k) prior.
-    None without either."""
+    {k, batch, cost (an iteration at k in plain iterations), a (tokens a step at k commits per request),
+    probes (switches on from k = 0), scored (drafts scored on the side)}: its last decision by the
+    estimates in its switch log, else, from its state after serving, the k it rated best at the run's
+    batch (served iteration times where it has them, else its start-up table; the live requests' own
+    a(k), else the prior). None without a step-time table or a(k)."""
     log = [e for e in state.get("switch_log") or [] if isinstance(e, dict)]
-    probes = sum(1 for e in log if e.get("from") == 0 and (e.get("to") or 0) > 0)
+    seen = {"probes": sum(1 for e in log if e.get("from") == 0 and (e.get("to") or 0) > 0),
+            "scored": int(state.get("shadow_samples") or 0)}
     for e in reversed(log):
         if e.get("why") != "estimates":
             continue
@@ -716,43 +719,61 @@ def _policy_decision(state: dict, metrics: dict) -> dict | None:
         est = e.get("k") or {}
         on, off = est.get(str(k)) or {}, est.get("0") or {}
         if k > 0 and on.get("iter_ms") and off.get("iter_ms") and on.get("a") is not None:
-            return {"k": k, "batch": e.get("batch"), "cost": on["iter_ms"] / off["iter_ms"], "a": on["a"],
-                    "probes": probes}
-    table = state.get("step_ms") or {}
-    ks = sorted(int(key.split("=", 1)[1]) for key in table if key.startswith("k=") and key != "k=0")
-    if not ks or "k=0" not in table:
-        return None
-    k = ks[-1]
+            return {"k": k, "batch": e.get("batch"), "cost": on["iter_ms"] / off["iter_ms"], "a": on["a"], **seen}
+    table, served = state.get("step_ms") or {}, state.get("served_iter_ms") or {}
     batch = max(1, round(metrics.get("mean_batch_size") or 1))
-    on, off = _ms_at(table.get(f"k={k}"), batch), _ms_at(table["k=0"], batch)
-    a = (state.get("accept") or {}).get(f"k={k}")
-    if on is None or off is None or not off[1] or a is None:
+
+    def ms(k):  # (bucket, ms) of an iteration at k: served where the policy has it, else its table
+        return _ms_at(served.get(f"k={k}"), batch) or _ms_at(table.get(f"k={k}"), batch)
+
+    off = ms(0)
+    if off is None or not off[1]:
         return None
-    return {"k": k, "batch": off[0], "cost": on[1] / off[1], "a": a, "probes": probes}
+    best = untried = None
+    for key in table:
+        k = int(key.split("=", 1)[1]) if key.startswith("k=") else 0
+        own = [v for v in ((state.get("accept_rows") or {}).get(key) or {}).values() if isinstance(v, (int, float))]
+        a = sum(own) / len(own) if own else (state.get("accept") or {}).get(key)
+        on = ms(k)
+        if k <= 0 or on is None:
+            continue
+        d = {"k": k, "batch": off[0], "cost": on[1] / off[1], "a": a, **seen}
+        if a is None:  # never tried: its cost alone kept it off
+            untried = d if untried is None or d["cost"] < untried["cost"] else untried
+        elif best is None or d["a"] / d["cost"] > best["a"] / best["cost"]:
+            best = d
+    return best or untried
 
 
 def explain_policy(policy: str, metrics: dict) -> list[str]:
     """One or two lines on what the policy decided and why, from what metrics.json holds: an estimating
-    policy's own comparison (goodput: step time at k in plain steps against the tokens a step at k
-    commits, from its switch log or step-time table and a(k)), else the served steps' times."""
+    policy's own comparison (goodput: an iteration at k in plain iterations against the tokens a step at
+    k commits per request, from its switch log or its state after serving), else the served steps' times."""
     frac = metrics.get("speculating_step_fraction") or 0.0
     where = "this CPU" if metrics.get("device") == "cpu" else (metrics.get("device_name") or "this device")
-    decision = _policy_decision(metrics.get("policy_state") or {}, metrics)
-    if decision is not None:
-        d = decision
-        pays = d["a"] > d["cost"]
-        head = (f"Why: on {where} a {d['k']}-token draft step at batch {d['batch']} costs {d['cost']:.1f} plain steps "
-                f"and commits {d['a']:.1f} tokens per request")
+    d = _policy_decision(metrics.get("policy_state") or {}, metrics)
+    if d is not None:
+        step = f"a {d['k']}-token draft step at batch {d['batch']}"
+        if d["a"] is None:
+            return [f"Why: on {where} {step} costs {d['cost']:.1f} plain steps, too dear for the {policy} policy "
+                    f"to try: it kept speculation off ({100 * frac:.0f}% of decode steps speculated)."]
         if frac < 0.5:
             n = d["probes"]
-            verdict = (f"the {policy} policy kept speculation off after {n} probe{'s' * (n != 1)} "
-                       f"({100 * frac:.0f}% of decode steps speculated)")
+            how = (f" after {n} probe{'s' * (n != 1)}" if n else
+                   f", from {d['scored']} drafts it scored on the side" if d["scored"] else "")
+            verdict = f"the {policy} policy kept speculation off{how} ({100 * frac:.0f}% of decode steps speculated)"
         else:
             verdict = f"the {policy} policy speculated on {100 * frac:.0f}% of decode steps"
-        lines = [f"{head}: {verdict}."]
-        if not pays:
+        if (d["a"] > d["cost"]) == (frac >= 0.5):
+            lines = [f"Why: on {where} {step} costs {d['cost']:.1f} plain steps and commits {d['a']:.1f} tokens per "
+                     f"request: {verdict}."]
+        else:  # its estimates as they stand after serving point the other way: say what they are, claim no cause
+            return [f"On {where} {verdict}; after serving, its estimates rate {step} at {d['cost']:.1f} plain steps "
+                    f"for {d['a']:.1f} tokens per request (metrics.json policy_state has the rest)."]
+        if d["a"] <= d["cost"]:
             lines.append("Speculation pays where a drafted step costs fewer plain steps than the tokens it commits: "
-                         "a GPU's memory-bound decode step, not a CPU's compute-bound one.")
+                         + ("a GPU's memory-bound decode step, not a CPU's compute-bound one." if d["cost"] >= 2 else
+                            "here too few drafted tokens are accepted for that."))
         return lines
     spec_ms, plain_ms = metrics.get("mean_spec_step_ms"), metrics.get("mean_plain_step_ms")
     acc = metrics.get("mean_accepted_length")

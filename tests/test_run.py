@@ -65,10 +65,11 @@ def test_quickstart_writes_real_outputs(tmp_path):
     assert plain["requests"] == 4 and plain["speculating_step_fraction"] == 0.0
     assert metrics["outputs_identical_to_plain"] == 1.0  # greedy: speculation changes no token
     assert metrics["speedup_over_plain"] == pytest.approx(metrics["output_tok_per_s"] / plain["output_tok_per_s"])
-    assert metrics["speculating_step_fraction"] > 0 and metrics["tokens_per_row_step"] >= 1.0
+    assert metrics["tokens_per_row_step"] >= 1.0  # how much it speculates depends on this CPU's step times
     assert "Plain decoding vs eagle3 + policy goodput" in proc.stdout and "4/4" in proc.stdout
-    # ... and says what the policy decided, from its own estimates
-    assert "Why: on this CPU a 16-token draft step at batch" in proc.stdout
+    # ... and says what the policy decided, from its own estimates (which way depends on this CPU's timings)
+    text = " ".join(proc.stdout.split())  # rich wraps lines at the console's width
+    assert "the goodput policy" in text and "16-token draft step at batch" in text
     assert "Requests: smollm2-135m-instruct" in proc.stdout  # the per-request table has its title
     assert metrics["overrides"] == ["+experiment=quickstart", "engine.max_new_tokens=12", "logger=wandb"]
     assert plain["overrides"] == ["+experiment=quickstart", "engine.max_new_tokens=12", "logger=wandb",
@@ -102,10 +103,12 @@ def test_run_records_provenance_and_kernel_options(tmp_path):
     assert m["device"] == "cpu" and m["device_name"] == device_name("cpu") and m["device_name"]
     assert (m["torch"], m["triton"], m["python"]) == (torch.__version__, triton.__version__,
                                                         platform.python_version())
-    want = dict(pdl=False, fused_linear=False, step_kernels=None, fused_rows=8, stream_tiles="builtin")
-    assert m["kernel_options"] == want
+    from kernels_triton import options
+
+    want = dict(pdl=False, fused_linear=False, fused_rows=8)  # as set; every other option at its default
+    assert m["kernel_options"] == dict(options.KernelOptions().as_dict(), **want)
     cfg = json.loads((run_dir / "config.json").read_text())
-    assert cfg["kernels"] == dict(want, pdl="off")  # the config as given; the options object normalises it
+    assert {k: cfg["kernels"][k] for k in want} == dict(want, pdl="off")  # as given; the options object normalises it
     wandb_log = next((run_dir / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
     assert wandb_log.count(stamp.encode()) >= 2  # run config and summary
     assert wandb_log.count(b"kernel_options") >= 2 and b"date_utc" in wandb_log
@@ -124,9 +127,9 @@ def test_git_commit_without_stamp(monkeypatch):
 
 
 @pytest.mark.parametrize("override,needles", [
-    ("kernels.pdl=sometimes", ("pdl='sometimes'", "late, early, off")),
+    ("kernels.pdl=sometimes", ("pdl='sometimes'", "true, false")),
     ("kernels.fused_linear=maybe", ("fused_linear='maybe'", "true, false")),
-    ("+kernels.warp_specialize=true", ("unknown config key", "warp_specialize", "fused_merge")),
+    ("+kernels.warp_specialize=true", ("unknown config key", "warp_specialize", "fused_linear")),
 ])
 def test_bad_kernel_option_fails_cleanly(tmp_path, override, needles):
     _assert_clean_error(run_cli(override, "logger=none", "device=cpu", tmp_path=tmp_path, timeout=120), *needles)
@@ -166,7 +169,7 @@ def test_non_llama_target_fails_cleanly(tmp_path):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     _assert_clean_error(run_cli("target=hf", f"target.path={d}", "logger=none", tmp_path=tmp_path),
-                        "gpt2", "not a Llama architecture")
+                        "gpt2", "not a supported architecture")
 
 
 def test_malformed_jsonl_line_fails_cleanly(tmp_path):
@@ -260,6 +263,25 @@ def test_explain_policy_from_the_switch_log_and_from_the_table():
         "Why: on this CPU a speculative step took 3.0 plain steps and committed 2.0 tokens per request; the always "
         "policy speculated on 100% of decode steps."]
     assert explain_policy("never", {"speculating_step_fraction": 0.0}) == []
+    # a k never tried (its step too dear for a first try): its cost alone
+    m = {"device": "cpu", "speculating_step_fraction": 0.0, "mean_batch_size": 4.0,
+         "policy_state": {"step_ms": {"k=0": {"4": 100.0}, "k=16": {"4": 450.0}}, "accept": {"k=16": None}}}
+    assert explain_policy("goodput", m) == [
+        "Why: on this CPU a 16-token draft step at batch 4 costs 4.5 plain steps, too dear for the goodput policy "
+        "to try: it kept speculation off (0% of decode steps speculated)."]
+    # n-gram: no probe (drafts scored on the side); the rows' own a(k) and served iterations; the estimates
+    # after serving point the other way than the choice made: stated, no cause claimed
+    m = {"device": "cpu", "speculating_step_fraction": 0.0, "mean_batch_size": 4.0,
+         "policy_state": {"step_ms": {"k=0": {"4": 100.0}, "k=4": {"4": 150.0}}, "served_iter_ms": {"k=0": {"4": 120.0}},
+                          "accept": {"k=4": 3.0}, "accept_rows": {"k=4": {"a": 1.0, "b": 1.2}}, "shadow_samples": 50}}
+    assert explain_policy("goodput", m)[0] == (
+        "Why: on this CPU a 4-token draft step at batch 4 costs 1.2 plain steps and commits 1.1 tokens per request: "
+        "the goodput policy kept speculation off, from 50 drafts it scored on the side (0% of decode steps speculated).")
+    m["policy_state"]["accept_rows"] = {"k=4": {"a": 2.0, "b": 2.0}}
+    assert explain_policy("goodput", m) == [
+        "On this CPU the goodput policy kept speculation off, from 50 drafts it scored on the side (0% of decode steps "
+        "speculated); after serving, its estimates rate a 4-token draft step at batch 4 at 1.2 plain steps for 2.0 "
+        "tokens per request (metrics.json policy_state has the rest)."]
 
 
 def test_serve_progress_counts_and_stays_off_without_a_terminal():
