@@ -362,9 +362,16 @@ def test_replayed_goodput_learns_smaller_sizes_from_larger_steps():
     model = tiny_model(layers=2)
     head = random_eagle3_head(model, 64, None, device="cpu", dtype=torch.float32, backend="torch")
     drafter = Eagle3Drafter(head, model, trees=[(1, 3, 3), (2, 4, 8)])
-    # speculation is free, and stays so: served step times (time_ema) would let the CPU's timings move the table
-    policy = Goodput([3, 8], counterfactual=True, explore_every=0, probe_rows=1, time_ema=0.0)
-    policy.set_table({0: {1: 1.0, 2: 1.0}, 3: {1: 1.0, 2: 1.0}, 8: {1: 1.0, 2: 1.0}})
+
+    class Largest(Goodput):
+        """goodput that speculates at its largest size on every decode step: what is under test is what the
+        engine feeds it, not its choice (which this CPU's start-up timings would decide)."""
+
+        def choose(self, view):
+            k = super().choose(view)
+            return max(self.ks) if k is not None else k
+
+    policy = Largest([3, 8], counterfactual=True, explore_every=0, probe_rows=1)
     engine = Engine(model, EngineConfig(max_batch_size=2, kv_cache_tokens=1024), drafter=drafter, policy=policy,
                     acceptance=ReplayAcceptance(parametric_trace(3.0, 4), seed=0))
     for p in rand_prompts([9, 13], seed=2):

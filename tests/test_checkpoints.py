@@ -14,7 +14,8 @@ import torch
 
 from specdec.bench.workloads import WorkloadError, load_prompts, resolve_chat
 from specdec.models.llama import LlamaModel
-from specdec.models.loading import CheckpointError, LlamaConfig, load_safetensors
+from specdec.models.families import ModelConfig
+from specdec.models.loading import CheckpointError, load_safetensors
 from specdec.models.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -88,7 +89,7 @@ def test_save_pretrained_layout_is_what_we_parse(hf_dirs):
     assert (new / "chat_template.jinja").is_file()  # transformers 5 writes the template to its own file
     assert "chat_template" not in json.loads((new / "tokenizer_config.json").read_text())
     assert "rope_parameters" in json.loads((new / "config.json").read_text())
-    a, b = (LlamaConfig.from_dir(d) for d in (dirs["rope_parameters"], dirs["classic"]))
+    a, b = (ModelConfig.from_dir(d) for d in (dirs["rope_parameters"], dirs["classic"]))
     assert a == b and a.rope_theta == 500000.0 and a.rope_scaling["rope_type"] == "llama3"
     assert a.eos_token_id == [2, 3]  # config.json's 2, plus generation_config.json's 3
 
@@ -247,7 +248,7 @@ def test_config_that_is_not_an_object_is_named(tmp_path, text):
 
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(CheckpointError, match=r"config.json: expected a JSON object"):
-        LlamaConfig.from_dir(tmp_path)
+        ModelConfig.from_dir(tmp_path)
     with pytest.raises(CheckpointError, match=r"config.json: expected a JSON object"):
         Eagle3Head.load(tmp_path)
 
@@ -267,7 +268,7 @@ def test_bad_generation_config_is_named(hf_dirs, tmp_path):
     shutil.copytree(dirs["classic"], d)
     (d / "generation_config.json").write_text('{"eos_token_id": "x"}')
     with pytest.raises(CheckpointError, match="generation_config.json: expected a JSON object whose eos_token_id"):
-        LlamaConfig.from_dir(d)
+        ModelConfig.from_dir(d)
 
 
 def test_committed_draft_config_resolves_from_any_directory(tmp_path):

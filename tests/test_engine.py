@@ -13,7 +13,7 @@ from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.reference import generate_reference
 from specdec.errors import ConfigError
 from specdec.models.llama import LlamaModel
-from specdec.models.loading import LlamaConfig
+from specdec.models.families import ModelConfig
 
 VOCAB = 128
 
@@ -21,7 +21,7 @@ VOCAB = 128
 def tiny_model(seed=0, layers=2, max_pos=256, device="cpu", backend="torch"):
     """A tiny random Llama whose logits are peaked (std 1/sqrt(fan_in) weights), so argmax is
     well separated and exact-equality tests are about logic, not rounding."""
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, head_dim=16,
                       max_position_embeddings=max_pos, rope_theta=10000.0)
     model = LlamaModel.random(cfg, dtype="float32", seed=seed, backend=backend)

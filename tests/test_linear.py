@@ -335,7 +335,7 @@ def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch, kern
     # path; both give the torch-reference model's logits. The kernel option fused_linear=False turns it off.
     from specdec.models import ops
     from specdec.models.llama import LlamaModel
-    from specdec.models.loading import LlamaConfig
+    from specdec.models.families import ModelConfig
 
     monkeypatch.setattr(ops, "FUSED_MAX_WEIGHT_BYTES", 0)
     calls = []
@@ -343,7 +343,7 @@ def test_model_routes_one_row_to_gemv_at_any_weight_size(rows, monkeypatch, kern
         real = getattr(lin, name)
         monkeypatch.setattr(lin, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=40, head_dim=16, max_position_embeddings=64)
     models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=1, backend=be)
               for be in ("triton", "torch")}
@@ -372,9 +372,9 @@ def _tiny_models(n, *, layers, vocab, seed, pages, max_pos, ids_seed):
     over n tokens of one request: (models, meta, ids, positions)."""
     from specdec.models import ops
     from specdec.models.llama import LlamaModel
-    from specdec.models.loading import LlamaConfig
+    from specdec.models.families import ModelConfig
 
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=2,
+    cfg = ModelConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=vocab, head_dim=16, max_position_embeddings=max_pos)
     models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=seed, backend=be)
               for be in ("triton", "torch")}
@@ -698,7 +698,7 @@ def test_large_weights_stream_at_tree_verify_rows_only(n, monkeypatch, kernel_op
     # GEMV_MAX_COLUMNS outputs) keeps the weight limit (cuBLAS). All match the torch-reference model.
     from specdec.models import ops
     from specdec.models.llama import LlamaModel
-    from specdec.models.loading import LlamaConfig
+    from specdec.models.families import ModelConfig
 
     monkeypatch.setattr(ops, "FUSED_MAX_WEIGHT_BYTES", 0)
     monkeypatch.setattr(lin, "GEMV_MAX_COLUMNS", 64)  # qkv: 64 outputs, F = 48; the 100-token LM head: more
@@ -707,7 +707,7 @@ def test_large_weights_stream_at_tree_verify_rows_only(n, monkeypatch, kernel_op
         real = getattr(lin, name)
         monkeypatch.setattr(lin, name,
                             lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+    cfg = ModelConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=100, head_dim=16, max_position_embeddings=128)
     models = {be: LlamaModel.random(cfg, device=DEVICE, dtype="float32", seed=3, backend=be)
               for be in ("triton", "torch")}

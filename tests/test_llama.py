@@ -137,9 +137,9 @@ def test_triton_layer_composition_matches_torch_references():
     # The model's Triton path (fused rope + KV write, silu_mul, norm, paged attention; under the
     # interpreter on CPU) against its torch-reference path: a causal prefill of 11 tokens, then a
     # decode step of two requests with a padding row (slot -1), logits and every cache slot compared.
-    from specdec.models.loading import LlamaConfig
+    from specdec.models.families import ModelConfig
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+    cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
                       num_key_value_heads=2, vocab_size=50, head_dim=16, max_position_embeddings=64)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     models = {be: LlamaModel.random(cfg, device=dev, dtype="float32", seed=3, backend=be)

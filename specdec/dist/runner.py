@@ -124,7 +124,7 @@ def _rank_main(group: TPGroup, container: dict):
 
 
 def check_target_shapes(cfg: DictConfig, size: int) -> None:
-    from ..models.loading import LlamaConfig
+    from ..models.families import ModelConfig
     from ..models.tp import check_tp_shapes
 
     if cfg.target.get("random_weights"):
@@ -137,7 +137,7 @@ def check_target_shapes(cfg: DictConfig, size: int) -> None:
             from ..assets import smollm2_dir
 
             path = smollm2_dir()
-        config = LlamaConfig.from_dir(path)
+        config = ModelConfig.from_dir(path)
     check_tp_shapes(config, size, what=f"target {cfg.target.name}")
 
 

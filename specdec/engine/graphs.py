@@ -116,14 +116,6 @@ def fit_tokens(forward_ms: dict[int, float], n: int) -> int:
     return down if t[down] + t[bucket_for(buckets, n - down)] < t[up] else n
 
 
-def forwards_ms(forward_ms: dict[int, float], n: int) -> float:
-    """ms of padded forwards over n tokens in all (a catch-up's backlog): full forwards of the largest
-    bucket, then one at the smallest bucket holding the rest, by ``forward_ms`` {token bucket: ms}."""
-    buckets = sorted(forward_ms)
-    full, rest = divmod(n, buckets[-1])
-    return full * forward_ms[buckets[-1]] + (forward_ms[bucket_for(buckets, rest)] if rest else 0.0)
-
-
 class EagerDecode:
     """Runs ``body(B, T, context)`` eagerly: B = n (default), or the bucket of n with ``pad_to``."""
 

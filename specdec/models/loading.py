@@ -41,15 +41,6 @@ def read_json_object(path: Path, what: str = "file") -> dict:
         raise CheckpointError(f"{path}: expected a JSON object ({what}), got {type(obj).__name__}")
     return obj
 
-def __getattr__(name: str):
-    """``LlamaConfig``: the older name of the target config, specdec.models.families.ModelConfig (imported
-    lazily: families imports this module)."""
-    if name == "LlamaConfig":
-        from .families import ModelConfig
-
-        return ModelConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

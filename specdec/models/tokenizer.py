@@ -13,7 +13,7 @@ Reads ``tokenizer.json`` with the ``tokenizers`` package and renders chat templa
 ``chat_template`` is the template named ``default`` (or the only one). Special tokens come from
 ``tokenizer_config.json`` (``bos_token`` / ``eos_token`` as strings or AddedToken dicts), else
 ``special_tokens_map.json``; stop ids of the model (``generation_config.json``, which lists several
-for Llama-3) are read with the model's config (:meth:`LlamaConfig.from_dir`).
+for Llama-3) are read with the model's config (:meth:`~specdec.models.families.ModelConfig.from_dir`).
 """
 
 from __future__ import annotations

@@ -45,7 +45,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from ..engine.graphs import forwards_ms
 from ..errors import ConfigError
 from .base import BatchView, Policy, StepStats, options
 
@@ -54,6 +53,14 @@ SHADOW_SLACK = 0.2  # while the best k > 0 trails k = 0 by more than this share,
 SERVED_OUTLIER = 2.0  # a served step's duration counts as at most this many times the average
 FIRST_ITER_OUTLIER = 4.0  # ... and the first served iteration at (k, bucket) as this many times the estimate
 SWITCH_LOG = 64  # the last this many switches of k, with the estimates behind each (describe: switch_log)
+
+
+def forwards_ms(forward_ms: dict[int, float], n: int) -> float:
+    """ms of padded forwards over n tokens in all (a catch-up's backlog): full forwards of the largest
+    token bucket, then one at the smallest bucket holding the rest, by ``forward_ms`` {token bucket: ms}."""
+    buckets = sorted(forward_ms)
+    full, rest = divmod(n, buckets[-1])
+    return full * forward_ms[buckets[-1]] + (forward_ms[next(b for b in buckets if b >= rest)] if rest else 0.0)
 
 
 @dataclass
