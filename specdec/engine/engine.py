@@ -38,7 +38,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..errors import ConfigError, config_flag
+from ..errors import ConfigError, config_flag, config_number
 from ..policy.base import BatchView, StepStats
 from ..spec.base import RowTokens, catches_up, extends_at_k0, prefills
 from ..spec.base import needs_context as drafter_needs_context
@@ -151,29 +151,6 @@ class EngineConfig:
         if not 0 < float(self.kv_memory_fraction) <= 1:
             raise ConfigError(f"engine.kv_memory_fraction={self.kv_memory_fraction}: must be in (0, 1]")
         SamplingParams.from_mapping(dataclasses.asdict(self.sampling))
-
-
-def config_number(key: str, value, kind=int, minimum=None):
-    """``value`` as ``kind`` (int or float) at least ``minimum``; None stays None. Strings that
-    spell a number are accepted (command-line overrides); anything else, a float where an int is
-    wanted, or a value below ``minimum`` is a ConfigError naming ``key``."""
-    if value is None:
-        return None
-    want = "an integer" if kind is int else "a number"
-    if minimum is not None:
-        want += f" >= {minimum}"
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        if kind is int:
-            v = int(value) if isinstance(value, str) else operator.index(value)
-        else:
-            v = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r}: must be {want}") from None
-    if minimum is not None and v < minimum:
-        raise ConfigError(f"{key}={value!r}: must be {want}")
-    return v
 
 
 def _use_graphs(setting, model) -> bool:

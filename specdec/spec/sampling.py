@@ -20,13 +20,12 @@ A run sets the defaults (``sampling:`` in conf/config.yaml); a request may overr
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, config_number
 
 KEYS = ("temperature", "top_k", "top_p", "min_p")
 # Below this a temperature is refused rather than run: logits / t overflows fp32 as t -> 0 (vLLM
@@ -74,39 +73,28 @@ class SamplingParams:
         return asdict(self)
 
 
-def _number(key: str, value, kind):
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        if kind is int:
-            v = int(value) if isinstance(value, str) else operator.index(value)
-        else:
-            v = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}={value!r}: must be {'an integer' if kind is int else 'a number'}") from None
-    if kind is float and not math.isfinite(v):
-        raise ConfigError(f"{key}={value!r}: must be a finite number")
-    return v
-
-
 def _check(key: str, name: str, value):
     """One parameter, validated (``key`` names it in errors)."""
+    if value is None:
+        raise ConfigError(f"{key}=None: must be a number")
     if name == "temperature":
-        v = _number(key, value, float)
+        v = config_number(key, value, float)
+        if not math.isfinite(v):
+            raise ConfigError(f"{key}={value!r}: must be a finite number")
         if v != 0.0 and not v >= MIN_TEMPERATURE:
             raise ConfigError(f"{key}={value!r}: must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         return v
     if name == "top_k":
-        v = _number(key, value, int)
+        v = config_number(key, value, int)
         if not 0 <= v <= MAX_TOP_K:
             raise ConfigError(f"{key}={value!r}: must be an integer in 0 .. {MAX_TOP_K} (0 = off)")
         return v
     if name == "top_p":
-        v = _number(key, value, float)
+        v = config_number(key, value, float)
         if not 0.0 < v <= 1.0:
             raise ConfigError(f"{key}={value!r}: must be in (0, 1] (1 = off)")
         return v
-    v = _number(key, value, float)  # min_p
+    v = config_number(key, value, float)  # min_p
     if not 0.0 <= v <= 1.0:
         raise ConfigError(f"{key}={value!r}: must be in [0, 1] (0 = off)")
     return v
