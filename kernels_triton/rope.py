@@ -39,6 +39,22 @@ nothing written) and returns only the rotated q. Bit-for-bit ``rope`` followed b
 cache dtype. It saves one launch per layer and the round trip of rotated k through memory. Every
 load but the table row (q, k, v, position, slot) is issued first, so a program waits on two
 dependent memory round trips: the position, then its table row.
+
+Attention extras, folded into the same program (optional; compile-time flags HAS_BIAS / HAS_QK_NORM,
+so a Llama layer's kernel is the plain one): ``bias`` [(HQ + 2 HKV) D] added to q | k | v (Qwen2), and
+``q_norm`` / ``k_norm`` [D] RMSNorms over each query / key head before RoPE (Qwen3). Per head, in the
+order and with the roundings of the separate ops they replace (``qkv + bias`` in torch, then
+``norm.rms_norm`` on the [N, heads, D] views, then RoPE):
+
+    x   = dt(fp32(x) + fp32(b))                       # the bias add, rounded to the head's dtype dt
+    rms = rsqrt(sum(fp32(x) ** 2) / D + eps)          # over the head's D channels (both halves)
+    x   = dt(fp32(w) * fp32(dt(fp32(x) * rms)))       # norm.rms_norm's two roundings
+    out = rope(x)                                     # as above, from the rounded normed head
+
+v gets its bias and no norm. The bias and norm weights are loaded with q, k and v, before the table
+row. The sum of squares adds the two halves' sums (the kernel holds each head as halves), another
+order than norm.rms_norm's one reduction over D: in fp32 they may differ in the last bits, as that
+kernel and its torch reference already do.
 """
 
 import math
@@ -138,9 +154,25 @@ def rope_ref(q, k, positions, cos, sin):
     return rotate(q), rotate(k)
 
 
-def rope_write_kv_ref_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping):
-    """``rope_ref`` then the paged KV write (slot < 0 skipped). Mutates k_cache / v_cache; returns
-    the rotated q."""
+def qkv_extras_ref(q, k, v, bias=None, q_norm=None, k_norm=None, eps=None):
+    """q [N, HQ, D], k / v [N, HKV, D] with the bias [(HQ + 2 HKV) D] added (``+`` in torch) and the
+    per-head RMSNorms (``norm.rms_norm_ref``) applied to q and k; see the module docstring."""
+    from .norm import rms_norm_ref
+
+    HQ, HKV, D = q.shape[1], k.shape[1], q.shape[2]
+    if bias is not None:
+        b_q, b_k, b_v = bias.split([HQ * D, HKV * D, HKV * D])
+        q, k, v = q + b_q.view(HQ, D), k + b_k.view(HKV, D), v + b_v.view(HKV, D)
+    if q_norm is not None:
+        q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
+    return q, k, v
+
+
+def rope_write_kv_ref_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, bias=None, q_norm=None,
+                       k_norm=None, eps=None):
+    """``qkv_extras_ref`` (with a bias / q and k norms), ``rope_ref``, then the paged KV write (slot < 0
+    skipped). Mutates k_cache / v_cache; returns the rotated q."""
+    q, k, v = qkv_extras_ref(q, k, v, bias, q_norm, k_norm, eps)
     q_out, k_out = rope_ref(q, k, positions, cos, sin)
     HKV, D = k_cache.shape[2], k_cache.shape[3]
     keep = slot_mapping >= 0
@@ -169,6 +201,26 @@ def _load_halves(
     b_x1 = tl.load(p_x1, mask=m_hd, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
     b_x2 = tl.load(p_x1 + HALF, mask=m_hd, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
     return b_x1, b_x2
+
+
+@triton.jit
+def _add_bias(b_x1, b_x2, b_b1, b_b2, x_ptr):
+    """Halves plus their bias halves, rounded to x's dtype (torch's ``x + b``), back in fp32."""
+    dt = x_ptr.dtype.element_ty
+    return (b_x1 + b_b1).to(dt).to(tl.float32), (b_x2 + b_b2).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _head_rms_norm(b_x1, b_x2, b_w1, b_w2, HALF, eps, x_ptr):
+    """RMSNorm of each head (row) of [heads, HALF] halves over its 2 * HALF channels, with norm.rms_norm's
+    roundings to x's dtype (normalised head, then times the weight halves); back in fp32."""
+    dt = x_ptr.dtype.element_ty
+    b_ss = tl.sum(b_x1 * b_x1, axis=1) + tl.sum(b_x2 * b_x2, axis=1)  # [heads]: both halves
+    b_rstd = tl.math.rsqrt(b_ss / (2 * HALF) + eps)[:, None]  # [heads, 1]
+    b_y1 = (b_x1 * b_rstd).to(dt).to(tl.float32)
+    b_y2 = (b_x2 * b_rstd).to(dt).to(tl.float32)
+    return ((b_y1 * b_w1[None, :]).to(dt).to(tl.float32),
+            (b_y2 * b_w2[None, :]).to(dt).to(tl.float32))
 
 
 @triton.jit
@@ -255,10 +307,14 @@ def rope_write_kv_kernel(
     qo_ptr,  # [N, HQ, D] contiguous
     kc_ptr,  # [NP, PS, HKV, D]
     vc_ptr,  # [NP, PS, HKV, D]
+    b_ptr,  # [(HQ + HKV + HKV) * D] q | k | v bias (unused without HAS_BIAS)
+    qw_ptr,  # [D] q_norm weight (unused without HAS_QK_NORM)
+    kw_ptr,  # [D] k_norm weight (unused without HAS_QK_NORM)
     HQ,
     HKV,
     HALF,
     n_positions,
+    eps,
     stride_qn,
     stride_qh,
     stride_kn,
@@ -273,6 +329,8 @@ def rope_write_kv_kernel(
     stride_vcs,
     stride_vch,
     PS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -291,11 +349,30 @@ def rope_write_kv_kernel(
     p_v1 = v_ptr + i_n * stride_vn + o_h[:, None] * stride_vh + o_d[None, :]
     b_v1 = tl.load(p_v1, mask=m_hd, other=0.0)  # [BLOCK_HKV, BLOCK_HALF]
     b_v2 = tl.load(p_v1 + HALF, mask=m_hd, other=0.0)  # [BLOCK_HKV, BLOCK_HALF]
+    if HAS_BIAS:  # the bias's q | k | v heads, each a [heads, 2 * HALF] block: same halves as q / k / v
+        b_bq1, b_bq2 = _load_halves(b_ptr, 0, HQ, 0, 2 * HALF, HALF, BLOCK_HQ, BLOCK_HALF)
+        b_bk1, b_bk2 = _load_halves(b_ptr + HQ * 2 * HALF, 0, HKV, 0, 2 * HALF, HALF, BLOCK_HKV, BLOCK_HALF)
+        b_bv1, b_bv2 = _load_halves(b_ptr + (HQ + HKV) * 2 * HALF, 0, HKV, 0, 2 * HALF, HALF, BLOCK_HKV,
+                                    BLOCK_HALF)
+    if HAS_QK_NORM:
+        m_half = o_d < HALF
+        b_qw1 = tl.load(qw_ptr + o_d, mask=m_half, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+        b_qw2 = tl.load(qw_ptr + HALF + o_d, mask=m_half, other=0.0).to(tl.float32)
+        b_kw1 = tl.load(kw_ptr + o_d, mask=m_half, other=0.0).to(tl.float32)
+        b_kw2 = tl.load(kw_ptr + HALF + o_d, mask=m_half, other=0.0).to(tl.float32)
 
     # Out-of-range positions read nothing (cos = sin = 0 -> zero output) instead of stray memory.
     m_d = (o_d < HALF) & (b_pos >= 0) & (b_pos < n_positions)
     b_cos = tl.load(cos_ptr + b_pos * stride_cos + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_HALF]
     b_sin = tl.load(sin_ptr + b_pos * stride_cos + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+
+    if HAS_BIAS:  # qkv + bias, rounded to the model dtype before anything reads it
+        b_q1, b_q2 = _add_bias(b_q1, b_q2, b_bq1, b_bq2, q_ptr)
+        b_k1, b_k2 = _add_bias(b_k1, b_k2, b_bk1, b_bk2, k_ptr)
+        b_v1, b_v2 = _add_bias(b_v1.to(tl.float32), b_v2.to(tl.float32), b_bv1, b_bv2, v_ptr)
+    if HAS_QK_NORM:  # per-head RMSNorm (padding heads are normed too, never stored)
+        b_q1, b_q2 = _head_rms_norm(b_q1, b_q2, b_qw1, b_qw2, HALF, eps, q_ptr)
+        b_k1, b_k2 = _head_rms_norm(b_k1, b_k2, b_kw1, b_kw2, HALF, eps, k_ptr)
 
     b_q1, b_q2 = _rotate(b_q1, b_q2, b_cos, b_sin)
     _store_heads(qo_ptr, i_n, HQ, b_q1, b_q2, HALF, BLOCK_HQ, BLOCK_HALF)
@@ -390,8 +467,36 @@ def rope(q, k, positions, cos, sin):
     return q_out, k_out
 
 
-def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping):
-    """RoPE on q and k, then k (rotated) and v written into the paged KV caches, in one launch.
+def _check_extras(name, q, k, v, bias, q_norm, k_norm, eps):
+    """Checks of rope_write_kv_'s optional bias / q and k norms (q [N, HQ, D], k and v [N, HKV, D])."""
+    HQ, HKV, D = q.shape[1], k.shape[1], q.shape[2]
+    if bias is not None:
+        n_bias = (HQ + 2 * HKV) * D
+        if bias.dim() != 1 or bias.shape[0] != n_bias:
+            raise ValueError(f"{name}: bias must be [(HQ + 2 HKV) D = {n_bias}], got {tuple(bias.shape)}")
+        if not (bias.dtype == q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"{name}: bias, q, k and v must share one dtype (the bias is added and rounded in "
+                             f"it, as torch's qkv + bias), got {bias.dtype}, {q.dtype}, {k.dtype}, {v.dtype}")
+        if bias.device != q.device:
+            raise ValueError(f"{name}: bias is on {bias.device}, q on {q.device}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"{name}: q_norm and k_norm come together (both None, or both [D])")
+    if q_norm is not None:
+        for arg, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if w.dim() != 1 or w.shape[0] != D:
+                raise ValueError(f"{name}: {arg} must be [D={D}], got {tuple(w.shape)}")
+            if not w.is_floating_point():
+                raise ValueError(f"{name}: {arg} must be a float tensor, got {w.dtype}")
+            if w.device != q.device:
+                raise ValueError(f"{name}: {arg} is on {w.device}, q on {q.device}")
+        if eps is None:
+            raise ValueError(f"{name}: q_norm / k_norm need eps")
+
+
+def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, bias=None, q_norm=None,
+                   k_norm=None, eps=None):
+    """RoPE on q and k, then k (rotated) and v written into the paged KV caches, in one launch; with a
+    q | k | v ``bias`` and / or per-head ``q_norm`` / ``k_norm`` RMSNorms applied first, in the same launch.
 
     Args:
         q: [N, HQ, D]; k, v: [N, HKV, D] (views into a fused QKV output are fine: last dim contiguous).
@@ -399,9 +504,14 @@ def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
         cos, sin: [P, D/2] fp32 from ``rope_tables``.
         k_cache, v_cache: [NP, PS, HKV, D] page pools, written in place at flat slot
             ``slot_mapping[n] = page * PS + offset``; ``slot_mapping`` [N] int64, < 0 skips token n.
+        bias: None, or [(HQ + 2 HKV) D] in q's dtype (q, k and v then share it): q | k | v's bias (Qwen2),
+            added and rounded to that dtype first.
+        q_norm, k_norm: None, or both [D] float: RMSNorm weights over each query / key head, applied after
+            the bias and before RoPE (Qwen3), with ``eps``.
 
     Mutates k_cache and v_cache; returns the rotated q as a new contiguous [N, HQ, D] tensor in q's
-    dtype. Same values as ``rope`` followed by ``attention.write_kv_`` (rotated k discarded).
+    dtype. Same values as ``rope`` followed by ``attention.write_kv_`` (rotated k discarded); with the
+    extras, as torch's ``qkv + bias`` and ``norm.rms_norm`` on each head before them (module docstring).
     """
     name = "rope_write_kv_"
     N, HQ, HKV, D = _check_rope_args(name, q, k, positions, cos, sin)
@@ -424,6 +534,7 @@ def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
     for arg, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if t.device != q.device:
             raise ValueError(f"{name}: {arg} is on {t.device}, q on {q.device}")
+    _check_extras(name, q, k, v, bias, q_norm, k_norm, eps)
 
     half = D // 2
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
@@ -431,6 +542,10 @@ def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
     sin = sin.contiguous()
     positions = positions.contiguous()
     slot_mapping = slot_mapping.contiguous()
+    # Absent extras: q stands in for their pointers, never dereferenced (HAS_BIAS / HAS_QK_NORM False).
+    has_bias, has_norm = bias is not None, q_norm is not None
+    bias = bias.contiguous() if has_bias else q
+    q_norm, k_norm = (q_norm.contiguous(), k_norm.contiguous()) if has_norm else (q, q)
     q_out = torch.empty((N, HQ, D), dtype=q.dtype, device=q.device)
     if N == 0:
         return q_out
@@ -439,12 +554,14 @@ def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
     block_hkv = triton.next_power_of_2(max(HKV, 1))
     block_half = triton.next_power_of_2(half)
     rope_write_kv_kernel[(N,)](
-        q, k, v, positions, cos, sin, slot_mapping, q_out, k_cache, v_cache,
-        HQ, HKV, half, cos.shape[0],
+        q, k, v, positions, cos, sin, slot_mapping, q_out, k_cache, v_cache, bias, q_norm, k_norm,
+        HQ, HKV, half, cos.shape[0], float(eps) if has_norm else 0.0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PS=k_cache.shape[1],
+        HAS_BIAS=has_bias,
+        HAS_QK_NORM=has_norm,
         BLOCK_HQ=block_hq,
         BLOCK_HKV=block_hkv,
         BLOCK_HALF=block_half,

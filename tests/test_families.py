@@ -286,11 +286,13 @@ def test_expert_counts_are_the_routed_experts():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")
-@pytest.mark.parametrize("family", ["qwen2", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_triton_blocks_match_torch_references(family):
-    """The model's Triton path for the new blocks (bias add, per-head q/k norms, the fused MoE kernel; under
-    the interpreter on CPU) against its torch-reference path: a prefill, then decode steps."""
-    models = {be: family_model(family, seed=4, backend=be) for be in ("triton", "torch")}
+    """The model's Triton path for the new blocks (bias add, per-head q/k norms, both folded into the RoPE + KV
+    write kernel; the fused MoE kernel; under the interpreter on CPU) against its torch-reference path: a
+    prefill, then decode steps."""
+    overrides = {"head_dim": 16} if family == "qwen3" else {}  # the attention kernel: power-of-two head dims
+    models = {be: family_model(family, seed=4, backend=be, **overrides) for be in ("triton", "torch")}
     ids = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(5)).tolist()
     got, want = (paged_step_logits(models[be], ids, n_prefill=5) for be in ("triton", "torch"))
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

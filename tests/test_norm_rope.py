@@ -409,3 +409,188 @@ def test_rope_write_kv_bad_inputs():
         rope_write_kv_(q, k, v, pos, cos, sin, kc, vc, slots.to(torch.int32))
     with pytest.raises(ValueError, match="positions"):
         rope_write_kv_(q, k, v, pos[:4], cos, sin, kc, vc, slots)
+
+
+# ------------------------------------------------- rope + write_kv with a bias / per-head q and k norms
+
+# fp32: the kernel's sum of squares adds two halves (another order than rms_norm's), otherwise the same
+# ops; bf16: the interpreter truncates each fp32 -> bf16 rounding (four of them in a chain), a GPU rounds
+# to nearest: a few ulps of the largest output (2**-6 of it) and 2**-6 relative.
+EXTRAS_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2.0**-6, 2.0**-6)}
+EXTRAS = ("none", "bias", "norm", "bias+norm")
+
+
+def _extras(kind, HQ, HKV, D, dtype, gen):
+    """(bias, q_norm, k_norm) for one of EXTRAS: bias [(HQ + 2 HKV) D], norm weights [D] in the model dtype."""
+    bias = _randn((HQ + 2 * HKV) * D, dtype=dtype, gen=gen) if "bias" in kind else None
+    if "norm" not in kind:
+        return bias, None, None
+    return bias, _randn(D, dtype=dtype, gen=gen), _randn(D, dtype=dtype, gen=gen)
+
+
+def _close(got, want, dtype, equal_nan=False):
+    atol, rtol = EXTRAS_TOL[dtype]
+    if dtype == torch.bfloat16:
+        atol *= float(want.float().nan_to_num().abs().max())
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=equal_nan)
+
+
+@pytest.mark.parametrize(
+    "N,heads,extras,dtype",
+    [(N, h, e, torch.float32) for N in (1, 6, 37) for h in ((5, 1, 64), (32, 4, 128), (9, 3, 48)) for e in EXTRAS]
+    + [(37, h, e, torch.bfloat16) for h in ((5, 1, 64), (32, 4, 128)) for e in EXTRAS[1:]],
+)
+def test_rope_write_kv_extras_match_ref(N, heads, extras, dtype, poison):
+    """The fused bias + per-head q/k RMSNorm + RoPE + KV write against the torch reference (qkv + bias,
+    rms_norm_ref on each head, rope_ref, the paged write), on views into one fused projection, odd head
+    counts, D = 48 (HALF = 24: masked channels in the sum of squares), slots scattered over spare pages."""
+    from kernels_triton.rope import rope_write_kv_, rope_write_kv_ref_
+
+    HQ, HKV, D = heads
+    PS, P_TABLE, eps = 4, 64, 1e-6
+    gen = torch.Generator().manual_seed(N * 31 + HQ * 7 + D + EXTRAS.index(extras))
+    cos, sin = rope_tables(D, P_TABLE, 10000.0, device=DEVICE)
+    qkv = _randn(N, (HQ + 2 * HKV) * D, dtype=dtype, scale=3.0, gen=gen)
+    q = qkv[:, : HQ * D].view(N, HQ, D)
+    k = qkv[:, HQ * D : (HQ + HKV) * D].view(N, HKV, D)
+    v = qkv[:, (HQ + HKV) * D :].view(N, HKV, D)
+    bias, q_norm, k_norm = _extras(extras, HQ, HKV, D, dtype, gen)
+    positions = torch.randint(0, P_TABLE, (N,), generator=gen).to(DEVICE)
+    n_pages = -(-N // PS) + 3
+    n_pad = min(2, N - 1)
+    slot_mapping = _slots(N, n_pages, PS, gen, n_pad=n_pad)
+
+    kc, vc = _paged_caches(n_pages, PS, HKV, D, dtype)
+    q_out = rope_write_kv_(q, k, v, positions, cos, sin, kc, vc, slot_mapping, bias, q_norm, k_norm, eps)
+    assert q_out.shape == (N, HQ, D) and q_out.dtype == dtype and q_out.is_contiguous()
+    assert not torch.isnan(q_out).any()
+    kc_ref, vc_ref = _paged_caches(n_pages, PS, HKV, D, dtype)
+    q_ref = rope_write_kv_ref_(q, k, v, positions, cos, sin, kc_ref, vc_ref, slot_mapping, bias, q_norm, k_norm, eps)
+    assert torch.equal(torch.isnan(kc), torch.isnan(kc_ref)) and torch.equal(torch.isnan(vc), torch.isnan(vc_ref))
+    assert int(torch.isnan(kc).any(-1).any(-1).logical_not().sum()) == N - n_pad  # written slots only
+    _close(q_out, q_ref, dtype)
+    _close(kc, kc_ref, dtype, equal_nan=True)
+    if dtype == torch.float32:  # v: one fp32 add (or a copy)
+        torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0, equal_nan=True)
+    else:
+        _close(vc, vc_ref, dtype, equal_nan=True)
+
+    if dtype != torch.float32:
+        return
+    # The ops it replaces, as Triton kernels: qkv + bias in torch, norm.rms_norm on the heads, then the plain
+    # RoPE + KV write. Without norms the same fp32 ops: bit-exact; with them, the sum of squares' order.
+    if bias is not None:
+        qkv = qkv + bias
+    q, k, v = (t.view(N, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=-1))
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    kc_two, vc_two = _paged_caches(n_pages, PS, HKV, D, dtype)
+    q_two = rope_write_kv_(q, k, v, positions, cos, sin, kc_two, vc_two, slot_mapping)
+    tol = (1e-5, 1e-5) if q_norm is not None else (0, 0)
+    torch.testing.assert_close(q_out, q_two, atol=tol[0], rtol=tol[1])
+    torch.testing.assert_close(kc, kc_two, atol=tol[0], rtol=tol[1], equal_nan=True)
+    torch.testing.assert_close(vc, vc_two, atol=0, rtol=0, equal_nan=True)
+
+
+def test_rope_write_kv_extras_norm_reads_both_halves(poison):
+    """A head that is zero in its first half and large in its second normalises to unit RMS over all D
+    channels (a sum of squares over one half would be off by sqrt(2)); position 0 leaves it unrotated."""
+    from kernels_triton.rope import rope_write_kv_
+
+    HQ, HKV, D = 3, 1, 64
+    cos, sin = rope_tables(D, 4, 10000.0, device=DEVICE)
+    q = torch.zeros(2, HQ, D, device=DEVICE)
+    q[:, :, D // 2 :] = 5.0
+    k, v = q[:, :HKV].clone(), _randn(2, HKV, D)
+    ones = torch.ones(D, device=DEVICE)
+    kc, vc = _paged_caches(1, 4, HKV, D, torch.float32)
+    q_out = rope_write_kv_(q, k, v, torch.zeros(2, dtype=torch.int64, device=DEVICE), cos, sin, kc, vc,
+                           torch.tensor([0, 3], device=DEVICE), None, ones, ones, 1e-6)
+    want = torch.zeros_like(q)
+    want[:, :, D // 2 :] = math.sqrt(2.0)
+    torch.testing.assert_close(q_out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kc[0, [0, 3]], want[:, :HKV], atol=1e-5, rtol=1e-5)
+
+
+def test_rope_write_kv_extras_bad_inputs():
+    from kernels_triton.rope import rope_write_kv_
+
+    cos, sin = rope_tables(64, 16, 10000.0, device=DEVICE)
+    q, k, v = _randn(5, 9, 64), _randn(5, 3, 64), _randn(5, 3, 64)
+    pos = torch.zeros(5, dtype=torch.int32, device=DEVICE)
+    slots = torch.arange(5, device=DEVICE)
+    kc, vc = _paged_caches(2, 4, 3, 64, torch.float32)
+    w = _randn(64)
+    args = (q, k, v, pos, cos, sin, kc, vc, slots)
+    with pytest.raises(ValueError, match=r"bias must be \[\(HQ \+ 2 HKV\) D = 960\]"):
+        rope_write_kv_(*args, _randn(959))
+    with pytest.raises(ValueError, match="share one dtype"):
+        rope_write_kv_(*args, _randn(960, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"q_norm must be \[D=64\]"):
+        rope_write_kv_(*args, None, _randn(63), w, 1e-6)
+    with pytest.raises(ValueError, match=r"k_norm must be \[D=64\]"):
+        rope_write_kv_(*args, None, w, _randn(2, 64), 1e-6)
+    with pytest.raises(ValueError, match="come together"):
+        rope_write_kv_(*args, None, w, None, 1e-6)
+    with pytest.raises(ValueError, match="float tensor"):
+        rope_write_kv_(*args, None, w, w.to(torch.int32), 1e-6)
+    with pytest.raises(ValueError, match="need eps"):
+        rope_write_kv_(*args, None, w, w)
+
+
+class _Launches:
+    """Names of the Triton kernels launched (``name[grid](...)``) from the modules given, in order."""
+
+    def __init__(self, monkeypatch, *modules):
+        self.names = []
+        for mod in modules:
+            for name, obj in list(vars(mod).items()):
+                if name.endswith("_kernel") and hasattr(obj, "__getitem__"):
+                    monkeypatch.setattr(mod, name, self._wrap(name, obj))
+
+    def _wrap(self, name, kernel):
+        launches = self
+
+        class Counted:
+            def __getitem__(self, grid):
+                launch = kernel[grid]
+
+                def run(*a, **kw):
+                    launches.names.append(name)
+                    return launch(*a, **kw)
+
+                return run
+
+        return Counted()
+
+
+@pytest.mark.parametrize("extras", EXTRAS)
+def test_attention_input_side_launches(extras, monkeypatch):
+    """The model op for one decode row: a Llama layer's attention input side is one launch (the fused
+    RMSNorm + qkv + RoPE + KV write), a Qwen2 / Qwen3 layer's two (RMSNorm + qkv, then bias + q/k norms +
+    RoPE + KV write), with the torch path's values."""
+    from kernels_triton import activation, linear, norm, rope
+    from specdec.models import ops
+
+    HQ, HKV, D, H, eps = 4, 2, 32, 64, 1e-6
+    gen = torch.Generator().manual_seed(3)
+    x, r = _randn(1, H, gen=gen), _randn(1, H, gen=gen)
+    nw, wqkv = _randn(H, gen=gen), _randn((HQ + 2 * HKV) * D, H, scale=H**-0.5, gen=gen)
+    bias, q_norm, k_norm = _extras(extras, HQ, HKV, D, torch.float32, gen)
+    cos, sin = rope_tables(D, 16, 10000.0, device=DEVICE)
+    pos, slots = torch.tensor([5], device=DEVICE), torch.tensor([6], device=DEVICE)
+    out = {}
+    launches = _Launches(monkeypatch, activation, linear, norm, rope)
+    for be in ("torch", "triton"):
+        launches.names = []
+        kc, vc = _paged_caches(2, 4, HKV, D, torch.float32)
+        q, s = ops.norm_qkv_rope_write_kv_(x, r, nw, eps, wqkv, HQ, HKV, pos, cos, sin, kc, vc, slots, backend=be,
+                                           bias=bias, q_norm=q_norm, k_norm=k_norm)
+        out[be] = (q, s, kc, vc, launches.names)
+    assert out["torch"][4] == []
+    names = out["triton"][4]
+    assert len(names) == (1 if extras == "none" else 2), names
+    if extras != "none":
+        assert names[-1] == "rope_write_kv_kernel"
+    for got, want in zip(out["triton"][:4], out["torch"][:4]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, equal_nan=True)

@@ -173,12 +173,15 @@ def write_kv_(k_cache, v_cache, k, v, slot_mapping, *, backend="auto") -> None:
     fn(k_cache, v_cache, k, v, slot_mapping)
 
 
-def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, backend="auto"):
-    """RoPE on q and k, rotated k and v written to the cache slots (in place); returns rotated q."""
+def rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, backend="auto", bias=None,
+                   q_norm=None, k_norm=None, eps=None):
+    """RoPE on q and k, rotated k and v written to the cache slots (in place); returns rotated q. With a
+    q | k | v ``bias`` and / or per-head ``q_norm`` / ``k_norm`` RMSNorms (``eps``) applied first, in the
+    same launch (kernels_triton/rope.py)."""
     from kernels_triton import rope as rope_mod
 
     fn = rope_mod.rope_write_kv_ if use_triton(backend, q) else rope_mod.rope_write_kv_ref_
-    return fn(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    return fn(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, bias, q_norm, k_norm, eps)
 
 
 def silu_mul(x, *, backend="auto"):
@@ -365,7 +368,7 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
     ``k_norm`` [D] RMSNorms over each query / key head before RoPE (Qwen3); see _qkv_extras_rope_write_kv_."""
     from kernels_triton import linear as lin
 
-    if bias is not None or q_norm is not None:
+    if bias is not None or q_norm is not None or k_norm is not None:
         return _qkv_extras_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions,
                                           cos, sin, k_cache, v_cache, slot_mapping, backend, sumsq, folded, bias,
                                           q_norm, k_norm)
@@ -393,20 +396,18 @@ def norm_qkv_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv
 
 def _qkv_extras_rope_write_kv_(x, residual, norm_weight, eps, wqkv, n_q_heads, n_kv_heads, positions, cos, sin,
                                k_cache, v_cache, slot_mapping, backend, sumsq, folded, bias, q_norm, k_norm):
-    """norm_qkv_rope_write_kv_ with a bias and / or q/k norms between the projection and RoPE: the RMSNorm +
-    qkv projection stays one launch for few rows (norm_linear), then the bias add and the two per-head norm
-    launches, then the RoPE + KV write. (A Llama layer takes none of these launches.)"""
+    """norm_qkv_rope_write_kv_ with a bias and / or q/k norms between the projection and RoPE, in two launches:
+    the RMSNorm + qkv projection (norm_linear: one launch for few rows), then one kernel adding the bias
+    (rounded to the model dtype, as ``qkv + bias``: nn.Linear's addmm rounds (x @ W^T) + b once, bf16 here
+    twice), norming each query / key head (as ``rms_norm`` on the heads) and doing the RoPE + KV write
+    (kernels_triton/rope.py). A Llama layer's second launch is the same kernel compiled without the extras."""
     N, D = x.shape[0], k_cache.shape[-1]
     qkv, s = norm_linear(x, residual, norm_weight, eps, wqkv, backend=backend, sumsq=sumsq,
                          folded=folded)  # [N, (HQ + 2 HKV) D]
-    if bias is not None:
-        qkv = qkv + bias  # (x @ W^T) + b: nn.Linear rounds the two once (addmm), bf16 here twice
     q, k, v = qkv.split([n_q_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)  # views, no copies
-    q, k, v = q.view(N, n_q_heads, D), k.view(N, n_kv_heads, D), v.view(N, n_kv_heads, D)
-    if q_norm is not None:
-        q = rms_norm(q, q_norm, eps, backend=backend)  # [N, HQ, D]: each head's D channels
-        k = rms_norm(k, k_norm, eps, backend=backend)  # [N, HKV, D]
-    q = rope_write_kv_(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, backend=backend)
+    q = rope_write_kv_(q.view(N, n_q_heads, D), k.view(N, n_kv_heads, D), v.view(N, n_kv_heads, D), positions,
+                       cos, sin, k_cache, v_cache, slot_mapping, backend=backend, bias=bias, q_norm=q_norm,
+                       k_norm=k_norm, eps=eps)  # [N, HQ, D]
     return q, s
 
 

@@ -15,10 +15,10 @@ is three calls around attention (``specdec.models.ops``): RMSNorm(h + residual) 
 written to the cache; o-projection; RMSNorm(h + residual) -> gate|up -> SwiGLU; then the down projection.
 With few rows on the Triton backend each of them is one fused launch (kernels_triton/linear.py);
 otherwise they run as Triton RMSNorm / RoPE + KV write / SwiGLU kernels around cuBLAS GEMMs. A bias or
-qk-norm family keeps the fused RMSNorm + qkv launch and adds its bias add / two per-head norm launches
-before the RoPE + KV write (a Llama layer launches exactly what it did). An MoE layer is RMSNorm(h +
-residual) and the fused MoE kernel (kernels_triton/moe.py: routing, grouping and both grouped GEMMs,
-no host sync, capturable in every graph bucket).
+qk-norm family keeps the fused RMSNorm + qkv launch and folds its bias add and per-head q/k norms into the
+RoPE + KV write kernel: two launches for the attention input side (a Llama layer launches exactly what it
+did). An MoE layer is RMSNorm(h + residual) and the fused MoE kernel (kernels_triton/moe.py: routing,
+grouping and both grouped GEMMs, no host sync, capturable in every graph bucket).
 
 Experts read: every MoE layer adds the number of (token, slot) pairs routed to each expert to
 ``expert_hits`` [L_moe, E] (the kernel's counter, an integer atomic); at the end of each forward the
