@@ -571,3 +571,40 @@ def test_warped_path_without_warpers_is_the_temperature_path():
     got = verify_accept(warp_logits(dev(logits), dev(params)), dev(tokens), dev(par), 1.0, dev(u))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ on the GPU (-m gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("V", [49152, 151936])
+def test_warp_on_gpu_matches_ref_at_model_vocabularies(V):
+    # The compiled kernel (not the interpreter) at SmolLM2's and Qwen3's vocabularies, bf16 logits, a
+    # batch of 1..17-node trees, every warper on, off and combined.
+    gen = torch.Generator().manual_seed(V)
+    for B, T in ((1, 1), (3, 17), (8, 4)):
+        logits = (torch.randn(B, T, V, generator=gen) * 4).to(torch.bfloat16)
+        check_against_ref(logits, random_params(B, V, gen))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [0, 3])
+def test_engine_on_gpu_samples_with_run_level_warpers(k):
+    # What `sampling.temperature=1.0 sampling.top_p=0.95` runs: Triton kernels, CUDA graphs, one set of
+    # parameters for every row (no per-request sampling), plain (k = 0) and an EAGLE-3 tree.
+    from test_engine import rand_prompts, tiny_model
+
+    from specdec.engine.engine import Engine, EngineConfig
+
+    model = tiny_model(layers=2, device="cuda", backend="auto")
+    drafter = eagle3(model, 2, 2, 3) if k else None
+    cfg = EngineConfig(max_batch_size=8, page_size=4, kv_cache_tokens=4096, max_seq_len=64, seed=0,
+                       temperature=1.0, top_p=0.95)
+    engine = Engine(model, cfg, drafter=drafter, ks=(k,))
+    reqs = [engine.add_request(p, 8) for p in rand_prompts([5, 9, 3], seed=2)]
+    while engine.has_work():
+        engine.step(k)
+    engine.check()
+    assert all(len(r.output_ids) == 8 for r in reqs)
