@@ -552,6 +552,33 @@ def test_engine_speculative_greedy_identity_in_both_modes(exact, kernel_options,
     assert counted.calls["fused"] > 0 and (counted.calls["exact_attention"] > 0) == exact
 
 
+@cpu_only
+def test_engine_speculative_greedy_identity_with_preemption_in_exact_mode(kernel_options):
+    """EAGLE-3 trees switching on and off in a KV pool too small for the batch: preempted requests are
+    recomputed as prefill chunks of other lengths, and every output is still plain greedy's."""
+    from test_engine import rand_prompts, reference, tiny_model
+    from test_spec import tiny_head
+
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.spec import Eagle3Drafter
+
+    kernel_options.set_(exact=True)
+    model = tiny_model(layers=2, backend="triton")
+    prompts = rand_prompts([3, 14, 7, 22, 9, 5], seed=7)
+    want = [reference(tiny_model(layers=2), p, 12) for p in prompts]
+    drafter = Eagle3Drafter(tiny_head(model), model, topk=2, steps=2, num_draft_tokens=4)
+    engine = Engine(model, EngineConfig(max_batch_size=6, page_size=4, kv_cache_tokens=64, prefill_chunk=8),
+                    drafter=drafter, ks=(4,))
+    reqs = [engine.add_request(p, 12) for p in prompts]
+    i = 0
+    while engine.has_work():
+        engine.step(4 if i % 3 else 0)
+        engine.check()
+        i += 1
+    assert engine.scheduler.num_preemptions > 0, "pool too large: the test must force preemption"
+    assert [r.output_ids for r in reqs] == want
+
+
 # ------------------------------------------------------------------------------------------------
 # On the GPU (bf16)
 # ------------------------------------------------------------------------------------------------
