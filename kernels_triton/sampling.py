@@ -180,7 +180,7 @@ def _threshold(p_row, V, temperature, m, lo, hi, target, MASS: tl.constexpr, NPI
 @triton.jit
 def _warp_kernel(
     logits,  # [B, T, V]
-    params,  # [B, 4] fp32: temperature, top_k, top_p, min_p
+    row_params,  # [B, 4] fp32: temperature, top_k, top_p, min_p (not `params`: tests/test_kernel_globals.py)
     out,  # [B, T, V] fp32, contiguous
     T,
     V,
@@ -195,10 +195,10 @@ def _warp_kernel(
     i_b = i_r // T
     p_row = logits + i_b * stride_lb + (i_r % T) * stride_lt
     p_out = out + i_r * V
-    temperature = tl.load(params + i_b * 4)
-    top_k = tl.load(params + i_b * 4 + 1)
-    top_p = tl.load(params + i_b * 4 + 2)
-    min_p = tl.load(params + i_b * 4 + 3)
+    temperature = tl.load(row_params + i_b * 4)
+    top_k = tl.load(row_params + i_b * 4 + 1)
+    top_p = tl.load(row_params + i_b * 4 + 2)
+    min_p = tl.load(row_params + i_b * 4 + 3)
     o_v = tl.arange(0, BLOCK_V)
     if temperature > 0.0:
         # Pass 1: max of x and the smallest key (the search's first lo).

@@ -1,8 +1,13 @@
-"""Every @triton.jit kernel reads module globals only as tl.constexpr.
+"""Kernel source rules the CPU interpreter does not enforce and the GPU launcher does.
 
-The GPU compiler refuses a kernel that reads a plain module-level number ("Cannot access global variable
-... from within @jit'ed function"); the CPU interpreter runs it, so without this check such a kernel passes
-the CPU suite and fails at its first launch on a GPU.
+- Every @triton.jit kernel reads module globals only as tl.constexpr: the GPU compiler refuses a kernel that
+  reads a plain module-level number ("Cannot access global variable ... from within @jit'ed function").
+- No kernel argument takes a name of the launcher's own binder: Triton binds a launch's arguments in a
+  generated function whose locals include ``params`` (the dict of bound arguments), so an argument called
+  ``params`` is specialized as that dict ("failed to specialize argument of type: dict").
+
+The CPU interpreter runs such kernels, so without these checks they pass the CPU suite and fail at their
+first launch on a GPU.
 """
 
 import ast
@@ -48,3 +53,18 @@ def test_jit_kernels_read_no_plain_globals():
                         and node.id not in local):
                     bad.append(f"{path.name}:{node.lineno} {fn.name} reads {node.id} = {plain[node.id]}")
     assert not bad, "wrap these in tl.constexpr(...) or pass them as constexpr arguments:\n" + "\n".join(bad)
+
+
+# Locals and globals of the function Triton generates to bind a launch's arguments (runtime/jit.py,
+# create_function_from_signature): an argument of one of these names is shadowed there.
+BINDER_NAMES = {"params", "specialization", "options", "backend", "specialize_impl", "JITCallable"}
+
+
+def test_jit_kernel_arguments_avoid_the_binders_names():
+    bad = []
+    for path in sorted(KERNELS.glob("*.py")):
+        for fn in _jit_functions(ast.parse(path.read_text())):
+            for a in fn.args.args + fn.args.kwonlyargs:
+                if a.arg in BINDER_NAMES or a.arg.startswith("default_"):
+                    bad.append(f"{path.name}:{fn.lineno} {fn.name}({a.arg})")
+    assert not bad, "rename these kernel arguments (the GPU launcher's binder shadows them):\n" + "\n".join(bad)
