@@ -31,9 +31,12 @@ mkdir -p "$R" "$OUT"
 ledger0=$(wc -l < "$LEDGER" 2>/dev/null || echo 0)
 run() { local t=$1; shift; echo "+ $*"; timeout "$t" "$@" > "$R/last.log" 2>&1; local rc=$?; echo "rc=$rc"; tail -n 4 "$R/last.log"; }
 report() { python -m specdec.report "$R/$1" --out "$R/$1/report" > /dev/null 2>&1; sed -n "/^## $2/,/^## /p" "$R/$1/report/report.md" 2>/dev/null | head -n 40; }
-pack() {  # pack NAME DIR...: the small files of finished runs (PACK_STEPS=1: with each run's steps.jsonl)
-  local steps=(--exclude=steps.jsonl); [ "${PACK_STEPS:-0}" = 1 ] && steps=()
-  tar czf "$OUT/$1.tgz" --exclude=requests.jsonl --exclude=.hydra "${steps[@]}" --exclude='*.log' -C "$R" "${@:2}" 2>/dev/null
+pack() {  # pack NAME DIR...: the small files of finished runs (PACK_STEPS=1: with each run's steps.jsonl;
+  # PACK_REQUESTS=1: with requests.jsonl, so a report here can compare outputs across folders, e.g. exact mode)
+  local steps=(--exclude=steps.jsonl) reqs=(--exclude=requests.jsonl)
+  [ "${PACK_STEPS:-0}" = 1 ] && steps=()
+  [ "${PACK_REQUESTS:-0}" = 1 ] && reqs=()
+  tar czf "$OUT/$1.tgz" "${reqs[@]}" --exclude=.hydra "${steps[@]}" --exclude='*.log' -C "$R" "${@:2}" 2>/dev/null
   ls -l "$OUT/$1.tgz"
 }
 case "$stage" in
