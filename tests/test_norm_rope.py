@@ -409,6 +409,23 @@ def test_rope_write_kv_bad_inputs():
         rope_write_kv_(q, k, v, pos, cos, sin, kc, vc, slots.to(torch.int32))
     with pytest.raises(ValueError, match="positions"):
         rope_write_kv_(q, k, v, pos[:4], cos, sin, kc, vc, slots)
+    # the optional bias / q and k norms
+    w = _randn(64)
+    args = (q, k, v, pos, cos, sin, kc, vc, slots)
+    with pytest.raises(ValueError, match=r"bias must be \[\(HQ \+ 2 HKV\) D = 960\]"):
+        rope_write_kv_(*args, _randn(959))
+    with pytest.raises(ValueError, match="share one dtype"):
+        rope_write_kv_(*args, _randn(960, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"q_norm must be \[D=64\]"):
+        rope_write_kv_(*args, None, _randn(63), w, 1e-6)
+    with pytest.raises(ValueError, match=r"k_norm must be \[D=64\]"):
+        rope_write_kv_(*args, None, w, _randn(2, 64), 1e-6)
+    with pytest.raises(ValueError, match="come together"):
+        rope_write_kv_(*args, None, w, None, 1e-6)
+    with pytest.raises(ValueError, match="float tensor"):
+        rope_write_kv_(*args, None, w, w.to(torch.int32), 1e-6)
+    with pytest.raises(ValueError, match="need eps"):
+        rope_write_kv_(*args, None, w, w)
 
 
 # ------------------------------------------------- rope + write_kv with a bias / per-head q and k norms
@@ -510,32 +527,6 @@ def test_rope_write_kv_extras_norm_reads_both_halves(poison):
     want[:, :, D // 2 :] = math.sqrt(2.0)
     torch.testing.assert_close(q_out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kc[0, [0, 3]], want[:, :HKV], atol=1e-5, rtol=1e-5)
-
-
-def test_rope_write_kv_extras_bad_inputs():
-    from kernels_triton.rope import rope_write_kv_
-
-    cos, sin = rope_tables(64, 16, 10000.0, device=DEVICE)
-    q, k, v = _randn(5, 9, 64), _randn(5, 3, 64), _randn(5, 3, 64)
-    pos = torch.zeros(5, dtype=torch.int32, device=DEVICE)
-    slots = torch.arange(5, device=DEVICE)
-    kc, vc = _paged_caches(2, 4, 3, 64, torch.float32)
-    w = _randn(64)
-    args = (q, k, v, pos, cos, sin, kc, vc, slots)
-    with pytest.raises(ValueError, match=r"bias must be \[\(HQ \+ 2 HKV\) D = 960\]"):
-        rope_write_kv_(*args, _randn(959))
-    with pytest.raises(ValueError, match="share one dtype"):
-        rope_write_kv_(*args, _randn(960, dtype=torch.float16))
-    with pytest.raises(ValueError, match=r"q_norm must be \[D=64\]"):
-        rope_write_kv_(*args, None, _randn(63), w, 1e-6)
-    with pytest.raises(ValueError, match=r"k_norm must be \[D=64\]"):
-        rope_write_kv_(*args, None, w, _randn(2, 64), 1e-6)
-    with pytest.raises(ValueError, match="come together"):
-        rope_write_kv_(*args, None, w, None, 1e-6)
-    with pytest.raises(ValueError, match="float tensor"):
-        rope_write_kv_(*args, None, w, w.to(torch.int32), 1e-6)
-    with pytest.raises(ValueError, match="need eps"):
-        rope_write_kv_(*args, None, w, w)
 
 
 class _Launches:
