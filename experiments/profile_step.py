@@ -14,6 +14,7 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --fused-linear false --out $OUT/unfused   # cuBLAS layer path
     python experiments/profile_step.py --shape llama8b --out $OUT/llama8b   # (b) plain step only, 8B shapes
     python experiments/profile_step.py --pdl off --out $OUT/pdl0   # no programmatic dependent launch
+    python experiments/profile_step.py --shape qwen3_30b_a3b --batches 1,8,64 --out $OUT/q3moe   # see (e)
 (c) --phases: each graphed step split into its phases (draft root, each growth round, last expand +
     tree_select, verify forward, verify_accept, kv_sync, draft extend), every phase captured as a
     CUDA graph of its own (specdec.engine.profiling.graphed_phases): ms per phase and the kernels it
@@ -26,6 +27,10 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
         --ab stream_tiles=null,builtin --out $OUT/ab_tiles   # the streaming body's tile tables
     python experiments/profile_step.py --shape llama8b --steps-only --phases --trees tree16 \
         --ab draft_weight_dtype=model,int8 --out $OUT/ab_w8   # the head's projections (draft.weight_dtype)
+(e) --shape qwen3_8b | qwen3_30b_a3b: the graphed plain step of conf/target/qwen3_{8b,30b_a3b}_random.yaml
+    (built as target=..._random builds it; max_seq_len 1024, so the 30B-A3B's 61 GB fit one 80 GB GPU
+    with its KV) at each --batches size, its kernel time grouped by family (MoE router, top-k, gate_up,
+    down, combine, attention, norms, linears, ...): one table, us and launches per replay per batch.
 The kernel options (--pdl, --fused-linear, --step-kernels, --fused-rows, --stream-tiles;
 kernels_triton/options.py) are recorded in profile_step.json as "kernel_options".
 CPU smoke run (tiny shapes, numbers meaningless):
@@ -52,7 +57,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from kernels_triton import options  # noqa: E402
 from specdec.bench.provenance import device_name, provenance  # noqa: E402
-from specdec.bench.targets import llama_config_from_dict  # noqa: E402
+from specdec.bench.targets import llama_config_from_dict, load_target_yaml  # noqa: E402
+from specdec.engine.profiling import borrowed_rows, profile_slots  # noqa: E402
 from specdec.models.llama import LlamaModel  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
@@ -70,10 +76,12 @@ def sync():
         torch.cuda.synchronize()
 
 
-def make_engine(model, drafter, trees, max_seq_len=None, prefill_graphs=True):
+def make_engine(model, drafter, trees, max_seq_len=None, prefill_graphs=True, batches=(1,)):
     # prefill_graphs False: no prefill / catch-up graphs (~40 captures per EAGLE-3 engine) for engines
-    # that only replay decode steps; the decode graphs are the same either way.
-    cfg = EngineConfig(max_batch_size=1, graph_buckets=[1], kv_cache_tokens=8192, max_seq_len=max_seq_len,
+    # that only replay decode steps; the decode graphs are the same either way. batches: the decode
+    # graph buckets (the largest is max_batch_size), with KV for each row's STEP_CONTEXT and its steps.
+    cfg = EngineConfig(max_batch_size=max(batches), graph_buckets=sorted(batches),
+                       kv_cache_tokens=max(8192, 512 * max(batches)), max_seq_len=max_seq_len,
                        **({} if prefill_graphs else {"prefill_buckets": ()}))
     return Engine(model, cfg, eos_ids=[], drafter=drafter, ks=(0, *trees) if drafter else (0,))
 
@@ -105,51 +113,85 @@ def host_profile(engine, n, vocab, rows=18) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
 
 
-def graphed_step(engine, T: int, iters: int = 20) -> dict:
-    """Wall ms per replay of the batch-1 step with T tree nodes, and its kernels from the profiler."""
+STEP_CONTEXT = 256  # tokens of context of each profiled row
+
+# Kernel families of a step's breakdown: (label, substrings of a kernel name), the first match wins;
+# a name matching none is its own family (cut to 40 characters)
+FAMILIES = (
+    ("moe_router", ("_moe_router_kernel",)),
+    ("moe_topk", ("_moe_topk_kernel",)),
+    ("moe_sort", ("_moe_sort_kernel",)),
+    ("moe_gate_up", ("_moe_gate_up_kernel",)),
+    ("moe_down", ("_moe_down_kernel",)),
+    ("moe_combine", ("_moe_combine_kernel",)),
+    ("attention", ("attention",)),
+    ("rope_kv_write", ("rope", "_write_kv_kernel")),
+    ("norm", ("rms_norm", "_add_norm_store", "_fused_norm")),
+    ("linear", ("_fused_linear_kernel", "_stream_prologue_kernel", "_split_reduce", "_linear_exact_kernel",
+                "_w8_")),
+    ("gemm_cublas", ("gemm", "gemv", "nvjet", "cutlass", "xmma")),
+    ("silu_mul", ("silu_mul",)),
+    ("sampling", ("argmax", "topk", "_warp_kernel")),
+    ("torch_elementwise", ("elementwise",)),
+    ("torch_reduce", ("reduce_kernel",)),
+    ("torch_other", ("at::",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    for label, keys in FAMILIES:
+        if any(k in name for k in keys):
+            return label
+    return name[:40]
+
+
+def graphed_step(engine, T: int, iters: int = 20, batch: int = 1) -> dict:
+    """Wall ms per replay of the step with T tree nodes at ``batch`` rows of STEP_CONTEXT tokens, and
+    its kernels from the profiler: each name and each family (FAMILIES) with launches and us per replay
+    (off CUDA: the host's torch ops by self time, a smoke run of the same accounting)."""
     from torch.profiler import ProfilerActivity, profile
 
-    owner = object()
-    pages = engine.kv.reserve_(owner, 256 + 64 * (iters + 10))
-    engine.state.append_rows_([7], [256], [pages])
-    engine.state.num_active.fill_(1)
+    cuda = engine.model.device.type == "cuda"
     run = engine.stepper.runner.run_
-    try:
+    with borrowed_rows(engine, batch, STEP_CONTEXT, profile_slots(engine, STEP_CONTEXT, 3 + 2 * iters, T),
+                       "graphed_step"):
         for _ in range(3):
-            run(1, T)
+            run(batch, T)
         sync()
         t0 = time.perf_counter()
         for _ in range(iters):
-            run(1, T)
+            run(batch, T)
         sync()
         wall = (time.perf_counter() - t0) * 1e3 / iters
-        if not torch.cuda.is_available():
-            return {"T": T, "replay_ms": wall}
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             for _ in range(iters):
-                run(1, T)
+                run(batch, T)
             sync()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    if cuda:
+        kernels = [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-        busy = sum(e.device_time for e in kernels) / 1e3 / iters  # us -> ms
-        by_name: dict[str, list[float]] = {}
-        for e in kernels:
-            c = by_name.setdefault(e.name, [0.0, 0.0])
+    else:
+        kernels = [(e.name, e.self_cpu_time_total) for e in prof.events()]
+    busy = sum(us for _, us in kernels) / 1e3 / iters  # us -> ms
+    by_name: dict[str, list[float]] = {}
+    by_family: dict[str, list[float]] = {}
+    for name, us in kernels:
+        for c in (by_name.setdefault(name, [0.0, 0.0]), by_family.setdefault(kernel_family(name), [0.0, 0.0])):
             c[0] += 1 / iters
-            c[1] += e.device_time / iters
-        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-        return {"T": T, "replay_ms": wall, "kernel_ms": busy, "kernels": len(kernels) / iters,
-                "gap_ms": wall - busy, "top_us": [(n[:70], round(c[1], 1)) for n, c in ranked[:12]],
-                # every kernel name: [launches per replay, us per replay]
-                "all_kernels": [(n[:90], round(c[0], 2), round(c[1], 1)) for n, c in ranked]}
-    finally:
-        engine.state.keep_rows_([])
-        engine.kv.release_(owner)
+            c[1] += us / iters
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"T": T, "B": batch, "replay_ms": wall, "kernel_ms": busy, "kernels": len(kernels) / iters,
+            "gap_ms": wall - busy, "top_us": [(n[:70], round(c[1], 1)) for n, c in ranked[:12]],
+            # every kernel name: [launches per replay, us per replay]
+            "all_kernels": [(n[:90], round(c[0], 2), round(c[1], 1)) for n, c in ranked],
+            # each family: {launches per replay, us per replay}, the most device time first
+            "families": {f: {"launches": round(c[0], 2), "us": round(c[1], 1)}
+                         for f, c in sorted(by_family.items(), key=lambda kv: -kv[1][1])}}
 
 
 TREES = {"chain5": (1, 5, 5), "tree16": (4, 5, 16), "tree20_deep": (4, 7, 20), "tree32": (8, 6, 32),
          "tree48": (8, 7, 48)}
-PHASE_CONTEXT = 256  # tokens of context of the profiled row (as graphed_step's)
+PHASE_CONTEXT = STEP_CONTEXT  # tokens of context of the profiled row
 
 
 # --ab draft_weight_dtype=model,int8: the EAGLE-3 head's projection weights (draft.weight_dtype; without it auto), not a
@@ -233,10 +275,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    ap.add_argument("--shape", choices=["smollm2", "llama8b"], default="smollm2",
+    ap.add_argument("--shape", choices=["smollm2", "llama8b", *QWEN3], default="smollm2",
                     help="llama8b: Llama-3.1-8B shapes (conf/target/llama31_8b_random.yaml), engine as in "
                          "bench_serving part b (max_seq_len 4096); the plain step only, or with --phases / --ab "
-                         "the trees too, with a random EAGLE-3 head of its shape (32k draft vocabulary)")
+                         "the trees too, with a random EAGLE-3 head of its shape (32k draft vocabulary). "
+                         "qwen3_8b, qwen3_30b_a3b: (e), the plain step at each --batches size")
+    ap.add_argument("--batches", default="1", help="(e): comma-separated batch sizes of the plain step")
     ap.add_argument("--steps-only", action="store_true", help="skip (a): prefill timings and host profiles")
     ap.add_argument("--phases", action="store_true", help="(c): per-phase ms and kernels of each graphed step")
     ap.add_argument("--ab", metavar="OPTION=V1,V2", action="append",
@@ -246,6 +290,8 @@ def main() -> None:
     args = ap.parse_args()
     options.set_from_flags_(args)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.shape in QWEN3:
+        return profile_qwen3(args)
     if args.shape == "llama8b" and not (args.phases or args.ab):
         return profile_llama8b(args)
     ab = [parse_ab(a) for a in args.ab] if args.ab else None
@@ -326,8 +372,6 @@ def main() -> None:
 
 def llama8b_shape(cuda: bool) -> dict:
     """conf/target/llama31_8b_random.yaml's shape (off CUDA: the same structure, tiny sizes)."""
-    from specdec.bench.targets import load_target_yaml
-
     shape = dict(load_target_yaml(REPO / "conf" / "target" / "llama31_8b_random.yaml")["config"])
     if not cuda:
         shape.update(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
@@ -346,6 +390,80 @@ def profile_llama8b(args) -> None:
            "steps": {"plain": graphed_step(eng, 1)}}
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res["steps"]["plain"], indent=1))
+
+
+
+# (e): --shape -> its random-weight preset in conf/target/
+QWEN3 = {"qwen3_8b": "qwen3_8b_random.yaml", "qwen3_30b_a3b": "qwen3_30b_a3b_random.yaml"}
+# off CUDA: the presets' structure at tiny sizes (an MoE preset keeps MoE layers: 8 experts, top-2)
+TINY_QWEN3 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096)
+TINY_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def qwen3_target(shape: str, cuda: bool) -> dict:
+    """The preset of ``shape`` as a dict (off CUDA: its config at TINY_QWEN3 / TINY_EXPERTS sizes)."""
+    conf = load_target_yaml(REPO / "conf" / "target" / QWEN3[shape])
+    if not cuda:
+        tiny = {**TINY_QWEN3, **(TINY_EXPERTS if conf["config"].get("num_experts") else {})}
+        conf["config"] = {**conf["config"], **tiny}
+    return conf
+
+
+def profile_qwen3(args) -> None:
+    """(e): the graphed plain step of a Qwen3 preset at each --batches size, its kernels by family."""
+    from specdec.models.routing import apply_routing_
+
+    try:
+        batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+    except ValueError:
+        batches = []
+    if not batches or batches[0] < 1:
+        raise SystemExit(f"error: --batches {args.batches!r}: expected positive integers, e.g. 1,8,64")
+    cuda = torch.cuda.is_available() and not args.quick
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    conf = qwen3_target(args.shape, cuda)
+    # as specdec.run's build_target builds a random_weights target (seed 0, the preset's routing)
+    model = LlamaModel.random(llama_config_from_dict(conf["config"]), device=dev, dtype=dtype, seed=0)
+    apply_routing_(model, conf)
+    eng = make_engine(model, None, (), max_seq_len=1024 if cuda else 512, prefill_graphs=False, batches=batches)
+    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
+           "target": conf["name"], "config": conf["config"], "context": STEP_CONTEXT,
+           "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "steps": {}}
+    for B in batches:
+        st = res["steps"][f"plain_b{B}"] = graphed_step(eng, 1, batch=B)
+        (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))  # a cut-short run keeps these
+        print(f"B={B}: " + json.dumps({k: v for k, v in st.items() if k not in ("all_kernels", "families")}),
+              flush=True)
+    print_families(res, model.config.num_hidden_layers)
+
+
+def print_families(res: dict, layers: int, rows: int = 24) -> None:
+    """One row per kernel family (the ``rows`` busiest), per batch size: us and launches per replay."""
+    steps = res["steps"]
+    fams: dict[str, float] = {}
+    for st in steps.values():
+        for f, c in st["families"].items():
+            fams[f] = max(fams.get(f, 0.0), c["us"])
+    order = sorted(fams, key=lambda f: -fams[f])
+    print(f"\n{res['shape']} ({res['target']}), graphed plain step, context {res['context']}, {layers} layers: "
+          "kernel us and launches per replay (us / layers: a once-per-layer kernel's cost per layer)")
+    print(f"  {'family':<22} " + " ".join(f"{'B=' + str(st['B']) + ' us':>11} {'n':>6} {'us/L':>7}"
+                                          for st in steps.values()))
+    for f in order[:rows]:
+        cells = []
+        for st in steps.values():
+            c = st["families"].get(f)
+            cells.append(f"{'-':>11} {'-':>6} {'-':>7}" if c is None else
+                         f"{c['us']:11.1f} {c['launches']:6.0f} {c['us'] / layers:7.2f}")
+        print(f"  {f:<22} " + " ".join(cells))
+    if len(order) > rows:
+        print(f"  (+{len(order) - rows} more families in profile_step.json)")
+    print(f"  {'kernels (sum)':<22} " + " ".join(f"{st['kernel_ms'] * 1e3:11.1f} {st['kernels']:6.0f} "
+                                                f"{st['kernel_ms'] * 1e3 / layers:7.2f}" for st in steps.values()))
+    print(f"  {'replay (wall)':<22} " + " ".join(f"{st['replay_ms'] * 1e3:11.1f} {'':>6} "
+                                                f"{st['replay_ms'] * 1e3 / layers:7.2f}" for st in steps.values()))
+    print(f"commit {res['commit']}, {res['device']}, {res['date']}, kernel options {res['kernel_options']}")
 
 
 if __name__ == "__main__":
