@@ -128,8 +128,9 @@ def _key(b_x):
 
 @triton.jit
 def _scaled(p_row, v0, o_v, m_v, temperature):
-    """x = logits / temperature of one chunk (fp32; padding lanes -inf)."""
-    return tl.load(p_row + v0 + o_v, mask=m_v, other=float("-inf")).to(tl.float32) / temperature
+    """x = logits / temperature of one chunk (fp32, correctly rounded like torch's division, not the GPU's
+    default approximate one: the kept logits equal warp_logits_ref's bit for bit; padding lanes -inf)."""
+    return tl.math.div_rn(tl.load(p_row + v0 + o_v, mask=m_v, other=float("-inf")).to(tl.float32), temperature)
 
 
 @triton.jit
