@@ -434,6 +434,29 @@ def test_profile_decode_step_returns_pages(tiny):
     assert r.output_ids == reference(tiny, [5, 6, 7], 4)
 
 
+def test_profiled_moe_rows_route_by_their_own_contexts():
+    """An MoE target's own router routes by the rows' hidden states: the profile's borrowed rows get a
+    real (prefilled, per-row) context, so the experts a profiled step reads no longer follow whatever the
+    pool's pages held (zeros sent every row to the same K experts, noise spread them), the rows route
+    apart as served requests do, and the statistics window holds the profiled steps alone."""
+    from test_moe_routing import E, K, tiny_moe
+
+    from specdec.engine import profiling
+
+    engine = Engine(tiny_moe(layers=2), EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=512))
+    got = []
+    for fill in (torch.zeros_like, lambda t: torch.randn_like(t) * 50):
+        for pool in (engine.kv.k, engine.kv.v):
+            pool.copy_(fill(pool))
+        ms, experts = profiling.with_distinct_experts(
+            engine.model, lambda: profiling.decode_step_ms(engine, 4, 24, iters=2, warmup=1))
+        stats = engine.model.moe_stats()
+        assert ms > 0 and stats["forwards"] == 3 and stats["tokens_per_forward"] == 4  # the steps only
+        got.append(experts)
+    assert got[0] == got[1] and K < got[0] <= E
+    assert engine.kv.num_free == engine.kv.num_pages and engine.state.num_rows == 0
+
+
 def test_profile_decode_step_budget_sizes_the_timed_loop(tiny, monkeypatch):
     """With budget_ms, the last warm-up step is timed and the loop runs only as many steps as fit in
     the budget (at least 2, at most iters): a dear table entry costs a few steps, not iters + warm-up."""

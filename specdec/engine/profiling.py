@@ -3,7 +3,11 @@ calibration of a policy that asks for a step-time table.
 
 Both harnesses borrow ``batch`` rows of ``context`` garbage tokens (token 7, or a repetitive
 pattern the n-gram drafter finds drafts in), run steps on them and return every borrowed page,
-so the engine is exactly as it was afterwards (tests check the page accounting).
+so the engine is exactly as it was afterwards (tests check the page accounting). A step's cost
+does not depend on the values it reads, except on an MoE target whose own router routes: there the
+experts a step reads (its cost) follow the rows' hidden states, so each borrowed row gets a real
+context first (``context`` seeded random tokens prefilled, a different one per row), as a served
+request has; without it the rows would route by whatever the pool's pages held.
 
     decode_step_ms(engine, B, ctx, k=k)   device ms of one step (graph replays, no host sync)
     step_phases(engine, B, ctx, k)        {draft, verify, commit} ms of eager steps with marks
@@ -45,13 +49,49 @@ def borrowed_rows(engine, batch: int, context_len: int, slots: int, what: str):
     st = engine.state
     try:
         pages = [engine.kv.reserve_(o, slots) for o in owners]
-        st.append_rows_([7] * batch, [context_len] * batch, pages)
+        pending = [7] * batch
+        if routes_by_context(engine.model) and context_len > 0:
+            pending = prefill_contexts_(engine, pages, context_len)
+        st.append_rows_(pending, [context_len] * batch, pages)
         st.num_active.fill_(batch)
         yield st
     finally:
         st.keep_rows_([])
         for o in owners:
             engine.kv.release_(o)
+
+
+# Tokens per forward when borrowed rows get their contexts (prefill_contexts_): a bound on the
+# forward's activations (an MoE layer's [tokens x top_k, hidden] fp32 rows), not a tuned size.
+CONTEXT_PREFILL_TOKENS = 4096
+
+
+def routes_by_context(model) -> bool:
+    """True for an MoE target whose own router routes (no steered routing): the experts a step reads
+    depend on the rows' hidden states, hence on their contexts."""
+    return bool(getattr(model, "moe_slot", None)) and getattr(model, "routing", None) is None
+
+
+def prefill_contexts_(engine, pages: list[list[int]], context_len: int, seed: int = 0) -> list[int]:
+    """Prefill ``context_len`` random tokens (seeded, one sequence per row) into each row's pages with
+    the target alone, ``CONTEXT_PREFILL_TOKENS`` tokens per forward; returns each row's next token.
+    The MoE statistics window restarts afterwards, so a measurement around the borrowed rows counts
+    their steps only."""
+    from .step import PrefillChunk
+
+    V = engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(V, (len(pages), context_len + 1), generator=gen).tolist()
+    n = min(context_len, CONTEXT_PREFILL_TOKENS)  # tokens of a row per chunk; a row's chunks in order
+    per = CONTEXT_PREFILL_TOKENS // n  # rows per forward
+    for start in range(0, context_len, n):
+        end = min(start + n, context_len)
+        chunks = [PrefillChunk(token_ids=row[start:end], start=start, pages=p, next_token=row[end])
+                  for row, p in zip(ids, pages)]
+        for i in range(0, len(chunks), per):
+            engine.stepper.prefill_(chunks[i:i + per], draft=False)
+    engine.model.reset_moe_stats_()
+    return [row[context_len] for row in ids]
 
 
 def _check_k(engine, k: int) -> int:
