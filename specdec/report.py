@@ -398,9 +398,31 @@ def target_shape_label(run: Run) -> str:
 
 def routing_label(run: Run) -> str:
     """How a random-weight MoE target's tokens picked experts (metrics.json ``routing``, specdec/models/routing.py):
-    "uniform" (the random router's) or e.g. "zipf s=1.2 reuse 0.5"; "" for a dense target or a real router."""
+    "random router" (no steering), "uniform" (steered, independent draws) or e.g. "zipf s=1.2 reuse 0.5"; "" for
+    a dense target or a real router."""
     r = run.metrics.get("routing")
-    return str(r.get("label") or "") if isinstance(r, dict) else ""
+    if not isinstance(r, dict):
+        # runs from before metrics.json held the routing: a random-weight MoE target was the random router's
+        t = run.config.get("target") or {}
+        return "random router" if is_random(run) and (t.get("config") or {}).get("num_experts") else ""
+    if r.get("kind") == "uniform" and "keep" not in r and "skew" not in r:
+        return "random router"  # runs from before kind router named the unsteered random router "uniform"
+    return str(r.get("label") or "")
+
+
+ROUTING_ORDER = ("", "random router", "uniform")  # dense, then the MoE routings in this order, then zipf ones
+ROUTING_STYLE = {"": "-", "random router": "-", "uniform": "--"}  # any other (zipf): ":"
+
+
+def _routing_rank(route: str) -> tuple:
+    return (ROUTING_ORDER.index(route) if route in ROUTING_ORDER else len(ROUTING_ORDER), route)
+
+
+def _target_routing_rank(key: tuple) -> tuple:
+    """(target, routing) keys in report order: dense targets first, then each MoE target's routings in
+    ROUTING_ORDER."""
+    target, route = key
+    return (route != "", target, _routing_rank(route))
 
 
 def is_replayed(run: Run) -> bool:
@@ -1490,7 +1512,7 @@ def moe_step_cost_table(runs: list[Run]) -> Table | None:
         return "-" if v is None else format(v, fmt)
 
     rows = []
-    for (target, route), bs in sorted(data.items()):
+    for (target, route), bs in sorted(data.items(), key=lambda kv: _target_routing_rank(kv[0])):
         for b in sorted(bs):
             for k in sorted(bs[b]):
                 plain, step, ratio, ep, ek = bs[b][k]
@@ -1510,8 +1532,10 @@ def moe_step_cost_table(runs: list[Run]) -> Table | None:
     caption = (f"MoE step cost ({'graphed' if graphed else 'EAGER (not graphed)'}, context {', '.join(ctx)}): the "
                "speculative step at k draft tokens over the plain step at the same decode batch B (the accepted "
                "length it must beat), and the distinct experts per MoE layer each reads (mean over layers and "
-               "steps; a verify of B x (k + 1) tokens against B). Routing: uniform = the random router's, zipf = a "
-               "stated model of a trained router's skew and reuse (specdec/models/routing.py). Random weights.")
+               "steps; a verify of B x (k + 1) tokens against B). Routing: random router = the random router's own "
+               "choice (a request's tokens share most experts), uniform = every token's experts drawn "
+               "independently (the upper bound), zipf = a stated model of a trained router's skew and reuse "
+               "(specdec/models/routing.py). Random weights.")
     return Table("MoE step cost", caption, "moe-step-cost", cols, rows, figures=figures)
 
 
@@ -1526,7 +1550,7 @@ def plot_moe_step_cost(runs: list[Run], out: Path) -> list[str] | None:
         return None
     from matplotlib.ticker import FixedLocator, NullLocator
 
-    keys = sorted(data, key=lambda t: (t[1] != "", t[1] != "uniform", t))  # dense, MoE uniform, then skewed
+    keys = sorted(data, key=_target_routing_rank)  # dense, then random router, uniform, zipf
     fig.set_size_inches(3.4 * len(keys), 3.2)
     axes = fig.subplots(1, len(keys), sharey=True, squeeze=False)[0]
     for ax, key in zip(axes, keys):
@@ -1551,9 +1575,8 @@ def plot_moe_step_cost(runs: list[Run], out: Path) -> list[str] | None:
 def plot_crossover_shapes(runs: list[Run], out: Path) -> list[tuple[str, list[str]]] | None:
     """"Crossover, dense vs MoE" (experiment=crossover_moe): per drafter x workload x replayed acceptance whose
     crossover runs (never and always, two or more C) span two or more targets, one of them MoE, policy tok/s vs C
-    with one panel per target
-    (uniform routing solid, others dashed; repeats averaged). Returns (caption, files) per figure; None without
-    matplotlib."""
+    with one panel per target (the random router solid, uniform dashed, zipf dotted; repeats averaged). Returns
+    (caption, files) per figure; None without matplotlib."""
     swept = [r for r in runs if _concurrency(r) is not None and is_replayed(r)
              and r.get("draft.name", "none") != "none"]
     out_figs = []
@@ -1577,14 +1600,14 @@ def plot_crossover_shapes(runs: list[Run], out: Path) -> list[tuple[str, list[st
         for ax, shape in zip(axes, shapes):
             mine = [r for r in rs if target_shape_label(r) == shape]
             cs = sorted({_concurrency(r) for r in mine})
-            for route in sorted({routing_label(r) for r in mine}, key=lambda x: (x not in ("", "uniform"), x)):
+            for route in sorted({routing_label(r) for r in mine}, key=_routing_rank):
                 for pol in sorted({policy_label(r) for r in mine}):
                     pts = [(c, _mean(r.metrics.get(tkey) for r in mine if _concurrency(r) == c
                                      and routing_label(r) == route and policy_label(r) == pol)) for c in cs]
                     pts = [(c, v) for c, v in pts if v is not None]
                     if pts:
                         ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", markersize=3, color=colors[pol],
-                                linestyle="-" if route in ("", "uniform") else "--",
+                                linestyle=ROUTING_STYLE.get(route, ":"),
                                 label=pol + (f" ({route})" if route else ""))
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -1599,7 +1622,8 @@ def plot_crossover_shapes(runs: list[Run], out: Path) -> list[tuple[str, list[st
         label = f"{key[0]}, {key[1]}, {key[2]}" + (f", T = {key[3]}" if key[3] not in ("0.0", "0") else "")
         fig.suptitle("\n".join(textwrap.wrap(f"Crossover, dense vs MoE: {label}", 110)), fontsize=8)
         files = _save(fig, out, f"crossover_dense_vs_moe_{len(out_figs) + 1:02d}_" + _slug(label))
-        out_figs.append((f"Crossover, dense vs MoE: {label}", files))
+        out_figs.append((f"Crossover, dense vs MoE: {label} (MoE routing: random router solid, uniform dashed, "
+                         "zipf dotted)", files))
     return out_figs
 
 

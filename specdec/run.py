@@ -229,7 +229,7 @@ def build_target(cfg: DictConfig, device: str):
             raise ConfigError(f"target {cfg.target.name!r} needs target.path=DIR")
         path = smollm2_dir()
     model = load_target(path, device=device, dtype=cfg.engine.dtype, backend=cfg.engine.kernels)
-    _apply_routing(model, cfg)  # refuses any routing but uniform: a real router routes
+    _apply_routing(model, cfg)  # refuses any routing kind but router: a real router routes
     return shard_for_run(model, cfg), Tokenizer(path)
 
 

@@ -352,13 +352,18 @@ SCALED_DOWN = [f"target.config.{k}={v}" for k, v in dict(
 SCALED_DOWN += ["engine.dtype=float32", "device=cpu"]
 
 
+MOE_SCALED_DOWN = ["target.config.moe_intermediate_size=32", "target.config.num_experts=16",
+                   "target.config.num_experts_per_tok=4"]
+
+
 @pytest.mark.parametrize("target,extra", [
     ("qwen3_8b_random", []),
-    ("qwen3_30b_a3b_random", ["target.config.moe_intermediate_size=32", "target.config.num_experts=16",
-                              "target.config.num_experts_per_tok=4"])])
+    ("qwen3_30b_a3b_random", MOE_SCALED_DOWN),
+    ("qwen3_30b_a3b_random_uniform", MOE_SCALED_DOWN)])
 def test_qwen3_presets_serve_and_profile_scaled_down(target, extra, tmp_path):
     """The presets' command (draft=eagle3_random, replayed acceptance, policy always) at a scaled-down copy
-    of each shape on the CPU, with the step-floor profile and the speculative step table."""
+    of each shape on the CPU, with the step-floor profile and the speculative step table; metrics name the MoE
+    target's routing (the random router, or uniform steering)."""
     from hydra import compose, initialize_config_dir
     from test_run import CONF
 
@@ -379,7 +384,10 @@ def test_qwen3_presets_serve_and_profile_scaled_down(target, extra, tmp_path):
     assert floor["bytes_touched"]["2"] > floor["bytes_touched"]["1"]  # the second row's context KV, its experts
     if target == "qwen3_8b_random":
         assert "distinct_experts_per_layer" not in floor and "plain_distinct_experts_per_layer" not in table
+        assert "routing" not in m
         return
+    want = {"qwen3_30b_a3b_random": ("random router", "router"), "qwen3_30b_a3b_random_uniform": ("uniform", "uniform")}
+    assert (m["routing"]["label"], m["routing"]["kind"]) == want[target]
     # One token selects top-k = 4 distinct experts of 16; two tokens 4..8; a 49-token verify per row more.
     experts = floor["distinct_experts_per_layer"]
     assert experts["1"] == 4 and 4 <= experts["2"] <= 8

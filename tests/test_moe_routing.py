@@ -1,7 +1,8 @@
 """MoE routing and its cost, on tiny random MoE models (CPU): the distinct experts the model records
-equal a count from the routing reference; ``target.routing`` (zipf) routes each token to the experts it
-planned, with the configured reuse between consecutive tokens and a Zipf-like popularity; goodput
-prices an MoE cost model's non-monotonic step costs; its start-up table covers every batch bucket."""
+equal a count from the routing reference; ``target.routing`` kind router leaves the model's own router,
+uniform draws every token's experts independently, zipf routes each token to the experts it planned, with
+the configured reuse between consecutive tokens and a Zipf-like popularity; goodput prices an MoE cost
+model's non-monotonic step costs; its start-up table covers every batch bucket."""
 
 import math
 
@@ -14,7 +15,8 @@ from specdec.errors import ConfigError
 from specdec.models import ops
 from specdec.models.families import ModelConfig
 from specdec.models.ops import AttentionMeta
-from specdec.models.routing import RoutingConfig, Selector, apply_routing_, consecutive_reuse, solve_keep
+from specdec.models.routing import (RoutingConfig, Selector, apply_routing_, consecutive_reuse, routing_facts,
+                                    solve_keep)
 from specdec.models.transformer import TransformerModel
 from specdec.policy import BatchView, Goodput, StepStats
 
@@ -78,7 +80,7 @@ def rand_prompts(n, length, seed):
 def test_recorded_distinct_experts_equal_the_routing_reference(routing, routed):
     """The fused kernel's expert_hits (Triton, under the interpreter on CPU): moe_stats per layer equals the
     distinct experts moe_route_ref selects from the same router inputs, over a prefill of two rows and two
-    decode-shaped forwards, under uniform and steered routing."""
+    decode-shaped forwards, under the model's own router and steered routing."""
     model = tiny_moe("triton", seed=2, routing=routing)
     model.reset_moe_stats_()
     prefill(model, rand_prompts(2, 6, seed=3))
@@ -137,6 +139,47 @@ def test_reuse_between_consecutive_tokens_is_the_configured_one(reuse, routed):
     assert info["chance_reuse"] < 0.45 and (reuse is None) == (info["keep"] == 0.0)
 
 
+def test_uniform_routing_draws_every_token_independently(routed):
+    """kind uniform: no working set (keep 0) and no popularity, so a request's T consecutive tokens in one forward
+    read E (1 - (1 - K / E)^T) distinct experts per MoE layer (16 experts, top-4, T = 6: 13.15; mean over 32
+    requests within 0.6) and consecutive tokens share K / E of their experts (within 0.06). At Qwen3-30B-A3B's
+    128 experts, top-8, the selection gives a 17-token verify 85.3 (mean over 64 requests within 2)."""
+    model = tiny_moe(seed=7, routing={"kind": "uniform"})
+    info = model.routing.describe()
+    assert info["label"] == "uniform" and info["kind"] == "uniform" and info["keep"] == 0.0 and info["skew"] == 0.0
+    assert info["chance_reuse"] == pytest.approx(K / E, abs=0.03)
+    R, T = 32, 6
+    prefill(model, rand_prompts(R, T, seed=9))
+    assert len(routed) == len(model.moe_slot)
+    for ids in routed:
+        per_request = ids.view(R, T * K)
+        distinct = sum(len(set(row.tolist())) for row in per_request) / R
+        assert distinct == pytest.approx(E * (1 - (1 - K / E) ** T), abs=0.6)
+        assert consecutive_reuse(ids.view(R, T, K)) == pytest.approx(K / E, abs=0.06)
+    # the Qwen3-30B-A3B shape's selection: 64 requests' 17-token trees at consecutive positions
+    config = RoutingConfig.of({"kind": "uniform"})
+    keep = solve_keep(128, 8, config.skew, config.reuse, config.seed)[0]
+    assert keep == 0.0
+    n = torch.arange(64 * 17)
+    ids = Selector(128, 8, config.skew, config.seed, keep).ids(n // 17 + 10**6, n % 17 + 200, (n * 7919) % 100000)
+    distinct = sum(len(set(row.tolist())) for row in ids.view(64, 17 * 8)) / 64
+    assert distinct == pytest.approx(128 * (1 - (1 - 8 / 128) ** 17), abs=2.0)  # 85.3
+
+
+def test_router_kind_leaves_the_model_untouched():
+    """kind router (and no target.routing): no steering, the forward equals the unrouted model's, and metrics
+    label a random-weight MoE target "random router"."""
+    plain, routed_model = tiny_moe(seed=4), tiny_moe(seed=4, routing={"kind": "router"})
+    assert routed_model.routing is None
+    prompts = rand_prompts(3, 5, seed=2)
+    assert torch.equal(prefill(plain, prompts).hidden, prefill(routed_model, prompts).hidden)
+    for conf in ({"kind": "router"}, None):
+        target = OmegaConf.create({"name": "tiny", "random_weights": True, "routing": conf})
+        apply_routing_(routed_model, target)
+        assert routed_model.routing is None
+        assert routing_facts(target, routed_model) == {"routing": {"label": "random router", "kind": "router"}}
+
+
 @pytest.mark.parametrize("skew", [0.0, 0.8, 1.2])
 def test_popularity_is_zipf_like(skew):
     """Over many requests' tokens (E = 128, top-8, reuse 0.5), an expert's selection frequency against its
@@ -158,22 +201,31 @@ def test_popularity_is_zipf_like(skew):
 
 
 def test_routing_config_and_refusals():
-    assert RoutingConfig.of(None).label() == "uniform"
+    assert RoutingConfig.of(None).kind == "router" and RoutingConfig.of(None).label() == "random router"
+    assert RoutingConfig.of({"kind": "uniform", "skew": 0.0, "reuse": None}).label() == "uniform"
     assert RoutingConfig.of({"kind": "zipf", "skew": 1.2, "reuse": 0.5}).label() == "zipf s=1.2 reuse 0.5"
-    for bad, match in [({"kind": "lognormal"}, "valid: uniform, zipf"), ({"skew": -1}, ">= 0"),
-                       ({"reuse": 1.5}, r"\[0, 1\]"), ({"spread": 1}, "unknown keys")]:
+    for bad, match in [({"kind": "lognormal"}, "valid: router, uniform, zipf"), ({"skew": -1}, ">= 0"),
+                       ({"kind": "zipf", "reuse": 1.5}, r"\[0, 1\]"), ({"spread": 1}, "unknown keys"),
+                       ({"kind": "uniform", "skew": 1.2}, "kind=uniform with skew=1.2"),
+                       ({"kind": "router", "reuse": 0.5}, "kind=router with reuse=0.5"),
+                       ({"skew": 1.0, "reuse": 0.5}, "kind=router with skew=1.0, reuse=0.5")]:
         with pytest.raises(ConfigError, match=match):
             RoutingConfig.of(bad)
     with pytest.raises(ConfigError, match="below the chance overlap"):
         solve_keep(128, 8, 1.2, 0.1, 0)  # popular experts recur by chance more often than that
     zipf = {"kind": "zipf", "skew": 1.0, "reuse": 0.5}
     model = tiny_moe()
-    for conf, kw, match in [({"name": "real", "random_weights": False, "routing": zipf}, {}, "real weights"),
+    for conf, kw, match in [({"name": "real", "random_weights": False, "routing": zipf}, {}, "kind to router"),
+                            ({"name": "real", "random_weights": False, "routing": {"kind": "uniform"}}, {},
+                             "real weights"),
                             ({"name": "r", "random_weights": True, "routing": zipf}, {"tp_size": 2}, "tp.size=2"),
-                            ({"name": "r", "random_weights": True, "routing": zipf}, {"exact": True}, "engine.exact")]:
+                            ({"name": "r", "random_weights": True, "routing": zipf}, {"exact": True},
+                             "engine.exact=true.*kind router"),
+                            ({"name": "r", "random_weights": True, "routing": {"kind": "uniform"}}, {"exact": True},
+                             "kind=uniform with engine.exact")]:
         with pytest.raises(ConfigError, match=match):
             apply_routing_(model, OmegaConf.create(conf), **kw)
-    apply_routing_(model, OmegaConf.create({"name": "real", "routing": {"kind": "uniform"}}))  # uniform: fine
+    apply_routing_(model, OmegaConf.create({"name": "real", "routing": {"kind": "router"}}))  # router: fine
     assert model.routing is None
     dense = TransformerModel.random(ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
