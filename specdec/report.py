@@ -1441,7 +1441,8 @@ def step_floor_table(runs: list[Run]) -> Table | None:
     for r in prof:
         for b in r.metrics["step_floor"].get("step_ms", {}):
             groups.setdefault((target_label(r), int(b), r.metrics["step_floor"].get("context")), []).append((r, b))
-    cols = {"step": [], "floor": [], "frac_all": [], "frac_read": [], "gbps": [], "gb": [], "tpot": []}
+    cols = {"step": [], "floor": [], "frac_all": [], "frac_read": [], "frac_touched": [], "experts": [], "gbps": [],
+            "gb": [], "tpot": []}
     keys = sorted(groups, key=lambda k: _sort_key(list(k)))
     for key in keys:
         members = groups[key]
@@ -1450,23 +1451,32 @@ def step_floor_table(runs: list[Run]) -> Table | None:
         cols["floor"].append(_mean(f.get("floor_ms_all") for f in sf))
         cols["frac_all"].append(_mean(f["floor_fraction_all"][b] for f, (_, b) in zip(sf, members)))
         cols["frac_read"].append(_mean(f["floor_fraction_read"][b] for f, (_, b) in zip(sf, members)))
+        # the bytes this batch's step must read: an MoE target's selected experts only, plus the rows' KV
+        cols["frac_touched"].append(_mean((f.get("floor_fraction_touched") or {}).get(b, math.nan)
+                                          for f, (_, b) in zip(sf, members)))
+        cols["experts"].append(_mean((f.get("distinct_experts_per_layer") or {}).get(b, math.nan)
+                                     for f, (_, b) in zip(sf, members)))
         cols["gbps"].append(_mean(f.get("copy_gbps") for f in sf))
         cols["gb"].append(_mean(f.get("weight_bytes", 0) / 1e9 for f in sf))
         cols["tpot"].append(_mean((r.metrics.get("p50_tpot_s") or math.nan) * 1e3 for r, _ in members
                                   if _concurrency(r) == 1))
     columns = [Column("Target"), Column("batch", None, "r"), Column("context", None, "r"),
                Column("step ms", None, "r"), Column("floor ms", None, "r"), Column("of floor", None, "r"),
-               Column("of floor (bytes read)", None, "r"), Column("copy GB/s", None, "r"),
+               Column("of floor (bytes read)", None, "r"), Column("of floor (bytes touched)", None, "r"),
+               Column("experts / layer", None, "r"), Column("copy GB/s", None, "r"),
                Column("weights GB", None, "r"), Column("TPOT ms (C=1)", None, "r")]
     formatted = [format_column(cols["step"]), format_column(cols["floor"]), format_column(cols["frac_all"], "percent_of"),
-                 format_column(cols["frac_read"], "percent_of"), format_column(cols["gbps"]),
+                 format_column(cols["frac_read"], "percent_of"), format_column(cols["frac_touched"], "percent_of"),
+                 format_column(cols["experts"]), format_column(cols["gbps"]),
                  format_column(cols["gb"]), format_column(cols["tpot"])]
     rows = [[key[0], str(key[1]), _show(key[2])] + [c[i] for c in formatted] for i, key in enumerate(keys)]
     context, _ = _context(prof)
     caption = ("Graphed plain decode step (device time of back-to-back replays) against the "
                "weight-bandwidth floor: weight bytes / copy bandwidth (read + written, measured in the "
-               "same run); \"of floor\" = floor / step (1 = at the floor), all parameters or the bytes "
-               "a step reads (an untied embedding table only by its rows); TPOT = median time per output "
+               "same run); \"of floor\" = floor / step (1 = at the floor), all parameters, the bytes "
+               "a step reads (an untied embedding table only by its rows), or the bytes it touches (of an MoE "
+               "target only the distinct experts its tokens select, per layer in the next column; plus the rows' "
+               "KV); TPOT = median time per output "
                "token at one request in flight" + (f"; {context}" if context else "") + ".")
     return Table("Step time vs weight-bandwidth floor", caption, "step-floor", columns, rows)
 

@@ -590,6 +590,23 @@ def test_step_floor_table(tmp_path):
         ("1", "4.00", "90.0%", "84.4%"), ("8", "5.00", "72.0%", "67.5%")]
     assert all(r["Target"] == "llama-3.1-8b-shape (random weights)" and r["weights GB"] == "16.0" for r in body)
     assert body[0]["TPOT ms (C=1)"] == "4.50"
+    assert all(r["of floor (bytes touched)"] == "-" and r["experts / layer"] == "-" for r in body)  # none recorded
+
+
+def test_step_floor_table_reads_an_moe_target_by_the_bytes_it_touches(tmp_path):
+    """An MoE target's step reads only the experts its batch selects: the touched-bytes fraction and the
+    distinct experts per layer sit beside the all-weights fraction (several times 100% at batch 1)."""
+    sf = {"step_ms": {"1": 5.0, "8": 10.0}, "context": 256, "iters": 10, "graphed": True, "copy_gbps": 3000.0,
+          "weight_bytes": 61e9, "weight_bytes_read": 60e9, "floor_ms_all": 20.0, "floor_ms_read": 19.8,
+          "floor_fraction_all": {"1": 4.0, "8": 2.0}, "floor_fraction_read": {"1": 3.96, "8": 1.98},
+          "floor_fraction_touched": {"1": 0.407, "8": 0.727}, "distinct_experts_per_layer": {"1": 8.0, "8": 45.03}}
+    make_run(tmp_path / "a", tok_s=200.0, target="qwen3-30b-a3b-shape (random weights)", random_weights=True,
+             concurrency=1, step_floor=sf)
+    md, _ = report.build_report(report.load_runs([tmp_path]), tmp_path / "out")
+    rows = table(md, "Step time vs weight-bandwidth floor")
+    body = [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert [(r["of floor"], r["of floor (bytes touched)"], r["experts / layer"]) for r in body] == [
+        ("400.0%", "40.7%", "8.0"), ("200.0%", "72.7%", "45.0")]
 
 
 def test_step_breakdown_sets_draft_weight_dtypes_side_by_side(tmp_path):
