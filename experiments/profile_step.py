@@ -14,6 +14,7 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --fused-linear false --out $OUT/unfused   # cuBLAS layer path
     python experiments/profile_step.py --shape llama8b --out $OUT/llama8b   # (b) plain step only, 8B shapes
     python experiments/profile_step.py --pdl off --out $OUT/pdl0   # no programmatic dependent launch
+    python experiments/profile_step.py --steps-only --temperature 1 --top-p 0.95 --out $OUT/top_p  # sampled steps
     python experiments/profile_step.py --shape qwen3_30b_a3b --batches 1,8,64 --out $OUT/q3moe   # see (e)
 (c) --phases: each graphed step split into its phases (draft root, each growth round, last expand +
     tree_select, verify forward, verify_accept, kv_sync, draft extend), every phase captured as a
@@ -76,13 +77,17 @@ def sync():
         torch.cuda.synchronize()
 
 
+# The steps' sampling (--temperature, --top-k, --top-p, --min-p): greedy unless set.
+SAMPLING: dict = {}
+
+
 def make_engine(model, drafter, trees, max_seq_len=None, prefill_graphs=True, batches=(1,)):
     # prefill_graphs False: no prefill / catch-up graphs (~40 captures per EAGLE-3 engine) for engines
     # that only replay decode steps; the decode graphs are the same either way. batches: the decode
     # graph buckets (the largest is max_batch_size), with KV for each row's STEP_CONTEXT and its steps.
     cfg = EngineConfig(max_batch_size=max(batches), graph_buckets=sorted(batches),
                        kv_cache_tokens=max(8192, 512 * max(batches)), max_seq_len=max_seq_len,
-                       **({} if prefill_graphs else {"prefill_buckets": ()}))
+                       **({} if prefill_graphs else {"prefill_buckets": ()}), **SAMPLING)
     return Engine(model, cfg, eos_ids=[], drafter=drafter, ks=(0, *trees) if drafter else (0,))
 
 
@@ -286,9 +291,15 @@ def main() -> None:
     ap.add_argument("--ab", metavar="OPTION=V1,V2", action="append",
                     help="(d): the steps once per value of a kernel option (repeatable: every combination)")
     ap.add_argument("--trees", default=",".join(TREES), help=f"tree shapes to step (of {', '.join(TREES)})")
+    for flag, default, what in (("temperature", 0.0, "0: greedy"), ("top-k", 0, "0: off"), ("top-p", 1.0, "1: off"),
+                                ("min-p", 0.0, "0: off")):
+        ap.add_argument(f"--{flag}", type=type(default), default=default, help=f"the steps' sampling ({what})")
     options.add_flags(ap)
     args = ap.parse_args()
     options.set_from_flags_(args)
+    SAMPLING.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
+                                       ("top_p", args.top_p), ("min_p", args.min_p))
+                     if v != {"top_p": 1.0}.get(k, 0)})
     args.out.mkdir(parents=True, exist_ok=True)
     if args.shape in QWEN3:
         return profile_qwen3(args)
@@ -313,7 +324,7 @@ def main() -> None:
     head.to_device(dev, dtype)
     lengths = [150, 131, 160, 144, 120, 188] if not args.quick else [20, 24]
     V = shape["vocab_size"]
-    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d")}
+    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "sampling": dict(SAMPLING)}
     opts = res["kernel_options"]
 
     if ab is not None:
@@ -385,7 +396,7 @@ def profile_llama8b(args) -> None:
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     model = LlamaModel.random(llama_config_from_dict(shape), device=dev, dtype=dtype)
     eng = make_engine(model, None, (), max_seq_len=4096)
-    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "shape": "llama8b",
+    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "sampling": dict(SAMPLING), "shape": "llama8b",
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
            "steps": {"plain": graphed_step(eng, 1)}}
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
@@ -427,7 +438,7 @@ def profile_qwen3(args) -> None:
     model = LlamaModel.random(llama_config_from_dict(conf["config"]), device=dev, dtype=dtype, seed=0)
     apply_routing_(model, conf)
     eng = make_engine(model, None, (), max_seq_len=1024 if cuda else 512, prefill_graphs=False, batches=batches)
-    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
+    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "sampling": dict(SAMPLING), "shape": args.shape,
            "target": conf["name"], "config": conf["config"], "context": STEP_CONTEXT,
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "steps": {}}
     for B in batches:
