@@ -38,6 +38,12 @@ captures the layer per token bucket and replays it with any routing):
     _moe_down_kernel      grouped GEMM, routing weight applied: y [P, H] fp32 rows by pair id
     _moe_combine_kernel   out[t] = dt(sum over j in order of y[t * K + j])
 
+Programmatic dependent launch (kernel option ``pdl``, compute capability >= 9): every launch above waits
+for its predecessor's outputs (griddepcontrol.wait) before it reads or writes anything, and lets its
+successor launch once its main loop is done (at its start for the short sort and combine), so a kernel's
+launch and start-up overlap the previous one's tail; a chain of such waits orders every kernel after all
+earlier ones, as the stream does without PDL.
+
 Expert blocks. Each GEMM program finds its expert from the expert counts alone (cumulative
 cdiv(count_e, BLOCK_M) over experts, 128 integers from L2): block b belongs to the first expert whose
 cumulative block count exceeds b; rows past that expert's count are masked; blocks past the last expert
@@ -73,6 +79,9 @@ tests), half precision ones tensor-core dots with fp32 accumulation.
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tlc
+
+from .attention_launch import pdl_mode
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -125,7 +134,10 @@ def _moe_router_kernel(
     l_ptr,  # [T, E] fp32 out
     T, E, H, stride_x, stride_rw,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # x is the previous kernel's output
+        tlc.gdc_wait()
     i_t, i_e = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -139,6 +151,8 @@ def _moe_router_kernel(
         b_w = tl.load(rw_ptr + o_e[None, :].to(tl.int64) * stride_rw + o_k[:, None],
                       mask=m_e[None, :] & m_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_E]
         b_acc = tl.dot(b_x, b_w, b_acc, input_precision=DOT_PREC)  # [BT, BK] @ [BK, BE] -> [BT, BE]
+    if USE_PDL:
+        tlc.gdc_launch_dependents()
     tl.store(l_ptr + o_t[:, None].to(tl.int64) * E + o_e[None, :], b_acc, mask=m_t[:, None] & m_e[None, :])
 
 
@@ -170,8 +184,10 @@ def _moe_topk_kernel(
     ecnt_ptr,  # [E] int32 out: pairs per expert (SORT)
     T, E, stride_l,
     TOP_K: tl.constexpr, RENORM: tl.constexpr, HITS: tl.constexpr, SORT: tl.constexpr,
-    BLOCK_R: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tlc.gdc_wait()
     i_b = tl.program_id(0)
     o_r = i_b * BLOCK_R + tl.arange(0, BLOCK_R)
     o_e = tl.arange(0, E_PAD)
@@ -196,6 +212,8 @@ def _moe_topk_kernel(
         b_q = tl.where(b_sel, -2.0, b_q)
     if RENORM:
         b_w = b_w / tl.sum(b_w, 1)[:, None]
+    if USE_PDL:
+        tlc.gdc_launch_dependents()
     m_rk = m_r[:, None] & (o_k[None, :] < TOP_K)
     o_rk = o_r[:, None].to(tl.int64) * TOP_K + o_k[None, :]
     tl.store(w_ptr + o_rk, b_w, mask=m_rk)
@@ -216,7 +234,11 @@ def _moe_sort_kernel(
     ecnt_ptr,  # [E] int32 out
     T, E, NB,
     TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()  # a short kernel: its successor may launch (and wait) at once
     i_b = tl.program_id(0)
     o_e = tl.arange(0, E_PAD)
     m_e = o_e < E
@@ -267,8 +289,10 @@ def _moe_gate_up_kernel(
     ecnt_ptr,  # [E] int32
     E, H, F, stride_x, stride_we, stride_wn, stride_a,
     TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # the routing (expert counts, pair ids) and x are earlier kernels' outputs
+        tlc.gdc_wait()
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     i_e, pos0, n_rows = _expert_block(ecnt_ptr, i_b, E, E_PAD, BLOCK_M)
     if i_e >= E:  # past the last expert block of this routing
@@ -303,6 +327,8 @@ def _moe_gate_up_kernel(
         p_x += BLOCK_K
         p_g += BLOCK_K
         p_u += BLOCK_K
+    if USE_PDL:
+        tlc.gdc_launch_dependents()
     dt = a_ptr.dtype.element_ty
     b_g = b_g.to(dt).to(tl.float32)  # the model's gate and up projections, rounded
     b_u = b_u.to(dt).to(tl.float32)
@@ -321,8 +347,10 @@ def _moe_down_kernel(
     ecnt_ptr,  # [E] int32
     E, H, F, stride_a, stride_we, stride_wn, stride_y,
     E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tlc.gdc_wait()
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     i_e, pos0, n_rows = _expert_block(ecnt_ptr, i_b, E, E_PAD, BLOCK_M)
     if i_e >= E:
@@ -348,13 +376,18 @@ def _moe_down_kernel(
         b_y = tl.dot(b_a, b_w, b_y, input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
         p_a += BLOCK_K
         p_w += BLOCK_K
+    if USE_PDL:
+        tlc.gdc_launch_dependents()
     b_rw = tl.load(rw_ptr + b_pair, mask=m_m, other=0.0)  # [BLOCK_M] routing weights
     tl.store(y_ptr + b_pair[:, None] * stride_y + o_n[None, :], b_y * b_rw[:, None],
              mask=m_m[:, None] & m_n[None, :])
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, o_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_combine_kernel(y_ptr, o_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tlc.gdc_wait()
+        tlc.gdc_launch_dependents()  # a short kernel: the next layer's first kernel may launch (and wait)
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
@@ -479,9 +512,11 @@ def _check(x, router_w, w13, w2, top_k, expert_hits):
                          f"{expert_hits.dtype} {tuple(expert_hits.shape)} on {expert_hits.device}")
 
 
-def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False, exact=False):
+def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False, exact=False, pdl=0):
     """Launch the top-k (and, with ``sort``, the grouping: in the top-k program when there is one block,
-    except in ``exact`` mode, else the sort kernel): (w, ids, sorted_pairs, expert_counts)."""
+    except in ``exact`` mode, else the sort kernel): (w, ids, sorted_pairs, expert_counts). ``pdl``:
+    pdl_mode of the device (programmatic dependent launch, fused_moe's launches)."""
+    launch = {"USE_PDL": bool(pdl), **({"launch_pdl": True} if pdl else {})}
     T, E = logits.shape
     dev = logits.device
     e_pad, k_pad = triton.next_power_of_2(E), triton.next_power_of_2(top_k)
@@ -498,14 +533,14 @@ def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False,
         logits, w, ids, counts, expert_hits if expert_hits is not None else counts, sorted_pairs, ecnt,
         T, E, logits.stride(0),
         TOP_K=top_k, RENORM=bool(renormalize), HITS=expert_hits is not None, SORT=sort and nb == 1 and not exact,
-        BLOCK_R=route_rows, E_PAD=e_pad, K_PAD=k_pad, num_warps=warps,
+        BLOCK_R=route_rows, E_PAD=e_pad, K_PAD=k_pad, num_warps=warps, **launch,
     )  # fmt: skip
     if sort and (nb > 1 or exact):
         _moe_sort_kernel[(nb,)](
             ids, counts, sorted_pairs, ecnt, T, E, nb,
             TOP_K=top_k, BLOCK_R=route_rows, E_PAD=e_pad, K_PAD=k_pad,
             BLOCK_B=max(1, 4096 // e_pad) if exact else min(triton.next_power_of_2(nb), max(1, 4096 // e_pad)),
-            num_warps=warps,
+            num_warps=warps, **launch,
         )  # fmt: skip
     return w, ids, sorted_pairs, ecnt
 
@@ -541,22 +576,24 @@ def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hit
         x = x.contiguous()
     plan = moe_plan(T, E, K, H, F, config)
     P, dev, prec = T * K, x.device, _dot_prec(x.dtype)
+    pdl = pdl_mode(dev)  # each kernel waits for its predecessor's outputs, then lets its successor launch
+    launch = {"USE_PDL": bool(pdl), **({"launch_pdl": True} if pdl else {})}
     e_pad = triton.next_power_of_2(E)
 
     logits = torch.empty((T, E), dtype=torch.float32, device=dev)
     rt = plan["router"]
     _moe_router_kernel[(triton.cdiv(T, rt["BLOCK_T"]), triton.cdiv(E, rt["BLOCK_E"]))](
-        x, router_w, logits, T, E, H, x.stride(0), router_w.stride(0), **rt, DOT_PREC=prec, num_warps=4,
+        x, router_w, logits, T, E, H, x.stride(0), router_w.stride(0), **rt, DOT_PREC=prec, num_warps=4, **launch,
     )  # fmt: skip
     w, _, sorted_pairs, ecnt = _route(logits, K, renormalize, plan["route_rows"], expert_hits, sort=True,
-                                      exact=plan["exact"])
+                                      exact=plan["exact"], pdl=pdl)
 
     a = torch.empty((P, F), dtype=x.dtype, device=dev)  # SwiGLU activations, rows by pair id
     tg = dict(plan["gate_up"])
     bm, bn = tg.pop("BLOCK_M"), tg.pop("BLOCK_N")
     _moe_gate_up_kernel[(_max_blocks(P, E, bm), triton.cdiv(F, bn))](
         x, w13, a, sorted_pairs, ecnt, E, H, F, x.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
-        TOP_K=K, E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=H % tg["BLOCK_K"] == 0, DOT_PREC=prec, **tg,
+        TOP_K=K, E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=H % tg["BLOCK_K"] == 0, DOT_PREC=prec, **tg, **launch,
     )  # fmt: skip
 
     y = torch.empty((P, H), dtype=torch.float32, device=dev)  # weighted expert outputs, rows by pair id
@@ -564,9 +601,10 @@ def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hit
     bm, bn = td.pop("BLOCK_M"), td.pop("BLOCK_N")
     _moe_down_kernel[(_max_blocks(P, E, bm), triton.cdiv(H, bn))](
         a, w2, y, w, sorted_pairs, ecnt, E, H, F, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=F % td["BLOCK_K"] == 0, DOT_PREC=prec, **td,
+        E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=F % td["BLOCK_K"] == 0, DOT_PREC=prec, **td, **launch,
     )  # fmt: skip
 
     bh = min(1024, triton.next_power_of_2(H))
-    _moe_combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=K, BLOCK_H=bh, num_warps=max(1, min(4, bh // 256)))
+    _moe_combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=K, BLOCK_H=bh, num_warps=max(1, min(4, bh // 256)),
+                                                  **launch)
     return out

@@ -238,3 +238,34 @@ def test_fused_moe_cuda_graph_replays_other_routings():
         want += _bincount(_ref_ids(new_x, rw, top_k), E)
     assert int(hits.sum()) == 3 * T * top_k
     assert (hits - want).abs().sum() <= 2 * top_k  # equal up to a near-tie routing
+
+
+@pytest.mark.parametrize("T", [3, 300])  # one routing block (the top-k program sorts), several (the sort kernel)
+def test_every_launch_takes_programmatic_dependent_launch_with_the_option(monkeypatch, T):
+    """Under PDL (forced here: the CPU interpreter has none) every kernel of the layer is launched with it
+    and compiled to wait for its predecessor; without it (kernel option pdl off, or no such device) none is."""
+    from kernels_triton.attention_launch import PDL_LATE
+
+    seen = []
+
+    class Recorder:  # stands in for a kernel: records the launch's PDL arguments, computes nothing
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((self.name, kw["USE_PDL"], kw.get("launch_pdl", False)))
+
+    names = ("router", "topk", "sort", "gate_up", "down", "combine")
+    for n in names:
+        monkeypatch.setattr(moe, f"_moe_{n}_kernel", Recorder(n))
+    E, K, H, F = 128, 8, 32, 16  # 128 experts: 64 routing rows a block, so T = 300 takes the sort kernel
+    x, router_w = torch.randn(T, H), torch.randn(E, H)
+    w13, w2 = torch.randn(E, 2 * F, H), torch.randn(E, H, F)
+    for mode, want in ((PDL_LATE, True), (0, False)):
+        seen.clear()
+        monkeypatch.setattr(moe, "pdl_mode", lambda device, mode=mode: mode)
+        moe.fused_moe(x, router_w, w13, w2, K, True)
+        launched = [n for n, _, _ in seen]
+        assert launched == [n for n in names if n != "sort" or T == 300]
+        assert T < 300 or T > moe.moe_plan(T, E, K, H, F)["route_rows"]
+        assert all(use == want and lp == want for _, use, lp in seen)
