@@ -16,10 +16,15 @@
 #   bash experiments/gpu_round.sh profile      # profile_step.py PROFILE_ARGS (e.g. "--ab fused_rows=null,64")
 #   bash experiments/gpu_round.sh moe          # MoE at Qwen3 shapes: experiments/bench_moe.py and +experiment=step_qwen3
 #                                              # (each skipped while it is not in the tree)
+#   bash experiments/gpu_round.sh stepmoe      # +experiment=step_moe, one run per target (STEPMOE_TARGETS; a
+#                                              # 30B-A3B target on a card under 100 GB stops at B = 64)
+#   XMOE_TARGET=T bash experiments/gpu_round.sh crossovermoe   # crossover_moe for one target, one trace
+#                                              # (XMOE_MEAN: 2.5 parametric, null the SmolLM2 trace) and one group
+#                                              # of C (XMOE_C, 1,4,16,64): 16 runs, 3-4 minutes at 30B-A3B shapes
 #   SWEEP_NAME=N SWEEP_ARGS="..." bash experiments/gpu_round.sh sweep   # any one multirun, packed as N.tgz
 # Back here: tar xzf FILE -C DIR; append $OUT/ledger_rows.csv to experiments/results/ledger.csv.
 set -uo pipefail
-STAGES="gputests batch1 envelope crossover8b step8b profile moe sweep"
+STAGES="gputests batch1 envelope crossover8b step8b profile moe stepmoe crossovermoe sweep"
 stage=${1:?stage: one of $STAGES}
 case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage; valid: $STAGES" >&2; exit 64 ;; esac
 : "${OUT:?OUT must name the folder whose files come back}"
@@ -95,6 +100,24 @@ moe)  # MoE at Qwen3 shapes: the kernel bench, then the graphed step experiment;
     echo "conf/experiment/step_qwen3.yaml is not in this tree: skipped"
   fi
   pack moe moe ;;
+stepmoe)
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+  for t in ${STEPMOE_TARGETS:-qwen3_8b_random qwen3_30b_a3b_random qwen3_30b_a3b_random_uniform qwen3_30b_a3b_random_zipf}; do
+    lim=()  # 61 GB of 30B-A3B weights leave an 80 GB card the KV of B <= 64 (conf/experiment/step_moe.yaml)
+    case "$t" in *30b*) [ "${mem:-0}" -lt 100000 ] && lim=(engine.max_batch_size=64 'engine.profile_spec_steps=[1,2,4,8,16,32,64]') ;; esac
+    run ${STEPMOE_S:-200} python -m specdec.run --multirun +experiment=step_moe target="$t" "${lim[@]}" \
+      hydra.sweep.dir="$R/step_moe/$t"
+  done
+  report step_moe "MoE step cost"
+  pack step_moe step_moe ;;
+crossovermoe)  # the sweep of one target x trace x C group (conf/experiment/crossover_moe.yaml lists the groups)
+  t=${XMOE_TARGET:?XMOE_TARGET: e.g. qwen3_30b_a3b_random}; m=${XMOE_MEAN:-2.5}
+  n=crossover_moe_${t}_${m}${XMOE_TAG:+_$XMOE_TAG}
+  # shellcheck disable=SC2086  # XMOE_EXTRA: overrides, split on spaces
+  run ${XMOE_S:-560} python -m specdec.run --multirun +experiment=crossover_moe target="$t" acceptance.parametric.mean="$m" \
+    workload.concurrency=${XMOE_C:-1,4,16,64} ${XMOE_EXTRA:-} hydra.sweep.dir="$R/$n"
+  report "$n" "Crossover,"
+  pack "$n" "$n" ;;
 sweep)
   n=${SWEEP_NAME:?SWEEP_NAME}
   # shellcheck disable=SC2086  # SWEEP_ARGS: overrides, split on spaces
