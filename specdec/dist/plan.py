@@ -59,11 +59,6 @@ class TPPolicy:
         if self._group.is_leader:
             self._inner.update(stats)
 
-    def drafts_prefill(self) -> bool:
-        """Rank 0's answer (its copy holds the state), broadcast: every rank prefills the same way."""
-        v = bool(self._inner.drafts_prefill()) if self._group.is_leader else None
-        return self._group.broadcast_object(v)
-
 
 class LeaderEngine:
     """Rank 0's engine (see the module docstring): the Engine's API, with every device-work call
