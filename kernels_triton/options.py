@@ -52,6 +52,13 @@ class KernelOptions:
         applied on its own device only; None: the rules alone. Open because every new device or model
         shape is tuned by measuring (``experiments/kernels/bench_linear.py --write-tiles``), writing a
         table and A/B-ing it against the rules in the graphed step.
+    warp_tiles: the sampling warp kernel's threshold search (kernels_triton/sampling.py, top-k / top-p)
+        keeps per-lane sums, minima and maxima over a row's chunks and reduces them once per pass; False:
+        three cross-thread reductions per 512-wide chunk (96 per pass at V = 49,152). One program warps a
+        row, so at batch 1 the search's 6-10 passes run on one SM: a sampled SmolLM2 step cost 0.64 ms
+        more device time than a greedy one on an H100. Open until bench_verify_commit.py --warp and a
+        sampled profile_step A/B it on a GPU; the mass sums in another order (equal up to rounding, the
+        kept set up to the documented boundary cases).
     exact: batch-invariant target kernels (``engine.exact``): every launch that computes a value a
         committed token depends on (projections, LM head, attention, MoE, norms) takes a plan that is a
         function of the weight shape / head shape only, never of the rows M, the batch, the tree or the
@@ -70,6 +77,7 @@ class KernelOptions:
     step_kernels: bool | None = None
     fused_rows: int | None = None
     stream_tiles: str | None = "builtin"
+    warp_tiles: bool = False
     exact: bool = False
 
     def as_dict(self) -> dict:
@@ -77,7 +85,7 @@ class KernelOptions:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_BOOL = ("pdl", "fused_linear", "exact")
+_BOOL = ("pdl", "fused_linear", "warp_tiles", "exact")
 _TRISTATE = ("step_kernels",)
 _ROWS = ("fused_rows",)
 _PATHS = ("stream_tiles",)
@@ -268,7 +276,7 @@ def parse_value(name: str, text: str):
 
 _FLAG_DOC = {"pdl": "true | false", "fused_linear": "true | false", "step_kernels": "null | true | false",
              "fused_rows": "null | 1..64", "stream_tiles": "null | builtin | PATH of a tile table (JSON)",
-             "exact": "true | false"}
+             "warp_tiles": "true | false", "exact": "true | false"}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -64,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import options
 from .verify_accept import _row_argmax
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -135,13 +136,22 @@ def _scaled(p_row, v0, o_v, m_v, temperature):
 
 @triton.jit
 def _pivot_pass(p_row, V, temperature, m, kept, b_mid, MASS: tl.constexpr, NPIV: tl.constexpr,
-                BLOCK_S: tl.constexpr):
+                BLOCK_S: tl.constexpr, TILES: tl.constexpr):
     """One pass over the kept keys (>= kept) for NPIV pivots b_mid [NPIV] at once: per pivot F (count,
-    or e-mass with MASS) of the keys >= it, the smallest key >= it and the largest key < it."""
+    or e-mass with MASS) of the keys >= it, the smallest key >= it and the largest key < it.
+    TILES (kernel option warp_tiles): each lane of the [NPIV, BLOCK_S] tile keeps its own sum, min and
+    max over the chunks and the tile is reduced once after the loop, instead of three cross-thread
+    reductions per chunk. The mass then sums in another order (per lane, then across lanes), the same
+    in every pass, so F stays non-increasing in the pivot (module docstring)."""
     o_v = tl.arange(0, BLOCK_S)
-    b_f = tl.zeros([NPIV], tl.float32)
-    b_a = tl.full([NPIV], 2147483647, tl.int32)
-    b_b = tl.full([NPIV], -2147483648, tl.int32)
+    if TILES:
+        t_f = tl.zeros([NPIV, BLOCK_S], tl.float32)
+        t_a = tl.full([NPIV, BLOCK_S], 2147483647, tl.int32)
+        t_b = tl.full([NPIV, BLOCK_S], -2147483648, tl.int32)
+    else:
+        b_f = tl.zeros([NPIV], tl.float32)
+        b_a = tl.full([NPIV], 2147483647, tl.int32)
+        b_b = tl.full([NPIV], -2147483648, tl.int32)
     for v0 in range(0, V, BLOCK_S):
         m_v = v0 + o_v < V
         b_x = _scaled(p_row, v0, o_v, m_v, temperature)  # [BLOCK_S]
@@ -152,15 +162,24 @@ def _pivot_pass(p_row, V, temperature, m, kept, b_mid, MASS: tl.constexpr, NPIV:
             b_w = tl.where(m_v, tl.exp(b_x - m), 0.0)  # [BLOCK_S]
         else:
             b_w = tl.where(m_v, 1.0, 0.0)
-        b_f += tl.sum(tl.where(m_ge, b_w[None, :], 0.0), 1)  # [NPIV]
-        b_a = tl.minimum(b_a, tl.min(tl.where(m_ge, b_k[None, :], 2147483647), 1))
-        b_b = tl.maximum(b_b, tl.max(tl.where(m_in & ~m_ge, b_k[None, :], -2147483648), 1))
+        if TILES:
+            t_f += tl.where(m_ge, b_w[None, :], 0.0)  # [NPIV, BLOCK_S]
+            t_a = tl.minimum(t_a, tl.where(m_ge, b_k[None, :], 2147483647))
+            t_b = tl.maximum(t_b, tl.where(m_in & ~m_ge, b_k[None, :], -2147483648))
+        else:
+            b_f += tl.sum(tl.where(m_ge, b_w[None, :], 0.0), 1)  # [NPIV]
+            b_a = tl.minimum(b_a, tl.min(tl.where(m_ge, b_k[None, :], 2147483647), 1))
+            b_b = tl.maximum(b_b, tl.max(tl.where(m_in & ~m_ge, b_k[None, :], -2147483648), 1))
+    if TILES:
+        b_f = tl.sum(t_f, 1)
+        b_a = tl.min(t_a, 1)
+        b_b = tl.max(t_b, 1)
     return b_f, b_a, b_b
 
 
 @triton.jit
 def _threshold(p_row, V, temperature, m, lo, hi, target, MASS: tl.constexpr, NPIV: tl.constexpr,
-               BLOCK_S: tl.constexpr):
+               BLOCK_S: tl.constexpr, TILES: tl.constexpr):
     """The largest key >= lo present in the row whose F reaches target (lo: a present key with
     F(lo) >= target; every key >= hi below it): NPIV-way search with snapping (module docstring)."""
     kept = lo.to(tl.int32)
@@ -169,7 +188,7 @@ def _threshold(p_row, V, temperature, m, lo, hi, target, MASS: tl.constexpr, NPI
         # Pivots spread evenly over (lo, hi), clamped inside it (hi - lo >= 2 here).
         b_mid = lo + ((hi - lo) * (o_p + 1)) // (NPIV + 1)  # [NPIV] int64, non-decreasing
         b_mid = tl.minimum(tl.maximum(b_mid, lo + 1), hi - 1).to(tl.int32)
-        b_f, b_a, b_b = _pivot_pass(p_row, V, temperature, m, kept, b_mid, MASS, NPIV, BLOCK_S)
+        b_f, b_a, b_b = _pivot_pass(p_row, V, temperature, m, kept, b_mid, MASS, NPIV, BLOCK_S, TILES)
         n = tl.sum((b_f >= target).to(tl.int32), 0)  # F is non-increasing: pivots 0 .. n-1 reach it
         if n > 0:
             lo = tl.sum(tl.where(o_p == n - 1, b_a, 0), 0).to(tl.int64)
@@ -191,6 +210,7 @@ def _warp_kernel(
     NPIV: tl.constexpr,  # pivots per search pass
     BLOCK_V: tl.constexpr,  # chunk of the streaming passes
     BLOCK_S: tl.constexpr,  # chunk of the search passes ([NPIV, BLOCK_S] tiles)
+    TILES: tl.constexpr,  # the search passes reduce their tiles once, after the loop (_pivot_pass)
 ):
     i_r = tl.program_id(0).to(tl.int64)  # row = request * T + node
     i_b = i_r // T
@@ -214,14 +234,14 @@ def _warp_kernel(
         lo = tl.min(b_kmin, 0).to(tl.int64)
         hi = _key(m).to(tl.int64) + 1
         if (top_k >= 1.0) & (top_k < V):
-            lo = _threshold(p_row, V, temperature, m, lo, hi, top_k, False, NPIV, BLOCK_S)
+            lo = _threshold(p_row, V, temperature, m, lo, hi, top_k, False, NPIV, BLOCK_S, TILES)
         if top_p < 1.0:
             # The kept mass, summed exactly as the search sums F (so F(lo) >= P * total holds as computed).
             kept = lo.to(tl.int32)
             b_f, _a, _b = _pivot_pass(p_row, V, temperature, m, kept, kept + tl.zeros([NPIV], tl.int32), True, NPIV,
-                                      BLOCK_S)
+                                      BLOCK_S, TILES)
             total = tl.max(b_f, 0)  # every pivot is ``kept``: all NPIV entries are the kept mass
-            lo = _threshold(p_row, V, temperature, m, lo, hi, top_p * total, True, NPIV, BLOCK_S)
+            lo = _threshold(p_row, V, temperature, m, lo, hi, top_p * total, True, NPIV, BLOCK_S, TILES)
         theta = lo.to(tl.int32)
         s = tl.full([], 1.0, tl.float32)
         if PROBS:
@@ -304,5 +324,5 @@ def warp_logits(logits, params, probs=False, out=None):
         return out
     block_v, block_s, num_warps = _launch_config(V)
     _warp_kernel[(B * T,)](lg, params, out, T, V, lg.stride(0), lg.stride(1), PROBS=bool(probs), NPIV=NPIV,
-                           BLOCK_V=block_v, BLOCK_S=block_s, num_warps=num_warps)
+                           BLOCK_V=block_v, BLOCK_S=block_s, TILES=options.get().warp_tiles, num_warps=num_warps)
     return out

@@ -98,6 +98,20 @@ def test_warp_matches_ref(B, T, V, dtype, scale):
     check_against_ref(logits, random_params(B, V, gen))
 
 
+@pytest.mark.parametrize("case", ["3x2x4097", "1x1x4097", "ties", "by-hand"])
+def test_warp_with_tile_accumulators_matches_ref(case, kernel_options):
+    """Kernel option warp_tiles (the search passes reduce their tiles once per pass): the same kept sets
+    and values as the reference, away from the documented rounding boundaries, ties included."""
+    kernel_options.set_(warp_tiles=True)
+    if case == "by-hand":
+        return test_tie_rule_by_hand()
+    if case == "ties":
+        return test_warp_ties_match_ref()
+    B, T, V, scale = (3, 2, 4097, 3.0) if case == "3x2x4097" else (1, 1, 4097, 6.0)
+    gen = torch.Generator().manual_seed(B * 7 + V)
+    check_against_ref((torch.randn(B, T, V, generator=gen) * scale), random_params(B, V, gen))
+
+
 def test_warp_ties_match_ref():
     # Integer-valued logits over a 1000-token vocabulary: ~100 tokens share each value, so every
     # threshold falls inside a group of ties.
@@ -579,9 +593,11 @@ def test_warped_path_without_warpers_is_the_temperature_path():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("V", [49152, 151936])
-def test_warp_on_gpu_matches_ref_at_model_vocabularies(V):
+@pytest.mark.parametrize("tiles", [False, True])
+def test_warp_on_gpu_matches_ref_at_model_vocabularies(V, tiles, kernel_options):
     # The compiled kernel (not the interpreter) at SmolLM2's and Qwen3's vocabularies, bf16 logits, a
-    # batch of 1..17-node trees, every warper on, off and combined.
+    # batch of 1..17-node trees, every warper on, off and combined; both settings of warp_tiles.
+    kernel_options.set_(warp_tiles=tiles)
     gen = torch.Generator().manual_seed(V)
     for B, T in ((1, 1), (3, 17), (8, 4)):
         logits = (torch.randn(B, T, V, generator=gen) * 4).to(torch.bfloat16)

@@ -11,6 +11,9 @@ random node positions carries planted tokens whose logit is 14 (p ~ 0.94 at temp
 49152 N(0, 1) logits), so greedy accepts 4 and stochastic ~3.5 on average. Modes: greedy;
 sample = temperature 1, deterministic drafts (the EAGLE top-k case); sample_q = temperature 1 with
 draft_probs (residual materialised in the workspace on each rejection).
+warp_logits (the sampling warpers): V = 49152 and 151936, B x T in {1 x 1, 1 x 17, 64 x 1} rows of bf16
+N(0, 4) logits, top-p 0.95 / top-k 50 + top-p 0.9 / min-p 0.05, kernel option warp_tiles off and on;
+accept = tokens a row keeps, mismatch = rows whose kept set differs from the reference's.
 kv_sync_: SmolLM2-135M pool (30 layers, 3 KV heads, d64), Llama-3.1-8B pool (32 layers, 8 KV heads,
 d128) and Llama target + 1-layer draft pool in one call; B in {1, 64}, T = 16, 4 accepted nodes
 at random tree positions; prefix ~512, page size 16, shuffled pages.
@@ -55,7 +58,9 @@ from specdec.bench.timing import time_graph as _time_graph  # noqa: E402
 
 import triton  # noqa: E402
 
+from kernels_triton import options  # noqa: E402
 from kernels_triton.kv_sync import kv_sync_, kv_sync_ref_  # noqa: E402
+from kernels_triton.sampling import warp_logits, warp_logits_ref  # noqa: E402
 from kernels_triton.verify_accept import verify_accept, verify_accept_ref  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -132,6 +137,31 @@ def verify_case(B, T, V, mode, dtype):
     return dict(
         op="verify_accept", mode=mode, shape=f"V={V}", B=B, T=T, accept=accept, bytes=nbytes, mismatch=mismatch,
         kernel=lambda: verify_accept(*args), ref=lambda: verify_accept_ref(*args),
+    )
+
+
+# The warpers a sampled step runs (temperature, top-k, top-p, min-p per request), by mode name.
+WARP_MODES = {"top_p": [1.0, 0, 0.95, 0.0], "top_k+top_p": [1.0, 50, 0.9, 0.0], "min_p": [1.0, 0, 1.0, 0.05]}
+
+
+def warp_case(B, T, V, mode, tiles, dtype):
+    """warp_logits over B x T rows of N(0, 4) logits, one warper setting for every request, with kernel
+    option warp_tiles = ``tiles``; accept = the mean tokens a row keeps."""
+    gen = torch.Generator(DEVICE).manual_seed(B * 1000 + T)
+    logits = (torch.randn(B, T, V, device=DEVICE, generator=gen) * 2.0).to(dtype)
+    params = torch.tensor([WARP_MODES[mode]] * B, dtype=torch.float32, device=DEVICE)
+
+    def kernel():
+        with options.use(warp_tiles=tiles):
+            return warp_logits(logits, params)
+
+    got, want = kernel(), warp_logits_ref(logits, params)
+    kept = got > float("-inf")
+    mismatch = int((kept != (want > float("-inf"))).any(-1).sum())  # rows whose kept set differs
+    return dict(
+        op="warp_logits", mode=f"{mode} tiles={'on' if tiles else 'off'}", shape=f"V={V}", B=B, T=T,
+        accept=kept.sum(-1).float().mean().item(), bytes=B * T * V * logits.element_size(), mismatch=mismatch,
+        kernel=kernel, ref=lambda: warp_logits_ref(logits, params),
     )
 
 
@@ -220,11 +250,13 @@ def main():
         V, bs, ts, modes = 1000, [1, 3], [1, 8], ["greedy", "sample", "sample_q"]
         sync_specs = [("smollm2", [(2, 3, 64)]), ("target+draft", [(2, 3, 64), (1, 3, 64)])]
         sync_bs, sync_t = [1, 3], 8
+        warp_vs, warp_rows = [1000], [(1, 1), (1, 3)]
     else:
         dtype = torch.bfloat16
         V, bs, ts, modes = 49152, [1, 8, 64], [1, 8, 16, 64], ["greedy", "sample", "sample_q"]
         sync_specs = [("smollm2", [smollm2]), ("llama8b", [llama]), ("llama8b+draft", [llama, eagle])]
         sync_bs, sync_t = [1, 64], 16
+        warp_vs, warp_rows = [49152, 151936], [(1, 1), (1, 17), (64, 1)]
     device_name = torch.cuda.get_device_name() if CUDA else "cpu (TRITON_INTERPRET=1)"
     t_start = time.perf_counter()
     copy_gbps = copy_bandwidth_gbps()
@@ -237,6 +269,16 @@ def main():
                 rows.append(measure(case, copy_gbps, graph=True))
                 del case
                 print(f"  measured verify_accept {mode} B={B} T={T}", file=sys.stderr)
+    # The sampling warp at the vocabularies of SmolLM2 and Qwen3: one row (plain decoding at batch 1),
+    # a tree of 17 rows, 64 rows; kernel option warp_tiles off and on (kernels_triton/options.py).
+    for Vw in warp_vs:
+        for B, T in warp_rows:
+            for mode in WARP_MODES:
+                for tiles in (False, True):
+                    case = warp_case(B, T, Vw, mode, tiles, dtype)
+                    rows.append(measure(case, copy_gbps, graph=True))
+                    del case
+            print(f"  measured warp_logits V={Vw} B={B} T={T}", file=sys.stderr)
     for name, specs in sync_specs:
         for B in sync_bs:
             case = sync_case(name, specs, B, sync_t, dtype)
@@ -262,7 +304,7 @@ def main():
     print(f"wrote {path} ({time.perf_counter() - t_start:.0f} s)")
     print(f"device {device_name}, commit {commit}, {date}, logits/KV dtype {extra['dtype']}")
     print(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
-    print_table(rows, "verify_accept / kv_sync_: Triton vs torch eager reference")
+    print_table(rows, "verify_accept / warp_logits / kv_sync_: Triton vs torch eager reference")
 
 
 if __name__ == "__main__":
