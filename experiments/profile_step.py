@@ -297,9 +297,8 @@ def main() -> None:
     options.add_flags(ap)
     args = ap.parse_args()
     options.set_from_flags_(args)
-    SAMPLING.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
-                                       ("top_p", args.top_p), ("min_p", args.min_p))
-                     if v != {"top_p": 1.0}.get(k, 0)})
+    off = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # greedy, no warper
+    SAMPLING.update({k: getattr(args, k) for k in off if getattr(args, k) != off[k]})
     args.out.mkdir(parents=True, exist_ok=True)
     if args.shape in QWEN3:
         return profile_qwen3(args)
@@ -324,7 +323,8 @@ def main() -> None:
     head.to_device(dev, dtype)
     lengths = [150, 131, 160, 144, 120, 188] if not args.quick else [20, 24]
     V = shape["vocab_size"]
-    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "sampling": dict(SAMPLING)}
+    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"),
+           "sampling": dict(SAMPLING)}
     opts = res["kernel_options"]
 
     if ab is not None:
@@ -396,12 +396,12 @@ def profile_llama8b(args) -> None:
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     model = LlamaModel.random(llama_config_from_dict(shape), device=dev, dtype=dtype)
     eng = make_engine(model, None, (), max_seq_len=4096)
-    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "sampling": dict(SAMPLING), "shape": "llama8b",
+    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "shape": "llama8b",
+           "sampling": dict(SAMPLING),
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
            "steps": {"plain": graphed_step(eng, 1)}}
     (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res["steps"]["plain"], indent=1))
-
 
 
 # (e): --shape -> its random-weight preset in conf/target/
@@ -438,7 +438,8 @@ def profile_qwen3(args) -> None:
     model = LlamaModel.random(llama_config_from_dict(conf["config"]), device=dev, dtype=dtype, seed=0)
     apply_routing_(model, conf)
     eng = make_engine(model, None, (), max_seq_len=1024 if cuda else 512, prefill_graphs=False, batches=batches)
-    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "sampling": dict(SAMPLING), "shape": args.shape,
+    res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
+           "sampling": dict(SAMPLING),
            "target": conf["name"], "config": conf["config"], "context": STEP_CONTEXT,
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "steps": {}}
     for B in batches:

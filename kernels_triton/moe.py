@@ -512,11 +512,16 @@ def _check(x, router_w, w13, w2, top_k, expert_hits):
                          f"{expert_hits.dtype} {tuple(expert_hits.shape)} on {expert_hits.device}")
 
 
+def _pdl_launch(pdl: int) -> dict:
+    """A MoE kernel launch's PDL arguments for ``pdl`` (pdl_mode): the constexpr and the launch flag."""
+    return {"USE_PDL": bool(pdl), **({"launch_pdl": True} if pdl else {})}
+
+
 def _route(logits, top_k, renormalize, route_rows, expert_hits=None, sort=False, exact=False, pdl=0):
     """Launch the top-k (and, with ``sort``, the grouping: in the top-k program when there is one block,
     except in ``exact`` mode, else the sort kernel): (w, ids, sorted_pairs, expert_counts). ``pdl``:
     pdl_mode of the device (programmatic dependent launch, fused_moe's launches)."""
-    launch = {"USE_PDL": bool(pdl), **({"launch_pdl": True} if pdl else {})}
+    launch = _pdl_launch(pdl)
     T, E = logits.shape
     dev = logits.device
     e_pad, k_pad = triton.next_power_of_2(E), triton.next_power_of_2(top_k)
@@ -577,7 +582,7 @@ def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hit
     plan = moe_plan(T, E, K, H, F, config)
     P, dev, prec = T * K, x.device, _dot_prec(x.dtype)
     pdl = pdl_mode(dev)  # each kernel waits for its predecessor's outputs, then lets its successor launch
-    launch = {"USE_PDL": bool(pdl), **({"launch_pdl": True} if pdl else {})}
+    launch = _pdl_launch(pdl)
     e_pad = triton.next_power_of_2(E)
 
     logits = torch.empty((T, E), dtype=torch.float32, device=dev)
