@@ -81,6 +81,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tlc
 
+from .attention import arrival_counters
 from .attention_launch import pdl_mode
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -174,33 +175,20 @@ def _scatter_pairs(sorted_ptr, b_ids, o_r, m_r, b_base, TOP_K: tl.constexpr, E_P
 
 
 @triton.jit
-def _moe_topk_kernel(
-    l_ptr,  # [T, E] router logits (any float dtype)
-    w_ptr,  # [T, K] fp32 out
-    ids_ptr,  # [T, K] int32 out
-    cnt_ptr,  # [NB, E] int32 out: pairs per expert of each row block
-    hits_ptr,  # [E] int32, added to (HITS)
-    sorted_ptr,  # [P] int32 out (SORT)
-    ecnt_ptr,  # [E] int32 out: pairs per expert (SORT)
-    T, E, stride_l,
-    TOP_K: tl.constexpr, RENORM: tl.constexpr, HITS: tl.constexpr, SORT: tl.constexpr,
-    BLOCK_R: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    if USE_PDL:
-        tlc.gdc_wait()
-    i_b = tl.program_id(0)
-    o_r = i_b * BLOCK_R + tl.arange(0, BLOCK_R)
+def _topk_rows(b_l, o_r, m_r, i_b, w_ptr, ids_ptr, cnt_ptr, hits_ptr, sorted_ptr, ecnt_ptr, E,
+               TOP_K: tl.constexpr, RENORM: tl.constexpr, HITS: tl.constexpr, SORT: tl.constexpr,
+               E_PAD: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """Softmax, top-K and renormalisation of routing block i_b's logits b_l [BLOCK_R, E_PAD] fp32 (padded
+    experts -inf) for rows o_r (valid m_r): stores w, ids, the block's histogram and (HITS) adds it to
+    hits; with SORT (the only block) also the expert counts and the pairs sorted by expert."""
     o_e = tl.arange(0, E_PAD)
     o_k = tl.arange(0, K_PAD)
-    m_r, m_e = o_r < T, o_e < E
-    b_l = tl.load(l_ptr + o_r[:, None].to(tl.int64) * stride_l + o_e[None, :],
-                  mask=m_r[:, None] & m_e[None, :], other=0.0).to(tl.float32)  # [BLOCK_R, E_PAD]
-    b_l = tl.where(m_e[None, :], b_l, float("-inf"))
+    m_e = o_e < E
     b_p = tl.exp(b_l - tl.max(b_l, 1)[:, None])
     b_p = b_p / tl.sum(b_p, 1)[:, None]  # [BLOCK_R, E_PAD] softmax; padded experts 0
     b_q = tl.where(m_e[None, :], b_p, -1.0)  # candidates; a picked or padded expert never wins again
-    b_w = tl.zeros((BLOCK_R, K_PAD), dtype=tl.float32)
-    b_ids = tl.zeros((BLOCK_R, K_PAD), dtype=tl.int32)
+    b_w = tl.zeros((b_l.shape[0], K_PAD), dtype=tl.float32)
+    b_ids = tl.zeros((b_l.shape[0], K_PAD), dtype=tl.int32)
     b_hist = tl.zeros((E_PAD,), dtype=tl.int32)
     for j in range(TOP_K):
         b_m = tl.max(b_q, 1)  # [BLOCK_R]
@@ -224,6 +212,120 @@ def _moe_topk_kernel(
     if SORT:  # the only block: the expert offsets are the exclusive prefix sum of its histogram
         tl.store(ecnt_ptr + o_e, b_hist, mask=m_e)
         _scatter_pairs(sorted_ptr, b_ids, o_r, m_r, tl.cumsum(b_hist, 0) - b_hist, TOP_K, E_PAD, K_PAD)
+
+
+@triton.jit
+def _moe_topk_kernel(
+    l_ptr,  # [T, E] router logits (any float dtype)
+    w_ptr,  # [T, K] fp32 out
+    ids_ptr,  # [T, K] int32 out
+    cnt_ptr,  # [NB, E] int32 out: pairs per expert of each row block
+    hits_ptr,  # [E] int32, added to (HITS)
+    sorted_ptr,  # [P] int32 out (SORT)
+    ecnt_ptr,  # [E] int32 out: pairs per expert (SORT)
+    T, E, stride_l,
+    TOP_K: tl.constexpr, RENORM: tl.constexpr, HITS: tl.constexpr, SORT: tl.constexpr,
+    BLOCK_R: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tlc.gdc_wait()
+    i_b = tl.program_id(0)
+    o_r = i_b * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_e = tl.arange(0, E_PAD)
+    m_r, m_e = o_r < T, o_e < E
+    b_l = tl.load(l_ptr + o_r[:, None].to(tl.int64) * stride_l + o_e[None, :],
+                  mask=m_r[:, None] & m_e[None, :], other=0.0).to(tl.float32)  # [BLOCK_R, E_PAD]
+    b_l = tl.where(m_e[None, :], b_l, float("-inf"))
+    _topk_rows(b_l, o_r, m_r, i_b, w_ptr, ids_ptr, cnt_ptr, hits_ptr, sorted_ptr, ecnt_ptr, E,
+               TOP_K, RENORM, HITS, SORT, E_PAD, K_PAD, USE_PDL)
+
+
+@triton.jit
+def _moe_route_fused_kernel(
+    x_ptr,  # [T, H] the rows entering the layer (the attention block's output)
+    r_ptr,  # [T, H] residual rows (HAS_RES)
+    nw_ptr,  # [H] RMSNorm weight
+    y_ptr,  # [T, H] out: RMSNorm(x + r), the experts' input
+    s_ptr,  # [T, H] out: x + r (HAS_RES)
+    rw_ptr,  # [E, H] router
+    l_ptr,  # [SPLIT, T, E] fp32 scratch: each H split's partial logits
+    arr_ptr,  # [1] int32 arrival counter, 0 between launches
+    w_ptr, ids_ptr, cnt_ptr, hits_ptr, sorted_ptr, ecnt_ptr,  # as _moe_topk_kernel (one routing block)
+    T, E, H, eps, stride_x, stride_r, stride_rw,
+    TOP_K: tl.constexpr, RENORM: tl.constexpr, HITS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    E_PAD: tl.constexpr, K_PAD: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """RMSNorm (+ residual add; NORM), router GEMM, softmax / top-K and the grouping in one launch, for
+    the T <= BLOCK_T rows of a decode or verify step: program (e, k) computes the partial logits of expert
+    block e over H split k (each program normalises the rows itself: x is a few KB); the last program to
+    arrive sums the SPLIT partials in split order and routes (module docstring, fused routing). Without
+    NORM, x is the experts' input (y and s unused)."""
+    if USE_PDL:
+        tlc.gdc_wait()
+    i_e, i_k = tl.program_id(0), tl.program_id(1)
+    dt = y_ptr.dtype.element_ty
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    o_kk = tl.arange(0, BLOCK_K)
+    # Pass 1: each row's sum of squares of s = dt(x + r), over all of H (as the RMSNorm kernel rounds s).
+    b_ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    if NORM:
+        for k0 in range(0, H, BLOCK_K):
+            o_k = k0 + o_kk
+            m_tk = m_t[:, None] & (o_k < H)[None, :]
+            b_s = tl.load(x_ptr + o_t[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_tk, other=0.0)
+            if HAS_RES:
+                b_r = tl.load(r_ptr + o_t[:, None].to(tl.int64) * stride_r + o_k[None, :], mask=m_tk, other=0.0)
+                b_s = (b_s.to(tl.float32) + b_r.to(tl.float32)).to(dt)
+            b_s = b_s.to(tl.float32)
+            b_ss += tl.sum(b_s * b_s, 1)
+    b_rstd = 1.0 / tl.sqrt(b_ss / H + eps)  # [BLOCK_T]
+    # Pass 2: this program's H split, normalised, times its experts' router rows.
+    k_lo = i_k * (H // SPLIT)
+    k_hi = H if i_k == SPLIT - 1 else k_lo + H // SPLIT
+    writer = (i_e == 0)  # expert block 0 writes y (and s) for its split
+    b_acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        o_k = k0 + o_kk
+        m_k = o_k < k_hi
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_y = tl.load(x_ptr + o_t[:, None].to(tl.int64) * stride_x + o_k[None, :], mask=m_tk, other=0.0)
+        if NORM:
+            if HAS_RES:
+                b_r = tl.load(r_ptr + o_t[:, None].to(tl.int64) * stride_r + o_k[None, :], mask=m_tk, other=0.0)
+                b_y = (b_y.to(tl.float32) + b_r.to(tl.float32)).to(dt)
+                tl.store(s_ptr + o_t[:, None].to(tl.int64) * H + o_k[None, :], b_y, mask=m_tk & writer)
+            b_nw = tl.load(nw_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_y = (b_y.to(tl.float32) * b_rstd[:, None]).to(dt).to(tl.float32)
+            b_y = (b_nw[None, :] * b_y).to(dt)  # [BLOCK_T, BLOCK_K], as the RMSNorm kernel rounds it
+            tl.store(y_ptr + o_t[:, None].to(tl.int64) * H + o_k[None, :], b_y, mask=m_tk & writer)
+        b_w = tl.load(rw_ptr + o_e[None, :].to(tl.int64) * stride_rw + o_k[:, None],
+                      mask=m_e[None, :] & m_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_E]
+        b_acc = tl.dot(b_y, b_w, b_acc, input_precision=DOT_PREC)
+    if USE_PDL:  # the experts' GEMM may launch; it waits for this whole grid
+        tlc.gdc_launch_dependents()
+    p_l = l_ptr + (i_k * T + o_t[:, None]).to(tl.int64) * E + o_e[None, :]
+    tl.store(p_l, b_acc, mask=m_t[:, None] & m_e[None, :])
+    # The last of the grid's programs to arrive routes (linear.py's split-K reduction: the barrier orders
+    # every thread's stores before the release of the increment, the acquire the last one's loads after).
+    tl.debug_barrier()
+    n_prog = tl.num_programs(0) * tl.num_programs(1)
+    arrived = tl.atomic_add(arr_ptr, 1, sem="acq_rel")
+    if arrived == n_prog - 1:
+        tl.store(arr_ptr, 0)
+        o_ea = tl.arange(0, E_PAD)
+        m_ea = o_ea < E
+        m_te = m_t[:, None] & m_ea[None, :]
+        b_l = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+        for k in range(SPLIT):  # split order: the same sums at every launch
+            b_l += tl.load(l_ptr + (k * T + o_t[:, None]).to(tl.int64) * E + o_ea[None, :], mask=m_te, other=0.0,
+                           cache_modifier=".cg")
+        b_l = tl.where(m_ea[None, :], b_l, float("-inf"))
+        _topk_rows(b_l, o_t, m_t, 0, w_ptr, ids_ptr, cnt_ptr, hits_ptr, sorted_ptr, ecnt_ptr, E,
+                   TOP_K, RENORM, HITS, True, E_PAD, K_PAD, False)
 
 
 @triton.jit
@@ -345,42 +447,60 @@ def _moe_down_kernel(
     rw_ptr,  # [P] fp32 routing weights
     sorted_ptr,  # [P] int32
     ecnt_ptr,  # [E] int32
-    E, H, F, stride_a, stride_we, stride_wn, stride_y,
-    E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    o_ptr,  # [T, H] out (COMBINE)
+    arr_ptr,  # [H tiles] int32 arrival counters, 0 between launches (COMBINE)
+    T, E, H, F, stride_a, stride_we, stride_wn, stride_y,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, COMBINE: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tlc.gdc_wait()
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     i_e, pos0, n_rows = _expert_block(ecnt_ptr, i_b, E, E_PAD, BLOCK_M)
-    if i_e >= E:
-        return
-    o_m = tl.arange(0, BLOCK_M)
-    m_m = o_m < n_rows
-    b_pair = tl.load(sorted_ptr + pos0 + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
-    o_nl = tl.minimum(o_n, H - 1).to(tl.int64)
-    o_k = tl.arange(0, BLOCK_K)
-    p_a = a_ptr + b_pair[:, None] * stride_a + o_k[None, :]  # [BLOCK_M, BLOCK_K]
-    p_w = w_ptr + i_e.to(tl.int64) * stride_we + o_nl[None, :] * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N]
-    b_y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
-        if EVEN_K:  # weights first, as in the gate|up kernel
-            b_w = tl.load(p_w)
-            b_a = tl.load(p_a)
-        else:
-            m_k = o_k < F - k0
-            b_w = tl.load(p_w, mask=m_k[:, None], other=0.0)
-            b_a = tl.load(p_a, mask=m_k[None, :], other=0.0)
-        b_y = tl.dot(b_a, b_w, b_y, input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
-        p_a += BLOCK_K
-        p_w += BLOCK_K
-    if USE_PDL:
-        tlc.gdc_launch_dependents()
-    b_rw = tl.load(rw_ptr + b_pair, mask=m_m, other=0.0)  # [BLOCK_M] routing weights
-    tl.store(y_ptr + b_pair[:, None] * stride_y + o_n[None, :], b_y * b_rw[:, None],
-             mask=m_m[:, None] & m_n[None, :])
+    if i_e < E:  # blocks past the last expert block of this routing only arrive (COMBINE)
+        o_m = tl.arange(0, BLOCK_M)
+        m_m = o_m < n_rows
+        b_pair = tl.load(sorted_ptr + pos0 + o_m, mask=m_m, other=0).to(tl.int64)  # [BLOCK_M]
+        o_nl = tl.minimum(o_n, H - 1).to(tl.int64)
+        o_k = tl.arange(0, BLOCK_K)
+        p_a = a_ptr + b_pair[:, None] * stride_a + o_k[None, :]  # [BLOCK_M, BLOCK_K]
+        p_w = w_ptr + i_e.to(tl.int64) * stride_we + o_nl[None, :] * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N]
+        b_y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, F, BLOCK_K):
+            if EVEN_K:  # weights first, as in the gate|up kernel
+                b_w = tl.load(p_w)
+                b_a = tl.load(p_a)
+            else:
+                m_k = o_k < F - k0
+                b_w = tl.load(p_w, mask=m_k[:, None], other=0.0)
+                b_a = tl.load(p_a, mask=m_k[None, :], other=0.0)
+            b_y = tl.dot(b_a, b_w, b_y, input_precision=DOT_PREC)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+            p_a += BLOCK_K
+            p_w += BLOCK_K
+        if USE_PDL:
+            tlc.gdc_launch_dependents()
+        b_rw = tl.load(rw_ptr + b_pair, mask=m_m, other=0.0)  # [BLOCK_M] routing weights
+        tl.store(y_ptr + b_pair[:, None] * stride_y + o_n[None, :], b_y * b_rw[:, None],
+                 mask=m_m[:, None] & m_n[None, :])
+    if COMBINE:
+        # The last program of column tile i_n to arrive sums its columns of every token's K rows in slot
+        # order (the combine kernel's sum; barrier and acquire / release as in the fused routing).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arr_ptr + i_n, 1, sem="acq_rel")
+        if arrived == tl.num_programs(0) - 1:
+            tl.store(arr_ptr + i_n, 0)
+            for t0 in range(0, T, BLOCK_T):
+                o_t = t0 + tl.arange(0, BLOCK_T)
+                m_tn = (o_t < T)[:, None] & m_n[None, :]
+                p_y = y_ptr + (o_t[:, None] * TOP_K).to(tl.int64) * stride_y + o_n[None, :]
+                b_o = tl.load(p_y, mask=m_tn, other=0.0, cache_modifier=".cg")  # [BLOCK_T, BLOCK_N] slot 0
+                for j in range(1, TOP_K):
+                    b_o += tl.load(p_y + j * stride_y, mask=m_tn, other=0.0, cache_modifier=".cg")
+                tl.store(o_ptr + o_t[:, None].to(tl.int64) * H + o_n[None, :], b_o.to(o_ptr.dtype.element_ty),
+                         mask=m_tn)
 
 
 @triton.jit
@@ -426,6 +546,11 @@ MIN_PROGRAMS = 256
 EXACT_TILES = _PLANS[0][1:]
 EXACT_ROUTE_ROWS = 16
 EXACT_ROUTER_ROWS = 16
+# Fused routing and combine (module docstring): the rows one fused routing program takes at most, the
+# programs its grid aims at, and the pairs up to which the down kernel combines.
+FUSED_ROUTE_ROWS = 64
+FUSED_ROUTE_PROGRAMS = 64
+COMBINE_IN_DOWN_PAIRS = 1024
 
 
 def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None, exact: bool | None = None) -> dict:
@@ -475,6 +600,19 @@ def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None, exact: boo
     # Exact mode: the sort kernel runs even for a single routing block (which the top-k program sorts
     # otherwise) with a fixed tile, so every kernel is one compiled variant at every T.
     plan["exact"] = bool(exact)
+    # Fused routing (one routing block of <= FUSED_ROUTE_ROWS rows, not in exact mode): 16 experts per
+    # program and H split so that the grid has about FUSED_ROUTE_PROGRAMS programs at one token block
+    # (each program normalises all of its rows over H first, so wide blocks split H less).
+    plan["fused_route"] = None
+    if not exact and T <= min(FUSED_ROUTE_ROWS, plan["route_rows"]):
+        bt = max(16, triton.next_power_of_2(T))
+        bk = min(128, max(16, triton.next_power_of_2(H)))
+        n_e = triton.cdiv(E, 16)
+        split = max(1, min(FUSED_ROUTE_PROGRAMS // n_e // (bt // 16), H // bk))
+        plan["fused_route"] = dict(BLOCK_T=bt, BLOCK_E=16, BLOCK_K=bk, SPLIT=split)
+    # The combine in the down kernel (its column tiles' last programs sum the slots) up to
+    # COMBINE_IN_DOWN_PAIRS pairs; past it (prefill) the combine kernel.
+    plan["combine_in_down"] = not exact and T * top_k <= COMBINE_IN_DOWN_PAIRS
     return plan
 
 
@@ -568,48 +706,120 @@ def moe_route(router_logits, top_k: int, renormalize: bool):
 
 
 def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None, config=None):
-    """The MoE layer (module docstring) -> new [T, H] in x's dtype, in six launches (five at T <= the
-    routing block), no host sync. ``expert_hits`` (int32 [E]): the number of pairs routed to each expert
+    """The MoE layer (module docstring) over normed rows x [T, H] -> new [T, H] in x's dtype, no host sync
+    (launches: module docstring). ``expert_hits`` (int32 [E]): the number of pairs routed to each expert
     is added to it in place. ``config``: tile overrides for moe_plan (benchmark sweeps)."""
     _check(x, router_w, w13, w2, top_k, expert_hits)
+    out, _ = _fused_moe(x, None, None, 0.0, router_w, w13, w2, int(top_k), renormalize, expert_hits, config)
+    return out
+
+
+def fused_moe_norm_ref(x, residual, norm_weight, eps, router_w, w13, w2, top_k: int, renormalize: bool):
+    """RMSNorm(x + residual) (kernels_triton/norm.py's rounding; residual None: RMSNorm(x)), then the layer:
+    (out [T, H], s = x + residual [T, H])."""
+    from .norm import rms_norm_ref
+
+    if residual is None:
+        y, s = rms_norm_ref(x, norm_weight, eps), x
+    else:
+        y, s = rms_norm_ref(x, norm_weight, eps, residual)
+    return fused_moe_ref(y, router_w, w13, w2, top_k, renormalize), s
+
+
+def fused_moe_norm(x, residual, norm_weight, eps: float, router_w, w13, w2, top_k: int, renormalize: bool, *,
+                   expert_hits=None, config=None):
+    """RMSNorm(x + residual) and the MoE layer over it (fused_moe_norm_ref's math): (out [T, H], s = x +
+    residual; x itself when residual is None). Where the routing fits one block (decode and verify) the
+    norm, router, top-k and grouping are one launch (module docstring); elsewhere the norm is the RMSNorm
+    kernel's."""
+    _check(x, router_w, w13, w2, top_k, expert_hits)
+    H = x.shape[1]
+    for name, t, shape in (("residual", residual, x.shape), ("norm_weight", norm_weight, (H,))):
+        if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != x.dtype or t.device != x.device
+                              or t.stride(-1) != 1):
+            raise ValueError(f"fused_moe_norm: {name} must be {x.dtype} {tuple(shape)} on {x.device} with a "
+                             f"contiguous last dim, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if norm_weight is None:
+        raise ValueError("fused_moe_norm: norm_weight is required")
+    return _fused_moe(x, residual, norm_weight, float(eps), router_w, w13, w2, int(top_k), renormalize,
+                      expert_hits, config)
+
+
+def _fused_moe(x, residual, norm_weight, eps, router_w, w13, w2, K, renormalize, expert_hits, config):
+    """The launches of fused_moe / fused_moe_norm (norm_weight None: x is normed already) -> (out, s)."""
     T, H = x.shape
-    E, F, K = w13.shape[0], w13.shape[1] // 2, int(top_k)
+    E, F = w13.shape[0], w13.shape[1] // 2
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    s = x if residual is None else torch.empty_like(out)
     if T == 0:
-        return out
+        return out, s
     if x.stride(-1) != 1:
         x = x.contiguous()
     plan = moe_plan(T, E, K, H, F, config)
     P, dev, prec = T * K, x.device, _dot_prec(x.dtype)
     pdl = pdl_mode(dev)  # each kernel waits for its predecessor's outputs, then lets its successor launch
     launch = _pdl_launch(pdl)
-    e_pad = triton.next_power_of_2(E)
+    e_pad, k_pad = triton.next_power_of_2(E), triton.next_power_of_2(K)
 
-    logits = torch.empty((T, E), dtype=torch.float32, device=dev)
-    rt = plan["router"]
-    _moe_router_kernel[(triton.cdiv(T, rt["BLOCK_T"]), triton.cdiv(E, rt["BLOCK_E"]))](
-        x, router_w, logits, T, E, H, x.stride(0), router_w.stride(0), **rt, DOT_PREC=prec, num_warps=4, **launch,
-    )  # fmt: skip
-    w, _, sorted_pairs, ecnt = _route(logits, K, renormalize, plan["route_rows"], expert_hits, sort=True,
-                                      exact=plan["exact"], pdl=pdl)
+    fr = plan["fused_route"]
+    if fr is not None:  # norm, router, top-k and grouping: one launch
+        y = torch.empty_like(out) if norm_weight is not None else x
+        logits = torch.empty((fr["SPLIT"], T, E), dtype=torch.float32, device=dev)
+        w = torch.empty((T, K), dtype=torch.float32, device=dev)
+        ids = torch.empty((T, K), dtype=torch.int32, device=dev)
+        counts = torch.empty((1, E), dtype=torch.int32, device=dev)
+        sorted_pairs = torch.empty((P,), dtype=torch.int32, device=dev)
+        ecnt = torch.empty((E,), dtype=torch.int32, device=dev)
+        arrive = arrival_counters(dev, 1, owner="fused_moe_route")
+        r = residual if residual is not None else x
+        _moe_route_fused_kernel[(triton.cdiv(E, fr["BLOCK_E"]), fr["SPLIT"])](
+            x, r, norm_weight if norm_weight is not None else x, y, s, router_w, logits, arrive,
+            w, ids, counts, expert_hits if expert_hits is not None else counts, sorted_pairs, ecnt,
+            T, E, H, eps, x.stride(0), r.stride(0), router_w.stride(0),
+            TOP_K=K, RENORM=bool(renormalize), HITS=expert_hits is not None, NORM=norm_weight is not None,
+            HAS_RES=residual is not None, **fr, E_PAD=e_pad, K_PAD=k_pad, DOT_PREC=prec,
+            num_warps=4, **launch,
+        )  # fmt: skip
+    else:
+        if norm_weight is not None:
+            from .norm import rms_norm
+
+            if residual is None:
+                y = rms_norm(x, norm_weight, eps)
+            else:
+                y, s = rms_norm(x, norm_weight, eps, residual)
+        else:
+            y = x
+        logits = torch.empty((T, E), dtype=torch.float32, device=dev)
+        rt = plan["router"]
+        _moe_router_kernel[(triton.cdiv(T, rt["BLOCK_T"]), triton.cdiv(E, rt["BLOCK_E"]))](
+            y, router_w, logits, T, E, H, y.stride(0), router_w.stride(0), **rt, DOT_PREC=prec, num_warps=4,
+            **launch,
+        )  # fmt: skip
+        w, _, sorted_pairs, ecnt = _route(logits, K, renormalize, plan["route_rows"], expert_hits, sort=True,
+                                          exact=plan["exact"], pdl=pdl)
 
     a = torch.empty((P, F), dtype=x.dtype, device=dev)  # SwiGLU activations, rows by pair id
     tg = dict(plan["gate_up"])
     bm, bn = tg.pop("BLOCK_M"), tg.pop("BLOCK_N")
     _moe_gate_up_kernel[(_max_blocks(P, E, bm), triton.cdiv(F, bn))](
-        x, w13, a, sorted_pairs, ecnt, E, H, F, x.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
+        y, w13, a, sorted_pairs, ecnt, E, H, F, y.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
         TOP_K=K, E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=H % tg["BLOCK_K"] == 0, DOT_PREC=prec, **tg, **launch,
     )  # fmt: skip
 
-    y = torch.empty((P, H), dtype=torch.float32, device=dev)  # weighted expert outputs, rows by pair id
+    yp = torch.empty((P, H), dtype=torch.float32, device=dev)  # weighted expert outputs, rows by pair id
     td = dict(plan["down"])
     bm, bn = td.pop("BLOCK_M"), td.pop("BLOCK_N")
-    _moe_down_kernel[(_max_blocks(P, E, bm), triton.cdiv(H, bn))](
-        a, w2, y, w, sorted_pairs, ecnt, E, H, F, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=F % td["BLOCK_K"] == 0, DOT_PREC=prec, **td, **launch,
+    grid_n = triton.cdiv(H, bn)
+    combine = plan["combine_in_down"]
+    arrive = arrival_counters(dev, grid_n, owner="fused_moe_down") if combine else ecnt
+    _moe_down_kernel[(_max_blocks(P, E, bm), grid_n)](
+        a, w2, yp, w, sorted_pairs, ecnt, out, arrive, T, E, H, F, a.stride(0), w2.stride(0), w2.stride(1),
+        yp.stride(0), TOP_K=K, E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=F % td["BLOCK_K"] == 0,
+        COMBINE=combine, BLOCK_T=min(16, triton.next_power_of_2(T)), DOT_PREC=prec, **td, **launch,
     )  # fmt: skip
-
-    bh = min(1024, triton.next_power_of_2(H))
-    _moe_combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=K, BLOCK_H=bh, num_warps=max(1, min(4, bh // 256)),
-                                                  **launch)
-    return out
+    if not combine:
+        bh = min(1024, triton.next_power_of_2(H))
+        _moe_combine_kernel[(T, triton.cdiv(H, bh))](yp, out, H, TOP_K=K, BLOCK_H=bh,
+                                                      num_warps=max(1, min(4, bh // 256)), **launch)
+    return out, s

@@ -121,6 +121,44 @@ def test_moe_route_matches_ref(T, E, top_k, renormalize, poison):
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
 
 
+# (T, H, F, E, top_k, residual): the fused routing with H split over programs (H = 512: 4 splits of 128 at
+# 8 experts), without a split, one routing block of 64 rows, and past the fused sizes (65 rows of 128
+# experts: two routing blocks; 300 rows: the combine kernel too).
+NORM_CASES = [
+    (1, 512, 16, 8, 2, True), (1, 40, 24, 16, 8, False), (3, 256, 32, 16, 4, True), (17, 64, 48, 128, 8, True),
+    (64, 32, 16, 32, 8, False), (65, 32, 16, 128, 8, True), (300, 48, 16, 16, 4, True),
+]
+
+
+@pytest.mark.parametrize("T,H,F,E,top_k,with_residual", NORM_CASES)
+def test_fused_moe_norm_matches_ref(T, H, F, E, top_k, with_residual, poison):
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.float32, seed=T * 7 + H + E)
+    g = torch.Generator(device=DEVICE).manual_seed(T)
+    residual = torch.randn(T, H, generator=g, device=DEVICE) if with_residual else None
+    nw = torch.rand(H, generator=g, device=DEVICE) + 0.5
+    hits = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    out, s = moe.fused_moe_norm(x, residual, nw, 1e-6, rw, w13, w2, top_k, True, expert_hits=hits)
+    ref, ref_s = moe.fused_moe_norm_ref(x, residual, nw, 1e-6, rw, w13, w2, top_k, True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert torch.equal(s, ref_s)
+    y = ref_s.float() * torch.rsqrt(ref_s.float().pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    assert torch.equal(hits, _bincount(_ref_ids(y, rw, top_k), E))
+    out2, _ = moe.fused_moe_norm(x, residual, nw, 1e-6, rw, w13, w2, top_k, True)  # counters were reset
+    assert torch.equal(out, out2)
+
+
+def test_fused_plan_sizes():
+    """Fused routing at one routing block up to 64 rows (not in exact mode), H split to about 64 programs;
+    the combine in the down kernel up to 1,024 pairs."""
+    plan = moe.moe_plan(1, 128, 8, 2048, 768, exact=False)
+    assert plan["fused_route"] == dict(BLOCK_T=16, BLOCK_E=16, BLOCK_K=128, SPLIT=8) and plan["combine_in_down"]
+    assert moe.moe_plan(64, 128, 8, 2048, 768, exact=False)["fused_route"]["SPLIT"] == 2
+    assert moe.moe_plan(65, 128, 8, 2048, 768, exact=False)["fused_route"] is None
+    assert not moe.moe_plan(129, 128, 8, 2048, 768, exact=False)["combine_in_down"]
+    exact = moe.moe_plan(1, 128, 8, 2048, 768, exact=True)
+    assert exact["fused_route"] is None and not exact["combine_in_down"]
+
+
 def test_moe_route_half_logits():
     logits = torch.randn(9, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
     w, ids = moe.moe_route(logits, 4, True)
@@ -240,6 +278,39 @@ def test_fused_moe_cuda_graph_replays_other_routings():
     assert (hits - want).abs().sum() <= 2 * top_k  # equal up to a near-tie routing
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 17, 64])
+def test_fused_moe_norm_bf16_graph_replays(T):
+    """The fused routing and combine (arrival counters) at the Qwen3-30B-A3B shape in bf16, captured in a
+    CUDA graph and replayed with other inputs: each replay equals an eager call and the reference."""
+    H, F, E, top_k = QWEN3_MOE.values()
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.bfloat16, seed=T + 5)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    res = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16)
+    nw = (torch.rand(H, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+    sx, sr = x.clone(), res.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe.fused_moe_norm(sx, sr, nw, 1e-6, rw, w13, w2, top_k, True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_s = moe.fused_moe_norm(sx, sr, nw, 1e-6, rw, w13, w2, top_k, True)
+    for _ in range(3):
+        sx.copy_(torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        eager, eager_s = moe.fused_moe_norm(sx, sr, nw, 1e-6, rw, w13, w2, top_k, True)
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager) and torch.equal(static_s, eager_s)
+        ref, ref_s = moe.fused_moe_norm_ref(sx, sr, nw, 1e-6, rw, w13, w2, top_k, True)
+        assert torch.equal(static_s, ref_s)
+        y = ref_s.float() * torch.rsqrt(ref_s.float().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
+        rows = _unambiguous_rows(y, rw, top_k)
+        torch.testing.assert_close(static_out[rows], ref[rows], atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.parametrize("T", [3, 300])  # one routing block (the top-k program sorts), several (the sort kernel)
 def test_every_launch_takes_programmatic_dependent_launch_with_the_option(monkeypatch, T):
     """Under PDL (forced here: the CPU interpreter has none) every kernel of the layer is launched with it
@@ -255,7 +326,7 @@ def test_every_launch_takes_programmatic_dependent_launch_with_the_option(monkey
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.append((self.name, kw["USE_PDL"], kw.get("launch_pdl", False)))
 
-    names = ("router", "topk", "sort", "gate_up", "down", "combine")
+    names = ("route_fused", "router", "topk", "sort", "gate_up", "down", "combine")
     for n in names:
         monkeypatch.setattr(moe, f"_moe_{n}_kernel", Recorder(n))
     E, K, H, F = 128, 8, 32, 16  # 128 experts: 64 routing rows a block, so T = 300 takes the sort kernel
@@ -266,6 +337,7 @@ def test_every_launch_takes_programmatic_dependent_launch_with_the_option(monkey
         monkeypatch.setattr(moe, "pdl_mode", lambda device, mode=mode: mode)
         moe.fused_moe(x, router_w, w13, w2, K, True)
         launched = [n for n, _, _ in seen]
-        assert launched == [n for n in names if n != "sort" or T == 300]
+        fused = ("route_fused", "gate_up", "down")  # decode / verify: routing in one launch, the combine in down
+        assert launched == (list(fused) if T == 3 else [n for n in names if n != "route_fused"])
         assert T < 300 or T > moe.moe_plan(T, E, K, H, F)["route_rows"]
         assert all(use == want and lp == want for _, use, lp in seen)

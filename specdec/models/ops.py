@@ -432,6 +432,20 @@ def moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None
     return moe_mod.fused_moe_ref(x, router_w, w13, w2, top_k, renormalize)
 
 
+def moe_norm(x, residual, norm_weight, eps, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None,
+             backend="auto"):
+    """RMSNorm(x + residual) and the MoE layer over it: (out [T, H], x + residual). On the Triton backend
+    kernels_triton.moe.fused_moe_norm (at decode and verify sizes the norm, router and routing are one
+    launch); elsewhere :func:`add_rms_norm` and :func:`moe`."""
+    from kernels_triton import moe as moe_mod
+
+    if use_triton(backend, x):
+        return moe_mod.fused_moe_norm(x, residual, norm_weight, eps, router_w, w13, w2, top_k, renormalize,
+                                      expert_hits=expert_hits)
+    y, s = add_rms_norm(x, residual, norm_weight, eps, backend=backend)
+    return moe(y, router_w, w13, w2, top_k, renormalize, expert_hits=expert_hits, backend=backend), s
+
+
 def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, backend="auto"):
     """Attention of q [N, HQ, D] over the paged KV per ``meta``; in exact mode the fixed-order kernel
     (kernels_triton/attention_exact.py; a windowed draft round keeps the default one)."""

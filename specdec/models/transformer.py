@@ -281,9 +281,12 @@ class TransformerModel(ExpertStats, nn.Module):
     def moe_(self, i: int, h, residual):
         """MoE layer i over the attention block's output: (experts' output [N, H], s = h + residual)."""
         c, j = self.config, self.moe_slot[i]
+        if self._selection is None:  # the router's own choice: norm and routing fused where they can be
+            return ops.moe_norm(h, residual, self.mlp_norm[i], c.rms_norm_eps, self.router[j], self.w13[i],
+                                self.w2[i], c.num_experts_per_tok, c.norm_topk_prob, expert_hits=self.expert_hits[j],
+                                backend=self.backend)  # ([N, H], [N, H])
         y, s = ops.add_rms_norm(h, residual, self.mlp_norm[i], c.rms_norm_eps, backend=self.backend)  # [N, H]
-        if self._selection is not None:
-            y = self.routing.steer(j, y, self._selection)  # [N, H] the router input raised toward the selection
+        y = self.routing.steer(j, y, self._selection)  # [N, H] the router input raised toward the selection
         out = ops.moe(y, self.router[j], self.w13[i], self.w2[i], c.num_experts_per_tok, c.norm_topk_prob,
                       expert_hits=self.expert_hits[j], backend=self.backend)  # [N, H]
         return out, s
