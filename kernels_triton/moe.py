@@ -816,7 +816,7 @@ def _fused_moe(x, residual, norm_weight, eps, router_w, w13, w2, K, renormalize,
     _moe_down_kernel[(_max_blocks(P, E, bm), grid_n)](
         a, w2, yp, w, sorted_pairs, ecnt, out, arrive, T, E, H, F, a.stride(0), w2.stride(0), w2.stride(1),
         yp.stride(0), TOP_K=K, E_PAD=e_pad, BLOCK_M=bm, BLOCK_N=bn, EVEN_K=F % td["BLOCK_K"] == 0,
-        COMBINE=combine, BLOCK_T=min(16, triton.next_power_of_2(T)), DOT_PREC=prec, **td, **launch,
+        COMBINE=combine, BLOCK_T=min(16, triton.next_power_of_2(T)) if combine else 16, DOT_PREC=prec, **td, **launch,
     )  # fmt: skip
     if not combine:
         bh = min(1024, triton.next_power_of_2(H))

@@ -56,6 +56,30 @@ def kernel_options():
 
 
 @pytest.fixture
+def row_invariant_dot(monkeypatch):
+    """Under the interpreter, tl.dot is numpy's matmul, and on some CPUs its BLAS kernels sum an output row
+    in an order that depends on the row's place in the tile (rows past the first microkernel block differ
+    in the last bit); a GPU MMA row depends on its own inputs only. With this fixture each row of every
+    interpreted dot is computed on its own, so bit-identity tests check the kernels, not the BLAS."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = []
+        for i in range(a.data.shape[-2]):
+            ai = interpreter.TensorHandle(a.data[..., i:i + 1, :], a.dtype)
+            di = interpreter.TensorHandle(d.data[..., i:i + 1, :], d.dtype)
+            rows.append(real(self, ai, b, di, input_precision, max_num_imprecise_acc).data)
+        return interpreter.TensorHandle(np.concatenate(rows, axis=-2), d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.fixture
 def device():
     return DEVICE
 

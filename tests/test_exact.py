@@ -30,6 +30,7 @@ from specdec.models.transformer import TransformerModel
 CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter runs; the GPU ones are marked gpu")
+pytestmark = pytest.mark.usefixtures("row_invariant_dot")  # conftest: the interpreter's dot, row by row
 
 
 class Recorder:

@@ -59,15 +59,24 @@ def prefill(model, prompts, page_size=4, first_page=1):
 def routed(monkeypatch):
     """Per call of ops.moe, the experts the routing reference picks from the router input it was given
     (a list of [N, K] id tensors, in call order: layer by layer, forward by forward)."""
+    from kernels_triton.norm import rms_norm_ref
+
     seen = []
-    real = ops.moe
+    real, real_norm = ops.moe, ops.moe_norm
 
     def spy(x, router_w, w13, w2, top_k, renormalize, **kw):
         _, ids = moe_route_ref(x.float() @ router_w.float().t(), top_k, renormalize)
         seen.append(ids.long())
         return real(x, router_w, w13, w2, top_k, renormalize, **kw)
 
+    def spy_norm(x, residual, norm_weight, eps, router_w, w13, w2, top_k, renormalize, **kw):  # the router kind
+        y = rms_norm_ref(x, norm_weight, eps) if residual is None else rms_norm_ref(x, norm_weight, eps, residual)[0]
+        _, ids = moe_route_ref(y.float() @ router_w.float().t(), top_k, renormalize)
+        seen.append(ids.long())
+        return real_norm(x, residual, norm_weight, eps, router_w, w13, w2, top_k, renormalize, **kw)
+
     monkeypatch.setattr(ops, "moe", spy)
+    monkeypatch.setattr(ops, "moe_norm", spy_norm)
     return seen
 
 
