@@ -101,12 +101,21 @@ def moe_route_ref(router_logits, top_k: int, renormalize: bool):
     return w, ids.to(torch.int32)
 
 
-def fused_moe_ref(x, router_w, w13, w2, top_k: int, renormalize: bool):
+def steer_logits_ref(logits, steer=None):
+    """Steered routing (``steer`` = (sel [T, K] int32, margin)): logits [T, E] fp32 with margin added to each
+    row's selected experts; None: logits unchanged."""
+    if steer is None:
+        return logits
+    sel, margin = steer
+    return logits + float(margin) * torch.zeros_like(logits).scatter_(1, sel.long(), 1.0)
+
+
+def fused_moe_ref(x, router_w, w13, w2, top_k: int, renormalize: bool, steer=None):
     """The layer as a loop over experts (module docstring math) -> [T, H] in x's dtype."""
     T, H = x.shape
     E, F = w13.shape[0], w13.shape[1] // 2
     dt = x.dtype
-    w, ids = moe_route_ref(x.float() @ router_w.float().t(), top_k, renormalize)  # [T, K]
+    w, ids = moe_route_ref(steer_logits_ref(x.float() @ router_w.float().t(), steer), top_k, renormalize)  # [T, K]
     y = torch.zeros((T, top_k, H), dtype=torch.float32, device=x.device)  # per-slot rows
     for e in range(E):
         tok, slot = (ids == e).nonzero(as_tuple=True)  # pairs routed to e
@@ -133,9 +142,11 @@ def _moe_router_kernel(
     x_ptr,  # [T, H]
     rw_ptr,  # [E, H]
     l_ptr,  # [T, E] fp32 out
+    sel_ptr,  # [T, SEL_K] int32 experts whose logits are raised by margin (SEL: steered routing)
+    margin,
     T, E, H, stride_x, stride_rw,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SEL: tl.constexpr, SEL_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # x is the previous kernel's output
         tlc.gdc_wait()
@@ -152,9 +163,21 @@ def _moe_router_kernel(
         b_w = tl.load(rw_ptr + o_e[None, :].to(tl.int64) * stride_rw + o_k[:, None],
                       mask=m_e[None, :] & m_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_E]
         b_acc = tl.dot(b_x, b_w, b_acc, input_precision=DOT_PREC)  # [BT, BK] @ [BK, BE] -> [BT, BE]
+    if SEL:
+        b_acc = _raise_selected(b_acc, sel_ptr, margin, o_t, m_t, o_e, SEL_K)
     if USE_PDL:
         tlc.gdc_launch_dependents()
     tl.store(l_ptr + o_t[:, None].to(tl.int64) * E + o_e[None, :], b_acc, mask=m_t[:, None] & m_e[None, :])
+
+
+@triton.jit
+def _raise_selected(b_l, sel_ptr, margin, o_t, m_t, o_e, SEL_K: tl.constexpr):
+    """Steered routing: logits b_l [rows o_t, experts o_e] fp32 plus margin where the expert is one of the
+    row's SEL_K selected ones (sel_ptr [T, SEL_K] int32)."""
+    for j in range(SEL_K):
+        b_id = tl.load(sel_ptr + o_t.to(tl.int64) * SEL_K + j, mask=m_t, other=-1)  # [rows]
+        b_l += tl.where(o_e[None, :] == b_id[:, None], margin, 0.0)
+    return b_l
 
 
 @triton.jit
@@ -251,8 +274,11 @@ def _moe_route_fused_kernel(
     l_ptr,  # [SPLIT, T, E] fp32 scratch: each H split's partial logits
     arr_ptr,  # [1] int32 arrival counter, 0 between launches
     w_ptr, ids_ptr, cnt_ptr, hits_ptr, sorted_ptr, ecnt_ptr,  # as _moe_topk_kernel (one routing block)
+    sel_ptr,  # [T, K] int32 experts whose logits are raised by margin (SEL: steered routing)
+    margin,
     T, E, H, eps, stride_x, stride_r, stride_rw,
     TOP_K: tl.constexpr, RENORM: tl.constexpr, HITS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    SEL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     E_PAD: tl.constexpr, K_PAD: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -323,6 +349,8 @@ def _moe_route_fused_kernel(
         for k in range(SPLIT):  # split order: the same sums at every launch
             b_l += tl.load(l_ptr + (k * T + o_t[:, None]).to(tl.int64) * E + o_ea[None, :], mask=m_te, other=0.0,
                            cache_modifier=".cg")
+        if SEL:
+            b_l = _raise_selected(b_l, sel_ptr, margin, o_t, m_t, o_ea, TOP_K)
         b_l = tl.where(m_ea[None, :], b_l, float("-inf"))
         _topk_rows(b_l, o_t, m_t, 0, w_ptr, ids_ptr, cnt_ptr, hits_ptr, sorted_ptr, ecnt_ptr, E,
                    TOP_K, RENORM, HITS, True, E_PAD, K_PAD, False)
@@ -625,7 +653,7 @@ def _dot_prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check(x, router_w, w13, w2, top_k, expert_hits):
+def _check(x, router_w, w13, w2, top_k, expert_hits, steer=None):
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"fused_moe: x must be [T, H] float32/float16/bfloat16, got {tuple(x.shape)} {x.dtype}")
     T, H = x.shape
@@ -648,6 +676,11 @@ def _check(x, router_w, w13, w2, top_k, expert_hits):
                                     or expert_hits.device != x.device):
         raise ValueError(f"fused_moe: expert_hits must be int32 [E={E}] on {x.device}, got "
                          f"{expert_hits.dtype} {tuple(expert_hits.shape)} on {expert_hits.device}")
+    if steer is not None:
+        sel = steer[0]
+        if sel.shape != (T, int(top_k)) or sel.dtype != torch.int32 or sel.device != x.device or not sel.is_contiguous():
+            raise ValueError(f"fused_moe: steer's selection must be contiguous int32 [T={T}, top_k={top_k}] on "
+                             f"{x.device}, got {sel.dtype} {tuple(sel.shape)} on {sel.device}")
 
 
 def _pdl_launch(pdl: int) -> dict:
@@ -705,16 +738,18 @@ def moe_route(router_logits, top_k: int, renormalize: bool):
     return w, ids
 
 
-def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None, config=None):
+def fused_moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None, config=None, steer=None):
     """The MoE layer (module docstring) over normed rows x [T, H] -> new [T, H] in x's dtype, no host sync
     (launches: module docstring). ``expert_hits`` (int32 [E]): the number of pairs routed to each expert
-    is added to it in place. ``config``: tile overrides for moe_plan (benchmark sweeps)."""
-    _check(x, router_w, w13, w2, top_k, expert_hits)
-    out, _ = _fused_moe(x, None, None, 0.0, router_w, w13, w2, int(top_k), renormalize, expert_hits, config)
+    is added to it in place. ``config``: tile overrides for moe_plan (benchmark sweeps). ``steer`` = (sel
+    [T, top_k] int32, margin): each row's logits of its sel experts raised by margin before the softmax
+    (steered routing, specdec/models/routing.py)."""
+    _check(x, router_w, w13, w2, top_k, expert_hits, steer)
+    out, _ = _fused_moe(x, None, None, 0.0, router_w, w13, w2, int(top_k), renormalize, expert_hits, config, steer)
     return out
 
 
-def fused_moe_norm_ref(x, residual, norm_weight, eps, router_w, w13, w2, top_k: int, renormalize: bool):
+def fused_moe_norm_ref(x, residual, norm_weight, eps, router_w, w13, w2, top_k: int, renormalize: bool, steer=None):
     """RMSNorm(x + residual) (kernels_triton/norm.py's rounding; residual None: RMSNorm(x)), then the layer:
     (out [T, H], s = x + residual [T, H])."""
     from .norm import rms_norm_ref
@@ -723,16 +758,16 @@ def fused_moe_norm_ref(x, residual, norm_weight, eps, router_w, w13, w2, top_k: 
         y, s = rms_norm_ref(x, norm_weight, eps), x
     else:
         y, s = rms_norm_ref(x, norm_weight, eps, residual)
-    return fused_moe_ref(y, router_w, w13, w2, top_k, renormalize), s
+    return fused_moe_ref(y, router_w, w13, w2, top_k, renormalize, steer), s
 
 
 def fused_moe_norm(x, residual, norm_weight, eps: float, router_w, w13, w2, top_k: int, renormalize: bool, *,
-                   expert_hits=None, config=None):
+                   expert_hits=None, config=None, steer=None):
     """RMSNorm(x + residual) and the MoE layer over it (fused_moe_norm_ref's math): (out [T, H], s = x +
     residual; x itself when residual is None). Where the routing fits one block (decode and verify) the
     norm, router, top-k and grouping are one launch (module docstring); elsewhere the norm is the RMSNorm
-    kernel's."""
-    _check(x, router_w, w13, w2, top_k, expert_hits)
+    kernel's. ``steer``: as fused_moe's."""
+    _check(x, router_w, w13, w2, top_k, expert_hits, steer)
     H = x.shape[1]
     for name, t, shape in (("residual", residual, x.shape), ("norm_weight", norm_weight, (H,))):
         if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != x.dtype or t.device != x.device
@@ -742,10 +777,10 @@ def fused_moe_norm(x, residual, norm_weight, eps: float, router_w, w13, w2, top_
     if norm_weight is None:
         raise ValueError("fused_moe_norm: norm_weight is required")
     return _fused_moe(x, residual, norm_weight, float(eps), router_w, w13, w2, int(top_k), renormalize,
-                      expert_hits, config)
+                      expert_hits, config, steer)
 
 
-def _fused_moe(x, residual, norm_weight, eps, router_w, w13, w2, K, renormalize, expert_hits, config):
+def _fused_moe(x, residual, norm_weight, eps, router_w, w13, w2, K, renormalize, expert_hits, config, steer=None):
     """The launches of fused_moe / fused_moe_norm (norm_weight None: x is normed already) -> (out, s)."""
     T, H = x.shape
     E, F = w13.shape[0], w13.shape[1] // 2
@@ -760,6 +795,7 @@ def _fused_moe(x, residual, norm_weight, eps, router_w, w13, w2, K, renormalize,
     pdl = pdl_mode(dev)  # each kernel waits for its predecessor's outputs, then lets its successor launch
     launch = _pdl_launch(pdl)
     e_pad, k_pad = triton.next_power_of_2(E), triton.next_power_of_2(K)
+    sel, margin = steer if steer is not None else (x, 0.0)
 
     fr = plan["fused_route"]
     if fr is not None:  # norm, router, top-k and grouping: one launch
@@ -774,10 +810,10 @@ def _fused_moe(x, residual, norm_weight, eps, router_w, w13, w2, K, renormalize,
         r = residual if residual is not None else x
         _moe_route_fused_kernel[(triton.cdiv(E, fr["BLOCK_E"]), fr["SPLIT"])](
             x, r, norm_weight if norm_weight is not None else x, y, s, router_w, logits, arrive,
-            w, ids, counts, expert_hits if expert_hits is not None else counts, sorted_pairs, ecnt,
+            w, ids, counts, expert_hits if expert_hits is not None else counts, sorted_pairs, ecnt, sel, float(margin),
             T, E, H, eps, x.stride(0), r.stride(0), router_w.stride(0),
             TOP_K=K, RENORM=bool(renormalize), HITS=expert_hits is not None, NORM=norm_weight is not None,
-            HAS_RES=residual is not None, **fr, E_PAD=e_pad, K_PAD=k_pad, DOT_PREC=prec,
+            HAS_RES=residual is not None, SEL=steer is not None, **fr, E_PAD=e_pad, K_PAD=k_pad, DOT_PREC=prec,
             num_warps=4, **launch,
         )  # fmt: skip
     else:
@@ -793,8 +829,8 @@ def _fused_moe(x, residual, norm_weight, eps, router_w, w13, w2, K, renormalize,
         logits = torch.empty((T, E), dtype=torch.float32, device=dev)
         rt = plan["router"]
         _moe_router_kernel[(triton.cdiv(T, rt["BLOCK_T"]), triton.cdiv(E, rt["BLOCK_E"]))](
-            y, router_w, logits, T, E, H, y.stride(0), router_w.stride(0), **rt, DOT_PREC=prec, num_warps=4,
-            **launch,
+            y, router_w, logits, sel, float(margin), T, E, H, y.stride(0), router_w.stride(0), **rt,
+            SEL=steer is not None, SEL_K=K if steer is not None else 1, DOT_PREC=prec, num_warps=4, **launch,
         )  # fmt: skip
         w, _, sorted_pairs, ecnt = _route(logits, K, renormalize, plan["route_rows"], expert_hits, sort=True,
                                           exact=plan["exact"], pdl=pdl)

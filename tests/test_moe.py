@@ -147,6 +147,30 @@ def test_fused_moe_norm_matches_ref(T, H, F, E, top_k, with_residual, poison):
     assert torch.equal(out, out2)
 
 
+@pytest.mark.parametrize("T,E,top_k,norm", [(1, 16, 4, True), (17, 128, 8, False), (70, 16, 2, True)])
+def test_steered_routing_raises_the_selected_logits(T, E, top_k, norm, poison):
+    """steer = (sel, margin): each row's sel experts get margin added to their logits in the router kernel
+    (the fused routing at 1 and 17 tokens, the router + top-k kernels at 70), so with a large margin the
+    selection is what routes, weighted by the router's own logits; the output equals the reference's."""
+    H, F = 32, 16
+    x, rw, w13, w2 = _layer(T, H, F, E, torch.float32, seed=T + E)
+    g = torch.Generator(device=DEVICE).manual_seed(T)
+    sel = torch.rand(T, E, generator=g, device=DEVICE).argsort(-1)[:, :top_k].to(torch.int32).contiguous()
+    steer = (sel, 50.0)
+    hits = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    if norm:
+        nw = torch.rand(H, generator=g, device=DEVICE) + 0.5
+        out, _ = moe.fused_moe_norm(x, None, nw, 1e-6, rw, w13, w2, top_k, True, expert_hits=hits, steer=steer)
+        ref, _ = moe.fused_moe_norm_ref(x, None, nw, 1e-6, rw, w13, w2, top_k, True, steer=steer)
+    else:
+        out = moe.fused_moe(x, rw, w13, w2, top_k, True, expert_hits=hits, steer=steer)
+        ref = moe.fused_moe_ref(x, rw, w13, w2, top_k, True, steer=steer)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert torch.equal(hits, _bincount(sel, E))  # every row routed to its selection
+    with pytest.raises(ValueError, match="steer's selection"):
+        moe.fused_moe(x, rw, w13, w2, top_k, True, steer=(sel.long(), 50.0))
+
+
 def test_fused_plan_sizes():
     """Fused routing at one routing block up to 64 rows (not in exact mode), H split to about 64 programs;
     the combine in the down kernel up to 1,024 pairs."""

@@ -418,32 +418,41 @@ def add_rms_norm(x, residual, weight, eps, *, backend="auto"):
     return rms_norm(x, weight, eps, residual, backend=backend)
 
 
-def moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None, backend="auto"):
+def moe(x, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None, steer=None, backend="auto"):
     """The MoE layer over normed rows x [T, H] -> [T, H] (kernels_triton/moe.py): the fused kernel on the
     Triton backend, else its torch reference (a loop over experts), which counts ``expert_hits`` [E] int32
-    (pairs routed to each expert, added in place) as the kernel does."""
+    (pairs routed to each expert, added in place) as the kernel does. ``steer`` = (sel [T, K] int32, margin):
+    steered routing (fused_moe)."""
     from kernels_triton import moe as moe_mod
 
     if use_triton(backend, x):
-        return moe_mod.fused_moe(x, router_w, w13, w2, top_k, renormalize, expert_hits=expert_hits)
+        return moe_mod.fused_moe(x, router_w, w13, w2, top_k, renormalize, expert_hits=expert_hits, steer=steer)
+    return _moe_ref(x, router_w, w13, w2, top_k, renormalize, expert_hits, steer)
+
+
+def _moe_ref(x, router_w, w13, w2, top_k, renormalize, expert_hits, steer):
+    """The MoE layer's torch reference, counting expert_hits as the kernel does."""
+    from kernels_triton import moe as moe_mod
+
     if expert_hits is not None:
-        _, ids = moe_mod.moe_route_ref(x.float() @ router_w.float().t(), top_k, renormalize)  # [T, K]
+        logits = moe_mod.steer_logits_ref(x.float() @ router_w.float().t(), steer)
+        _, ids = moe_mod.moe_route_ref(logits, top_k, renormalize)  # [T, K]
         expert_hits.index_add_(0, ids.reshape(-1).long(), torch.ones(ids.numel(), dtype=torch.int32, device=x.device))
-    return moe_mod.fused_moe_ref(x, router_w, w13, w2, top_k, renormalize)
+    return moe_mod.fused_moe_ref(x, router_w, w13, w2, top_k, renormalize, steer)
 
 
 def moe_norm(x, residual, norm_weight, eps, router_w, w13, w2, top_k: int, renormalize: bool, *, expert_hits=None,
-             backend="auto"):
+             steer=None, backend="auto"):
     """RMSNorm(x + residual) and the MoE layer over it: (out [T, H], x + residual). On the Triton backend
     kernels_triton.moe.fused_moe_norm (at decode and verify sizes the norm, router and routing are one
-    launch); elsewhere :func:`add_rms_norm` and :func:`moe`."""
+    launch); elsewhere :func:`add_rms_norm` and :func:`moe`. ``steer``: as :func:`moe`'s."""
     from kernels_triton import moe as moe_mod
 
     if use_triton(backend, x):
         return moe_mod.fused_moe_norm(x, residual, norm_weight, eps, router_w, w13, w2, top_k, renormalize,
-                                      expert_hits=expert_hits)
+                                      expert_hits=expert_hits, steer=steer)
     y, s = add_rms_norm(x, residual, norm_weight, eps, backend=backend)
-    return moe(y, router_w, w13, w2, top_k, renormalize, expert_hits=expert_hits, backend=backend), s
+    return _moe_ref(y, router_w, w13, w2, top_k, renormalize, expert_hits, steer), s
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMeta, sm_scale=None, *, backend="auto"):

@@ -1,7 +1,7 @@
 """Expert routing of a random-weight MoE target: ``target.routing``, kind router | uniform | zipf.
 
-  router   (the default, and the only kind for real checkpoints, dense targets, tensor parallelism and
-           engine.exact) no steering: the model's own router picks. With random weights ("random router")
+  router   (the default, and the only kind for real checkpoints, dense targets and tensor parallelism)
+           no steering: the model's own router picks. With random weights ("random router")
            that is NOT independent uniform routing within a request: a sequence's hidden states are
            dominated by its context, so a request's tokens pick nearly the same experts. Measured at the
            Qwen3-30B-A3B shape scaled to 12 layers (128 experts, top-8), served through specdec.run after a
@@ -42,20 +42,19 @@ tokens at one position) route apart. A token's previous token is the one before 
 the request; overlap beyond consecutive tokens is the same as between them (the working set does not
 drift), which the reuse test measures on a tiny model.
 
-How the fused kernel is made to route so (kernels_triton/moe.py computes the logits from its input x,
-x @ W^T for router W [E, H]): the layer's input becomes x + v with v = sum over the selected experts e of
-M P[e], P = (W W^T)^-1 W, whose row e raises expert e's logit by exactly 1 and no other's (it needs
-hidden_size > num_experts, so W has full row rank). The selected experts gain M = MARGIN x the largest
-logit std max_e ||g * w_e|| (g: the layer's RMSNorm weight; a normed row has RMS 1 before it) and win the
-top-K; their routing weights come from the router's own logits. The experts then compute on x + v:
-random weights make the values meaningless anyway, and an MoE layer's cost depends on the routing and the
-shapes only. All layers take one selection per forward, each through its own expert permutation (so the
-distinct experts per layer are the same in every layer).
+How the fused kernel is made to route so (kernels_triton/moe.py, ``steer``): each MoE layer's kernel adds
+M to the router logits of the experts selected for each token, before the softmax. M = MARGIN x the
+largest logit std max_e ||g * w_e|| (g: the layer's RMSNorm weight, w_e: expert e's router row; a normed
+row has RMS 1 before it), so the selected experts win the top-K whatever the router's own logits; their
+routing weights come from the router's own logits (the margin is common to them). The experts compute on
+the layer's normed input, unchanged. All layers take one selection per forward, each through its own
+expert permutation (so the distinct experts per layer are the same in every layer).
 
 Cost (the steered kinds, uniform and zipf): per forward a few dozen small launches on [N, E] (hashing, two
-top-Ks), per MoE layer one [N, E] x [E, H] GEMM; graph-capturable (fixed shapes, constants on the device),
-no host sync. The GEMM rows depend on the batch's shape, so engine.exact refuses it. Real checkpoints and
-dense targets refuse any kind but router, as does tensor parallelism (the shard's forward does not steer).
+top-Ks) and one gather of the per-layer expert ids [L_moe, N, K]; in each MoE layer K compares per logit,
+inside the router kernel. Graph-capturable (fixed shapes, constants on the device), no host sync, and a
+row's logits depend on that row only. Real checkpoints and dense targets refuse any kind but router, as does
+tensor parallelism (the shard's forward does not steer).
 """
 
 from __future__ import annotations
@@ -233,40 +232,32 @@ def solve_keep(E: int, K: int, skew: float, reuse: float | None, seed: int) -> t
 
 class ExpertSteering:
     """The routing of ``config`` on ``model`` (a TransformerModel with MoE layers): ``selection(input_ids,
-    positions, meta)`` -> the forward's one-hot [N, E] selection in the model dtype (base experts);
-    ``steer(j, y, sel)`` -> MoE layer j's input with the selected experts' logits raised (module docstring)."""
+    positions, meta)`` -> the forward's experts per MoE layer [L_moe, N, K] int32, which each layer's kernel
+    raises by ``margins[j]`` (module docstring)."""
 
     def __init__(self, model, config: RoutingConfig):
         c = model.config
-        E, K, H = c.num_experts, c.num_experts_per_tok, c.hidden_size
-        if H <= E:
-            raise ConfigError(f"target.routing.kind={config.kind} steers the router through its input, which needs "
-                              f"hidden_size > num_experts; got {H} <= {E}")
+        E, K = c.num_experts, c.num_experts_per_tok
         self.config = config
         # uniform: skew 0 and reuse None (RoutingConfig.of refuses others), so keep = 0 and no working set
         self.keep, self.reuse, self.chance = solve_keep(E, K, config.skew, config.reuse, config.seed)
-        dev, dtype = model.device, model.dtype
+        dev = model.device
         self.selector = Selector(E, K, config.skew, config.seed, self.keep, device=dev)
         gen = torch.Generator().manual_seed(int(config.seed))
-        q, perms, margins = [], [], []
+        perms, margins = [], []
         with torch.no_grad():
             for layer in c.moe_layers:
                 j = model.moe_slot[layer]
                 W = model.router[j].detach().float()  # [E, H]
                 g = model.mlp_norm[layer].detach().float()  # [H]
-                M = MARGIN * (W * g).norm(dim=-1).max().item()
-                P = torch.linalg.solve(W @ W.t(), W)  # [E, H]: row e raises logit e by 1, no other
-                perm = torch.randperm(E, generator=gen).to(dev)  # base expert b -> this layer's expert perm[b]
-                q.append((M * P[perm]).to(dtype))
-                perms.append(perm)
-                margins.append(M)
-        self.Q = torch.stack(q)  # [L_moe, E, H]
-        self.perm = torch.stack(perms)  # [L_moe, E]: MoE layer j routes base expert b to its expert perm[j, b]
+                margins.append(MARGIN * (W * g).norm(dim=-1).max().item())
+                perms.append(torch.randperm(E, generator=gen).to(dev))  # base expert b -> this layer's perm[b]
+        self.perm = torch.stack(perms).to(torch.int32)  # [L_moe, E]: MoE layer j routes base expert b to perm[j, b]
         self.margins = margins
         self.E = E
 
-    def selection(self, input_ids, positions, meta) -> torch.Tensor:
-        """One-hot [N, E] (model dtype) of the experts each token of the forward selects (base ranking)."""
+    def base_ids(self, input_ids, positions, meta) -> torch.Tensor:
+        """[N, K] int64: the base experts each token of the forward selects (before the layers' permutations)."""
         N = input_ids.shape[0]
         rows = meta.page_table.shape[0]
         tok_row = torch.searchsorted(meta.cu_q_lens[1:].to(torch.int64),
@@ -275,12 +266,11 @@ class ExpertSteering:
             keys = meta.page_table[:, 0].to(torch.int64)[tok_row]  # [N] the row's first page: the request
         else:
             keys = tok_row
-        ids = self.selector.ids(keys, positions.to(torch.int64), input_ids.to(torch.int64))  # [N, K]
-        return torch.zeros((N, self.E), dtype=self.Q.dtype, device=input_ids.device).scatter_(1, ids, 1.0)
+        return self.selector.ids(keys, positions.to(torch.int64), input_ids.to(torch.int64))  # [N, K]
 
-    def steer(self, j: int, y: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-        """y [N, H] + sel [N, E] @ Q[j] [E, H]: MoE layer j's router input with the selection's logits raised."""
-        return torch.addmm(y, sel, self.Q[j])
+    def selection(self, input_ids, positions, meta) -> torch.Tensor:
+        """[L_moe, N, K] int32: the experts each token selects in each MoE layer (one gather)."""
+        return self.perm[:, self.base_ids(input_ids, positions, meta)].contiguous()
 
     def describe(self) -> dict:
         return {"label": self.config.label(), "kind": self.config.kind, "skew": self.config.skew,
@@ -288,10 +278,10 @@ class ExpertSteering:
                 "chance_reuse": self.chance, "seed": self.config.seed, "margin_logits": max(self.margins)}
 
 
-def apply_routing_(model, target_conf, *, tp_size: int = 1, exact: bool = False) -> None:
+def apply_routing_(model, target_conf, *, tp_size: int = 1) -> None:
     """Set ``model.routing`` from ``target_conf.routing`` (steered kinds: a random-weight MoE target only;
     router: None, the model untouched). Errors name what does not fit: a real checkpoint, a dense target, tensor
-    parallelism, engine.exact."""
+    parallelism."""
     config = RoutingConfig.of(target_conf.get("routing"))
     model.routing = None
     if not config.steered:
@@ -306,9 +296,6 @@ def apply_routing_(model, target_conf, *, tp_size: int = 1, exact: bool = False)
     if tp_size > 1:
         raise ConfigError(f"target.routing.kind={config.kind} with tp.size={tp_size}: not implemented (the shard's "
                           "forward does not steer); run it at tp.size=1")
-    if exact:
-        raise ConfigError(f"target.routing.kind={config.kind} with engine.exact=true: the steering GEMM is not "
-                          "batch-invariant; use routing kind router or engine.exact=false")
     model.routing = ExpertSteering(model, config)
 
 

@@ -28,8 +28,8 @@ means (one sync: at the end of a run or a profile), :meth:`reset_moe_stats_` sta
 
 Routing: a random-weight MoE target may route by a stated model instead of its random router
 (``routing``, an ExpertSteering of specdec/models/routing.py, set by apply_routing_; None: the router's
-own choice): each forward selects its tokens' experts once, and every MoE layer's router input is
-steered to them.
+own choice): each forward selects its tokens' experts once (each MoE layer through its own expert
+permutation), and every MoE layer's kernel raises those experts' router logits by the layer's margin.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class ExpertStats:
     buffers (init_expert_stats_)."""
 
     routing = None  # ExpertSteering (specdec/models/routing.py) or None: the router's own choice
-    _selection = None  # the steered routing's [N, E] selection of the forward under way
+    _selection = None  # the steered routing's [L_moe, N, K] int32 experts per MoE layer of the forward under way
 
     def init_expert_stats_(self, n_moe_layers: int, n_experts: int, device=None) -> None:
         self.register_buffer("expert_hits", torch.zeros(n_moe_layers, n_experts, dtype=torch.int32, device=device),
@@ -281,15 +281,10 @@ class TransformerModel(ExpertStats, nn.Module):
     def moe_(self, i: int, h, residual):
         """MoE layer i over the attention block's output: (experts' output [N, H], s = h + residual)."""
         c, j = self.config, self.moe_slot[i]
-        if self._selection is None:  # the router's own choice: norm and routing fused where they can be
-            return ops.moe_norm(h, residual, self.mlp_norm[i], c.rms_norm_eps, self.router[j], self.w13[i],
-                                self.w2[i], c.num_experts_per_tok, c.norm_topk_prob, expert_hits=self.expert_hits[j],
-                                backend=self.backend)  # ([N, H], [N, H])
-        y, s = ops.add_rms_norm(h, residual, self.mlp_norm[i], c.rms_norm_eps, backend=self.backend)  # [N, H]
-        y = self.routing.steer(j, y, self._selection)  # [N, H] the router input raised toward the selection
-        out = ops.moe(y, self.router[j], self.w13[i], self.w2[i], c.num_experts_per_tok, c.norm_topk_prob,
-                      expert_hits=self.expert_hits[j], backend=self.backend)  # [N, H]
-        return out, s
+        steer = None if self._selection is None else (self._selection[j], self.routing.margins[j])
+        return ops.moe_norm(h, residual, self.mlp_norm[i], c.rms_norm_eps, self.router[j], self.w13[i], self.w2[i],
+                            c.num_experts_per_tok, c.norm_topk_prob, expert_hits=self.expert_hits[j], steer=steer,
+                            backend=self.backend)  # ([N, H], [N, H])
 
     @torch.no_grad()
     def forward(self, input_ids, positions, meta: ops.AttentionMeta, k_cache, v_cache,
@@ -300,7 +295,7 @@ class TransformerModel(ExpertStats, nn.Module):
         HQ, HKV, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         h = self.embed_tokens(input_ids)  # [N, H]
         if self.routing is not None:
-            self._selection = self.routing.selection(input_ids, positions, meta)  # [N, E] steered routing
+            self._selection = self.routing.selection(input_ids, positions, meta)  # [L_moe, N, K] steered
         residual = sumsq = None
         fq = f13 = [None] * c.num_hidden_layers
         if ops.norm_folding(be, h, self.wo[0]):  # folded norms on these rows: norm weights in wqkv / w13
