@@ -123,6 +123,7 @@ STEP_CONTEXT = 256  # tokens of context of each profiled row
 # Kernel families of a step's breakdown: (label, substrings of a kernel name), the first match wins;
 # a name matching none is its own family (cut to 40 characters)
 FAMILIES = (
+    ("moe_route_fused", ("_moe_route_fused_kernel",)),
     ("moe_router", ("_moe_router_kernel",)),
     ("moe_topk", ("_moe_topk_kernel",)),
     ("moe_sort", ("_moe_sort_kernel",)),
