@@ -22,21 +22,43 @@ Named dims: T tokens, H hidden, F expert intermediate, E experts, K = top_k slot
 P = T * K (token, slot) pairs, pair id p = t * K + j (so w.view(-1)[p], ids.view(-1)[p]).
 
 Launches (all shapes fixed by T, E, K, H, F; no host sync, no data-dependent shape, so a CUDA graph
-captures the layer per token bucket and replays it with any routing):
+captures the layer per token bucket and replays it with any routing). Decode and verify (one routing
+block of T <= FUSED_ROUTE_ROWS, not in exact mode) take three:
 
-    _moe_router_kernel    logits [T, E] fp32 = x @ router_w^T; grid (token blocks, expert blocks), so
-                          a decode step reads the 0.5 MB router of a 128 x 2048 layer over several SMs
-    _moe_topk_kernel      per block of BLOCK_R tokens: softmax, top-K, renormalise; w, ids; the block's
-                          expert histogram [NB, E] (and expert_hits += it, an integer atomic add); with one
-                          block (NB = 1, decode and verify) it also does the sort below in the same program
-    _moe_sort_kernel      (NB > 1) counting sort of the P pairs by expert: each block's pairs are placed at
-                          offset[e] + (pairs of e in earlier blocks) + (rank in this block), slot-major
-                          within a block; deterministic (no atomics), so sorted_pairs [P] and the expert
-                          counts [E] are a pure function of ids
+    _moe_route_fused_kernel  (fused_moe_norm: RMSNorm(x + residual) first, writing the experts' input y and
+                          s = x + residual) router logits, softmax, top-K, renormalise and the sort below,
+                          in one launch: program (e, k) computes the logits of 16 experts over split k of H
+                          (SPLIT splits, about FUSED_ROUTE_PROGRAMS programs, so the 0.5 MB router of a
+                          128 x 2048 layer streams over many SMs), stores them and counts itself in on an
+                          arrival counter; the last program to arrive sums the splits in split order and
+                          routes (as _moe_topk_kernel with one block), then resets the counter
     _moe_gate_up_kernel   grouped GEMM + SwiGLU: program (b, n) takes block b of BLOCK_M sorted pairs (all
                           of one expert) and BLOCK_N gate and BLOCK_N up columns; writes a [P, F] in dt
-    _moe_down_kernel      grouped GEMM, routing weight applied: y [P, H] fp32 rows by pair id
+    _moe_down_kernel      grouped GEMM, routing weight applied: y [P, H] fp32 rows by pair id; up to
+                          COMBINE_IN_DOWN_PAIRS pairs it also combines: the last program of each column
+                          tile to arrive sums its columns of every token's K rows in slot order into out
+
+Prefill, several routing blocks and exact mode take the unfused routing and the combine kernel (the norm
+is then the RMSNorm kernel's):
+
+    _moe_router_kernel    logits [T, E] fp32 = x @ router_w^T; grid (token blocks, expert blocks)
+    _moe_topk_kernel      per block of BLOCK_R tokens: softmax, top-K, renormalise; w, ids; the block's
+                          expert histogram [NB, E] (and expert_hits += it, an integer atomic add); with one
+                          block (NB = 1) it also does the sort below in the same program
+    _moe_sort_kernel      (NB > 1, or exact mode) counting sort of the P pairs by expert: each block's pairs
+                          are placed at offset[e] + (pairs of e in earlier blocks) + (rank in this block),
+                          slot-major within a block; deterministic (no atomics), so sorted_pairs [P] and the
+                          expert counts [E] are a pure function of ids
+    _moe_gate_up_kernel, _moe_down_kernel   as above
     _moe_combine_kernel   out[t] = dt(sum over j in order of y[t * K + j])
+
+Arrival counters (attention.arrival_counters, zeroed once, reset by each last program) order the partial
+results as linear.py's split-K does: a barrier, then an acq_rel increment; the last program reads with
+.cg loads. The sums are in a fixed order, so the fused and unfused paths give the same bits for the same
+logits, and the results are the same from run to run.
+
+Steered routing (``steer`` = (sel [T, K] int32, margin); specdec/models/routing.py): the router kernel adds
+margin to each row's logits of its sel experts before the softmax.
 
 Programmatic dependent launch (kernel option ``pdl``, compute capability >= 9): every launch above waits
 for its predecessor's outputs (griddepcontrol.wait) before it reads or writes anything, and lets its
