@@ -23,7 +23,7 @@ P = T * K (token, slot) pairs, pair id p = t * K + j (so w.view(-1)[p], ids.view
 
 Launches (all shapes fixed by T, E, K, H, F; no host sync, no data-dependent shape, so a CUDA graph
 captures the layer per token bucket and replays it with any routing). Decode and verify (one routing
-block of T <= FUSED_ROUTE_ROWS, not in exact mode) take three:
+block of T <= FUSED_ROUTE_ROWS, not in exact mode; kernel option ``fused_moe``) take three:
 
     _moe_route_fused_kernel  (fused_moe_norm: RMSNorm(x + residual) first, writing the experts' input y and
                           s = x + residual) router logits, softmax, top-K, renormalise and the sort below,
@@ -653,8 +653,9 @@ def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None, exact: boo
     # Fused routing (one routing block of <= FUSED_ROUTE_ROWS rows, not in exact mode): 16 experts per
     # program and H split so that the grid has about FUSED_ROUTE_PROGRAMS programs at one token block
     # (each program normalises all of its rows over H first, so wide blocks split H less).
+    fused = not exact and options.get().fused_moe
     plan["fused_route"] = None
-    if not exact and T <= min(FUSED_ROUTE_ROWS, plan["route_rows"]):
+    if fused and T <= min(FUSED_ROUTE_ROWS, plan["route_rows"]):
         bt = max(16, triton.next_power_of_2(T))
         bk = min(128, max(16, triton.next_power_of_2(H)))
         n_e = triton.cdiv(E, 16)
@@ -662,7 +663,7 @@ def moe_plan(T: int, E: int, top_k: int, H: int, F: int, config=None, exact: boo
         plan["fused_route"] = dict(BLOCK_T=bt, BLOCK_E=16, BLOCK_K=bk, SPLIT=split)
     # The combine in the down kernel (its column tiles' last programs sum the slots) up to
     # COMBINE_IN_DOWN_PAIRS pairs; past it (prefill) the combine kernel.
-    plan["combine_in_down"] = not exact and T * top_k <= COMBINE_IN_DOWN_PAIRS
+    plan["combine_in_down"] = fused and T * top_k <= COMBINE_IN_DOWN_PAIRS
     return plan
 
 

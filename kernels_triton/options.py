@@ -59,6 +59,12 @@ class KernelOptions:
         more device time than a greedy one on an H100. Open until bench_verify_commit.py --warp and a
         sampled profile_step A/B it on a GPU; the mass sums in another order (equal up to rounding, the
         kept set up to the documented boundary cases).
+    fused_moe: the MoE layer's fused launches at decode and verify sizes (kernels_triton/moe.py): RMSNorm,
+        router, top-k and grouping in one launch, the combine in the down kernel, three launches a layer;
+        False: the RMSNorm kernel and the six-launch path (router, top-k, gate|up, down, combine), which
+        prefill and exact mode always take. Open until the graphed Qwen3-30B-A3B-shape step A/Bs it on a
+        GPU (``+experiment=step_qwen3 kernels.fused_moe=false,true``); the logits sum the H splits in
+        another order (equal up to rounding).
     exact: batch-invariant target kernels (``engine.exact``): every launch that computes a value a
         committed token depends on (projections, LM head, attention, MoE, norms) takes a plan that is a
         function of the weight shape / head shape only, never of the rows M, the batch, the tree or the
@@ -78,6 +84,7 @@ class KernelOptions:
     fused_rows: int | None = None
     stream_tiles: str | None = "builtin"
     warp_tiles: bool = False
+    fused_moe: bool = True
     exact: bool = False
 
     def as_dict(self) -> dict:
@@ -85,7 +92,7 @@ class KernelOptions:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
-_BOOL = ("pdl", "fused_linear", "warp_tiles", "exact")
+_BOOL = ("pdl", "fused_linear", "warp_tiles", "fused_moe", "exact")
 _TRISTATE = ("step_kernels",)
 _ROWS = ("fused_rows",)
 _PATHS = ("stream_tiles",)
@@ -276,7 +283,7 @@ def parse_value(name: str, text: str):
 
 _FLAG_DOC = {"pdl": "true | false", "fused_linear": "true | false", "step_kernels": "null | true | false",
              "fused_rows": "null | 1..64", "stream_tiles": "null | builtin | PATH of a tile table (JSON)",
-             "warp_tiles": "true | false", "exact": "true | false"}
+             "warp_tiles": "true | false", "fused_moe": "true | false", "exact": "true | false"}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def test_defaults_and_validation(kernel_options):
     o = kernel_options.get()
     assert o.as_dict() == dict(pdl=True, fused_linear=True, step_kernels=None, fused_rows=None,
-                               stream_tiles="builtin", warp_tiles=False, exact=False)
+                               stream_tiles="builtin", warp_tiles=False, fused_moe=True, exact=False)
     for name, bad, needle in (("fused_linear", "yes", "true, false"), ("pdl", None, "true, false"),
                               ("pdl", "late", "true, false"),
                               ("fused_rows", 65, "1..64"), ("fused_rows", 0, "1..64"), ("fused_rows", True, "1..64"),

@@ -171,9 +171,9 @@ def test_steered_routing_raises_the_selected_logits(T, E, top_k, norm, poison):
         moe.fused_moe(x, rw, w13, w2, top_k, True, steer=(sel.long(), 50.0))
 
 
-def test_fused_plan_sizes():
-    """Fused routing at one routing block up to 64 rows (not in exact mode), H split to about 64 programs;
-    the combine in the down kernel up to 1,024 pairs."""
+def test_fused_plan_sizes(kernel_options):
+    """Fused routing at one routing block up to 64 rows (not in exact mode, nor with kernel option fused_moe
+    off), H split to about 64 programs; the combine in the down kernel up to 1,024 pairs."""
     plan = moe.moe_plan(1, 128, 8, 2048, 768, exact=False)
     assert plan["fused_route"] == dict(BLOCK_T=16, BLOCK_E=16, BLOCK_K=128, SPLIT=8) and plan["combine_in_down"]
     assert moe.moe_plan(64, 128, 8, 2048, 768, exact=False)["fused_route"]["SPLIT"] == 2
@@ -181,6 +181,9 @@ def test_fused_plan_sizes():
     assert not moe.moe_plan(129, 128, 8, 2048, 768, exact=False)["combine_in_down"]
     exact = moe.moe_plan(1, 128, 8, 2048, 768, exact=True)
     assert exact["fused_route"] is None and not exact["combine_in_down"]
+    with kernel_options.use(fused_moe=False):
+        off = moe.moe_plan(1, 128, 8, 2048, 768, exact=False)
+    assert off["fused_route"] is None and not off["combine_in_down"]
 
 
 def test_moe_route_half_logits():
@@ -305,9 +308,10 @@ def test_fused_moe_cuda_graph_replays_other_routings():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 17, 64])
-def test_fused_moe_norm_bf16_graph_replays(T):
+def test_fused_moe_norm_bf16_graph_replays(T, kernel_options):
     """The fused routing and combine (arrival counters) at the Qwen3-30B-A3B shape in bf16, captured in a
-    CUDA graph and replayed with other inputs: each replay equals an eager call and the reference."""
+    CUDA graph and replayed with other inputs: each replay equals an eager call, the reference and the
+    six-launch path (kernel option fused_moe off)."""
     H, F, E, top_k = QWEN3_MOE.values()
     x, rw, w13, w2 = _layer(T, H, F, E, torch.bfloat16, seed=T + 5)
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -333,10 +337,14 @@ def test_fused_moe_norm_bf16_graph_replays(T):
         y = ref_s.float() * torch.rsqrt(ref_s.float().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
         rows = _unambiguous_rows(y, rw, top_k)
         torch.testing.assert_close(static_out[rows], ref[rows], atol=3e-2, rtol=3e-2)
+        with kernel_options.use(fused_moe=False):
+            six, six_s = moe.fused_moe_norm(sx, sr, nw, 1e-6, rw, w13, w2, top_k, True)
+        assert torch.equal(six_s, static_s)
+        torch.testing.assert_close(static_out[rows], six[rows], atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("T", [3, 300])  # one routing block (the top-k program sorts), several (the sort kernel)
-def test_every_launch_takes_programmatic_dependent_launch_with_the_option(monkeypatch, T):
+def test_every_launch_takes_programmatic_dependent_launch_with_the_option(monkeypatch, kernel_options, T):
     """Under PDL (forced here: the CPU interpreter has none) every kernel of the layer is launched with it
     and compiled to wait for its predecessor; without it (kernel option pdl off, or no such device) none is."""
     from kernels_triton.attention_launch import PDL_LATE
@@ -363,5 +371,10 @@ def test_every_launch_takes_programmatic_dependent_launch_with_the_option(monkey
         launched = [n for n, _, _ in seen]
         fused = ("route_fused", "gate_up", "down")  # decode / verify: routing in one launch, the combine in down
         assert launched == (list(fused) if T == 3 else [n for n in names if n != "route_fused"])
+        if T == 3:  # kernel option fused_moe off: the six-launch path (one routing block: no sort kernel)
+            seen.clear()
+            with kernel_options.use(fused_moe=False):
+                moe.fused_moe(x, router_w, w13, w2, K, True)
+            assert [n for n, _, _ in seen] == ["router", "topk", "gate_up", "down", "combine"]
         assert T < 300 or T > moe.moe_plan(T, E, K, H, F)["route_rows"]
         assert all(use == want and lp == want for _, use, lp in seen)
