@@ -37,7 +37,7 @@ PICK = {"policy_sweep": {"policy": "goodput"}, "eagle3_table": {"+method": "eagl
 # Llama-3.1-8B structure at tiny sizes (random-weight targets).
 TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 4096}
-# ... and of an MoE target's experts (steered routing needs hidden_size > num_experts)
+# ... and of an MoE target's experts
 TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
