@@ -30,7 +30,8 @@ from specdec.models.transformer import TransformerModel
 CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter runs; the GPU ones are marked gpu")
-pytestmark = pytest.mark.usefixtures("row_invariant_dot")  # conftest: the interpreter's dot, row by row
+# The bit tests on the CPU compute each row of an interpreted tl.dot on its own (conftest row_invariant_dot).
+BITS = pytest.mark.usefixtures("row_invariant_dot")
 
 
 class Recorder:
@@ -195,6 +196,7 @@ def test_moe_exact_plan_and_launches_are_the_same_for_every_token_count(monkeypa
 # ------------------------------------------------------------------------------------------------
 
 
+@BITS
 @cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_linear_exact_rows_are_bit_identical_at_any_m_and_position(dtype):
@@ -229,6 +231,7 @@ def _tree_with_path(T, path, g):
     return parents
 
 
+@BITS
 @cpu_only
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 16)])
 def test_attention_exact_query_bits_independent_of_launch(heads, monkeypatch):
@@ -304,6 +307,7 @@ def test_attention_exact_query_bits_independent_of_launch(heads, monkeypatch):
         assert torch.equal(out, want), f"{name}: {(out - want).abs().max():.2e}"
 
 
+@BITS
 @cpu_only
 def test_moe_exact_token_bits_independent_of_token_count(kernel_options):
     g = torch.Generator().manual_seed(5)
@@ -472,6 +476,7 @@ def assert_same_bits(ways, ref):
     assert not bad, "\n".join(bad)
 
 
+@BITS
 @cpu_only
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_model_token_bits_independent_of_how_it_is_computed(family, kernel_options):
