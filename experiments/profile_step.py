@@ -16,6 +16,7 @@ Run (one GPU, ~1 min, no model files, Hydra or W&B needed):
     python experiments/profile_step.py --pdl off --out $OUT/pdl0   # no programmatic dependent launch
     python experiments/profile_step.py --steps-only --temperature 1 --top-p 0.95 --out $OUT/top_p  # sampled steps
     python experiments/profile_step.py --shape qwen3_30b_a3b --batches 1,8,64 --out $OUT/q3moe   # see (e)
+    python experiments/profile_step.py --shape qwen3_30b_a3b --ab fused_moe=false,true --out $OUT/q3moe_ab
 (c) --phases: each graphed step split into its phases (draft root, each growth round, last expand +
     tree_select, verify forward, verify_accept, kv_sync, draft extend), every phase captured as a
     CUDA graph of its own (specdec.engine.profiling.graphed_phases): ms per phase and the kernels it
@@ -301,11 +302,11 @@ def main() -> None:
     off = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}  # greedy, no warper
     SAMPLING.update({k: getattr(args, k) for k in off if getattr(args, k) != off[k]})
     args.out.mkdir(parents=True, exist_ok=True)
+    ab = [parse_ab(a) for a in args.ab] if args.ab else None
     if args.shape in QWEN3:
-        return profile_qwen3(args)
+        return profile_qwen3(args, ab)
     if args.shape == "llama8b" and not (args.phases or args.ab):
         return profile_llama8b(args)
-    ab = [parse_ab(a) for a in args.ab] if args.ab else None
     trees = {n: TREES[n] for n in args.trees.split(",") if n}
     unknown = sorted(set(trees) - set(TREES))
     if unknown or not trees:
@@ -422,8 +423,12 @@ def qwen3_target(shape: str, cuda: bool) -> dict:
     return conf
 
 
-def profile_qwen3(args) -> None:
-    """(e): the graphed plain step of a Qwen3 preset at each --batches size, its kernels by family."""
+def profile_qwen3(args, ab=None) -> None:
+    """(e): the graphed plain step of a Qwen3 preset at each --batches size, its kernels by family; with
+    ``ab`` (parsed --ab flags, kernel options only), once per combination of their values, engines built
+    after each is set (e.g. --ab fused_moe=false,true)."""
+    import itertools
+
     from specdec.models.routing import apply_routing_
 
     try:
@@ -432,23 +437,41 @@ def profile_qwen3(args) -> None:
         batches = []
     if not batches or batches[0] < 1:
         raise SystemExit(f"error: --batches {args.batches!r}: expected positive integers, e.g. 1,8,64")
+    if ab and any(n == HEAD_AB for n, _ in ab):
+        raise SystemExit(f"error: --ab {HEAD_AB}: --shape {args.shape} profiles the plain step (no draft head)")
     cuda = torch.cuda.is_available() and not args.quick
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     conf = qwen3_target(args.shape, cuda)
     # as specdec.run's build_target builds a random_weights target (seed 0, the preset's routing)
     model = LlamaModel.random(llama_config_from_dict(conf["config"]), device=dev, dtype=dtype, seed=0)
     apply_routing_(model, conf)
-    eng = make_engine(model, None, (), max_seq_len=1024 if cuda else 512, prefill_graphs=False, batches=batches)
     res = {**provenance(dev), "device": device_name(dev), "date": time.strftime("%Y-%m-%d"), "shape": args.shape,
            "sampling": dict(SAMPLING),
            "target": conf["name"], "config": conf["config"], "context": STEP_CONTEXT,
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "steps": {}}
-    for B in batches:
-        st = res["steps"][f"plain_b{B}"] = graphed_step(eng, 1, batch=B)
-        (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))  # a cut-short run keeps these
-        print(f"B={B}: " + json.dumps({k: v for k, v in st.items() if k not in ("all_kernels", "families")}),
-              flush=True)
-    print_families(res, model.config.num_hidden_layers)
+    combos = list(itertools.product(*[[(n, v) for v in vals] for n, vals in ab])) if ab else [()]
+    for combo in combos:
+        options.set_from_flags_(args)
+        options.set_(**dict(combo))
+        label = ",".join(f"{n}={'null' if v is None else str(v).lower()}" for n, v in combo)
+        eng = make_engine(model, None, (), max_seq_len=1024 if cuda else 512, prefill_graphs=False, batches=batches)
+        steps = res["steps"] if not combo else res.setdefault("ab", {}).setdefault(label, {"steps": {}})["steps"]
+        if combo:
+            res["ab"][label]["kernel_options"] = options.get().as_dict()
+        for B in batches:
+            st = steps[f"plain_b{B}"] = graphed_step(eng, 1, batch=B)
+            (args.out / "profile_step.json").write_text(json.dumps(res, indent=2))  # a cut-short run keeps these
+            print(f"{label + ' ' if label else ''}B={B}: "
+                  + json.dumps({k: v for k, v in st.items() if k not in ("all_kernels", "families")}), flush=True)
+        del eng
+        if combo:
+            print(f"\n--ab {label}")
+            print_families({**res, "steps": steps, "kernel_options": options.get().as_dict()},
+                           model.config.num_hidden_layers)
+    options.reset_()
+    options.set_from_flags_(args)
+    if not ab:
+        print_families(res, model.config.num_hidden_layers)
 
 
 def print_families(res: dict, layers: int, rows: int = 24) -> None:
