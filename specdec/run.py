@@ -236,9 +236,12 @@ def build_target(cfg: DictConfig, device: str):
 def _apply_routing(model, cfg: DictConfig) -> None:
     """target.routing (specdec/models/routing.py): a random-weight MoE target's routing model."""
     from .dist.runner import tp_settings
+    from .errors import config_flag
     from .models.routing import apply_routing_
 
-    apply_routing_(model, cfg.target, tp_size=tp_settings(cfg)[0])
+    exact = cfg.engine.get("exact")
+    apply_routing_(model, cfg.target, tp_size=tp_settings(cfg)[0],
+                   exact=exact is not None and config_flag("engine.exact", exact))
 
 
 def _truncate_at_stop(text: str, stop) -> str:

@@ -229,7 +229,11 @@ def test_routing_config_and_refusals():
     for conf, kw, match in [({"name": "real", "random_weights": False, "routing": zipf}, {}, "kind to router"),
                             ({"name": "real", "random_weights": False, "routing": {"kind": "uniform"}}, {},
                              "real weights"),
-                            ({"name": "r", "random_weights": True, "routing": zipf}, {"tp_size": 2}, "tp.size=2")]:
+                            ({"name": "r", "random_weights": True, "routing": zipf}, {"tp_size": 2}, "tp.size=2"),
+                            ({"name": "r", "random_weights": True, "routing": zipf}, {"exact": True},
+                             "engine.exact=true.*KV is placed"),
+                            ({"name": "r", "random_weights": True, "routing": {"kind": "uniform"}}, {"exact": True},
+                             "kind=uniform with engine.exact")]:
         with pytest.raises(ConfigError, match=match):
             apply_routing_(model, OmegaConf.create(conf), **kw)
     apply_routing_(model, OmegaConf.create({"name": "real", "routing": {"kind": "router"}}))  # router: fine

@@ -1,7 +1,7 @@
 """Expert routing of a random-weight MoE target: ``target.routing``, kind router | uniform | zipf.
 
-  router   (the default, and the only kind for real checkpoints, dense targets and tensor parallelism)
-           no steering: the model's own router picks. With random weights ("random router")
+  router   (the default, and the only kind for real checkpoints, dense targets, tensor parallelism and
+           engine.exact) no steering: the model's own router picks. With random weights ("random router")
            that is NOT independent uniform routing within a request: a sequence's hidden states are
            dominated by its context, so a request's tokens pick nearly the same experts. Measured at the
            Qwen3-30B-A3B shape scaled to 12 layers (128 experts, top-8), served through specdec.run after a
@@ -52,9 +52,10 @@ expert permutation (so the distinct experts per layer are the same in every laye
 
 Cost (the steered kinds, uniform and zipf): per forward a few dozen small launches on [N, E] (hashing, two
 top-Ks) and one gather of the per-layer expert ids [L_moe, N, K]; in each MoE layer K compares per logit,
-inside the router kernel. Graph-capturable (fixed shapes, constants on the device), no host sync, and a
-row's logits depend on that row only. Real checkpoints and dense targets refuse any kind but router, as does
-tensor parallelism (the shard's forward does not steer).
+inside the router kernel. Graph-capturable (fixed shapes, constants on the device), no host sync. Real
+checkpoints and dense targets refuse any kind but router, as do tensor parallelism (the shard's forward does
+not steer) and engine.exact (a request's routing follows its KV placement, which differs between a plain and
+a speculative run).
 """
 
 from __future__ import annotations
@@ -278,10 +279,10 @@ class ExpertSteering:
                 "chance_reuse": self.chance, "seed": self.config.seed, "margin_logits": max(self.margins)}
 
 
-def apply_routing_(model, target_conf, *, tp_size: int = 1) -> None:
+def apply_routing_(model, target_conf, *, tp_size: int = 1, exact: bool = False) -> None:
     """Set ``model.routing`` from ``target_conf.routing`` (steered kinds: a random-weight MoE target only;
     router: None, the model untouched). Errors name what does not fit: a real checkpoint, a dense target, tensor
-    parallelism."""
+    parallelism, engine.exact."""
     config = RoutingConfig.of(target_conf.get("routing"))
     model.routing = None
     if not config.steered:
@@ -296,6 +297,10 @@ def apply_routing_(model, target_conf, *, tp_size: int = 1) -> None:
     if tp_size > 1:
         raise ConfigError(f"target.routing.kind={config.kind} with tp.size={tp_size}: not implemented (the shard's "
                           "forward does not steer); run it at tp.size=1")
+    if exact:
+        raise ConfigError(f"target.routing.kind={config.kind} with engine.exact=true: steered routing keys a request "
+                          "by where its KV is placed, so plain and speculative runs route it differently and exact "
+                          "mode's identity cannot hold; use routing kind router or engine.exact=false")
     model.routing = ExpertSteering(model, config)
 
 
