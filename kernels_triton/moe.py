@@ -54,8 +54,8 @@ is then the RMSNorm kernel's):
 
 Arrival counters (attention.arrival_counters, zeroed once, reset by each last program) order the partial
 results as linear.py's split-K does: a barrier, then an acq_rel increment; the last program reads with
-.cg loads. The sums are in a fixed order, so the fused and unfused paths give the same bits for the same
-logits, and the results are the same from run to run.
+.cg loads. The sums are in a fixed order, so results are the same from run to run; the fused routing sums
+the router's H splits in another order than _moe_router_kernel (the logits equal up to rounding).
 
 Steered routing (``steer`` = (sel [T, K] int32, margin); specdec/models/routing.py): the router kernel adds
 margin to each row's logits of its sel experts before the softmax.
@@ -791,14 +791,14 @@ def fused_moe_norm(x, residual, norm_weight, eps: float, router_w, w13, w2, top_
     norm, router, top-k and grouping are one launch (module docstring); elsewhere the norm is the RMSNorm
     kernel's. ``steer``: as fused_moe's."""
     _check(x, router_w, w13, w2, top_k, expert_hits, steer)
+    if norm_weight is None:
+        raise ValueError("fused_moe_norm: norm_weight is required")
     H = x.shape[1]
     for name, t, shape in (("residual", residual, x.shape), ("norm_weight", norm_weight, (H,))):
         if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != x.dtype or t.device != x.device
                               or t.stride(-1) != 1):
             raise ValueError(f"fused_moe_norm: {name} must be {x.dtype} {tuple(shape)} on {x.device} with a "
                              f"contiguous last dim, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if norm_weight is None:
-        raise ValueError("fused_moe_norm: norm_weight is required")
     return _fused_moe(x, residual, norm_weight, float(eps), router_w, w13, w2, int(top_k), renormalize,
                       expert_hits, config, steer)
 

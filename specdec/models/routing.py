@@ -255,7 +255,6 @@ class ExpertSteering:
                 perms.append(torch.randperm(E, generator=gen).to(dev))  # base expert b -> this layer's perm[b]
         self.perm = torch.stack(perms).to(torch.int32)  # [L_moe, E]: MoE layer j routes base expert b to perm[j, b]
         self.margins = margins
-        self.E = E
 
     def base_ids(self, input_ids, positions, meta) -> torch.Tensor:
         """[N, K] int64: the base experts each token of the forward selects (before the layers' permutations)."""
